@@ -1,0 +1,47 @@
+"""funcgrad: gradients of many cheap heads on one expensive function, with f run once.
+
+``y = f(x)`` is slow, the heads ``z_i = g_i(y)`` are cheap, and every ``dz_i/dx`` is wanted.
+By the chain rule each head contributes only a cotangent on y, and f's pullback is linear,
+so funcgrad builds it once with ``torch.func`` and sends through f only the directions
+that the shapes require.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._config import set_check
+from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
+from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
+from ._plan import Plan
+from ._pullback import Pullback, PullbackStats, pullback
+
+try:
+    __version__ = version("funcgrad")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    # transforms
+    "pullback",
+    "compose_heads",
+    "stacked_heads",
+    # their objects
+    "Pullback",
+    "PullbackStats",
+    "ComposedHeads",
+    "StackedHeads",
+    "Plan",
+    # settings, errors and warnings
+    "set_check",
+    "ReleasedPullbackError",
+    "BatchingMismatchError",
+    "FuncgradWarning",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if hasattr(_obj, "__module__"):
+        try:
+            _obj.__module__ = "funcgrad"
+        except (AttributeError, TypeError):
+            pass
+del _name, _obj

@@ -1,0 +1,66 @@
+"""Real coordinates of tuples of (possibly complex) tensors.
+
+A pullback is linear over the reals, also when ``y`` or ``x`` is complex: a complex entry
+counts as two real coordinates (real and imaginary part). Stacking the real coordinates of
+k cotangents gives the k x m matrix ``V`` that every strategy works with, and
+``from_coords(eye(m), like)`` is the basis of y's space that ``jacrev`` pulls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def real_numel(leaf: torch.Tensor) -> int:
+    return leaf.numel() * (2 if leaf.is_complex() else 1)
+
+
+def real_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The common real dtype of ``dtypes`` (float64 for complex128, ...)."""
+    common = dtypes[0]
+    for dtype in dtypes[1:]:
+        common = torch.promote_types(common, dtype)
+    return torch.empty((), dtype=common).real.dtype
+
+
+def to_coords(leaves: Sequence[torch.Tensor], batch: int) -> torch.Tensor:
+    """Real coordinates of leaves that carry a leading batch dim: shape ``(batch, m_real)``."""
+    dtype = real_dtype([leaf.dtype for leaf in leaves])
+    parts = []
+    for leaf in leaves:
+        if leaf.is_complex():
+            leaf = torch.view_as_real(leaf.resolve_conj())
+        parts.append(leaf.reshape(batch, -1).to(dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`to_coords`: leaves shaped ``(batch, *like[i].shape)``, like's dtypes."""
+    batch = coords.shape[0]
+    leaves, start = [], 0
+    for leaf in like:
+        stop = start + real_numel(leaf)
+        part = coords[:, start:stop]
+        if leaf.is_complex():
+            real = part.to(leaf.real.dtype).reshape(batch, *leaf.shape, 2).contiguous()
+            leaves.append(torch.view_as_complex(real))
+        else:
+            leaves.append(part.to(leaf.dtype).reshape(batch, *leaf.shape))
+        start = stop
+    return tuple(leaves)
+
+
+def basis(like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The ``m_real`` unit directions of the space of ``like``, stacked along a leading dim."""
+    m = sum(real_numel(leaf) for leaf in like)
+    dtype = real_dtype([leaf.dtype for leaf in like])
+    return from_coords(torch.eye(m, dtype=dtype, device=like[0].device), like)
+
+
+def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """``coefficients @ rows`` leaf by leaf: (k, r) times leaves (r, ...) gives leaves (k, ...)."""
+    return tuple(
+        torch.tensordot(coefficients.to(row.dtype), row, dims=1) for row in rows
+    )

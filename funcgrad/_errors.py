@@ -1,0 +1,24 @@
+"""Exceptions and warnings raised by funcgrad."""
+
+from __future__ import annotations
+
+
+class ReleasedPullbackError(ValueError):
+    """A :class:`~funcgrad.Pullback` was used after :meth:`~funcgrad.Pullback.release`."""
+
+
+class BatchingMismatchError(RuntimeError):
+    """A batched (vmapped) result disagreed with the unbatched reference under ``check="strict"``."""
+
+
+class FuncgradWarning(UserWarning):
+    """funcgrad fell back to a slower but correct method; the message says why."""
+
+
+def describe(value: object) -> str:
+    """A short description of a value for error messages: type, shape and dtype of tensors."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"{type(value).__name__} {value!r}"[:120]

@@ -1,0 +1,284 @@
+"""``funcgrad.pullback``: f's pullback built once, reused for any number of cotangents."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+import torch
+
+from . import _coords, _engine, _tree
+from ._config import CheckMode, resolve_check
+from ._errors import ReleasedPullbackError, describe
+from ._function import FlatFunction, build_vjp, unwrap_level_free
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass
+class PullbackStats:
+    """What a :class:`Pullback` has done so far.
+
+    Attributes:
+        calls: calls of ``pb(...)`` and ``pb.many(...)``.
+        cotangents: cotangents answered (k for each ``pb.many`` of k cotangents).
+        vjps: directions actually pulled back through f. Answers that are linear combinations
+            of earlier directions cost none.
+    """
+
+    calls: int = 0
+    cotangents: int = 0
+    vjps: int = 0
+
+
+class Pullback:
+    """The pullback ``v -> J_f(x)^T v`` of f at the primals, returned by :func:`pullback`.
+
+    It is linear, and it remembers what it has pulled back: it keeps an orthonormal basis
+    ``Q`` of the directions sent through f together with their images ``Q J``, so a cotangent
+    in the span of earlier ones is answered by a product, without a new pass through f. Once
+    the basis spans y's whole space (m directions), every cotangent is answered that way.
+    """
+
+    def __init__(
+        self,
+        flat: FlatFunction,
+        out: Tensors,
+        vjp_fn: Callable[[Tensors], Tensors],
+        can_vmap: bool,
+        reuse: bool,
+    ) -> None:
+        self._flat = flat
+        self._out_def = flat.out_def
+        self._out_like = tuple(o.detach() for o in out)
+        self._vjp_fn: Callable[[Tensors], Tensors] | None = vjp_fn
+        self._can_vmap = can_vmap
+        self._reuse = reuse and unwrap_level_free(out)
+        self._m = sum(_coords.real_numel(o) for o in out)
+        self._basis: torch.Tensor | None = None  # (r, m) orthonormal rows, real coordinates
+        self._images: Tensors = ()  # pullbacks of the basis rows, leaves (r, *x_leaf.shape)
+        self.stats = PullbackStats()
+
+    @property
+    def rank(self) -> int:
+        """How many independent directions have been pulled back through f and are kept."""
+        return 0 if self._basis is None else self._basis.shape[0]
+
+    @property
+    def released(self) -> bool:
+        return self._vjp_fn is None
+
+    def release(self) -> None:
+        """Free f's graph and the kept directions; any later call raises an error."""
+        self._vjp_fn, self._basis, self._images = None, None, ()
+
+    def __call__(self, cotangent: Any) -> tuple[Any, ...]:
+        """``J_f(x)^T cotangent``: one tree per primal, as ``torch.func.vjp``'s ``vjp_fn``.
+
+        Args:
+            cotangent: a pytree with the structure, shapes and dtypes of f's output.
+
+        Returns:
+            A tuple with one entry per primal, each with that primal's structure.
+        """
+        leaves = self._check_cotangent(cotangent, "pb(cotangent)", batched=False)
+        grads = self._apply(tuple(leaf.unsqueeze(0) for leaf in leaves), None, None)
+        return tuple(self._flat.split_inputs([g[0] for g in grads]))
+
+    def many(
+        self, cotangents: Any, *, chunk_size: int | None = None, check: CheckMode | None = None
+    ) -> tuple[Any, ...]:
+        """Pull back k cotangents at once: every leaf carries a leading batch dimension k.
+
+        Same values as ``torch.stack([pb(v) for v in cotangents])`` leaf by leaf, but only
+        directions outside the span of those already pulled back go through f: at most
+        ``min(k, m)`` new ones, in one vmapped backward (or ``chunk_size`` at a time).
+
+        Args:
+            cotangents: f's output structure, each leaf of shape ``(k, *leaf.shape)``.
+            chunk_size: at most this many directions per vmapped backward; 1 means a loop.
+            check: compare the batched pullback with unbatched calls (see
+                :func:`funcgrad.set_check`); ``None`` uses the global setting.
+
+        Returns:
+            One tree per primal, each leaf with a leading k.
+        """
+        call = "Pullback.many(cotangents)"
+        check_chunk_size(chunk_size, call)
+        mode = resolve_check(check, call)
+        leaves = self._check_cotangent(cotangents, call, batched=True)
+        return tuple(self._flat.split_inputs(self._apply(leaves, chunk_size, mode)))
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _check_cotangent(self, tree: Any, call: str, batched: bool) -> Tensors:
+        if self._vjp_fn is None:
+            raise ReleasedPullbackError(
+                f"{call}: this pullback was released (pb.release() freed f's graph); "
+                "build a new one with funcgrad.pullback(f, *primals)."
+            )
+        leaves, treedef = _tree.flatten(tree)
+        if treedef != self._out_def:
+            raise ValueError(
+                f"{call}: the cotangent must have the tree structure of f's output, "
+                f"expected {self._out_def}, got {treedef}."
+            )
+        batch = None
+        for index, (leaf, ref) in enumerate(zip(leaves, self._out_like)):
+            where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
+            if leaf.dtype != ref.dtype:
+                raise TypeError(
+                    f"{call}: {where} must have f's output dtype {ref.dtype}, got {leaf.dtype}. "
+                    f"Convert it with .to({ref.dtype})."
+                )
+            shape, expected = tuple(leaf.shape), tuple(ref.shape)
+            if not batched and shape != expected:
+                raise ValueError(
+                    f"{call}: {where} must have f's output shape {expected}, got {shape}. "
+                    "For k cotangents at once, stack them and call pb.many."
+                )
+            if batched and (len(shape) != len(expected) + 1 or shape[1:] != expected):
+                hint = (
+                    " It has no leading batch dimension: use pb(cotangent) for one cotangent, "
+                    "or cotangent.unsqueeze(0)."
+                    if shape == expected
+                    else ""
+                )
+                raise ValueError(
+                    f"{call}: {where} must have shape (k, *{expected}) with a leading batch "
+                    f"dimension k, got {shape}.{hint}"
+                )
+            if batched and batch is not None and shape[0] != batch:
+                raise ValueError(
+                    f"{call}: every cotangent leaf must have the same leading batch size; "
+                    f"{where} has {shape[0]}, an earlier leaf has {batch}."
+                )
+            batch = shape[0] if batched else 1
+        return tuple(leaves)
+
+    def _pull(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
+        """Send directions through f (the expensive part) and count them."""
+        vjp_fn = self._vjp_fn
+        assert vjp_fn is not None
+        self.stats.vjps += cotangents[0].shape[0]
+        return _engine.batched(
+            lambda *cotangent: vjp_fn(cotangent),
+            cotangents,
+            out_dims=[0] * len(self._flat.leaves),
+            chunk_size=chunk_size,
+            check=check,
+            what="f's pullback",
+            can_vmap=self._can_vmap,
+        )
+
+    def _apply(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
+        k = cotangents[0].shape[0]
+        self.stats.calls += 1
+        self.stats.cotangents += k
+        if not (self._reuse and unwrap_level_free(cotangents)):
+            return self._pull(cotangents, chunk_size, check)
+        coords = _coords.to_coords(cotangents, k)
+        new = self._new_directions(coords.detach())
+        if new is not None:
+            images = self._pull(_coords.from_coords(new, self._out_like), chunk_size, check)
+            if self._basis is None:
+                self._basis, self._images = new, images
+            else:
+                self._basis = torch.cat([self._basis, new])
+                self._images = tuple(torch.cat([a, b]) for a, b in zip(self._images, images))
+        if self._basis is None:  # every cotangent was zero
+            return tuple(torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device) for x in self._flat.leaves)
+        return _coords.combine(coords @ self._basis.T, self._images)
+
+    def _new_directions(self, coords: torch.Tensor) -> torch.Tensor | None:
+        """Orthonormal directions (rows) needed beyond the kept basis to span ``coords``."""
+        k, m, r = coords.shape[0], self._m, self.rank
+        if r == m:
+            return None
+        if r == 0 and k >= m:
+            # The cotangents likely span y's space: pull back its unit basis (that is jacrev).
+            return torch.eye(m, dtype=coords.dtype, device=coords.device)
+        residual = coords if self._basis is None else coords - (coords @ self._basis.T) @ self._basis
+        eps = torch.finfo(coords.dtype).eps
+        norms = coords.norm(dim=1)
+        outside = residual.norm(dim=1) > 16 * eps * math.sqrt(r + 1) * norms
+        if not bool(outside.any()):
+            return None
+        residual = residual[outside]
+        _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
+        keep = singular > 16 * eps * math.sqrt(residual.shape[0]) * norms.max()
+        new = vh[: int(keep.sum())][: m - r]
+        if self._basis is not None:  # once more against the basis, for orthogonality
+            new = new - (new @ self._basis.T) @ self._basis
+            new = torch.linalg.qr(new.T).Q.T
+        return new
+
+
+def check_chunk_size(chunk_size: object, call: str) -> None:
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
+        raise ValueError(
+            f"{call}: `chunk_size` must be None (all at once) or a positive int (1 means a "
+            f"loop), got {chunk_size!r}."
+        )
+
+
+@overload
+def pullback(
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[False] = False, reuse: bool = True
+) -> tuple[Any, Pullback]: ...
+@overload
+def pullback(
+    f: Callable[..., Any], *primals: Any, has_aux: Literal[True], reuse: bool = True
+) -> tuple[Any, Pullback, Any]: ...
+def pullback(f: Callable[..., Any], *primals: Any, has_aux: bool = False, reuse: bool = True) -> Any:
+    """Run f once and return its reusable pullback, like ``torch.func.vjp``.
+
+    ``pb(v)`` equals ``torch.func.vjp(f, *primals)[1](v)``; f's graph is built once and
+    every later cotangent reuses it. Because ``pb`` is linear, a cotangent that is a linear
+    combination of directions already pulled back costs a small product and no pass through
+    f: on a scalar y any number of cotangents costs one backward of f.
+
+    Args:
+        f: a function of the primals returning a pytree of floating/complex tensors (and,
+            with ``has_aux=True``, a pair ``(output, aux)``).
+        *primals: f's arguments, pytrees of floating or complex tensors (flattened with
+            optree: dicts, tuples, lists, namedtuples, ``None`` as an empty node).
+        has_aux: f returns ``(output, aux)``; aux is returned unchanged, not differentiated.
+        reuse: keep the pulled-back directions to answer later cotangents by linearity.
+            Turned off automatically inside torch.func transforms, where it is data-dependent.
+
+    Returns:
+        ``(out, pb)`` or ``(out, pb, aux)``: f's output and a :class:`Pullback`.
+
+    Example:
+        >>> import torch, funcgrad
+        >>> x = torch.tensor(0.5, dtype=torch.float64)
+        >>> y, pb = funcgrad.pullback(torch.sin, x)
+        >>> pb(2 * y)[0], pb(3 * y)[0]
+        (tensor(0.8415, dtype=torch.float64), tensor(1.2622, dtype=torch.float64))
+        >>> pb.stats.vjps  # the second cotangent is a multiple of the first
+        1
+
+    Notes:
+        Costs one forward of f with its saved tensors kept alive until ``pb`` is released or
+        dropped, then one backward of f per new independent direction: at most
+        ``m = numel(y)`` in all. Memory: the kept basis holds ``r`` images, one per
+        direction, each the size of the primals.
+    """
+    call = "pullback(f, *primals)"
+    if not callable(f):
+        raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
+    if not primals:
+        raise ValueError(f"{call}: give at least one primal to differentiate f at.")
+    flat = FlatFunction(f, primals, tuple(range(len(primals))), has_aux, call)
+    out, vjp_fn, aux, can_vmap = build_vjp(flat)
+    pb = Pullback(flat, out, vjp_fn, can_vmap, reuse)
+    if has_aux:
+        return flat.outputs(out), pb, flat.rebuild_aux(aux)
+    return flat.outputs(out), pb
