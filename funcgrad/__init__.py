@@ -6,6 +6,7 @@ so funcgrad builds it once with ``torch.func`` and sends through f only the dire
 that the shapes require.
 """
 
+import contextlib
 from importlib.metadata import PackageNotFoundError, version
 
 from ._config import set_check
@@ -39,9 +40,6 @@ __all__ = [
 
 for _name in __all__:
     _obj = globals()[_name]
-    if hasattr(_obj, "__module__"):
-        try:
-            _obj.__module__ = "funcgrad"
-        except (AttributeError, TypeError):
-            pass
+    with contextlib.suppress(AttributeError, TypeError):  # report the public module
+        _obj.__module__ = "funcgrad"
 del _name, _obj

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Literal, Union
+from typing import Literal
 
-CheckMode = Union[bool, Literal["strict"]]
+CheckMode = bool | Literal["strict"]
 _ENV = "FUNCGRAD_CHECK"
 _check: CheckMode | None = None  # None: follow the environment variable
 

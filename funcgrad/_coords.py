@@ -61,6 +61,4 @@ def basis(like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``coefficients @ rows`` leaf by leaf: (k, r) times leaves (r, ...) gives leaves (k, ...)."""
-    return tuple(
-        torch.tensordot(coefficients.to(row.dtype), row, dims=1) for row in rows
-    )
+    return tuple(torch.tensordot(coefficients.to(row.dtype), row, dims=1) for row in rows)

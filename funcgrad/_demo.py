@@ -47,8 +47,12 @@ def progress(label: str, step: int, total: int) -> None:
     width = 24
     done = int(width * step / total)
     end = "\n" if step == total else ""
-    print(f"\r  {label:<34} [{'#' * done}{'.' * (width - done)}] {step}/{total}", end=end,
-          file=sys.stderr, flush=True)
+    print(
+        f"\r  {label:<34} [{'#' * done}{'.' * (width - done)}] {step}/{total}",
+        end=end,
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def timed(label: str, fn: Callable[[], object], repeats: int) -> tuple[float, object]:
@@ -68,10 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         description="The seed problem: many cheap heads on one slow matrix_exp, naive "
         "autograd against funcgrad, with every gradient checked against the closed form.",
     )
-    parser.add_argument("-n", "--size", type=int, default=300,
-                        help="N of the N x N matrix_exp (default 300; the seed used 1000)")
-    parser.add_argument("-k", "--heads", type=int, default=8, choices=range(1, len(HEADS) + 1),
-                        metavar=f"{{1..{len(HEADS)}}}", help="number of heads (default 8)")
+    parser.add_argument(
+        "-n",
+        "--size",
+        type=int,
+        default=300,
+        help="N of the N x N matrix_exp (default 300; the seed used 1000)",
+    )
+    parser.add_argument(
+        "-k",
+        "--heads",
+        type=int,
+        default=8,
+        choices=range(1, len(HEADS) + 1),
+        metavar=f"{{1..{len(HEADS)}}}",
+        help="number of heads (default 8)",
+    )
     parser.add_argument("-x", type=float, default=1.0, help="the point x (default 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float64")
@@ -85,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     slow_fun = make_slow_fun(n, counter)
     x0 = torch.tensor(args.x, dtype=dtype)
 
-    print(f"funcgrad {funcgrad.__version__}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.dtype}")
-    print(f"f(x) = real(trace(matrix_exp(1j * x * ones({n}, {n})))) at x = {args.x}, "
-          f"{len(names)} heads\n")
+    print(
+        f"funcgrad {funcgrad.__version__}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {args.dtype}"
+    )
+    print(
+        f"f(x) = real(trace(matrix_exp(1j * x * ones({n}, {n})))) at x = {args.x}, "
+        f"{len(names)} heads\n"
+    )
 
     def naive() -> list[torch.Tensor]:
         # The seed's code: every head's backward runs f's backward again.
@@ -107,33 +127,42 @@ def main(argv: list[str] | None = None) -> int:
     composed = funcgrad.compose_heads(slow_fun, {name: HEADS[name][0] for name in names})
 
     runs = {}
-    for label, fn in [("one forward+backward of f", one_pass), ("naive autograd, per head", naive),
-                      ("funcgrad.compose_heads", lambda: composed(x0))]:
+    for label, fn in [
+        ("one forward+backward of f", one_pass),
+        ("naive autograd, per head", naive),
+        ("funcgrad.compose_heads", lambda: composed(x0)),
+    ]:
         counter.reset()
         fn()  # warm-up, and count the passes of one call
         passes = counter.backward
         seconds, result = timed(label, fn, args.repeats)
         runs[label] = (seconds, passes, result)
 
-    values, grads = runs["funcgrad.compose_heads"][2]
+    _, grads = runs["funcgrad.compose_heads"][2]
     naive_grads = runs["naive autograd, per head"][2]
     y = (n - 1) + math.cos(n * args.x)
     dy_dx = -n * math.sin(n * args.x)
     print(f"\ny = {y:.6f}, dy/dx = {dy_dx:.6f} (closed form)\n")
-    print(f"{'head':<12} {'funcgrad dz/dx':>18} {'closed form':>18} {'naive autograd':>18} {'rel. error':>11}")
+    columns = ("funcgrad dz/dx", "closed form", "naive autograd")
+    print(f"{'head':<12} " + " ".join(f"{c:>18}" for c in columns) + f" {'rel. error':>11}")
     worst = 0.0
     for index, name in enumerate(names):
         exact = HEADS[name][1](y) * dy_dx
         got = grads[name].item()
         error = abs(got - exact) / max(abs(exact), 1e-300)
         worst = max(worst, error)
-        print(f"{name:<12} {got:>18.8g} {exact:>18.8g} {naive_grads[index].item():>18.8g} {error:>11.2e}")
+        numbers = (got, exact, naive_grads[index].item())
+        print(f"{name:<12} " + " ".join(f"{v:>18.8g}" for v in numbers) + f" {error:>11.2e}")
 
     plan = composed.plan(x0)
-    print(f"\nplan: strategy={plan.strategy!r}, k={plan.k}, m={plan.m}, n={plan.n}: "
-          f"{plan.directions} direction(s) through f\n")
+    print(
+        f"\nplan: strategy={plan.strategy!r}, k={plan.k}, m={plan.m}, n={plan.n}: "
+        f"{plan.directions} direction(s) through f\n"
+    )
     base = runs["one forward+backward of f"][0]
-    print(f"{'method':<28} {'median time':>12} {'x f fwd+bwd':>12} {'backward passes through f':>27}")
+    print(
+        f"{'method':<28} {'median time':>12} {'x f fwd+bwd':>12} {'backward passes through f':>27}"
+    )
     for label, (seconds, passes, _) in runs.items():
         print(f"{label:<28} {seconds:>11.3f}s {seconds / base:>12.2f} {passes:>27}")
     speedup = runs["naive autograd, per head"][0] / runs["funcgrad.compose_heads"][0]

@@ -16,26 +16,19 @@ from ._errors import BatchingMismatchError, FuncgradWarning
 Tensors = tuple[torch.Tensor, ...]
 
 
-def _loop(fn: Callable[..., Tensors], args: Sequence[torch.Tensor], out_dims: Sequence[int | None]) -> Tensors:
+def _loop(fn: Callable[..., Tensors], args: Sequence[torch.Tensor]) -> Tensors:
     results = [fn(*(arg[i] for arg in args)) for i in range(args[0].shape[0])]
-    return tuple(
-        torch.stack([r[j] for r in results]) if dim == 0 else results[0][j]
-        for j, dim in enumerate(out_dims)
-    )
+    return tuple(torch.stack(outputs) for outputs in zip(*results))
 
 
-def _vmap_chunks(fn, args, out_dims, chunk_size):
-    batch = args[0].shape[0]
-    if chunk_size is None or chunk_size >= batch:
-        return torch.func.vmap(fn, out_dims=tuple(out_dims))(*args)
-    # Own chunking: torch's chunk_size cannot concatenate outputs with out_dims=None.
-    parts = [
-        torch.func.vmap(fn, out_dims=tuple(out_dims))(*(arg[start : start + chunk_size] for arg in args))
-        for start in range(0, batch, chunk_size)
-    ]
-    return tuple(
-        torch.cat([p[j] for p in parts]) if dim == 0 else parts[0][j] for j, dim in enumerate(out_dims)
-    )
+def _vmap(
+    fn: Callable[..., Tensors], args: Sequence[torch.Tensor], chunk_size: int | None
+) -> Tensors:
+    # torch's own chunk_size concatenates even a single chunk (a full copy): pass it only
+    # when there is more than one chunk.
+    if chunk_size is not None and chunk_size >= args[0].shape[0]:
+        chunk_size = None
+    return torch.func.vmap(fn, chunk_size=chunk_size)(*args)
 
 
 def _first_line(error: BaseException) -> str:
@@ -52,6 +45,7 @@ def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
 
 
 def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
+    """Where the batched result's row ``index`` differs from an unbatched call, if anywhere."""
     for j, (b, r) in enumerate(zip(batched, reference)):
         rtol, atol = _tolerances(r.dtype)
         scale = r.abs().max().item() if r.numel() else 0.0
@@ -65,22 +59,21 @@ def batched(
     fn: Callable[..., Tensors],
     args: Sequence[torch.Tensor],
     *,
-    out_dims: Sequence[int | None],
     chunk_size: int | None,
     check: bool | str,
     what: str,
     can_vmap: bool = True,
 ) -> Tensors:
-    """``fn`` over the leading dim of ``args``: one vmap per chunk, or a loop.
+    """``fn`` over the leading dim of ``args`` (one vmap, one per chunk, or a loop).
 
-    ``fn`` returns a flat tuple of tensors; ``out_dims[j]`` is 0 for outputs that are batched
-    and ``None`` for outputs that do not depend on the batch (taken from the first call).
+    ``fn`` takes one slice of each arg and returns a flat tuple of tensors; every output
+    gets the leading batch dim.
     """
     batch = args[0].shape[0]
     if batch == 1 or chunk_size == 1 or not can_vmap:
-        return _loop(fn, args, out_dims)
+        return _loop(fn, args)
     try:
-        result = _vmap_chunks(fn, args, out_dims, chunk_size)
+        result = _vmap(fn, args, chunk_size)
     except (RuntimeError, NotImplementedError) as error:
         warnings.warn(
             f"funcgrad: vmap could not batch {what} ({_first_line(error)}); "
@@ -89,13 +82,10 @@ def batched(
             FuncgradWarning,
             stacklevel=4,
         )
-        return _loop(fn, args, out_dims)
+        return _loop(fn, args)
     if check:
-        batched_only = tuple(r for r, dim in zip(result, out_dims) if dim == 0)
         for index in sorted({0, batch // 2, batch - 1}):
-            single = fn(*(arg[index] for arg in args))
-            reference = tuple(s for s, dim in zip(single, out_dims) if dim == 0)
-            problem = _mismatch(batched_only, reference, index)
+            problem = _mismatch(result, fn(*(arg[index] for arg in args)), index)
             if problem is None:
                 continue
             message = (
@@ -105,5 +95,5 @@ def batched(
             if check == "strict":
                 raise BatchingMismatchError(message + " Use strategy='loop' to avoid vmap.")
             warnings.warn(message + " Fell back to a loop.", FuncgradWarning, stacklevel=4)
-            return _loop(fn, args, out_dims)
+            return _loop(fn, args)
     return result

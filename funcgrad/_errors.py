@@ -8,7 +8,7 @@ class ReleasedPullbackError(ValueError):
 
 
 class BatchingMismatchError(RuntimeError):
-    """A batched (vmapped) result disagreed with the unbatched reference under ``check="strict"``."""
+    """A vmapped result disagreed with the unbatched reference, with ``check="strict"``."""
 
 
 class FuncgradWarning(UserWarning):

@@ -76,7 +76,13 @@ class FlatFunction:
         has_aux: bool,
         call: str,
     ) -> None:
-        self.f, self.args, self.argnums, self.has_aux, self.call = f, list(args), argnums, has_aux, call
+        self.f, self.args, self.argnums, self.has_aux, self.call = (
+            f,
+            list(args),
+            argnums,
+            has_aux,
+            call,
+        )
         self.in_defs, self.leaves, self.counts = [], [], []
         for a in argnums:
             leaves, treedef = _tree.flatten(args[a])
@@ -129,7 +135,9 @@ class FlatFunction:
 
     def rebuild_aux(self, tensors: Sequence[torch.Tensor]) -> Any:
         it = iter(tensors)
-        return _tree.unflatten(self._aux_def, [next(it) if x is None else x for x in self._aux_static])
+        return _tree.unflatten(
+            self._aux_def, [next(it) if x is None else x for x in self._aux_static]
+        )
 
     def outputs(self, out_leaves: Sequence[torch.Tensor]) -> Any:
         return _tree.unflatten(self.out_def, out_leaves)
@@ -155,7 +163,9 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
     try:
         result = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
-        if not any(limit in str(error) for limit in _TORCH_FUNC_LIMITS) or not unwrap_level_free(flat.leaves):
+        if not any(limit in str(error) for limit in _TORCH_FUNC_LIMITS) or not unwrap_level_free(
+            flat.leaves
+        ):
             raise
         warnings.warn(
             f"{flat.call}: torch.func cannot differentiate f ({str(error).splitlines()[0][:200]}); "

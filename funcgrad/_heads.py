@@ -112,7 +112,11 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
     if value.is_complex() or not value.is_floating_point():
         raise TypeError(
             f"{call}: {where} must return a real floating-point scalar, got dtype {value.dtype}. "
-            + ("Take .real or .abs() of a complex value." if value.is_complex() else "Use .float().")
+            + (
+                "Take .real or .abs() of a complex value."
+                if value.is_complex()
+                else "Use .float()."
+            )
         )
     if value.numel() != 1:
         raise ValueError(
@@ -122,7 +126,9 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
     return value.reshape(())
 
 
-def _head_cotangents(heads: Any, flat: FlatFunction, out: Tensors, call: str) -> tuple[torch.Tensor, Tensors]:
+def _head_cotangents(
+    heads: Any, flat: FlatFunction, out: Tensors, call: str
+) -> tuple[torch.Tensor, Tensors]:
     """Each head's value and its gradient w.r.t. y: values (k,), cotangent leaves (k, ...).
 
     Head by head (they are cheap), or in one vmap for stacked heads: never the Jacobian of
@@ -153,7 +159,9 @@ def _head_cotangents(heads: Any, flat: FlatFunction, out: Tensors, call: str) ->
     return values, grads
 
 
-def _jvp_basis(flat: FlatFunction, chunk_size: int | None, check: CheckMode) -> tuple[Tensors, Tensors, Tensors]:
+def _jvp_basis(
+    flat: FlatFunction, chunk_size: int | None, check: CheckMode
+) -> tuple[Tensors, Tensors, Tensors]:
     """f's output, its JVPs along the n real unit directions of the inputs, and aux tensors."""
     primals = flat.leaves
     sizes: list[int] = []
@@ -165,19 +173,14 @@ def _jvp_basis(flat: FlatFunction, chunk_size: int | None, check: CheckMode) -> 
         sizes[:] = [len(out), len(aux)]
         return (*out, *tangent_out, *aux)
 
-    # One plain call first: it tells how many outputs there are, so out_dims can be written.
-    tangents = _coords.basis(primals)
-    first = one(*(t[0] for t in tangents))
-    n_out, n_aux = sizes
-    out_dims = [None] * n_out + [0] * n_out + [None] * n_aux
-    if tangents[0].shape[0] == 1:
-        flat_result = tuple(r.unsqueeze(0) if d == 0 else r for r, d in zip(first, out_dims))
-    else:
-        flat_result = _engine.batched(
-            one, tangents, out_dims=out_dims, chunk_size=chunk_size, check=check, what="f's JVP"
-        )
-    out = flat_result[:n_out]
-    return out, flat_result[n_out : 2 * n_out], flat_result[2 * n_out :]
+    # Every output is batched (the primal ones as broadcast views); row 0 is f's output.
+    stacked = _engine.batched(
+        one, _coords.basis(primals), chunk_size=chunk_size, check=check, what="f's JVP"
+    )
+    n_out = sizes[0]
+    out = tuple(s[0] for s in stacked[:n_out])
+    aux = tuple(s[0] for s in stacked[2 * n_out :])
+    return out, stacked[n_out : 2 * n_out], aux
 
 
 def _validate(f: object, strategy: object, chunk_size: object, argnums: object, call: str) -> None:
@@ -185,10 +188,11 @@ def _validate(f: object, strategy: object, chunk_size: object, argnums: object, 
         raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
     if strategy not in STRATEGIES:
         raise ValueError(
-            f"{call}: unknown `strategy` {strategy!r}; expected one of {', '.join(map(repr, STRATEGIES))}."
+            f"{call}: unknown `strategy` {strategy!r}; "
+            f"expected one of {', '.join(map(repr, STRATEGIES))}."
         )
     check_chunk_size(chunk_size, call)
-    if not (isinstance(argnums, int) or isinstance(argnums, tuple)) or isinstance(argnums, bool):
+    if not isinstance(argnums, (int, tuple)) or isinstance(argnums, bool):
         raise TypeError(f"{call}: `argnums` must be an int or a tuple of ints, got {argnums!r}.")
 
 
@@ -243,14 +247,14 @@ class ComposedHeads:
                 )
         return self._package(flat, values, grads, aux)
 
-    def _package(self, flat: FlatFunction, values: torch.Tensor, grads: Tensors, aux: Tensors) -> Any:
+    def _package(
+        self, flat: FlatFunction, values: torch.Tensor, grads: Tensors, aux: Tensors
+    ) -> Any:
         trees = flat.split_inputs(grads)
         grad_tree = trees[0] if isinstance(self.argnums, int) else tuple(trees)
         if self.keys is not None:
             values_out: Any = {key: values[i] for i, key in enumerate(self.keys)}
-            grad_out: Any = {
-                key: _tree_index(grad_tree, i) for i, key in enumerate(self.keys)
-            }
+            grad_out: Any = {key: _tree_index(grad_tree, i) for i, key in enumerate(self.keys)}
         else:
             values_out, grad_out = values, grad_tree
         if self.has_aux:
@@ -282,7 +286,6 @@ def _reverse_grads(
     pulled = _engine.batched(
         lambda *cotangent: vjp_fn(cotangent),
         directions,
-        out_dims=[0] * len(flat.leaves),
         chunk_size=chunk_size,
         check=check,
         what="f's pullback",
@@ -303,7 +306,9 @@ def _forward_grads(cotangents: Tensors, tangents: Tensors, primals: Tensors) -> 
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]] | Mapping[Any, Callable[[Any], torch.Tensor]] | StackedHeads,
+    heads: Sequence[Callable[[Any], torch.Tensor]]
+    | Mapping[Any, Callable[[Any], torch.Tensor]]
+    | StackedHeads,
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
@@ -314,7 +319,9 @@ def compose_heads(
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]] | Mapping[Any, Callable[[Any], torch.Tensor]] | StackedHeads,
+    heads: Sequence[Callable[[Any], torch.Tensor]]
+    | Mapping[Any, Callable[[Any], torch.Tensor]]
+    | StackedHeads,
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],

@@ -168,7 +168,6 @@ class Pullback:
         return _engine.batched(
             lambda *cotangent: vjp_fn(cotangent),
             cotangents,
-            out_dims=[0] * len(self._flat.leaves),
             chunk_size=chunk_size,
             check=check,
             what="f's pullback",
@@ -191,7 +190,10 @@ class Pullback:
                 self._basis = torch.cat([self._basis, new])
                 self._images = tuple(torch.cat([a, b]) for a, b in zip(self._images, images))
         if self._basis is None:  # every cotangent was zero
-            return tuple(torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device) for x in self._flat.leaves)
+            return tuple(
+                torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device)
+                for x in self._flat.leaves
+            )
         return _coords.combine(coords @ self._basis.T, self._images)
 
     def _new_directions(self, coords: torch.Tensor) -> torch.Tensor | None:
@@ -202,7 +204,9 @@ class Pullback:
         if r == 0 and k >= m:
             # The cotangents likely span y's space: pull back its unit basis (that is jacrev).
             return torch.eye(m, dtype=coords.dtype, device=coords.device)
-        residual = coords if self._basis is None else coords - (coords @ self._basis.T) @ self._basis
+        residual = (
+            coords if self._basis is None else coords - (coords @ self._basis.T) @ self._basis
+        )
         eps = torch.finfo(coords.dtype).eps
         norms = coords.norm(dim=1)
         outside = residual.norm(dim=1) > 16 * eps * math.sqrt(r + 1) * norms
@@ -236,7 +240,9 @@ def pullback(
 def pullback(
     f: Callable[..., Any], *primals: Any, has_aux: Literal[True], reuse: bool = True
 ) -> tuple[Any, Pullback, Any]: ...
-def pullback(f: Callable[..., Any], *primals: Any, has_aux: bool = False, reuse: bool = True) -> Any:
+def pullback(
+    f: Callable[..., Any], *primals: Any, has_aux: bool = False, reuse: bool = True
+) -> Any:
     """Run f once and return its reusable pullback, like ``torch.func.vjp``.
 
     ``pb(v)`` equals ``torch.func.vjp(f, *primals)[1](v)``; f's graph is built once and

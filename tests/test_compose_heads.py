@@ -1,0 +1,250 @@
+"""compose_heads against torch.autograd.grad per head, over a grid of functions and options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import Pair, assert_tree_close, autograd_reference, tree_index
+
+import funcgrad
+
+STRATEGIES = ["auto", "vjp", "jacrev", "jacfwd", "loop"]
+
+
+def _case_tensor():
+    w = torch.randn(4, 3)
+    return (lambda x: torch.tanh(w @ x)), (torch.randn(3),), 0
+
+
+def _case_tuple_in_dict_out():
+    # dict output with unsorted keys: optree sorts them, torch would not.
+    def f(ab):
+        a, b = ab
+        return {"z": torch.sin(b @ a), "a": (a * a).sum()}
+
+    return f, ((torch.randn(2), torch.randn(3, 2)),), 0
+
+
+def _case_dict_with_none_namedtuple_out():
+    def f(d):
+        return Pair(p=d["w"] * d["a"].sum(), q=torch.exp(d["w"][:2] - d["a"]))
+
+    return f, ({"w": torch.randn(3), "b": None, "a": torch.randn(2)},), 0
+
+
+def _case_argnums_tuple():
+    def f(x, scale, z):
+        return torch.cat([x * scale, torch.cos(z) * x[:1]])
+
+    return f, (torch.randn(2), 3.0, torch.randn(2)), (0, 2)
+
+
+def _case_complex_output():
+    w = torch.randn(3, 2)
+
+    def f(x):
+        return torch.exp(1j * (w @ x))  # complex y; heads take real parts
+
+    return f, (torch.randn(2),), 0
+
+
+def _seed_fun(x):
+    return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(6, 6))))
+
+
+CASES = {
+    "tensor": _case_tensor,
+    "tuple-in-dict-out": _case_tuple_in_dict_out,
+    "dict-none-namedtuple": _case_dict_with_none_namedtuple_out,
+    "argnums-tuple": _case_argnums_tuple,
+    "complex-y": _case_complex_output,
+    "seed": lambda: (_seed_fun, (torch.tensor(0.3),), 0),
+}
+
+
+def _total(y):
+    """A real scalar from any of the cases' outputs."""
+    import optree
+
+    return sum((leaf.real if leaf.is_complex() else leaf).sum() for leaf in optree.tree_leaves(y))
+
+
+def _square(y):
+    import optree
+
+    return sum((leaf.abs() ** 2).sum() for leaf in optree.tree_leaves(y))
+
+
+def _wiggle(y):
+    import optree
+
+    leaves = optree.tree_leaves(y)
+    return (
+        torch.sin(_total(y))
+        + (leaves[-1].real if leaves[-1].is_complex() else leaves[-1]).flatten()[0] ** 3
+    )
+
+
+HEAD_SETS = {
+    "one": [_total],
+    "three": [_total, _square, _wiggle],
+    "mapping": {"wiggle": _wiggle, "square": _square},
+}
+
+
+def _with_aux(f):
+    def g(*args):
+        y = f(*args)
+        return y, {"total": _total(y).detach(), "note": "aux is returned untouched"}
+
+    return g
+
+
+@pytest.mark.parametrize("has_aux", [False, True], ids=["plain", "aux"])
+@pytest.mark.parametrize("chunk_size", [None, 1, 2], ids=["all", "chunk1", "chunk2"])
+@pytest.mark.parametrize("heads_name", list(HEAD_SETS))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_matches_autograd_per_head(strategy, case, heads_name, chunk_size, has_aux):
+    f, args, argnums = CASES[case]()
+    heads = HEAD_SETS[heads_name]
+    fn = f if not has_aux else _with_aux(f)
+    composed = funcgrad.compose_heads(
+        fn, heads, argnums=argnums, has_aux=has_aux, strategy=strategy, chunk_size=chunk_size
+    )
+    result = composed(*args)
+    values, grads = result[:2]
+    head_list = list(heads.values()) if isinstance(heads, dict) else heads
+    ref_values, ref_grads = autograd_reference(f, head_list, args, argnums)
+    if isinstance(heads, dict):
+        assert list(values) == list(heads) and list(grads) == list(heads)
+        for i, key in enumerate(heads):
+            torch.testing.assert_close(values[key], ref_values[i])
+            assert_tree_close(grads[key], ref_grads[i])
+    else:
+        assert values.shape == (len(heads),)
+        torch.testing.assert_close(values, torch.stack(ref_values))
+        for i in range(len(heads)):
+            assert_tree_close(tree_index(grads, i), ref_grads[i])
+    if has_aux:
+        aux = result[2]
+        assert aux["note"] == "aux is returned untouched"
+        torch.testing.assert_close(aux["total"], _total(f(*args)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("n", [7, 40])
+def test_seed_closed_form(strategy, n):
+    """y = (N-1) + cos(N x) and dy/dx = -N sin(N x) for the seed's slow_fun."""
+
+    def slow_fun(x):
+        return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(n, n))))
+
+    x = torch.tensor(0.7)
+    y = (n - 1) + math.cos(n * 0.7)
+    dy = -n * math.sin(n * 0.7)
+    heads = [lambda y: y**2, lambda y: torch.sqrt(y), lambda y: torch.log(y)]
+    values, grads = funcgrad.compose_heads(slow_fun, heads, strategy=strategy)(x)
+    expected_values = torch.tensor([y**2, math.sqrt(y), math.log(y)])
+    expected_grads = torch.tensor([2 * y * dy, 0.5 / math.sqrt(y) * dy, dy / y])
+    torch.testing.assert_close(values, expected_values, rtol=1e-10, atol=0)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-9, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("k", "m", "n", "expected"),
+    [
+        (8, 1, 1, "jacrev"),  # the seed
+        (8, 131072, 2_100_000, "vjp"),  # multi-task learning on a shared encoder
+        (512, 64, 2048, "jacrev"),  # linear probes on a 64-d feature
+        (64, 500, 3, "jacfwd"),  # few inputs, wide output
+        (1, 1, 1, "vjp"),
+        (4, 4, 4, "vjp"),  # ties go to vjp, which needs no product
+    ],
+)
+def test_auto_plans_from_shapes(k, m, n, expected):
+    from funcgrad._plan import make_plan
+
+    plan = make_plan("auto", k, m, n)
+    assert plan.strategy == expected
+    assert plan.directions == {"vjp": k, "jacrev": m, "jacfwd": n}[expected]
+
+
+def test_plan_reports_shapes_and_counts_backward_passes():
+    from funcgrad._counting import BackwardCounter, counted
+
+    counter = BackwardCounter()
+
+    def slow_fun(x):
+        x = counted(x, counter)
+        return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(5, 5))))
+
+    heads = [lambda y, p=p: y**p for p in range(1, 9)]
+    composed = funcgrad.compose_heads(slow_fun, heads)
+    plan = composed.plan(torch.tensor(1.0))
+    assert (plan.strategy, plan.k, plan.m, plan.n, plan.directions) == ("jacrev", 8, 1, 1, 1)
+    counter.reset()
+    composed(torch.tensor(1.0))
+    assert counter.backward == 1
+    counter.reset()
+    funcgrad.compose_heads(slow_fun, heads, strategy="loop")(torch.tensor(1.0))
+    assert counter.backward == 8
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_vmap_over_inputs_matches_loop(strategy):
+    w = torch.randn(3, 4)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    heads = [lambda y: y.sum(), lambda y: (y**2).sum(), lambda y: y[0] * y[1]]
+    composed = funcgrad.compose_heads(f, heads, strategy=strategy)
+    xs = torch.randn(5, 4)
+    values, grads = torch.func.vmap(composed)(xs)
+    assert values.shape == (5, 3) and grads.shape == (5, 3, 4)
+    for i in range(5):
+        v, g = composed(xs[i])
+        torch.testing.assert_close(values[i], v)
+        torch.testing.assert_close(grads[i], g)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_second_order_matches_double_backward(strategy):
+    w = torch.randn(3, 3)
+    f = lambda x: torch.sin(w @ x) * x  # noqa: E731
+    heads = [lambda y: (y**3).sum(), lambda y: torch.exp(y).prod()]
+    weights = torch.randn(2, 3)
+
+    def scalar(x):
+        _, grads = funcgrad.compose_heads(f, heads, strategy=strategy)(x)
+        return (grads * weights).sum()
+
+    x = torch.randn(3)
+    got = torch.func.grad(scalar)(x)
+
+    xr = x.clone().requires_grad_()
+    total = 0
+    for i, head in enumerate(heads):
+        (g,) = torch.autograd.grad(head(f(xr)), xr, create_graph=True)
+        total = total + (g * weights[i]).sum()
+    (expected,) = torch.autograd.grad(total, xr)
+    torch.testing.assert_close(got, expected)
+
+
+def test_stacked_heads_match_a_loop_and_plan_m_directions():
+    w1 = torch.randn(16, 10)
+    f = lambda x: torch.tanh(w1 @ x)  # noqa: E731
+    probes = {"w": torch.randn(40, 16), "b": torch.randn(40)}
+
+    def head(p, y):
+        return torch.nn.functional.softplus(p["w"] @ y + p["b"])
+
+    composed = funcgrad.compose_heads(f, funcgrad.stacked_heads(head, probes))
+    x = torch.randn(10)
+    values, grads = composed(x)
+    heads = [lambda y, j=j: head({"w": probes["w"][j], "b": probes["b"][j]}, y) for j in range(40)]
+    ref_values, ref_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(ref_values))
+    torch.testing.assert_close(grads, torch.stack(ref_grads))
+    plan = composed.plan(x)
+    assert plan.strategy == "jacrev" and plan.directions == 16 < 40

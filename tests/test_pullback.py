@@ -1,0 +1,233 @@
+"""pullback: torch.func.vjp's contract, linear reuse, counts, release."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import optree
+import pytest
+import torch
+from helpers import Pair, assert_tree_close, autograd_vjp
+
+import funcgrad
+
+
+def slow_fun(x, n=20):
+    return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(n, n))))
+
+
+def mlp_case():
+    w1, w2 = torch.randn(6, 4), torch.randn(5, 6)
+
+    def f(inputs):
+        h = torch.tanh(w1 @ inputs["x"] + inputs["b"])
+        return {"y": w2 @ h, "none": None, "pair": Pair(h.sum(), torch.sin(inputs["x"]))}
+
+    primal = {"x": torch.randn(4), "b": torch.randn(6), "skip": None}
+    return f, primal
+
+
+def random_cotangent(out, batch=None):
+    shape = lambda leaf: leaf.shape if batch is None else (batch, *leaf.shape)  # noqa: E731
+    return optree.tree_map(lambda leaf: torch.randn(shape(leaf), dtype=leaf.dtype), out)
+
+
+def test_seed_two_heads_cost_one_vjp():
+    x = torch.tensor(1.0)
+    y, pb = funcgrad.pullback(slow_fun, x)
+    (g1,) = pb(2 * y)
+    (g2,) = pb(0.5 / torch.sqrt(y))
+    dy = -20 * torch.sin(torch.tensor(20.0))
+    torch.testing.assert_close(g1, 2 * y * dy)
+    torch.testing.assert_close(g2, 0.5 / torch.sqrt(y) * dy)
+    assert pb.stats.vjps == 1
+    assert (pb.stats.calls, pb.stats.cotangents) == (2, 2)
+
+
+def test_scalar_output_many_costs_one_vjp():
+    x = torch.tensor(0.4)
+    _, pb = funcgrad.pullback(slow_fun, x)
+    cotangents = torch.randn(50)
+    (grads,) = pb.many(cotangents)
+    (reference,) = torch.func.vjp(slow_fun, x)[1](torch.tensor(1.0))
+    torch.testing.assert_close(grads, cotangents * reference)
+    pb(torch.tensor(3.0))
+    pb.many(torch.randn(7))
+    assert pb.stats.vjps == 1
+
+
+def test_matches_vjp_and_never_pulls_more_than_m():
+    f, primal = mlp_case()
+    out, pb = funcgrad.pullback(f, primal)
+    m = 5 + 1 + 4
+    for round_ in range(4):
+        cotangents = random_cotangent(out, batch=3)
+        (got,) = pb.many(cotangents)
+        for i in range(3):
+            expected = autograd_vjp(
+                f, primal, optree.tree_map(lambda leaf, i=i: leaf[i], cotangents)
+            )
+            assert_tree_close(optree.tree_map(lambda leaf, i=i: leaf[i], got), expected)
+        assert pb.stats.vjps == min(3 * (round_ + 1), m)
+    assert pb.rank == m
+    before = pb.stats.vjps
+    pb(random_cotangent(out))
+    assert pb.stats.vjps == before  # the basis spans y's space: products only
+
+
+def test_many_with_k_at_least_m_pulls_back_the_unit_basis():
+    w = torch.randn(3, 8)
+    _, pb = funcgrad.pullback(lambda x: w @ torch.tanh(x), torch.randn(8))
+    (grads,) = pb.many(torch.randn(10, 3))
+    assert pb.stats.vjps == 3
+    assert grads.shape == (10, 8)
+
+
+def test_dependent_cotangents_are_reused():
+    f, primal = mlp_case()
+    out, pb = funcgrad.pullback(f, primal)
+    a, b = random_cotangent(out), random_cotangent(out)
+    ga, gb = pb(a)[0], pb(b)[0]
+    combo = optree.tree_map(lambda u, v: 2 * u - 3 * v, a, b)
+    got = pb(combo)[0]
+    assert pb.stats.vjps == 2
+    assert_tree_close(got, optree.tree_map(lambda u, v: 2 * u - 3 * v, ga, gb))
+    zero = optree.tree_map(torch.zeros_like, a)
+    assert_tree_close(pb(zero)[0], optree.tree_map(torch.zeros_like, ga))
+    assert pb.stats.vjps == 2
+
+
+def test_linearity():
+    f, primal = mlp_case()
+    out, pb = funcgrad.pullback(f, primal, reuse=False)
+    u, v = random_cotangent(out), random_cotangent(out)
+    alpha, beta = 1.7, -0.3
+    lhs = pb(optree.tree_map(lambda a, b: alpha * a + beta * b, u, v))[0]
+    rhs = optree.tree_map(lambda a, b: alpha * a + beta * b, pb(u)[0], pb(v)[0])
+    assert_tree_close(lhs, rhs)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_adjoint_identity_against_jvp(reuse):
+    f, primal = mlp_case()
+    out, pb = funcgrad.pullback(f, primal, reuse=reuse)
+    tangent = optree.tree_map(torch.randn_like, primal)
+    # torch.func.jvp sees torch pytrees: give it the flat leaves (None is a leaf to torch).
+    leaves, treedef = optree.tree_flatten(primal)
+    flat_f = lambda *ls: optree.tree_leaves(f(optree.tree_unflatten(treedef, ls)))  # noqa: E731
+    _, jv = torch.func.jvp(flat_f, tuple(leaves), tuple(optree.tree_leaves(tangent)))
+    for _ in range(3):
+        u = random_cotangent(out)
+        (jtu,) = pb(u)
+        lhs = sum((a * b).sum() for a, b in zip(optree.tree_leaves(u), optree.tree_leaves(jv)))
+        rhs = sum(
+            (a * b).sum() for a, b in zip(optree.tree_leaves(jtu), optree.tree_leaves(tangent))
+        )
+        torch.testing.assert_close(lhs, rhs)
+
+
+def test_complex_primal_and_output_match_vjp():
+    w = torch.randn(3, 2, dtype=torch.complex128)
+    f = lambda z: torch.exp(w @ z)  # noqa: E731
+    z = torch.randn(2, dtype=torch.complex128)
+    _, pb = funcgrad.pullback(f, z)
+    _, vjp_fn = torch.func.vjp(f, z)
+    cotangents = torch.randn(9, 3, dtype=torch.complex128)
+    (got,) = pb.many(cotangents)
+    for i in range(9):
+        torch.testing.assert_close(got[i], vjp_fn(cotangents[i])[0])
+    assert pb.stats.vjps == 6  # 3 complex entries = 6 real directions
+
+
+def test_several_primals_and_aux():
+    def f(a, b):
+        return a * b, {"sum": (a + b).sum(), "tag": "aux"}
+
+    a, b = torch.randn(3), torch.randn(3)
+    _, pb, aux = funcgrad.pullback(f, a, b, has_aux=True)
+    assert aux["tag"] == "aux"
+    torch.testing.assert_close(aux["sum"], (a + b).sum())
+    v = torch.randn(3)
+    ga, gb = pb(v)
+    torch.testing.assert_close(ga, v * b)
+    torch.testing.assert_close(gb, v * a)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+def test_many_chunked_matches_loop(chunk_size):
+    f, primal = mlp_case()
+    out, pb = funcgrad.pullback(f, primal, reuse=False)
+    cotangents = random_cotangent(out, batch=5)
+    (got,) = pb.many(cotangents, chunk_size=chunk_size)
+    for i in range(5):
+        (expected,) = pb(optree.tree_map(lambda leaf, i=i: leaf[i], cotangents))
+        assert_tree_close(optree.tree_map(lambda leaf, i=i: leaf[i], got), expected)
+
+
+class _Sentinel:
+    """Kept alive by f's graph (an autograd.Function's ctx holds it), observed by a weakref."""
+
+
+class _HoldsSentinel(torch.autograd.Function):
+    @staticmethod
+    def forward(x, sentinel):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.sentinel = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _graph_probe():
+    """f, and a function giving a weakref that dies exactly when f's last graph is freed."""
+    refs = []
+
+    def f(x):
+        sentinel = _Sentinel()  # only the graph holds it
+        refs.append(weakref.ref(sentinel))
+        return torch.tanh(_HoldsSentinel.apply(x, sentinel) * 2)
+
+    return f, lambda: refs[-1]()
+
+
+def test_release_frees_the_graph_and_refuses_later_calls():
+    f, ref = _graph_probe()
+    _, pb = funcgrad.pullback(f, torch.randn(10))
+    pb(torch.ones(10))
+    gc.collect()
+    assert ref() is not None  # f's graph is kept while pb lives
+    pb.release()
+    gc.collect()
+    assert ref() is None
+    assert pb.released
+    with pytest.raises(funcgrad.ReleasedPullbackError, match=r"pb\(cotangent\).*released"):
+        pb(torch.ones(10))
+    with pytest.raises(funcgrad.ReleasedPullbackError, match="released"):
+        pb.many(torch.ones(2, 10))
+
+
+def test_dropping_the_pullback_frees_the_graph():
+    f, ref = _graph_probe()
+    _, pb = funcgrad.pullback(f, torch.randn(10))
+    pb(torch.ones(10))
+    del pb
+    gc.collect()
+    assert ref() is None
+
+
+def test_pullback_inside_transforms_is_plain_vjp():
+    w = torch.randn(3, 3)
+
+    def per_sample(x):
+        _, pb = funcgrad.pullback(lambda x: torch.tanh(w @ x), x)
+        return pb.many(torch.eye(3))[0]
+
+    xs = torch.randn(4, 3)
+    got = torch.func.vmap(per_sample)(xs)
+    expected = torch.stack([torch.func.jacrev(lambda x: torch.tanh(w @ x))(x) for x in xs])
+    torch.testing.assert_close(got, expected)
