@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ._errors import BatchingMismatchError, FuncgradWarning
+from ._errors import BatchingMismatchError, FuncgradWarning, first_line
+from ._function import is_torch_func_limit
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -29,11 +30,6 @@ def _vmap(
     if chunk_size is not None and chunk_size >= args[0].shape[0]:
         chunk_size = None
     return torch.func.vmap(fn, chunk_size=chunk_size)(*args)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -75,8 +71,10 @@ def batched(
     try:
         result = _vmap(fn, args, chunk_size)
     except (RuntimeError, NotImplementedError) as error:
+        if is_torch_func_limit(error):  # not a batching problem: a loop would fail the same way
+            raise
         warnings.warn(
-            f"funcgrad: vmap could not batch {what} ({_first_line(error)}); "
+            f"funcgrad: vmap could not batch {what} ({first_line(error)}); "
             "fell back to a loop of unbatched calls, which gives the right answer more slowly. "
             "Pass strategy='loop' or chunk_size=1 to choose the loop directly.",
             FuncgradWarning,

@@ -15,6 +15,12 @@ class FuncgradWarning(UserWarning):
     """funcgrad fell back to a slower but correct method; the message says why."""
 
 
+def first_line(error: BaseException) -> str:
+    """``Type: first line of the message``, short enough to quote in a warning."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 def describe(value: object) -> str:
     """A short description of a value for error messages: type, shape and dtype of tensors."""
     import torch

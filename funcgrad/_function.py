@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import _tree
-from ._errors import FuncgradWarning, describe
+from ._errors import FuncgradWarning, describe, first_line
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -23,6 +23,11 @@ _TORCH_FUNC_LIMITS = (
     "Cannot access data pointer of Tensor that doesn't have storage",
     "Cannot access storage of TensorWrapper",
 )
+
+
+def is_torch_func_limit(error: BaseException) -> bool:
+    """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
+    return "In order to use an autograd.Function with functorch transforms" in str(error)
 
 
 def normalize_argnums(argnums: object, nargs: int, call: str) -> tuple[int, ...]:
@@ -168,7 +173,7 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
         ):
             raise
         warnings.warn(
-            f"{flat.call}: torch.func cannot differentiate f ({str(error).splitlines()[0][:200]}); "
+            f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
             "fell back to eager torch.autograd.grad, one backward pass per direction. "
             "The answer is the same as autograd's; it is not batched and not composable with "
             "torch.func transforms.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
@@ -10,8 +11,14 @@ import torch
 
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
-from ._errors import describe
-from ._function import FlatFunction, build_vjp, normalize_argnums
+from ._errors import FuncgradWarning, describe, first_line
+from ._function import (
+    FlatFunction,
+    build_vjp,
+    is_torch_func_limit,
+    normalize_argnums,
+    unwrap_level_free,
+)
 from ._plan import STRATEGIES, Plan, make_plan
 from ._pullback import check_chunk_size
 
@@ -183,6 +190,36 @@ def _jvp_basis(
     return out, stacked[n_out : 2 * n_out], aux
 
 
+def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
+    """Whether V @ J produced inf/NaN, in eager mode only (it is a data-dependent check).
+
+    A Jacobian row or column holds 0 * inf = NaN where autograd, pulling back the head's own
+    cotangent, would give inf: such results are recomputed by pulling back the cotangents
+    themselves, so that NaN/inf come out exactly as in autograd.
+    """
+    if torch.compiler.is_compiling() or not unwrap_level_free(out):
+        return False
+    return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _try_forward(
+    flat: FlatFunction, chunk_size: int | None, check: CheckMode
+) -> tuple[Tensors, Tensors, Tensors] | None:
+    """:func:`_jvp_basis`, or None where forward mode cannot differentiate f (then the caller
+    uses reverse mode, which covers strictly more of PyTorch)."""
+    try:
+        return _jvp_basis(flat, chunk_size, check)
+    except (RuntimeError, NotImplementedError) as error:
+        if not is_torch_func_limit(error):  # that one is reported by build_vjp's fallback
+            warnings.warn(
+                f"{flat.call}: forward mode cannot differentiate f ({first_line(error)}); "
+                "used reverse mode (jacrev) instead.",
+                FuncgradWarning,
+                stacklevel=4,
+            )
+        return None
+
+
 def _validate(f: object, strategy: object, chunk_size: object, argnums: object, call: str) -> None:
     if not callable(f):
         raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
@@ -227,24 +264,42 @@ class ComposedHeads:
     def __call__(self, *args: Any) -> Any:
         check = resolve_check(self.check, self.call)
         flat = self._flat(args)
-        n = _m(flat.leaves)
-        if self.strategy == "jacfwd":
-            out, tangents, aux = _jvp_basis(flat, self.chunk_size, check)
-            values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
-            grads = _forward_grads(cotangents, tangents, flat.leaves)
-        else:
-            out, vjp_fn, aux, can_vmap = build_vjp(flat)
-            values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
-            plan = make_plan(self.strategy, self.k, _m(out), n)
-            if not can_vmap and plan.strategy == "jacfwd":
-                plan = Plan("jacrev", plan.k, plan.m, plan.n)  # no jvp without torch.func
-            if plan.strategy == "jacfwd":
-                _, tangents, _ = _jvp_basis(flat, self.chunk_size, check)
+        strategy = self.strategy
+        if strategy == "jacfwd":
+            forward = _try_forward(flat, self.chunk_size, check)
+            if forward is not None:
+                out, tangents, aux = forward
+                values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
                 grads = _forward_grads(cotangents, tangents, flat.leaves)
+                if not _jacobian_went_non_finite(grads, out):
+                    return self._package(flat, values, grads, aux)
+            # Reverse mode instead: the cotangents themselves if J went non-finite.
+            strategy = "jacrev" if forward is None else "vjp"
+        out, vjp_fn, aux, can_vmap = build_vjp(flat)
+        values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
+        plan = make_plan(strategy, self.k, _m(out), _m(flat.leaves))
+        if plan.strategy == "jacfwd":
+            forward = _try_forward(flat, self.chunk_size, check) if can_vmap else None
+            if forward is not None:
+                grads = _forward_grads(cotangents, forward[1], flat.leaves)
+                if not _jacobian_went_non_finite(grads, out):
+                    return self._package(flat, values, grads, aux)
+                plan = Plan("vjp", plan.k, plan.m, plan.n)
             else:
-                grads = _reverse_grads(
-                    plan, vjp_fn, flat, out, cotangents, self.chunk_size, check, can_vmap
-                )
+                plan = Plan("jacrev", plan.k, plan.m, plan.n)
+        pull = functools.partial(
+            _reverse_grads,
+            vjp_fn=vjp_fn,
+            flat=flat,
+            out=out,
+            cotangents=cotangents,
+            chunk_size=self.chunk_size,
+            check=check,
+            can_vmap=can_vmap,
+        )
+        grads = pull(plan)
+        if plan.strategy == "jacrev" and _jacobian_went_non_finite(grads, out):
+            grads = pull(Plan("vjp", plan.k, plan.m, plan.n))
         return self._package(flat, values, grads, aux)
 
     def _package(

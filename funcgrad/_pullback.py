@@ -181,9 +181,16 @@ class Pullback:
         if not (self._reuse and unwrap_level_free(cotangents)):
             return self._pull(cotangents, chunk_size, check)
         coords = _coords.to_coords(cotangents, k)
+        if not bool(torch.isfinite(coords).all()):
+            # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
+            return self._pull(cotangents, chunk_size, check)
         new = self._new_directions(coords.detach())
         if new is not None:
             images = self._pull(_coords.from_coords(new, self._out_like), chunk_size, check)
+            if not all(bool(torch.isfinite(image).all()) for image in images):
+                # A non-finite Jacobian would smear NaN over every combination: stop reusing.
+                self._reuse, self._basis, self._images = False, None, ()
+                return self._pull(cotangents, chunk_size, check)
             if self._basis is None:
                 self._basis, self._images = new, images
             else:

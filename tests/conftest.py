@@ -4,6 +4,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import funcgrad
+
 settings.register_profile(
     "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -12,12 +14,16 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("FUNCGRAD_HYPOTHESIS_PROFILE", "default"))
 
+# float64 everywhere, also for tensors built at collection time in parametrize lists.
+torch.set_default_dtype(torch.float64)
+
 
 @pytest.fixture(autouse=True)
 def _seeded_float64():
-    """Every test starts from the same RNG state, in float64, with funcgrad's check off."""
+    """Every test starts from the same RNG state, in float64, with funcgrad's defaults."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
+    previous = funcgrad.set_check(None)
     yield
-    torch.set_default_dtype(previous)
+    torch.set_default_dtype(torch.float64)
+    funcgrad.set_check(previous)
