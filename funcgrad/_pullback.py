@@ -271,10 +271,10 @@ def pullback(
 
     Example:
         >>> import torch, funcgrad
-        >>> x = torch.tensor(0.5, dtype=torch.float64)
+        >>> x = torch.tensor(0.5)
         >>> y, pb = funcgrad.pullback(torch.sin, x)
         >>> pb(2 * y)[0], pb(3 * y)[0]
-        (tensor(0.8415, dtype=torch.float64), tensor(1.2622, dtype=torch.float64))
+        (tensor(0.8415), tensor(1.2622))
         >>> pb.stats.vjps  # the second cotangent is a multiple of the first
         1
 
