@@ -9,6 +9,7 @@ that the shapes require.
 import contextlib
 from importlib.metadata import PackageNotFoundError, version
 
+from ._bridge import grads
 from ._config import set_check
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
@@ -25,6 +26,7 @@ __all__ = [
     "pullback",
     "compose_heads",
     "stacked_heads",
+    "grads",
     # their objects
     "Pullback",
     "PullbackStats",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -184,7 +183,12 @@ class Pullback:
         if not bool(torch.isfinite(coords).all()):
             # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
             return self._pull(cotangents, chunk_size, check)
-        new = self._new_directions(coords.detach())
+        if coords.requires_grad and not (self.rank == self._m or (self.rank == 0 and k >= self._m)):
+            # An answer from a partial basis has the right value but projects the derivative
+            # with respect to the cotangent onto the basis: differentiable cotangents go
+            # through f themselves until the basis spans y's space.
+            return self._pull(cotangents, chunk_size, check)
+        new = _coords.new_directions(coords.detach(), self._basis, self._m)
         if new is not None:
             images = self._pull(_coords.from_coords(new, self._out_like), chunk_size, check)
             if not all(bool(torch.isfinite(image).all()) for image in images):
@@ -202,31 +206,6 @@ class Pullback:
                 for x in self._flat.leaves
             )
         return _coords.combine(coords @ self._basis.T, self._images)
-
-    def _new_directions(self, coords: torch.Tensor) -> torch.Tensor | None:
-        """Orthonormal directions (rows) needed beyond the kept basis to span ``coords``."""
-        k, m, r = coords.shape[0], self._m, self.rank
-        if r == m:
-            return None
-        if r == 0 and k >= m:
-            # The cotangents likely span y's space: pull back its unit basis (that is jacrev).
-            return torch.eye(m, dtype=coords.dtype, device=coords.device)
-        residual = (
-            coords if self._basis is None else coords - (coords @ self._basis.T) @ self._basis
-        )
-        eps = torch.finfo(coords.dtype).eps
-        norms = coords.norm(dim=1)
-        outside = residual.norm(dim=1) > 16 * eps * math.sqrt(r + 1) * norms
-        if not bool(outside.any()):
-            return None
-        residual = residual[outside]
-        _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
-        keep = singular > 16 * eps * math.sqrt(residual.shape[0]) * norms.max()
-        new = vh[: int(keep.sum())][: m - r]
-        if self._basis is not None:  # once more against the basis, for orthogonality
-            new = new - (new @ self._basis.T) @ self._basis
-            new = torch.linalg.qr(new.T).Q.T
-        return new
 
 
 def check_chunk_size(chunk_size: object, call: str) -> None:
