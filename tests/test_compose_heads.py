@@ -229,22 +229,3 @@ def test_second_order_matches_double_backward(strategy):
         total = total + (g * weights[i]).sum()
     (expected,) = torch.autograd.grad(total, xr)
     torch.testing.assert_close(got, expected)
-
-
-def test_stacked_heads_match_a_loop_and_plan_m_directions():
-    w1 = torch.randn(16, 10)
-    f = lambda x: torch.tanh(w1 @ x)  # noqa: E731
-    probes = {"w": torch.randn(40, 16), "b": torch.randn(40)}
-
-    def head(p, y):
-        return torch.nn.functional.softplus(p["w"] @ y + p["b"])
-
-    composed = funcgrad.compose_heads(f, funcgrad.stacked_heads(head, probes))
-    x = torch.randn(10)
-    values, grads = composed(x)
-    heads = [lambda y, j=j: head({"w": probes["w"][j], "b": probes["b"][j]}, y) for j in range(40)]
-    ref_values, ref_grads = autograd_reference(f, heads, (x,))
-    torch.testing.assert_close(values, torch.stack(ref_values))
-    torch.testing.assert_close(grads, torch.stack(ref_grads))
-    plan = composed.plan(x)
-    assert plan.strategy == "jacrev" and plan.directions == 16 < 40
