@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import torch
 import funcgrad
 
 from ._counting import BackwardCounter, counted
+from ._progress import progress
 
 # The seed's two heads, then a few more; each with its derivative g'(y) for the closed form.
 HEADS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[float], float]]] = {
@@ -41,18 +41,6 @@ def make_slow_fun(n: int, counter: BackwardCounter) -> Callable[[torch.Tensor], 
         return torch.real(torch.trace(b))
 
     return slow_fun
-
-
-def progress(label: str, step: int, total: int) -> None:
-    width = 24
-    done = int(width * step / total)
-    end = "\n" if step == total else ""
-    print(
-        f"\r  {label:<34} [{'#' * done}{'.' * (width - done)}] {step}/{total}",
-        end=end,
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def timed(label: str, fn: Callable[[], object], repeats: int) -> tuple[float, object]:

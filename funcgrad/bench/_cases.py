@@ -1,0 +1,318 @@
+"""The benchmark cases, and for each the methods that compute the same gradients.
+
+A method is a callable that runs the whole job from the inputs (f's forward included) and
+returns the per-head gradients stacked along a leading k, as a tensor or a dict of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import funcgrad
+
+STRATEGIES = ("vjp", "jacrev", "jacfwd", "loop")
+# A fixed strategy needing more passes through f than this is skipped (it would take minutes).
+MAX_DIRECTIONS = {"full": 4096, "quick": 256}
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    k: int
+    m: int
+    n: int
+    methods: dict[str, Callable[[], Any]]
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    reference_only: tuple[str, ...] = ()  # timed for scale, not a way to get the grads
+    auto: str = ""  # the strategy "funcgrad auto" chose
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} k={self.k}"
+
+
+def _torchjd_jac() -> Callable[..., Any] | None:
+    try:
+        from torchjd.autojac import jac
+    except ImportError:  # the `bench` extra is not installed
+        return None
+    return jac
+
+
+def _naive(f, heads, x):
+    xr = x.detach().requires_grad_()
+    y = f(xr)
+    return torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+
+
+def _torch_func(f, heads, x):
+    """Raw torch.func: vjp once, each head's cotangent, one vmap over the pullback."""
+    y, vjp_fn = torch.func.vjp(f, x)
+    cotangents = torch.stack([torch.func.grad(h)(y) for h in heads])
+    return torch.func.vmap(vjp_fn)(cotangents)[0]
+
+
+def _torchjd(f, heads, x):
+    jac = _torchjd_jac()
+    xr = x.detach().requires_grad_()
+    y = f(xr)
+    return jac([h(y) for h in heads], xr)[0]
+
+
+def _add_funcgrad(case: Case, f, heads, x, quick: bool) -> None:
+    args = x if isinstance(x, tuple) else (x,)
+
+    def run(strategy):
+        composed = funcgrad.compose_heads(f, heads, strategy=strategy)
+        return lambda: composed(*args)[1]
+
+    case.methods["funcgrad auto"] = run("auto")
+    plan = funcgrad.compose_heads(f, heads).plan(*args)
+    case.auto = plan.strategy
+    for strategy in STRATEGIES:
+        directions = funcgrad.Plan(strategy, plan.k, plan.m, plan.n).directions
+        if directions > MAX_DIRECTIONS["quick" if quick else "full"]:
+            case.skipped[f"funcgrad {strategy}"] = f"needs {directions} passes through f"
+        else:
+            case.methods[f"funcgrad {strategy}"] = run(strategy)
+
+
+def _standard(name, f, heads, x, m, quick) -> Case:
+    case = Case(name, len(heads), m, x.numel(), {})
+    case.methods["naive"] = lambda: _naive(f, heads, x)
+    case.methods["torch.func vjp+vmap"] = lambda: _torch_func(f, heads, x)
+    if _torchjd_jac() is not None:
+        case.methods["torchjd jac"] = lambda: _torchjd(f, heads, x)
+    else:
+        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_funcgrad(case, f, heads, x, quick)
+    return case
+
+
+def seed_fun(n: int, dtype=torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
+    ones = torch.ones((n, n), dtype=dtype)
+
+    def slow_fun(x):
+        return torch.real(torch.trace(torch.matrix_exp(1j * x * ones)))
+
+    return slow_fun
+
+
+# Cheap scalar heads of a scalar y, as in the seed (y stays positive: (N-1) + cos(N x)).
+SCALAR_HEADS = [
+    lambda y: y**2,
+    lambda y: torch.sqrt(y),
+    lambda y: torch.log(y),
+    lambda y: torch.sin(y),
+    lambda y: torch.exp(-y / 100),
+    lambda y: y**3 / 3,
+    lambda y: 1 / y,
+    lambda y: torch.tanh(y / 100),
+]
+
+
+def _scalar_heads(k):
+    return [
+        (lambda y, h=SCALAR_HEADS[i % n], s=1 + i // n: h(y) * s)
+        for i, n in zip(range(k), [len(SCALAR_HEADS)] * k)
+    ]
+
+
+def seed_case(k: int, quick: bool) -> Case:
+    n = 60 if quick else 300
+    f = seed_fun(n)
+    heads = _scalar_heads(k)
+    x = torch.tensor(1.0)
+    case = _standard("seed", f, heads, x, m=1, quick=quick)
+
+    def chain_rule():  # the seed's own "method 1": dy/dx once, times each dz/dy
+        xr = x.detach().requires_grad_()
+        y = f(xr)
+        (dy_dx,) = torch.autograd.grad(y, xr, retain_graph=True)
+        return torch.stack(
+            [torch.autograd.grad(h(y), y, retain_graph=True)[0] * dy_dx for h in heads]
+        )
+
+    def one_pass():
+        xr = x.detach().requires_grad_()
+        return torch.autograd.grad(f(xr), xr)[0]
+
+    case.methods["seed chain rule"] = chain_rule
+    case.methods["one f fwd+bwd"] = one_pass
+    case.reference_only = ("one f fwd+bwd",)
+    return case
+
+
+def multi_output_case(k: int, quick: bool) -> Case:
+    n = 50 if quick else 200
+    gen = torch.Generator().manual_seed(0)
+    bases = torch.randn(4, n, n, generator=gen) / n**0.5
+    bases = bases + bases.transpose(1, 2)
+
+    def f(x):  # y: 4 real entries of exp(i * sum_j x_j A_j)
+        e = torch.matrix_exp(1j * torch.einsum("j,jab->ab", x, bases))
+        return torch.real(torch.diagonal(e)[:4])
+
+    weights = torch.randn(k, 4, generator=gen)
+    heads = [lambda y, w=weights[i]: torch.sin(w @ y) + (w * y).pow(2).sum() for i in range(k)]
+    return _standard("multi-output", f, heads, torch.randn(4, generator=gen), m=4, quick=quick)
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, widths):
+        super().__init__()
+        layers = []
+        for a, b in itertools.pairwise(widths):
+            layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*layers[:-1])
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def mtl_case(k: int, quick: bool) -> Case:
+    widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 256)
+    torch.manual_seed(0)
+    encoder = Encoder(widths)
+    inputs = torch.randn(batch, widths[0])
+    heads = []
+    for t in range(k):
+        if t % 2 == 0:  # linear + MSE
+            w, target = torch.randn(1, widths[-1]) / 10, torch.randn(batch, 1)
+            heads.append(lambda z, w=w, y=target: torch.nn.functional.mse_loss(z @ w.T, y))
+        else:  # linear + cross-entropy over 10 classes
+            w, target = torch.randn(10, widths[-1]) / 10, torch.randint(0, 10, (batch,))
+            heads.append(lambda z, w=w, y=target: torch.nn.functional.cross_entropy(z @ w.T, y))
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+    names = list(params)
+
+    def f(p):
+        return torch.func.functional_call(encoder, p, (inputs,))
+
+    def naive():
+        z = encoder(inputs)
+        grads = [
+            torch.autograd.grad(h(z), list(encoder.parameters()), retain_graph=True) for h in heads
+        ]
+        return {name: torch.stack([g[j] for g in grads]) for j, name in enumerate(names)}
+
+    def torch_func():
+        z, vjp_fn = torch.func.vjp(f, params)
+        cotangents = torch.stack([torch.func.grad(h)(z) for h in heads])
+        return torch.func.vmap(vjp_fn)(cotangents)[0]
+
+    n = sum(p.numel() for p in params.values())
+    case = Case(
+        "mtl", k, batch * widths[-1], n, {"naive": naive, "torch.func vjp+vmap": torch_func}
+    )
+    jac = _torchjd_jac()
+    if jac is not None:
+
+        def torchjd():
+            z = encoder(inputs)
+            jacobians = jac([h(z) for h in heads], list(encoder.parameters()))
+            return dict(zip(names, jacobians))
+
+        case.methods["torchjd jac"] = torchjd
+    else:
+        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_funcgrad(case, f, heads, params, quick)
+    return case
+
+
+def probes_case(k: int, quick: bool) -> Case:
+    d_in, d_hidden, d_feature = (256, 64, 16) if quick else (2048, 256, 64)
+    gen = torch.Generator().manual_seed(0)
+    w1 = torch.randn(d_hidden, d_in, generator=gen) / d_in**0.5
+    w2 = torch.randn(d_feature, d_hidden, generator=gen) / d_hidden**0.5
+
+    def f(x):  # a 64-d feature of a 2048 -> 64 MLP
+        return torch.tanh(w2 @ torch.tanh(w1 @ x))
+
+    params = {"w": torch.randn(k, d_feature, generator=gen), "b": torch.randn(k, generator=gen)}
+
+    def probe(p, y):
+        return torch.nn.functional.softplus(p["w"] @ y + p["b"])
+
+    stacked = funcgrad.stacked_heads(probe, params)
+    heads = [lambda y, j=j: probe({"w": params["w"][j], "b": params["b"][j]}, y) for j in range(k)]
+    x = torch.randn(d_in, generator=gen)
+
+    def torch_func():  # raw vjp + vmap(pullback) over the k cotangents (heads vmapped too)
+        y, vjp_fn = torch.func.vjp(f, x)
+        cotangents = torch.func.vmap(torch.func.grad(probe, argnums=1), in_dims=(0, None))(
+            params, y
+        )
+        return torch.func.vmap(vjp_fn)(cotangents)[0]
+
+    case = Case("probes", k, d_feature, d_in, {"naive": lambda: _naive(f, heads, x)})
+    case.methods["torch.func vjp+vmap"] = torch_func
+    if _torchjd_jac() is not None:
+        case.methods["torchjd jac"] = lambda: _torchjd(f, heads, x)
+    else:
+        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_funcgrad(case, f, stacked, x, quick)
+    return case
+
+
+def bridge_case(k: int, quick: bool) -> Case:
+    f = seed_fun(60 if quick else 300)
+    heads = _scalar_heads(k)
+    x0 = torch.tensor(1.0)
+
+    def graph():  # the seed's imperative code, up to the line that asks for the gradients
+        x = x0.clone().requires_grad_()
+        y = f(x)
+        return x, y, [h(y) for h in heads]
+
+    def naive():
+        x, _, outputs = graph()
+        return torch.stack([torch.autograd.grad(z, x, retain_graph=True)[0] for z in outputs])
+
+    def chain_rule():
+        x, y, outputs = graph()
+        (dy_dx,) = torch.autograd.grad(y, x, retain_graph=True)
+        return torch.stack(
+            [torch.autograd.grad(z, y, retain_graph=True)[0] * dy_dx for z in outputs]
+        )
+
+    def bridge():
+        x, y, outputs = graph()
+        return funcgrad.grads(outputs, x, through=y)[0]
+
+    case = Case(
+        "bridge", k, 1, 1, {"naive": naive, "seed chain rule": chain_rule, "funcgrad.grads": bridge}
+    )
+    jac = _torchjd_jac()
+    if jac is not None:
+
+        def torchjd():
+            x, _, outputs = graph()
+            return jac(outputs, x)[0]
+
+        case.methods["torchjd jac"] = torchjd
+    else:
+        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    return case
+
+
+BUILDERS: dict[str, Callable[[int, bool], Case]] = {
+    "seed": seed_case,
+    "multi-output": multi_output_case,
+    "mtl": mtl_case,
+    "probes": probes_case,
+    "bridge": bridge_case,
+}
+
+HEAD_COUNTS = {
+    "seed": {"full": (2, 8, 32), "quick": (2, 8)},
+    "multi-output": {"full": (32,), "quick": (32,)},
+    "mtl": {"full": (2, 8, 32), "quick": (2, 8)},
+    "probes": {"full": (512,), "quick": (64,)},
+    "bridge": {"full": (4,), "quick": (4,)},
+}
