@@ -3,7 +3,7 @@
 A pullback is linear over the reals, also when ``y`` or ``x`` is complex: a complex entry
 counts as two real coordinates (real and imaginary part). Stacking the real coordinates of
 k cotangents gives the k x m matrix ``V`` that every strategy works with, and
-``from_coords(eye(m), like)`` is the basis of y's space that ``jacrev`` pulls back.
+``unit_rows(like, 0, m)`` is the basis of y's space that ``jacrev`` pulls back.
 """
 
 from __future__ import annotations
@@ -53,11 +53,13 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[tor
     return tuple(leaves)
 
 
-def basis(like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The ``m_real`` unit directions of the space of ``like``, stacked along a leading dim."""
+def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+    """Unit directions ``start..stop-1`` of the real space of ``like``, stacked on a leading
+    dim: rows of the identity, built a chunk at a time (never the whole m x m identity)."""
     m = sum(real_numel(leaf) for leaf in like)
-    dtype = real_dtype([leaf.dtype for leaf in like])
-    return from_coords(torch.eye(m, dtype=dtype, device=like[0].device), like)
+    index = torch.arange(start, stop, device=like[0].device)
+    rows = torch.nn.functional.one_hot(index, m).to(real_dtype([leaf.dtype for leaf in like]))
+    return from_coords(rows, like)
 
 
 def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -134,7 +134,7 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
 
 
 def _head_cotangents(
-    heads: Any, flat: FlatFunction, out: Tensors, call: str
+    heads: Any, keys: list[Any] | None, flat: FlatFunction, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
     """Each head's value and its gradient w.r.t. y: values (k,), cotangent leaves (k, ...).
 
@@ -155,7 +155,7 @@ def _head_cotangents(
 
     results = []
     for index, head in enumerate(heads):
-        where = f"head {index}"
+        where = f"head {index}" if keys is None else f"head {keys[index]!r}"
 
         def one(y: Tensors, head: Callable[..., Any] = head, where: str = where) -> torch.Tensor:
             return _scalar(head(_tree.unflatten(out_def, y)), where, call)
@@ -166,10 +166,23 @@ def _head_cotangents(
     return values, grads
 
 
-def _jvp_basis(
-    flat: FlatFunction, chunk_size: int | None, check: CheckMode
-) -> tuple[Tensors, Tensors, Tensors]:
-    """f's output, its JVPs along the n real unit directions of the inputs, and aux tensors."""
+def _chunks(total: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    step = total if chunk_size is None else chunk_size
+    return [(start, min(start + step, total)) for start in range(0, total, step)]
+
+
+def _forward_mode(
+    flat: FlatFunction,
+    chunk_size: int | None,
+    check: CheckMode,
+    head_cotangents: Callable[[Tensors], tuple[torch.Tensor, Tensors]],
+) -> tuple[torch.Tensor, Tensors, Tensors, Tensors]:
+    """jacfwd: JVPs along the n real unit directions of the inputs, chunk by chunk, each chunk
+    reduced at once to its columns of ``V @ J``, so J is never held whole.
+
+    Returns (values, f's output, aux tensors, grads); ``head_cotangents`` maps f's output to
+    the head values and cotangents (called once, on the first chunk's output).
+    """
     primals = flat.leaves
     sizes: list[int] = []
 
@@ -180,14 +193,26 @@ def _jvp_basis(
         sizes[:] = [len(out), len(aux)]
         return (*out, *tangent_out, *aux)
 
-    # Every output is batched (the primal ones as broadcast views); row 0 is f's output.
-    stacked = _engine.batched(
-        one, _coords.basis(primals), chunk_size=chunk_size, check=check, what="f's JVP"
-    )
-    n_out = sizes[0]
-    out = tuple(s[0] for s in stacked[:n_out])
-    aux = tuple(s[0] for s in stacked[2 * n_out :])
-    return out, stacked[n_out : 2 * n_out], aux
+    columns: list[torch.Tensor] = []
+    for start, stop in _chunks(_m(primals), chunk_size):
+        # Every output is batched (f's own as broadcast views): row 0 is f's output.
+        stacked = _engine.batched(
+            one,
+            _coords.unit_rows(primals, start, stop),
+            chunk_size=chunk_size,
+            check=check,
+            what="f's JVP",
+        )
+        n_out = sizes[0]
+        if not columns:
+            out = tuple(s[0] for s in stacked[:n_out])
+            aux = tuple(s[0] for s in stacked[2 * n_out :])
+            values, cotangents = head_cotangents(out)
+            coords = _coords.to_coords(cotangents, cotangents[0].shape[0])
+        tangents = stacked[n_out : 2 * n_out]
+        columns.append(coords @ _coords.to_coords(tangents, stop - start).T)
+    grads = _coords.from_coords(torch.cat(columns, dim=1), primals)
+    return values, out, aux, grads
 
 
 def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
@@ -202,13 +227,11 @@ def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
     return not all(bool(torch.isfinite(g).all()) for g in grads)
 
 
-def _try_forward(
-    flat: FlatFunction, chunk_size: int | None, check: CheckMode
-) -> tuple[Tensors, Tensors, Tensors] | None:
-    """:func:`_jvp_basis`, or None where forward mode cannot differentiate f (then the caller
-    uses reverse mode, which covers strictly more of PyTorch)."""
+def _try_forward(flat: FlatFunction, run: Callable[[], Any]) -> Any:
+    """``run()`` (forward mode), or None where forward mode cannot differentiate f: then the
+    caller uses reverse mode, which covers strictly more of PyTorch."""
     try:
-        return _jvp_basis(flat, chunk_size, check)
+        return run()
     except (RuntimeError, NotImplementedError) as error:
         if not is_torch_func_limit(error):  # that one is reported by build_vjp's fallback
             warnings.warn(
@@ -264,29 +287,33 @@ class ComposedHeads:
     def __call__(self, *args: Any) -> Any:
         check = resolve_check(self.check, self.call)
         flat = self._flat(args)
+
+        def heads_of(out: Tensors) -> tuple[torch.Tensor, Tensors]:
+            return _head_cotangents(self.heads, self.keys, flat, out, self.call)
+
+        def forward(known: tuple[torch.Tensor, Tensors] | None = None) -> Any:
+            cotangents = (lambda out: known) if known is not None else heads_of
+            return _try_forward(
+                flat, lambda: _forward_mode(flat, self.chunk_size, check, cotangents)
+            )
+
         strategy = self.strategy
         if strategy == "jacfwd":
-            forward = _try_forward(flat, self.chunk_size, check)
-            if forward is not None:
-                out, tangents, aux = forward
-                values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
-                grads = _forward_grads(cotangents, tangents, flat.leaves)
+            result = forward()
+            if result is not None:
+                values, out, aux, grads = result
                 if not _jacobian_went_non_finite(grads, out):
                     return self._package(flat, values, grads, aux)
             # Reverse mode instead: the cotangents themselves if J went non-finite.
-            strategy = "jacrev" if forward is None else "vjp"
+            strategy = "jacrev" if result is None else "vjp"
         out, vjp_fn, aux, can_vmap = build_vjp(flat)
-        values, cotangents = _head_cotangents(self.heads, flat, out, self.call)
+        values, cotangents = heads_of(out)
         plan = make_plan(strategy, self.k, _m(out), _m(flat.leaves))
         if plan.strategy == "jacfwd":
-            forward = _try_forward(flat, self.chunk_size, check) if can_vmap else None
-            if forward is not None:
-                grads = _forward_grads(cotangents, forward[1], flat.leaves)
-                if not _jacobian_went_non_finite(grads, out):
-                    return self._package(flat, values, grads, aux)
-                plan = Plan("vjp", plan.k, plan.m, plan.n)
-            else:
-                plan = Plan("jacrev", plan.k, plan.m, plan.n)
+            result = forward((values, cotangents)) if can_vmap else None
+            if result is not None and not _jacobian_went_non_finite(result[3], out):
+                return self._package(flat, values, result[3], aux)
+            plan = Plan("jacrev" if result is None else "vjp", plan.k, plan.m, plan.n)
         pull = functools.partial(
             _reverse_grads,
             vjp_fn=vjp_fn,
@@ -336,26 +363,24 @@ def _reverse_grads(
     check: CheckMode,
     can_vmap: bool,
 ) -> Tensors:
-    """vjp/loop: pull back the k cotangents; jacrev: the m rows of J, then ``V @ J``."""
-    directions = cotangents if plan.strategy in ("vjp", "loop") else _coords.basis(out)
-    pulled = _engine.batched(
+    """vjp/loop: pull back the k cotangents. jacrev: pull back the m unit directions of y,
+    chunk by chunk, each chunk of J's rows reduced at once into ``V @ J``."""
+    pull = functools.partial(
+        _engine.batched,
         lambda *cotangent: vjp_fn(cotangent),
-        directions,
         chunk_size=chunk_size,
         check=check,
         what="f's pullback",
         can_vmap=can_vmap and plan.strategy != "loop",
     )
-    if plan.strategy == "jacrev":
-        return _coords.combine(_coords.to_coords(cotangents, plan.k), pulled)
-    return pulled
-
-
-def _forward_grads(cotangents: Tensors, tangents: Tensors, primals: Tensors) -> Tensors:
-    """grads = Re<V, J e_j> for every real input direction j: (k, m) @ (m, n)."""
-    k, n = cotangents[0].shape[0], tangents[0].shape[0]
-    products = _coords.to_coords(cotangents, k) @ _coords.to_coords(tangents, n).T
-    return _coords.from_coords(products, primals)
+    if plan.strategy in ("vjp", "loop"):
+        return pull(cotangents)
+    coords = _coords.to_coords(cotangents, plan.k)
+    grads: Tensors = ()
+    for start, stop in _chunks(plan.m, chunk_size):
+        part = _coords.combine(coords[:, start:stop], pull(_coords.unit_rows(out, start, stop)))
+        grads = part if not grads else tuple(g + p for g, p in zip(grads, part))
+    return grads
 
 
 @overload

@@ -161,7 +161,7 @@ def test_bad_head_outputs_name_the_head(strategy, bad_head, error, match):
 
 
 def test_bad_head_in_a_mapping_and_in_stacked_heads():
-    with pytest.raises(ValueError, match=r"head 1 must return a scalar"):
+    with pytest.raises(ValueError, match=r"head 'bad' must return a scalar"):
         funcgrad.compose_heads(torch.tanh, {"ok": HEAD, "bad": lambda y: y})(torch.randn(3))
     stacked = funcgrad.stacked_heads(lambda w, y: w * y, torch.randn(4, 3))
     with pytest.raises(ValueError, match=r"stacked head_fn must return a scalar, got shape \(3,\)"):
