@@ -36,6 +36,10 @@ class _CountedIdentity(torch.autograd.Function):
         return grad, None
 
     @staticmethod
+    def jvp(ctx: Any, x_tangent: torch.Tensor, counter_tangent: Any) -> torch.Tensor:
+        return x_tangent
+
+    @staticmethod
     def vmap(info: Any, in_dims: Any, x: torch.Tensor, counter: BackwardCounter) -> Any:
         return x.view_as(x), in_dims[0]
 

@@ -73,6 +73,7 @@ def batched(
     except (RuntimeError, NotImplementedError) as error:
         if is_torch_func_limit(error):  # not a batching problem: a loop would fail the same way
             raise
+        looped = _loop(fn, args)  # if the loop fails too, its error is the one to see
         warnings.warn(
             f"funcgrad: vmap could not batch {what} ({first_line(error)}); "
             "fell back to a loop of unbatched calls, which gives the right answer more slowly. "
@@ -80,7 +81,7 @@ def batched(
             FuncgradWarning,
             stacklevel=4,
         )
-        return _loop(fn, args)
+        return looped
     if check:
         for index in sorted({0, batch // 2, batch - 1}):
             problem = _mismatch(result, fn(*(arg[index] for arg in args)), index)
