@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class ReleasedPullbackError(ValueError):
     """A :class:`~funcgrad.Pullback` was used after :meth:`~funcgrad.Pullback.release`."""
@@ -23,8 +25,6 @@ def first_line(error: BaseException) -> str:
 
 def describe(value: object) -> str:
     """A short description of a value for error messages: type, shape and dtype of tensors."""
-    import torch
-
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
     return f"{type(value).__name__} {value!r}"[:120]

@@ -65,7 +65,7 @@ def check_primal_leaves(leaves: Sequence[Any], treedef: Any, what: str, call: st
             )
 
 
-def unwrap_level_free(leaves: Sequence[torch.Tensor]) -> bool:
+def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether no leaf is a functorch wrapper, i.e. we are not inside vmap/grad/jvp."""
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
 
@@ -168,7 +168,7 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
     try:
         result = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
-        if not any(limit in str(error) for limit in _TORCH_FUNC_LIMITS) or not unwrap_level_free(
+        if not any(limit in str(error) for limit in _TORCH_FUNC_LIMITS) or not outside_transforms(
             flat.leaves
         ):
             raise

@@ -17,7 +17,7 @@ from ._function import (
     build_vjp,
     is_torch_func_limit,
     normalize_argnums,
-    unwrap_level_free,
+    outside_transforms,
 )
 from ._plan import STRATEGIES, Plan, make_plan
 from ._pullback import check_chunk_size
@@ -222,7 +222,7 @@ def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
     cotangent, would give inf: such results are recomputed by pulling back the cotangents
     themselves, so that NaN/inf come out exactly as in autograd.
     """
-    if torch.compiler.is_compiling() or not unwrap_level_free(out):
+    if torch.compiler.is_compiling() or not outside_transforms(out):
         return False
     # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
     # needless, still correct, recomputation).
