@@ -36,18 +36,24 @@ class Case:
         return f"{self.name} k={self.k}"
 
 
-def _torchjd_jac() -> Callable[..., Any] | None:
+def _add_torchjd(case: Case, graph: Callable[[], tuple[Any, Any]], package=lambda j: j[0]) -> None:
+    """TorchJD's ``autojac.jac(outputs, inputs)`` on the graph that ``graph()`` builds."""
     try:
         from torchjd.autojac import jac
     except ImportError:  # the `bench` extra is not installed
-        return None
-    return jac
+        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+        return
+
+    def run():
+        outputs, inputs = graph()
+        return package(jac(outputs, inputs))
+
+    case.methods["torchjd jac"] = run
 
 
 def _naive(f, heads, x):
-    xr = x.detach().requires_grad_()
-    y = f(xr)
-    return torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+    outputs, xr = _head_graph(f, heads, x)
+    return torch.stack([torch.autograd.grad(z, xr, retain_graph=True)[0] for z in outputs])
 
 
 def _torch_func(f, heads, x):
@@ -57,11 +63,11 @@ def _torch_func(f, heads, x):
     return torch.func.vmap(vjp_fn)(cotangents)[0]
 
 
-def _torchjd(f, heads, x):
-    jac = _torchjd_jac()
+def _head_graph(f, heads, x):
+    """The per-head outputs on a fresh graph of f at x, and the leaf they depend on."""
     xr = x.detach().requires_grad_()
     y = f(xr)
-    return jac([h(y) for h in heads], xr)[0]
+    return [h(y) for h in heads], xr
 
 
 def _add_funcgrad(case: Case, f, heads, x, quick: bool) -> None:
@@ -86,10 +92,7 @@ def _standard(name, f, heads, x, m, quick) -> Case:
     case = Case(name, len(heads), m, x.numel(), {})
     case.methods["naive"] = lambda: _naive(f, heads, x)
     case.methods["torch.func vjp+vmap"] = lambda: _torch_func(f, heads, x)
-    if _torchjd_jac() is not None:
-        case.methods["torchjd jac"] = lambda: _torchjd(f, heads, x)
-    else:
-        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_torchjd(case, lambda: _head_graph(f, heads, x))
     _add_funcgrad(case, f, heads, x, quick)
     return case
 
@@ -214,17 +217,12 @@ def mtl_case(k: int, quick: bool) -> Case:
     case = Case(
         "mtl", k, batch * widths[-1], n, {"naive": naive, "torch.func vjp+vmap": torch_func}
     )
-    jac = _torchjd_jac()
-    if jac is not None:
 
-        def torchjd():
-            z = encoder(inputs)
-            jacobians = jac([h(z) for h in heads], list(encoder.parameters()))
-            return dict(zip(names, jacobians))
+    def graph():
+        z = encoder(inputs)
+        return [h(z) for h in heads], list(encoder.parameters())
 
-        case.methods["torchjd jac"] = torchjd
-    else:
-        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_torchjd(case, graph, package=lambda jacobians: dict(zip(names, jacobians)))
     _add_funcgrad(case, f, heads, params, quick)
     return case
 
@@ -258,10 +256,7 @@ def probes_case(k: int, quick: bool) -> Case:
 
     case = Case("probes", k, d_feature, d_in, {"naive": lambda: _naive(f, heads, x)})
     case.methods["torch.func vjp+vmap"] = torch_func
-    if _torchjd_jac() is not None:
-        case.methods["torchjd jac"] = lambda: _torchjd(f, heads, x)
-    else:
-        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_torchjd(case, lambda: _head_graph(f, heads, x))
     _add_funcgrad(case, f, stacked, x, quick)
     return case
 
@@ -294,16 +289,12 @@ def bridge_case(k: int, quick: bool) -> Case:
     case = Case(
         "bridge", k, 1, 1, {"naive": naive, "seed chain rule": chain_rule, "funcgrad.grads": bridge}
     )
-    jac = _torchjd_jac()
-    if jac is not None:
 
-        def torchjd():
-            x, _, outputs = graph()
-            return jac(outputs, x)[0]
+    def outputs_and_x():
+        x, _, outputs = graph()
+        return outputs, x
 
-        case.methods["torchjd jac"] = torchjd
-    else:
-        case.skipped["torchjd jac"] = "torchjd is not installed (pip install funcgrad[bench])"
+    _add_torchjd(case, outputs_and_x)
     return case
 
 
