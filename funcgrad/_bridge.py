@@ -40,7 +40,9 @@ def _node(t: torch.Tensor) -> Any:
     if t.grad_fn is not None:
         return t.grad_fn
     with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]
+        view = t.view_as(t).grad_fn
+    assert view is not None  # t requires grad (checked by _as_tuple)
+    return view.next_functions[0][0]
 
 
 def _reached(start: Any, targets: dict[Any, int], stop: set[Any]) -> set[int]:

@@ -26,7 +26,7 @@ def _from_env() -> CheckMode:
 
 def _validate(mode: object, call: str) -> CheckMode:
     if mode is True or mode is False or mode == "strict":
-        return mode  # type: ignore[return-value]
+        return mode
     raise ValueError(
         f"{call}: `check` must be True, False or 'strict', got {mode!r}. "
         "Use check=True to compare batched results with unbatched ones."

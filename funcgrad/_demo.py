@@ -12,6 +12,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def make_slow_fun(n: int, counter: BackwardCounter) -> Callable[[torch.Tensor], 
     return slow_fun
 
 
-def timed(label: str, fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+def timed(label: str, fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     times, result = [], None
     for step in range(repeats):
         progress(label, step, repeats)
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     composed = funcgrad.compose_heads(slow_fun, {name: HEADS[name][0] for name in names})
 
-    runs = {}
+    runs: dict[str, tuple[float, int, Any]] = {}
     for label, fn in [
         ("one forward+backward of f", one_pass),
         ("naive autograd, per head", naive),

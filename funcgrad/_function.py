@@ -88,14 +88,16 @@ class FlatFunction:
             has_aux,
             call,
         )
-        self.in_defs, self.leaves, self.counts = [], [], []
+        self.in_defs: list[Any] = []
+        self.counts: list[int] = []
+        flat_leaves: list[torch.Tensor] = []
         for a in argnums:
             leaves, treedef = _tree.flatten(args[a])
             check_primal_leaves(leaves, treedef, f"argument {a}", call)
             self.in_defs.append(treedef)
             self.counts.append(len(leaves))
-            self.leaves.extend(leaves)
-        self.leaves = tuple(self.leaves)
+            flat_leaves.extend(leaves)
+        self.leaves: Tensors = tuple(flat_leaves)
         self.out_def: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
@@ -183,7 +185,7 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
         out, vjp_fn, aux = _eager_vjp(flat)
         return out, vjp_fn, aux, False
     if flat.has_aux:
-        out, vjp_fn, aux = result
+        out, vjp_fn, aux = result  # type: ignore[misc]  # torch.func types the pair only
         return out, vjp_fn, aux, True
-    out, vjp_fn = result
+    out, vjp_fn = result  # type: ignore[misc]
     return out, vjp_fn, (), True

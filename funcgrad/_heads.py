@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
@@ -23,6 +23,7 @@ from ._plan import STRATEGIES, Plan, make_plan
 from ._pullback import check_chunk_size
 
 Tensors = tuple[torch.Tensor, ...]
+R = TypeVar("R")
 
 
 class StackedHeads:
@@ -144,12 +145,12 @@ def _head_cotangents(
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
 
-        def one(p: Tensors, y: Tensors) -> torch.Tensor:
+        def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
             value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
             return _scalar(value, "stacked head_fn", call)
 
         grads, values = torch.func.vmap(
-            torch.func.grad_and_value(one, argnums=1), in_dims=(0, None)
+            torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
         )(heads.params, out)
         return values, grads
 
@@ -187,7 +188,7 @@ def _forward_mode(
     sizes: list[int] = []
 
     def one(*tangent: torch.Tensor) -> Tensors:
-        result = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
+        result: tuple[Any, ...] = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
         out, tangent_out = result[0], result[1]
         aux = result[2] if flat.has_aux else ()
         sizes[:] = [len(out), len(aux)]
@@ -258,7 +259,7 @@ def _validate(f: object, strategy: object, chunk_size: object, argnums: object, 
         raise TypeError(f"{call}: `argnums` must be an int or a tuple of ints, got {argnums!r}.")
 
 
-class ComposedHeads:
+class ComposedHeads(Generic[R]):
     """The function returned by :func:`compose_heads`; call it with f's arguments."""
 
     def __init__(self, f, heads, argnums, has_aux, strategy, chunk_size, check) -> None:
@@ -286,7 +287,7 @@ class ComposedHeads:
         out = result[0] if self.has_aux else result
         return make_plan(self.strategy, self.k, _m(out), _m(flat.leaves))
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any) -> R:
         check = resolve_check(self.check, self.call)
         flat = self._flat(args)
 
@@ -397,7 +398,7 @@ def compose_heads(
     strategy: str = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
-) -> Callable[..., tuple[Any, Any]]: ...
+) -> ComposedHeads[tuple[Any, Any]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
@@ -410,7 +411,7 @@ def compose_heads(
     strategy: str = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
-) -> Callable[..., tuple[Any, Any, Any]]: ...
+) -> ComposedHeads[tuple[Any, Any, Any]]: ...
 def compose_heads(
     f: Callable[..., Any],
     heads: Any,

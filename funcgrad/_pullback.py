@@ -83,7 +83,8 @@ class Pullback:
             A tuple with one entry per primal, each with that primal's structure.
         """
         leaves = self._check_cotangent(cotangent, "pb(cotangent)", batched=False)
-        grads = self._apply(tuple(leaf.unsqueeze(0) for leaf in leaves), None, None)
+        # One cotangent is one unbatched call: nothing for `check` to compare.
+        grads = self._apply(tuple(leaf.unsqueeze(0) for leaf in leaves), None, False)
         return tuple(self._flat.split_inputs([g[0] for g in grads]))
 
     def many(

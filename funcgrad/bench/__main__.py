@@ -215,7 +215,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    families = {}
+    families: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for entry in report["cases"].values():
         name, k = entry["name"], entry["k"]
         families.setdefault(name, []).append((k, entry))
@@ -255,8 +255,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_memory-child"]:
-        name, k, mode, method, threads = argv[1:6]
-        _peak_memory_child(name, int(k), mode == "quick", method, int(threads))
+        case_name, heads, size, method, threads = argv[1:6]
+        _peak_memory_child(case_name, int(heads), size == "quick", method, int(threads))
         return 0
     parser = argparse.ArgumentParser(
         prog="python -m funcgrad.bench",
@@ -278,16 +278,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (3 if args.quick else 7)
     mode = "quick" if args.quick else "full"
+    versions: dict[str, str | None] = {
+        "funcgrad": funcgrad.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
     report: dict[str, Any] = {
         "quick": args.quick,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
-        "versions": {
-            "funcgrad": funcgrad.__version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "versions": versions,
         "cases": {},
         "disagreements": [],
     }
@@ -296,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
 
         import torchjd  # noqa: F401
 
-        report["versions"]["torchjd"] = version("torchjd")
+        versions["torchjd"] = version("torchjd")
     except ImportError:
-        report["versions"]["torchjd"] = None
+        versions["torchjd"] = None
     for name in args.cases:
         for k in HEAD_COUNTS[name][mode]:
             case = BUILDERS[name](k, args.quick)

@@ -306,7 +306,7 @@ BUILDERS: dict[str, Callable[[int, bool], Case]] = {
     "bridge": bridge_case,
 }
 
-HEAD_COUNTS = {
+HEAD_COUNTS: dict[str, dict[str, tuple[int, ...]]] = {
     "seed": {"full": (2, 8, 32), "quick": (2, 8)},
     "multi-output": {"full": (32,), "quick": (32,)},
     "mtl": {"full": (2, 8, 32), "quick": (2, 8)},
