@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
-from ._function import is_torch_func_limit
+from ._function import is_torch_func_limit, outside_transforms
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -82,7 +82,8 @@ def batched(
             stacklevel=4,
         )
         return looped
-    if check:
+    # The comparison reads values: eager only (not inside vmap/grad or a compiled region).
+    if check and outside_transforms(args) and not torch.compiler.is_compiling():
         for index in sorted({0, batch // 2, batch - 1}):
             problem = _mismatch(result, fn(*(arg[index] for arg in args)), index)
             if problem is None:

@@ -76,6 +76,18 @@ def test_pb_many_check_catches_cdist():
         torch.testing.assert_close(got[i], pb(cotangents[i])[0])
 
 
+def test_check_is_skipped_inside_transforms():
+    """check compares values, so it runs in eager mode only; vmap over x must still work."""
+    w = torch.randn(4, 3)
+    composed = funcgrad.compose_heads(
+        lambda x: torch.tanh(w @ x), CDIST_HEADS[:1] * 3, strategy="vjp", check="strict"
+    )
+    xs = torch.randn(5, 3)
+    _, grads = torch.func.vmap(composed)(xs)
+    for i in range(5):
+        torch.testing.assert_close(grads[i], composed(xs[i])[1])
+
+
 def test_check_passes_silently_on_a_correct_batch():
     w = torch.randn(4, 3)
     with warnings.catch_warnings():
