@@ -4,7 +4,8 @@ Every method runs the whole job (f's forward included) and must agree with the n
 loop first. Then the methods are timed in interleaved rounds (the order rotates every
 round), so that a slow moment of a shared machine hits all of them alike; figures are
 medians and ratios within one run. Peak memory is measured per method in a fresh
-subprocess.
+subprocess: RSS high-water above the baseline on the CPU, ``torch.cuda.max_memory_allocated``
+above the baseline with ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
     return verdicts
 
 
+def _finish() -> None:
+    """Wait for queued GPU work, so that a method's time is its own."""
+    if torch.get_default_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
     names = list(case.methods)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -68,22 +75,35 @@ def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
             progress(f"timing {case.label}", r * len(names) + i, total)
             start = time.perf_counter()
             case.methods[name]()
+            _finish()
             samples[name].append(time.perf_counter() - start)
     progress(f"timing {case.label}", total, total)
     return samples
 
 
-def _peak_memory_child(case_name: str, k: int, quick: bool, method: str, threads: int) -> None:
+def _peak_memory_child(
+    case_name: str, k: int, quick: bool, method: str, threads: int, device: str
+) -> None:
     """In a fresh process: run the method once to warm up, reset the peak, run it again."""
     torch.set_num_threads(threads)
+    torch.set_default_device(device)
     case = BUILDERS[case_name](k, quick)
     fn = case.methods[method]
     fn()
-    with open("/proc/self/clear_refs", "w") as handle:  # resets VmHWM, the peak RSS
-        handle.write("5")
-    base = _status_kib("VmRSS")
-    fn()
-    print(json.dumps({"peak_kib": _status_kib("VmHWM") - base}))
+    _finish()
+    if device.startswith("cuda"):  # allocated memory above the baseline, on the GPU
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        _finish()
+        peak_kib = (torch.cuda.max_memory_allocated() - base) // 1024
+    else:  # RSS high-water above the baseline
+        with open("/proc/self/clear_refs", "w") as handle:  # resets VmHWM, the peak RSS
+            handle.write("5")
+        base = _status_kib("VmRSS")
+        fn()
+        peak_kib = _status_kib("VmHWM") - base
+    print(json.dumps({"peak_kib": peak_kib}))
 
 
 def _status_kib(field: str) -> int:
@@ -94,8 +114,8 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _peak_memory(case: Case, quick: bool, threads: int) -> dict[str, float | None]:
-    if not os.path.exists("/proc/self/clear_refs"):
+def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str, float | None]:
+    if not device.startswith("cuda") and not os.path.exists("/proc/self/clear_refs"):
         return {}
     peaks: dict[str, float | None] = {}
     # A fixed mmap threshold keeps glibc's heap from holding freed memory, so that RSS
@@ -114,6 +134,7 @@ def _peak_memory(case: Case, quick: bool, threads: int) -> dict[str, float | Non
             "quick" if quick else "full",
             name,
             str(threads),
+            device,
         ]
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
         lines = done.stdout.strip().splitlines()
@@ -255,8 +276,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_memory-child"]:
-        case_name, heads, size, method, threads = argv[1:6]
-        _peak_memory_child(case_name, int(heads), size == "quick", method, int(threads))
+        case_name, heads, size, method, threads, device = argv[1:7]
+        _peak_memory_child(case_name, int(heads), size == "quick", method, int(threads), device)
         return 0
     parser = argparse.ArgumentParser(
         prog="python -m funcgrad.bench",
@@ -272,10 +293,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
+        "--device", default="cpu", help="where the cases live: cpu (default) or cuda"
+    )
+    parser.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory subprocesses"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    torch.set_default_device(args.device)
     rounds = args.rounds or (3 if args.quick else 7)
     mode = "quick" if args.quick else "full"
     versions: dict[str, str | None] = {
@@ -287,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores",
+        "device": args.device,
+        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores"
+        + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "versions": versions,
         "cases": {},
         "disagreements": [],
@@ -326,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             # Quick runs measure memory on the seed only: each method is a fresh process.
             if not args.no_memory and (not args.quick or case.label == "seed k=8"):
-                entry["peak_mib"] = _peak_memory(case, args.quick, args.threads)
+                entry["peak_mib"] = _peak_memory(case, args.quick, args.threads, args.device)
             report["cases"][case.label] = entry
     report["targets"] = _evaluate_targets(report["cases"])
     args.out.mkdir(parents=True, exist_ok=True)

@@ -157,7 +157,7 @@ def seed_case(k: int, quick: bool) -> Case:
 
 def multi_output_case(k: int, quick: bool) -> Case:
     n = 50 if quick else 200
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(0)
     bases = torch.randn(4, n, n, generator=gen) / n**0.5
     bases = bases + bases.transpose(1, 2)
 
@@ -231,7 +231,7 @@ def probes_case(k: int, quick: bool) -> Case:
     # A 2048 -> 2048 -> 64 MLP; the ratio to raw vmap falls as f's backward gets dearer
     # relative to the fixed (k, m) @ (m, n) product: about m/k + m/hidden in flops.
     d_in, d_hidden, d_feature = (256, 64, 16) if quick else (2048, 2048, 64)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=torch.get_default_device()).manual_seed(0)
     w1 = torch.randn(d_hidden, d_in, generator=gen) / d_in**0.5
     w2 = torch.randn(d_feature, d_hidden, generator=gen) / d_hidden**0.5
 
