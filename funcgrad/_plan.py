@@ -39,10 +39,6 @@ class Plan:
     def directions(self) -> int:
         return {"vjp": self.k, "loop": self.k, "jacrev": self.m, "jacfwd": self.n}[self.strategy]
 
-    @property
-    def mode(self) -> str:
-        return "forward" if self.strategy == "jacfwd" else "reverse"
-
 
 def choose(k: int, m: int, n: int) -> str:
     """Cheapest strategy by the number of directions that must pass through f.
