@@ -9,6 +9,7 @@ import torch
 
 from . import _coords
 from ._errors import describe
+from ._function import autograd_grad
 
 _CALL = "funcgrad.grads(outputs, inputs, through=...)"
 
@@ -100,24 +101,12 @@ def _check_outputs(outputs: tuple[torch.Tensor, ...]) -> None:
             raise TypeError(f"{_CALL}: outputs[{i}] must be a real floating scalar, got {z.dtype}.")
 
 
-def _grad(outputs, inputs, cotangents, retain_graph: bool, create_graph: bool):
-    grads = torch.autograd.grad(
-        outputs,
-        inputs,
-        cotangents,
-        retain_graph=retain_graph,
-        create_graph=create_graph,
-        allow_unused=True,
-    )
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
-
-
 def _pull_rows(mids, ins, rows, retain: bool, create_graph: bool) -> tuple[torch.Tensor, ...]:
     """Pull back each row (leading dim of ``rows``) from ``through`` to the inputs, one
     backward each; the last one frees the graph unless ``retain``."""
     r = rows[0].shape[0]
     images = [
-        _grad(
+        autograd_grad(
             mids,
             ins,
             tuple(row[i] for row in rows),
@@ -184,7 +173,9 @@ def grads(
     k = len(outs)
 
     # Outputs -> through (cheap): one cotangent on `through` per output.
-    per_output = [_grad(z, mids, None, retain_graph=True, create_graph=create_graph) for z in outs]
+    per_output = [
+        autograd_grad(z, mids, None, retain_graph=True, create_graph=create_graph) for z in outs
+    ]
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
     # Through -> inputs (slow): only the independent directions, the last one frees the graph.

@@ -18,6 +18,11 @@ def real_numel(leaf: torch.Tensor) -> int:
     return leaf.numel() * (2 if leaf.is_complex() else 1)
 
 
+def real_size(leaves: Sequence[torch.Tensor]) -> int:
+    """m: the real dimension of the space of ``leaves`` (complex entries count twice)."""
+    return sum(real_numel(leaf) for leaf in leaves)
+
+
 def real_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     """The common real dtype of ``dtypes`` (float64 for complex128, ...)."""
     common = dtypes[0]
@@ -56,7 +61,7 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[tor
 def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, ...]:
     """Unit directions ``start..stop-1`` of the real space of ``like``, stacked on a leading
     dim: rows of the identity, built a chunk at a time (never the whole m x m identity)."""
-    m = sum(real_numel(leaf) for leaf in like)
+    m = real_size(like)
     index = torch.arange(start, stop, device=like[0].device)
     rows = torch.nn.functional.one_hot(index, m).to(real_dtype([leaf.dtype for leaf in like]))
     return from_coords(rows, like)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
-from ._function import is_torch_func_limit, outside_transforms
+from ._function import is_torch_func_limit, values_readable
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -83,7 +83,7 @@ def batched(
         )
         return looped
     # The comparison reads values: eager only (not inside vmap/grad or a compiled region).
-    if check and outside_transforms(args) and not torch.compiler.is_compiling():
+    if check and values_readable(args):
         for index in sorted({0, batch // 2, batch - 1}):
             problem = _mismatch(result, fn(*(arg[index] for arg in args)), index)
             if problem is None:

@@ -70,6 +70,13 @@ def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
     return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
 
 
+def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether data-dependent Python (``bool(t)``, ``.item()``) may look at these tensors:
+    eager mode, outside torch.func transforms and outside a compiled region."""
+    # is_compiling first: dynamo cannot trace is_functorch_wrapped_tensor.
+    return not torch.compiler.is_compiling() and outside_transforms(leaves)
+
+
 class FlatFunction:
     """``f(*args)`` as a function of the flat leaves of the arguments in ``argnums``."""
 
@@ -150,6 +157,21 @@ class FlatFunction:
         return _tree.unflatten(self.out_def, out_leaves)
 
 
+def autograd_grad(
+    outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool, create_graph: bool = False
+) -> Tensors:
+    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach."""
+    grads = torch.autograd.grad(
+        outputs,
+        inputs,
+        cotangents,
+        retain_graph=retain_graph,
+        create_graph=create_graph,
+        allow_unused=True,
+    )
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+
 def _eager_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
     """The same contract as ``torch.func.vjp``, on plain autograd (one retained graph)."""
     inputs = tuple(leaf.detach().requires_grad_() for leaf in flat.leaves)
@@ -158,8 +180,7 @@ def _eager_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors
     out, aux = result if flat.has_aux else (result, ())
 
     def vjp_fn(cotangents: Tensors) -> Tensors:
-        grads = torch.autograd.grad(out, inputs, cotangents, retain_graph=True, allow_unused=True)
-        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+        return autograd_grad(out, inputs, cotangents, retain_graph=True)
 
     return tuple(o.detach() for o in out), vjp_fn, tuple(a.detach() for a in aux)
 

@@ -17,7 +17,7 @@ from ._function import (
     build_vjp,
     is_torch_func_limit,
     normalize_argnums,
-    outside_transforms,
+    values_readable,
 )
 from ._plan import STRATEGIES, Plan, make_plan
 from ._pullback import check_chunk_size
@@ -185,17 +185,15 @@ def _forward_mode(
     the head values and cotangents (called once, on the first chunk's output).
     """
     primals = flat.leaves
-    sizes: list[int] = []
 
     def one(*tangent: torch.Tensor) -> Tensors:
         result: tuple[Any, ...] = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
         out, tangent_out = result[0], result[1]
         aux = result[2] if flat.has_aux else ()
-        sizes[:] = [len(out), len(aux)]
         return (*out, *tangent_out, *aux)
 
     columns: list[torch.Tensor] = []
-    for start, stop in _chunks(_m(primals), chunk_size):
+    for start, stop in _chunks(_coords.real_size(primals), chunk_size):
         # Every output is batched (f's own as broadcast views): row 0 is f's output.
         stacked = _engine.batched(
             one,
@@ -204,7 +202,7 @@ def _forward_mode(
             check=check,
             what="f's JVP",
         )
-        n_out = sizes[0]
+        n_out = flat.out_def.num_leaves  # known once f has run
         if not columns:
             out = tuple(s[0] for s in stacked[:n_out])
             aux = tuple(s[0] for s in stacked[2 * n_out :])
@@ -223,7 +221,7 @@ def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
     cotangent, would give inf: such results are recomputed by pulling back the cotangents
     themselves, so that NaN/inf come out exactly as in autograd.
     """
-    if torch.compiler.is_compiling() or not outside_transforms(out):
+    if not values_readable(out):
         return False
     # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
     # needless, still correct, recomputation).
@@ -285,7 +283,9 @@ class ComposedHeads(Generic[R]):
         with torch.no_grad():
             result = flat(*flat.leaves)
         out = result[0] if self.has_aux else result
-        return make_plan(self.strategy, self.k, _m(out), _m(flat.leaves))
+        return make_plan(
+            self.strategy, self.k, _coords.real_size(out), _coords.real_size(flat.leaves)
+        )
 
     def __call__(self, *args: Any) -> R:
         check = resolve_check(self.check, self.call)
@@ -311,7 +311,7 @@ class ComposedHeads(Generic[R]):
             strategy = "jacrev" if result is None else "vjp"
         out, vjp_fn, aux, can_vmap = build_vjp(flat)
         values, cotangents = heads_of(out)
-        plan = make_plan(strategy, self.k, _m(out), _m(flat.leaves))
+        plan = make_plan(strategy, self.k, _coords.real_size(out), _coords.real_size(flat.leaves))
         if plan.strategy == "jacfwd":
             result = forward((values, cotangents)) if can_vmap else None
             if result is not None and not _jacobian_went_non_finite(result[3], out):
@@ -350,10 +350,6 @@ class ComposedHeads(Generic[R]):
 def _tree_index(tree: Any, i: int) -> Any:
     leaves, treedef = _tree.flatten(tree)
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
-
-
-def _m(leaves: Sequence[torch.Tensor]) -> int:
-    return sum(_coords.real_numel(leaf) for leaf in leaves)
 
 
 def _reverse_grads(

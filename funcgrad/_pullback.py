@@ -11,7 +11,7 @@ import torch
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
-from ._function import FlatFunction, build_vjp, outside_transforms
+from ._function import FlatFunction, build_vjp, values_readable
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -54,8 +54,8 @@ class Pullback:
         self._out_like = tuple(o.detach() for o in out)
         self._vjp_fn: Callable[[Tensors], Tensors] | None = vjp_fn
         self._can_vmap = can_vmap
-        self._reuse = reuse and outside_transforms(out)
-        self._m = sum(_coords.real_numel(o) for o in out)
+        self._reuse = reuse and values_readable(out)
+        self._m = _coords.real_size(out)
         self._basis: torch.Tensor | None = None  # (r, m) orthonormal rows, real coordinates
         self._images: Tensors = ()  # pullbacks of the basis rows, leaves (r, *x_leaf.shape)
         self.stats = PullbackStats()
@@ -178,7 +178,7 @@ class Pullback:
         k = cotangents[0].shape[0]
         self.stats.calls += 1
         self.stats.cotangents += k
-        if not (self._reuse and outside_transforms(cotangents)):
+        if not (self._reuse and values_readable(cotangents)):
             return self._pull(cotangents, chunk_size, check)
         coords = _coords.to_coords(cotangents, k)
         if not bool(torch.isfinite(coords).all()):
