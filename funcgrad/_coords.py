@@ -8,7 +8,6 @@ k cotangents gives the k x m matrix ``V`` that every strategy works with, and
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -70,33 +69,3 @@ def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> tuple[torc
 def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``coefficients @ rows`` leaf by leaf: (k, r) times leaves (r, ...) gives leaves (k, ...)."""
     return tuple(torch.tensordot(coefficients.to(row.dtype), row, dims=1) for row in rows)
-
-
-def new_directions(coords: torch.Tensor, basis: torch.Tensor | None, m: int) -> torch.Tensor | None:
-    """Orthonormal directions (rows) that, added to ``basis``, span the rows of ``coords``.
-
-    This is where linearity saves passes through f: only these directions need a pullback,
-    every row of ``coords`` is then a combination of ``basis`` and them. At most
-    ``min(k, m - r)`` rows for k cotangents in an m-dimensional space with r kept directions;
-    None when nothing is new. Rows within roundoff of the span count as inside it.
-    """
-    k, r = coords.shape[0], 0 if basis is None else basis.shape[0]
-    if r == m:
-        return None
-    if r == 0 and k >= m:
-        # The cotangents likely span y's space: pull back its unit basis (that is jacrev).
-        return torch.eye(m, dtype=coords.dtype, device=coords.device)
-    residual = coords if basis is None else coords - (coords @ basis.T) @ basis
-    eps = torch.finfo(coords.dtype).eps
-    norms = coords.norm(dim=1)
-    outside = residual.norm(dim=1) > 16 * eps * math.sqrt(r + 1) * norms
-    if not bool(outside.any()):
-        return None
-    residual = residual[outside]
-    _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
-    keep = singular > 16 * eps * math.sqrt(residual.shape[0]) * norms.max()
-    new = vh[: int(keep.sum())][: m - r]
-    if basis is not None:  # once more against the basis, for orthogonality
-        new = new - (new @ basis.T) @ basis
-        new = torch.linalg.qr(new.T).Q.T
-    return new

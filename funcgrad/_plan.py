@@ -40,13 +40,16 @@ class Plan:
         return {"vjp": self.k, "loop": self.k, "jacrev": self.m, "jacfwd": self.n}[self.strategy]
 
 
-def choose(k: int, m: int, n: int) -> str:
+def choose(k: int, m: int, n: int, forward: bool = True) -> str:
     """Cheapest strategy by the number of directions that must pass through f.
 
     ``vjp`` costs k pullbacks, ``jacrev`` m pullbacks plus a (k, m) @ (m, n) product,
-    ``jacfwd`` n JVPs plus a product. Ties go to ``vjp``, which needs no product.
+    ``jacfwd`` n JVPs plus a product. Ties go to ``vjp``, which needs no product. Empty
+    inputs (n = 0) need no direction at all and go to ``vjp``, which returns zeros.
     """
-    costs = {"vjp": k, "jacrev": m, "jacfwd": FORWARD_MODE_PENALTY * n}
+    costs = {"vjp": k, "jacrev": m}
+    if forward and n:
+        costs["jacfwd"] = FORWARD_MODE_PENALTY * n
     return min(costs, key=lambda name: (costs[name], list(costs).index(name)))
 
 
