@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import _coords
+from . import _coords, _engine
+from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import autograd_grad
+from ._pullback import check_chunk_size
 
 _CALL = "funcgrad.grads(outputs, inputs, through=...)"
 
 
 def _as_tuple(value: Any, name: str) -> tuple[torch.Tensor, ...]:
-    items = (value,) if isinstance(value, torch.Tensor) else value
-    if not isinstance(items, Sequence) or isinstance(items, str) or not items:
+    if isinstance(value, torch.Tensor):
+        items: Any = (value,)
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+        items = tuple(value)  # a list, or a generator such as model.parameters()
+    else:
+        items = ()
+    if not items:
         raise TypeError(
             f"{_CALL}: `{name}` must be a tensor or a non-empty sequence of tensors, "
             f"got {describe(value)}."
@@ -36,44 +43,71 @@ def _as_tuple(value: Any, name: str) -> tuple[torch.Tensor, ...]:
     return tuple(items)
 
 
-def _node(t: torch.Tensor) -> Any:
-    """The autograd node through which gradients reach ``t`` (AccumulateGrad for a leaf)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    with torch.enable_grad():
-        view = t.view_as(t).grad_fn
-    assert view is not None  # t requires grad (checked by _as_tuple)
-    return view.next_functions[0][0]
+Edge = tuple[Any, int]
 
 
-def _reached(start: Any, targets: dict[Any, int], stop: set[Any]) -> set[int]:
-    """Indices of the target nodes reachable from ``start`` without passing a ``stop`` node."""
-    found, seen, todo = set(), {start}, [start]
+def _edge(t: torch.Tensor) -> Edge:
+    """The gradient edge into ``t``: (node, output index). An op with several outputs
+    (unbind, split, max(dim)) has one node for all of them; the index tells them apart."""
+    edge = torch.autograd.graph.get_gradient_edge(t)
+    return edge.node, edge.output_nr
+
+
+def _parents(edge: Edge) -> list[Edge]:
+    return [(node, nr) for node, nr in edge[0].next_functions if node is not None]
+
+
+def _reached(starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]) -> set[int]:
+    """Indices of the target edges reachable from ``starts`` without passing a ``stop`` edge.
+
+    Conservative where it must be: gradient entering a node by any output is taken to reach
+    all of its inputs (true of every op but a few with unused inputs), so a dependency is
+    never missed; a stop edge is checked before a target edge."""
+    found: set[int] = set()
+    seen, todo = set(starts), list(starts)
     while todo:
-        node = todo.pop()
-        if node in targets:
-            found.add(targets[node])
-        if node in stop:
+        edge = todo.pop()
+        if edge in stop:
             continue
-        for parent, _ in node.next_functions:
-            if parent is not None and parent not in seen:
+        if edge in targets:
+            found.add(targets[edge])
+        for parent in _parents(edge):
+            if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
     return found
 
 
 def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
-    """Before any backward runs: every output reaches ``through`` and reaches the inputs only
-    through it, and ``through`` reaches every input."""
-    input_nodes = {_node(x): i for i, x in enumerate(inputs)}
-    through_nodes = {_node(y): j for j, y in enumerate(through)}
+    """Before any backward runs: ``through`` lists independent tensors, every output reaches
+    ``through`` and reaches the inputs only through it, and ``through`` reaches every input."""
+    input_edges = {_edge(x): i for i, x in enumerate(inputs)}
+    through_edges: dict[Edge, int] = {}
+    for j, y in enumerate(through):
+        edge = _edge(y)
+        if edge in through_edges:
+            raise ValueError(
+                f"{_CALL}: through[{j}] is the same tensor as through[{through_edges[edge]}]; "
+                "list each intermediate once."
+            )
+        through_edges[edge] = j
+    for j, edge in enumerate(through_edges):
+        others = {e: i for e, i in through_edges.items() if e != edge}
+        above = _reached(_parents(edge), others, {})
+        if above:
+            raise ValueError(
+                f"{_CALL}: through[{j}] is computed from through[{min(above)}], so pulling "
+                "back through both would count that path twice. Pass only the independent "
+                f"intermediates (drop through[{min(above)}] or through[{j}])."
+            )
     for i, z in enumerate(outputs):
-        if not _reached(_node(z), through_nodes, set()):
+        start = [_edge(z)]
+        if not _reached(start, through_edges, {}):
             raise ValueError(
                 f"{_CALL}: outputs[{i}] does not depend on `through`; every output must be "
                 "computed from it (z = g(y)). Drop that output or compute it from `through`."
             )
-        bypass = _reached(_node(z), input_nodes, set(through_nodes))
+        bypass = _reached(start, input_edges, through_edges)
         if bypass:
             raise ValueError(
                 f"{_CALL}: outputs[{i}] depends on inputs[{min(bypass)}] other than through "
@@ -81,7 +115,7 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
                 "Add the intermediate it uses to `through`, or use torch.autograd.grad."
             )
     if not allow_unused:
-        reached = set().union(*(_reached(node, input_nodes, set()) for node in through_nodes))
+        reached = _reached(list(through_edges), input_edges, {})
         for i in range(len(inputs)):
             if i not in reached:
                 raise ValueError(
@@ -101,23 +135,6 @@ def _check_outputs(outputs: tuple[torch.Tensor, ...]) -> None:
             raise TypeError(f"{_CALL}: outputs[{i}] must be a real floating scalar, got {z.dtype}.")
 
 
-def _pull_rows(mids, ins, rows, retain: bool, create_graph: bool) -> tuple[torch.Tensor, ...]:
-    """Pull back each row (leading dim of ``rows``) from ``through`` to the inputs, one
-    backward each; the last one frees the graph unless ``retain``."""
-    r = rows[0].shape[0]
-    images = [
-        autograd_grad(
-            mids,
-            ins,
-            tuple(row[i] for row in rows),
-            retain_graph=retain or i < r - 1,
-            create_graph=create_graph,
-        )
-        for i in range(r)
-    ]
-    return tuple(torch.stack([image[j] for image in images]) for j in range(len(ins)))
-
-
 def grads(
     outputs: Sequence[torch.Tensor] | torch.Tensor,
     inputs: Sequence[torch.Tensor] | torch.Tensor,
@@ -126,6 +143,8 @@ def grads(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool = False,
+    chunk_size: int | None = None,
+    check: CheckMode | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Gradients of many outputs already in an autograd graph, with f's backward run once.
 
@@ -140,11 +159,16 @@ def grads(
         outputs: k scalar tensors (z_i = g_i(y)), or one.
         inputs: the tensor(s) to differentiate with respect to (x).
         through: the intermediate tensor(s) every output is computed from (y).
-        retain_graph: keep the graph for later backward calls; defaults to ``create_graph``,
-            as in ``torch.autograd.grad``.
+        retain_graph: accepted as in ``torch.autograd.grad``. The graph is always kept
+            during the call (batching, ``check`` and the non-finite recompute may need it
+            more than once), so a later backward through it works either way; its memory
+            goes when you drop the outputs and ``through``.
         create_graph: build the graph of the gradients, for higher order.
         allow_unused: give zeros for inputs that ``through`` does not depend on, instead of
             an error.
+        chunk_size: at most this many directions per batched backward (1: a loop).
+        check: compare the batched backward with unbatched ones (see
+            :func:`funcgrad.set_check`); None uses the global setting.
 
     Returns:
         A tuple with one tensor per input, of shape ``(k, *input.shape)``.
@@ -159,18 +183,24 @@ def grads(
         torch.Size([2])
 
     Notes:
-        Cost: one backward of each output to ``through`` (cheap), then one backward from
-        ``through`` to the inputs per independent direction, unbatched (``autograd.grad``'s
-        batched mode is slow for common ops). Validation walks the graph once beforehand,
-        so a wrong ``through`` is an error before any slow backward runs.
+        Cost: one backward of each output to ``through`` (cheap), then the backward from
+        ``through`` to the inputs along the independent directions only, batched in one
+        ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
+        Rank detection is invariant to each output's scale; non-finite cotangents or
+        images are pulled back as they are, so NaN/inf come out as in autograd.
+        Validation walks the graph's gradient edges once beforehand, so a wrong
+        ``through`` (missed paths, dependent or repeated entries) is an error before any
+        slow backward runs. The graph is retained during the call; with
+        ``retain_graph=False`` its memory goes when you drop the outputs.
     """
+    check_chunk_size(chunk_size, _CALL)
+    mode = resolve_check(check, _CALL)
     outs = _as_tuple(outputs, "outputs")
     ins = _as_tuple(inputs, "inputs")
     mids = _as_tuple(through, "through")
     _check_outputs(outs)
     _check_graph(outs, ins, mids, allow_unused)
-    retain = create_graph if retain_graph is None else retain_graph
-    k = len(outs)
+    del retain_graph  # see Args: kept during the call either way
 
     # Outputs -> through (cheap): one cotangent on `through` per output.
     per_output = [
@@ -178,16 +208,22 @@ def grads(
     ]
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
-    # Through -> inputs (slow): only the independent directions, the last one frees the graph.
-    coords = _coords.to_coords(cotangents, k)
-    m = coords.shape[1]
-    directions = _coords.new_directions(coords.detach(), None, m)
-    if create_graph and directions is not None and directions.shape[0] < m:
-        # A partial basis gives the right values but projects the derivative of the
-        # cotangents onto it: for higher order, pull back the cotangents themselves.
-        return _pull_rows(mids, ins, cotangents, retain, create_graph)
-    if directions is None:
-        return tuple(torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device) for x in ins)
-    units = _coords.from_coords(directions, tuple(mid.detach() for mid in mids))
-    rows = _pull_rows(mids, ins, units, retain, create_graph)
-    return _coords.combine(coords @ directions.T, rows)
+    # Through -> inputs (slow): only the independent directions, batched with vmap over
+    # torch.autograd.grad where the graph allows (a loop for create_graph).
+    def backward(*cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return autograd_grad(mids, ins, cotangent, retain_graph=True, create_graph=create_graph)
+
+    def pull(directions: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return _engine.batched(
+            backward,
+            directions,
+            chunk_size=chunk_size,
+            check=mode,
+            what="the backward from `through` to the inputs",
+            can_vmap=not create_graph,
+        )
+
+    like = tuple(mid.detach() for mid in mids)
+    basis = _engine.Basis(_coords.real_size(like))
+    result, _ = _engine.by_linearity(pull, cotangents, like, ins, basis, keep=False)
+    return result
