@@ -23,6 +23,27 @@ _TORCH_FUNC_LIMITS = (
     "Cannot access data pointer of Tensor that doesn't have storage",
     "Cannot access storage of TensorWrapper",
 )
+# f updates a captured tensor in place (BatchNorm's running statistics in training mode):
+# torch.func refuses it at the first in-place op, before anything is mutated.
+_MUTATES_CAPTURED = "would mutate a captured Tensor"
+
+# Messages of forward-mode AD that cannot differentiate an op that reverse mode can.
+_FORWARD_MODE_LIMITS = (
+    "forward AD",
+    "forward mode AD",
+    "jvp function for custom autograd.Function",
+    "jvp is not implemented",
+    "the derivative for",
+    _MUTATES_CAPTURED,
+    *_TORCH_FUNC_LIMITS,
+)
+
+
+def is_forward_mode_limit(error: BaseException) -> bool:
+    """Whether forward mode (not the user's code) failed, so that reverse mode may succeed."""
+    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
+        limit in str(error) for limit in _FORWARD_MODE_LIMITS
+    )
 
 
 def is_torch_func_limit(error: BaseException) -> bool:
@@ -52,7 +73,9 @@ def normalize_argnums(argnums: object, nargs: int, call: str) -> tuple[int, ...]
     return tuple(result)
 
 
-def check_primal_leaves(leaves: Sequence[Any], treedef: Any, what: str, call: str) -> None:
+def check_primal_leaves(
+    leaves: Sequence[Any], treedef: Any, what: str, call: str, hint: str
+) -> None:
     if not leaves:
         raise ValueError(f"{call}: {what} contains no tensor to differentiate.")
     for index, leaf in enumerate(leaves):
@@ -61,7 +84,7 @@ def check_primal_leaves(leaves: Sequence[Any], treedef: Any, what: str, call: st
             raise TypeError(
                 f"{call}: {what}, leaf {path}, must be a floating-point or complex tensor to be "
                 f"differentiated, got {describe(leaf)}. Convert it with .float() or .double(), "
-                "or pass it through a non-differentiated argument (see `argnums`)."
+                f"or {hint}."
             )
 
 
@@ -87,6 +110,7 @@ class FlatFunction:
         argnums: tuple[int, ...],
         has_aux: bool,
         call: str,
+        hint: str = "pass it through a non-differentiated argument (see `argnums`)",
     ) -> None:
         self.f, self.args, self.argnums, self.has_aux, self.call = (
             f,
@@ -100,7 +124,7 @@ class FlatFunction:
         flat_leaves: list[torch.Tensor] = []
         for a in argnums:
             leaves, treedef = _tree.flatten(args[a])
-            check_primal_leaves(leaves, treedef, f"argument {a}", call)
+            check_primal_leaves(leaves, treedef, f"argument {a}", call, hint)
             self.in_defs.append(treedef)
             self.counts.append(len(leaves))
             flat_leaves.extend(leaves)
@@ -173,7 +197,10 @@ def autograd_grad(
 
 
 def _eager_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
-    """The same contract as ``torch.func.vjp``, on plain autograd (one retained graph)."""
+    """The same contract as ``torch.func.vjp``, on plain autograd (one retained graph).
+
+    ``vjp_fn`` can still be vmapped (``torch.func.vmap`` over ``torch.autograd.grad``, as
+    TorchJD batches), so the directions are batched where the graph allows it."""
     inputs = tuple(leaf.detach().requires_grad_() for leaf in flat.leaves)
     with torch.enable_grad():
         result = flat(*inputs)
@@ -191,10 +218,22 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
     try:
         result = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
-        if not any(limit in str(error) for limit in _TORCH_FUNC_LIMITS) or not outside_transforms(
-            flat.leaves
-        ):
+        mutates = _MUTATES_CAPTURED in str(error)
+        limit = mutates or any(limit in str(error) for limit in _TORCH_FUNC_LIMITS)
+        if not limit or not outside_transforms(flat.leaves):
             raise
+        out, vjp_fn, aux = _eager_vjp(flat)
+        if mutates:
+            why = (
+                "f updates a captured tensor in place, such as BatchNorm's running statistics "
+                "in training mode; torch.func refuses that before anything is mutated. funcgrad "
+                "ran f once on eager autograd instead (statistics updated once, gradients as "
+                "autograd's, still batched with vmap where it can). To stay in torch.func: "
+                "use eval mode, torch.func.replace_all_batch_norm_modules_(model), or pass "
+                "the buffers to f explicitly"
+            )
+            warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=4)
+            return out, vjp_fn, aux, True
         warnings.warn(
             f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
             "fell back to eager torch.autograd.grad, one backward pass per direction. "
@@ -203,7 +242,6 @@ def build_vjp(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors]
             FuncgradWarning,
             stacklevel=4,
         )
-        out, vjp_fn, aux = _eager_vjp(flat)
         return out, vjp_fn, aux, False
     if flat.has_aux:
         out, vjp_fn, aux = result  # type: ignore[misc]  # torch.func types the pair only

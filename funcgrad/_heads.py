@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
-from ._errors import FuncgradWarning, describe, first_line
+from ._errors import BatchingMismatchError, FuncgradWarning, describe, first_line
 from ._function import (
     FlatFunction,
     build_vjp,
+    is_forward_mode_limit,
     is_torch_func_limit,
     normalize_argnums,
     values_readable,
 )
-from ._plan import STRATEGIES, Plan, make_plan
+from ._plan import FORWARD_MODE_PENALTY, STRATEGIES, Plan, choose
 from ._pullback import check_chunk_size
 
 Tensors = tuple[torch.Tensor, ...]
@@ -88,7 +90,11 @@ def _normalize_heads(heads: object, call: str) -> tuple[list[Any] | None, Any]:
     """(keys or None, heads): a list of callables, or a StackedHeads."""
     if isinstance(heads, StackedHeads):
         return None, heads
-    if isinstance(heads, Mapping):
+    if isinstance(heads, torch.nn.ModuleDict):  # not a Mapping, but keyed like a dict
+        keys, fns = list(heads.keys()), list(heads.values())
+    elif isinstance(heads, torch.nn.ModuleList):  # not a Sequence, and callable as a Module
+        keys, fns = None, list(heads)
+    elif isinstance(heads, Mapping):
         keys, fns = list(heads.keys()), list(heads.values())
     elif isinstance(heads, Sequence) and not isinstance(heads, (str, bytes)):
         keys, fns = None, list(heads)
@@ -134,6 +140,17 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
     return value.reshape(())
 
 
+@contextlib.contextmanager
+def _naming(where: str, call: str) -> Iterator[None]:
+    """Add which head raised to an exception from a user's head, keeping its type and text."""
+    try:
+        yield
+    except Exception as error:
+        if where not in str(error):  # funcgrad's own messages name the head already
+            error.add_note(f"{call}: raised by {where}.")
+        raise
+
+
 def _head_cotangents(
     heads: Any, keys: list[Any] | None, flat: FlatFunction, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
@@ -149,9 +166,10 @@ def _head_cotangents(
             value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
             return _scalar(value, "stacked head_fn", call)
 
-        grads, values = torch.func.vmap(
-            torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
-        )(heads.params, out)
+        with _naming("stacked head_fn", call):
+            grads, values = torch.func.vmap(
+                torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
+            )(heads.params, out)
         return values, grads
 
     results = []
@@ -161,86 +179,65 @@ def _head_cotangents(
         def one(y: Tensors, head: Callable[..., Any] = head, where: str = where) -> torch.Tensor:
             return _scalar(head(_tree.unflatten(out_def, y)), where, call)
 
-        results.append(torch.func.grad_and_value(one)(out))
+        with _naming(where, call):
+            results.append(torch.func.grad_and_value(one)(out))
     values = torch.stack([value for _, value in results])
     grads = tuple(torch.stack([g[j] for g, _ in results]) for j in range(len(out)))
     return values, grads
 
 
-def _chunks(total: int, chunk_size: int | None) -> list[tuple[int, int]]:
-    step = total if chunk_size is None else chunk_size
-    return [(start, min(start + step, total)) for start in range(0, total, step)]
-
-
 def _forward_mode(
-    flat: FlatFunction,
-    chunk_size: int | None,
-    check: CheckMode,
-    head_cotangents: Callable[[Tensors], tuple[torch.Tensor, Tensors]],
-) -> tuple[torch.Tensor, Tensors, Tensors, Tensors]:
-    """jacfwd: JVPs along the n real unit directions of the inputs, chunk by chunk, each chunk
-    reduced at once to its columns of ``V @ J``, so J is never held whole.
-
-    Returns (values, f's output, aux tensors, grads); ``head_cotangents`` maps f's output to
-    the head values and cotangents (called once, on the first chunk's output).
-    """
+    flat: FlatFunction, check: CheckMode, chunk_size: int | None
+) -> tuple[Tensors, Tensors, Tensors] | None:
+    """jacfwd: J's n columns by vmapped JVPs along the real unit directions of the inputs, one
+    vmap per chunk (f's forward runs once per chunk; every chunk replays the first one's
+    random draws, so all columns differentiate one evaluation of f). Returns (f's output,
+    aux tensors, tangents with a leading n), or None where forward mode cannot do it: then
+    the caller uses reverse mode, which covers strictly more of PyTorch."""
     primals = flat.leaves
 
     def one(*tangent: torch.Tensor) -> Tensors:
         result: tuple[Any, ...] = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
-        out, tangent_out = result[0], result[1]
         aux = result[2] if flat.has_aux else ()
-        return (*out, *tangent_out, *aux)
+        return (*result[0], *result[1], *aux)
 
-    columns: list[torch.Tensor] = []
-    for start, stop in _chunks(_coords.real_size(primals), chunk_size):
-        # Every output is batched (f's own as broadcast views): row 0 is f's output.
-        stacked = _engine.batched(
-            one,
-            _coords.unit_rows(primals, start, stop),
-            chunk_size=chunk_size,
-            check=check,
-            what="f's JVP",
-        )
-        n_out = flat.out_def.num_leaves  # known once f has run
-        if not columns:
-            out = tuple(s[0] for s in stacked[:n_out])
-            aux = tuple(s[0] for s in stacked[2 * n_out :])
-            values, cotangents = head_cotangents(out)
-            coords = _coords.to_coords(cotangents, cotangents[0].shape[0])
-        tangents = stacked[n_out : 2 * n_out]
-        columns.append(coords @ _coords.to_coords(tangents, stop - start).T)
-    grads = _coords.from_coords(torch.cat(columns, dim=1), primals)
-    return values, out, aux, grads
-
-
-def _jacobian_went_non_finite(grads: Tensors, out: Tensors) -> bool:
-    """Whether V @ J produced inf/NaN, in eager mode only (it is a data-dependent check).
-
-    A Jacobian row or column holds 0 * inf = NaN where autograd, pulling back the head's own
-    cotangent, would give inf: such results are recomputed by pulling back the cotangents
-    themselves, so that NaN/inf come out exactly as in autograd.
-    """
-    if not values_readable(out):
-        return False
-    # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
-    # needless, still correct, recomputation).
-    return not all(bool(torch.isfinite(g.sum())) for g in grads)
-
-
-def _try_forward(flat: FlatFunction, run: Callable[[], Any]) -> Any:
-    """``run()`` (forward mode), or None where forward mode cannot differentiate f: then the
-    caller uses reverse mode, which covers strictly more of PyTorch."""
     try:
-        return run()
+        stacked = _engine.forward_columns(one, primals, check, chunk_size)
+    except _engine.CannotBatch as error:
+        why = f"vmap cannot batch its JVPs in one call ({error})"
     except (RuntimeError, NotImplementedError) as error:
-        if not is_torch_func_limit(error):  # that one is reported by build_vjp's fallback
-            warnings.warn(
-                f"{flat.call}: forward mode cannot differentiate f ({first_line(error)}); "
-                "used reverse mode (jacrev) instead.",
-                FuncgradWarning,
-                stacklevel=4,
-            )
+        if isinstance(error, BatchingMismatchError) or not is_forward_mode_limit(error):
+            raise
+        if is_torch_func_limit(error):  # build_vjp's fallback reports this one
+            return None
+        why = f"forward mode cannot differentiate f ({first_line(error)})"
+    else:
+        n_out = flat.out_def.num_leaves  # known once f has run
+        # Every output is batched (f's own as broadcast views): row 0 is f's output.
+        out = tuple(s[0] for s in stacked[:n_out])
+        return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+    warnings.warn(
+        f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more).",
+        FuncgradWarning,
+        stacklevel=4,
+    )
+    return None
+
+
+def _output_size(flat: FlatFunction) -> int | None:
+    """m = real numel of f's output without running f for real: f on fake tensors (shapes
+    only, no data, no side effects: torch.func refuses in-place updates of captured buffers).
+    None where that cannot tell (data-dependent Python in f, inside transforms, ...)."""
+    if not values_readable(flat.leaves):
+        return None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(leaf) for leaf in flat.leaves]
+            out = torch.func.vjp(flat, *fakes, has_aux=flat.has_aux)[0]
+        return _coords.real_size(out)
+    except Exception:  # any failure only means the shape is not known in advance
         return None
 
 
@@ -277,15 +274,45 @@ class ComposedHeads(Generic[R]):
         argnums = normalize_argnums(self.argnums, len(args), self.call)
         return FlatFunction(self.f, args, argnums, self.has_aux, self.call)
 
+    def _strategy(self, flat: FlatFunction) -> tuple[str, int | None]:
+        """The strategy chosen before f runs, and m where it had to be known for that.
+
+        Forward mode runs f's forward itself, so it must be chosen before f runs: only when
+        it can win (``2 n < k``, one batch of all n tangents within ``chunk_size``) does the
+        planner need m, which it takes from f on fake tensors. Otherwise reverse mode runs f
+        and picks vjp or jacrev from the real output; ``"reverse"`` stands for that choice.
+        """
+        n = _coords.real_size(flat.leaves)
+        one_batch = self.chunk_size is None or self.chunk_size >= n
+        if self.strategy == "jacfwd":
+            return ("jacfwd" if n else "vjp"), None
+        if self.strategy != "auto":
+            return self.strategy, None
+        if not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
+            return "reverse", None
+        m = _output_size(flat)
+        return ("reverse" if m is None else choose(self.k, m, n)), m
+
     def plan(self, *args: Any) -> Plan:
-        """The plan for these arguments. Runs f's forward once, without gradients, for y's shape."""
+        """The plan for these arguments, from shapes only.
+
+        Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
+        which takes about a second to initialise), and no real forward of f. Where that
+        cannot tell y's shape (data-dependent Python in f, f updating captured buffers), f
+        runs once for real, without gradients.
+        """
         flat = self._flat(args)
-        with torch.no_grad():
-            result = flat(*flat.leaves)
-        out = result[0] if self.has_aux else result
-        return make_plan(
-            self.strategy, self.k, _coords.real_size(out), _coords.real_size(flat.leaves)
-        )
+        strategy, m = self._strategy(flat)
+        if m is None:
+            m = _output_size(flat)
+        if m is None:
+            with torch.no_grad():
+                result = flat(*flat.leaves)
+            m = _coords.real_size(result[0] if self.has_aux else result)
+        n = _coords.real_size(flat.leaves)
+        if strategy == "reverse":
+            strategy = choose(self.k, m, n, forward=False)
+        return Plan(strategy, self.k, m, n)
 
     def __call__(self, *args: Any) -> R:
         check = resolve_check(self.check, self.call)
@@ -294,42 +321,35 @@ class ComposedHeads(Generic[R]):
         def heads_of(out: Tensors) -> tuple[torch.Tensor, Tensors]:
             return _head_cotangents(self.heads, self.keys, flat, out, self.call)
 
-        def forward(known: tuple[torch.Tensor, Tensors] | None = None) -> Any:
-            cotangents = (lambda out: known) if known is not None else heads_of
-            return _try_forward(
-                flat, lambda: _forward_mode(flat, self.chunk_size, check, cotangents)
-            )
-
-        strategy = self.strategy
+        strategy, _ = self._strategy(flat)
         if strategy == "jacfwd":
-            result = forward()
+            result = _forward_mode(flat, check, self.chunk_size)
             if result is not None:
-                values, out, aux, grads = result
-                if not _jacobian_went_non_finite(grads, out):
+                out, aux, tangents = result
+                values, cotangents = heads_of(out)
+                n = tangents[0].shape[0]
+                coords = _coords.to_coords(cotangents, self.k)
+                columns = coords @ _coords.to_coords(tangents, n).T
+                grads = _coords.from_coords(columns, flat.leaves)
+                if not _engine.went_non_finite(grads, out):
                     return self._package(flat, values, grads, aux)
-            # Reverse mode instead: the cotangents themselves if J went non-finite.
-            strategy = "jacrev" if result is None else "vjp"
+                strategy = "vjp"  # J went non-finite: the cotangents themselves, as autograd
+            else:
+                strategy = "reverse"
         out, vjp_fn, aux, can_vmap = build_vjp(flat)
         values, cotangents = heads_of(out)
-        plan = make_plan(strategy, self.k, _coords.real_size(out), _coords.real_size(flat.leaves))
-        if plan.strategy == "jacfwd":
-            result = forward((values, cotangents)) if can_vmap else None
-            if result is not None and not _jacobian_went_non_finite(result[3], out):
-                return self._package(flat, values, result[3], aux)
-            plan = Plan("jacrev" if result is None else "vjp", plan.k, plan.m, plan.n)
+        m, n = _coords.real_size(out), _coords.real_size(flat.leaves)
+        if strategy == "reverse":
+            strategy = choose(self.k, m, n, forward=False)
         pull = functools.partial(
-            _reverse_grads,
-            vjp_fn=vjp_fn,
-            flat=flat,
-            out=out,
-            cotangents=cotangents,
+            _engine.batched,
+            lambda *cotangent: vjp_fn(cotangent),
             chunk_size=self.chunk_size,
             check=check,
-            can_vmap=can_vmap,
+            what="f's pullback",
+            can_vmap=can_vmap and strategy != "loop",
         )
-        grads = pull(plan)
-        if plan.strategy == "jacrev" and _jacobian_went_non_finite(grads, out):
-            grads = pull(Plan("vjp", plan.k, plan.m, plan.n))
+        grads = _engine.by_plan(strategy, pull, cotangents, out, flat.leaves, self.chunk_size)
         return self._package(flat, values, grads, aux)
 
     def _package(
@@ -350,36 +370,6 @@ class ComposedHeads(Generic[R]):
 def _tree_index(tree: Any, i: int) -> Any:
     leaves, treedef = _tree.flatten(tree)
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
-
-
-def _reverse_grads(
-    plan: Plan,
-    vjp_fn: Callable[[Tensors], Tensors],
-    flat: FlatFunction,
-    out: Tensors,
-    cotangents: Tensors,
-    chunk_size: int | None,
-    check: CheckMode,
-    can_vmap: bool,
-) -> Tensors:
-    """vjp/loop: pull back the k cotangents. jacrev: pull back the m unit directions of y,
-    chunk by chunk, each chunk of J's rows reduced at once into ``V @ J``."""
-    pull = functools.partial(
-        _engine.batched,
-        lambda *cotangent: vjp_fn(cotangent),
-        chunk_size=chunk_size,
-        check=check,
-        what="f's pullback",
-        can_vmap=can_vmap and plan.strategy != "loop",
-    )
-    if plan.strategy in ("vjp", "loop"):
-        return pull(cotangents)
-    coords = _coords.to_coords(cotangents, plan.k)
-    grads: Tensors = ()
-    for start, stop in _chunks(plan.m, chunk_size):
-        part = _coords.combine(coords[:, start:stop], pull(_coords.unit_rows(out, start, stop)))
-        grads = part if not grads else tuple(g + p for g, p in zip(grads, part))
-    return grads
 
 
 @overload

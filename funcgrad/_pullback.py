@@ -25,11 +25,16 @@ class PullbackStats:
         cotangents: cotangents answered (k for each ``pb.many`` of k cotangents).
         vjps: directions actually pulled back through f. Answers that are linear combinations
             of earlier directions cost none.
+        kept: directions kept in the basis (the rank of what was pulled back, up to the
+            budget).
+        kept_bytes: memory held by the kept directions and their images.
     """
 
     calls: int = 0
     cotangents: int = 0
     vjps: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
 
 
 class Pullback:
@@ -39,6 +44,7 @@ class Pullback:
     ``Q`` of the directions sent through f together with their images ``Q J``, so a cotangent
     in the span of earlier ones is answered by a product, without a new pass through f. Once
     the basis spans y's whole space (m directions), every cotangent is answered that way.
+    The basis is bounded by ``max_basis_bytes`` (see :func:`pullback`).
     """
 
     def __init__(
@@ -48,6 +54,7 @@ class Pullback:
         vjp_fn: Callable[[Tensors], Tensors],
         can_vmap: bool,
         reuse: bool,
+        max_basis_bytes: int,
     ) -> None:
         self._flat = flat
         self._out_def = flat.out_def
@@ -55,15 +62,13 @@ class Pullback:
         self._vjp_fn: Callable[[Tensors], Tensors] | None = vjp_fn
         self._can_vmap = can_vmap
         self._reuse = reuse and values_readable(out)
-        self._m = _coords.real_size(out)
-        self._basis: torch.Tensor | None = None  # (r, m) orthonormal rows, real coordinates
-        self._images: Tensors = ()  # pullbacks of the basis rows, leaves (r, *x_leaf.shape)
+        self._basis = _engine.Basis(_coords.real_size(out), max_basis_bytes)
         self.stats = PullbackStats()
 
     @property
     def rank(self) -> int:
         """How many independent directions have been pulled back through f and are kept."""
-        return 0 if self._basis is None else self._basis.shape[0]
+        return self._basis.rank
 
     @property
     def released(self) -> bool:
@@ -71,7 +76,9 @@ class Pullback:
 
     def release(self) -> None:
         """Free f's graph and the kept directions; any later call raises an error."""
-        self._vjp_fn, self._basis, self._images = None, None, ()
+        self._vjp_fn = None
+        self._basis.clear()
+        self.stats.kept, self.stats.kept_bytes = 0, 0
 
     def __call__(self, cotangent: Any) -> tuple[Any, ...]:
         """``J_f(x)^T cotangent``: one tree per primal, as ``torch.func.vjp``'s ``vjp_fn``.
@@ -161,10 +168,9 @@ class Pullback:
         return tuple(leaves)
 
     def _pull(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
-        """Send directions through f (the expensive part) and count them."""
+        """Send directions through f (the expensive part)."""
         vjp_fn = self._vjp_fn
         assert vjp_fn is not None
-        self.stats.vjps += cotangents[0].shape[0]
         return _engine.batched(
             lambda *cotangent: vjp_fn(cotangent),
             cotangents,
@@ -178,35 +184,23 @@ class Pullback:
         k = cotangents[0].shape[0]
         self.stats.calls += 1
         self.stats.cotangents += k
+        leaves = self._flat.leaves
         if not (self._reuse and values_readable(cotangents)):
+            if k == 0 or self._basis.m == 0 or _coords.real_size(leaves) == 0:
+                return _engine.zeros(k, leaves)
+            self.stats.vjps += k
             return self._pull(cotangents, chunk_size, check)
-        coords = _coords.to_coords(cotangents, k)
-        if not bool(torch.isfinite(coords).all()):
-            # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
-            return self._pull(cotangents, chunk_size, check)
-        if coords.requires_grad and not (self.rank == self._m or (self.rank == 0 and k >= self._m)):
-            # An answer from a partial basis has the right value but projects the derivative
-            # with respect to the cotangent onto the basis: differentiable cotangents go
-            # through f themselves until the basis spans y's space.
-            return self._pull(cotangents, chunk_size, check)
-        new = _coords.new_directions(coords.detach(), self._basis, self._m)
-        if new is not None:
-            images = self._pull(_coords.from_coords(new, self._out_like), chunk_size, check)
-            if not all(bool(torch.isfinite(image).all()) for image in images):
-                # A non-finite Jacobian would smear NaN over every combination: stop reusing.
-                self._reuse, self._basis, self._images = False, None, ()
-                return self._pull(cotangents, chunk_size, check)
-            if self._basis is None:
-                self._basis, self._images = new, images
-            else:
-                self._basis = torch.cat([self._basis, new])
-                self._images = tuple(torch.cat([a, b]) for a, b in zip(self._images, images))
-        if self._basis is None:  # every cotangent was zero
-            return tuple(
-                torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device)
-                for x in self._flat.leaves
-            )
-        return _coords.combine(coords @ self._basis.T, self._images)
+        grads, pulled = _engine.by_linearity(
+            lambda directions: self._pull(directions, chunk_size, check),
+            cotangents,
+            self._out_like,
+            leaves,
+            self._basis,
+            keep=True,
+        )
+        self.stats.vjps += pulled
+        self.stats.kept, self.stats.kept_bytes = self._basis.rank, self._basis.nbytes
+        return grads
 
 
 def check_chunk_size(chunk_size: object, call: str) -> None:
@@ -221,14 +215,26 @@ def check_chunk_size(chunk_size: object, call: str) -> None:
 
 @overload
 def pullback(
-    f: Callable[..., Any], *primals: Any, has_aux: Literal[False] = False, reuse: bool = True
+    f: Callable[..., Any],
+    *primals: Any,
+    has_aux: Literal[False] = False,
+    reuse: bool = True,
+    max_basis_bytes: int = ...,
 ) -> tuple[Any, Pullback]: ...
 @overload
 def pullback(
-    f: Callable[..., Any], *primals: Any, has_aux: Literal[True], reuse: bool = True
+    f: Callable[..., Any],
+    *primals: Any,
+    has_aux: Literal[True],
+    reuse: bool = True,
+    max_basis_bytes: int = ...,
 ) -> tuple[Any, Pullback, Any]: ...
 def pullback(
-    f: Callable[..., Any], *primals: Any, has_aux: bool = False, reuse: bool = True
+    f: Callable[..., Any],
+    *primals: Any,
+    has_aux: bool = False,
+    reuse: bool = True,
+    max_basis_bytes: int = _engine.DEFAULT_BASIS_BYTES,
 ) -> Any:
     """Run f once and return its reusable pullback, like ``torch.func.vjp``.
 
@@ -245,6 +251,9 @@ def pullback(
         has_aux: f returns ``(output, aux)``; aux is returned unchanged, not differentiated.
         reuse: keep the pulled-back directions to answer later cotangents by linearity.
             Turned off automatically inside torch.func transforms, where it is data-dependent.
+        max_basis_bytes: the most memory the kept directions and their images may hold
+            (default 64 MiB). Once full, cotangents outside the kept span are pulled back as
+            they are and not kept; ``pb.stats.kept_bytes`` says what is held.
 
     Returns:
         ``(out, pb)`` or ``(out, pb, aux)``: f's output and a :class:`Pullback`.
@@ -262,16 +271,25 @@ def pullback(
         Costs one forward of f with its saved tensors kept alive until ``pb`` is released or
         dropped, then one backward of f per new independent direction: at most
         ``m = numel(y)`` in all. Memory: the kept basis holds ``r`` images, one per
-        direction, each the size of the primals.
+        direction, each the size of the primals, up to ``max_basis_bytes``. Rank detection
+        is invariant to each cotangent's scale and runs in float32 for half-precision
+        cotangents; non-finite cotangents, images or products are answered by pulling the
+        cotangents themselves back, so NaN and inf come out as in autograd.
     """
     call = "pullback(f, *primals)"
     if not callable(f):
         raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
     if not primals:
         raise ValueError(f"{call}: give at least one primal to differentiate f at.")
-    flat = FlatFunction(f, primals, tuple(range(len(primals))), has_aux, call)
+    if not isinstance(max_basis_bytes, int) or max_basis_bytes < 0:
+        raise ValueError(
+            f"{call}: `max_basis_bytes` must be a non-negative int, got {max_basis_bytes!r}."
+        )
+    flat = FlatFunction(
+        f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
+    )
     out, vjp_fn, aux, can_vmap = build_vjp(flat)
-    pb = Pullback(flat, out, vjp_fn, can_vmap, reuse)
+    pb = Pullback(flat, out, vjp_fn, can_vmap, reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(out), pb, flat.rebuild_aux(aux)
     return flat.outputs(out), pb
