@@ -81,7 +81,9 @@ def _reached(starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]
 def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
     """Before any backward runs: ``through`` lists independent tensors, every output reaches
     ``through`` and reaches the inputs only through it, and ``through`` reaches every input."""
-    input_edges = {_edge(x): i for i, x in enumerate(inputs)}
+    input_edges: dict[Edge, int] = {}
+    for i, x in enumerate(inputs):
+        input_edges.setdefault(_edge(x), i)  # a repeated input is answered like its first
     through_edges: dict[Edge, int] = {}
     for j, y in enumerate(through):
         edge = _edge(y)
@@ -116,8 +118,8 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
             )
     if not allow_unused:
         reached = _reached(list(through_edges), input_edges, {})
-        for i in range(len(inputs)):
-            if i not in reached:
+        for i, x in enumerate(inputs):
+            if input_edges[_edge(x)] not in reached:
                 raise ValueError(
                     f"{_CALL}: `through` does not depend on inputs[{i}]; pass allow_unused=True "
                     "to get zeros for it (torch.autograd.grad would give None)."

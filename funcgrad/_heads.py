@@ -463,5 +463,11 @@ def compose_heads(
         for stacked heads), then ``Plan.directions`` passes through f, batched with vmap.
         The returned function composes with ``torch.func.vmap`` (per-sample gradients),
         ``torch.func.grad`` (second order) and ``torch.compile``.
+
+        NaN/inf come out as autograd's in eager mode: where ``V @ J`` went non-finite, the
+        cotangents themselves are pulled back. That recompute reads values, so inside
+        vmap/grad/compile ``"jacrev"``/``"jacfwd"`` (and ``"auto"`` choosing them) can give
+        NaN where autograd gives a finite entry, if a cotangent or J holds an inf (``0 * inf``);
+        use ``strategy="vjp"`` there.
     """
     return ComposedHeads(f, heads, argnums, has_aux, strategy, chunk_size, check)

@@ -58,3 +58,9 @@ def autograd_vjp(f, primal, cotangent):
     grads = torch.autograd.grad(out, leaves, optree.tree_leaves(cotangent), allow_unused=True)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
     return optree.tree_unflatten(treedef, grads)
+
+
+def assert_rows_close(got, expected, rtol):
+    """Row by row, each against its own scale: a small head is not judged by a big one."""
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * float(e.abs().max()))

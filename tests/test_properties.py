@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import optree
 import torch
-from helpers import assert_tree_close, autograd_reference, autograd_vjp, tree_index
+from helpers import (
+    assert_rows_close,
+    assert_tree_close,
+    autograd_reference,
+    autograd_vjp,
+    tree_index,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -106,3 +112,68 @@ def test_pullback_is_linear_and_matches_autograd(problem, alpha, beta):
     )
     assert_tree_close(pcombo, autograd_vjp(f, primal, combo), rtol=1e-8, atol=1e-10)
     assert pb.stats.vjps <= 2
+
+
+@given(
+    st.integers(0, 2**31 - 1),
+    st.integers(1, 5),
+    st.integers(1, 6),
+    st.lists(st.integers(-8, 8), min_size=1, max_size=10),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_rows_of_any_scale_are_pulled_back_exactly(seed, n, m, exponents, dtype):
+    """pb.many and grads with cotangent rows scaled by 1e-8..1e8, some repeated (low rank)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, n, generator=gen, dtype=dtype)
+    x = torch.randn(n, generator=gen, dtype=dtype)
+    base = torch.randn(max(1, len(exponents) // 2), m, generator=gen, dtype=dtype)
+    scales = torch.tensor([10.0**e for e in exponents], dtype=dtype)
+    cot = base[torch.arange(len(exponents)) % len(base)] * scales[:, None]
+
+    xr = x.clone().requires_grad_()
+    y = torch.tanh(w @ xr)
+    expected = torch.stack([torch.autograd.grad(y, xr, c, retain_graph=True)[0] for c in cot])
+    rtol = 1e-4 if dtype == torch.float32 else 1e-9
+    _, pb = funcgrad.pullback(lambda t: torch.tanh(w @ t), x)
+    assert_rows_close(pb.many(cot)[0], expected, rtol)
+    zs = [(c * y).sum() for c in cot]
+    assert_rows_close(funcgrad.grads(zs, xr, through=y)[0], expected, rtol)
+
+
+MULTI_OUTPUT_OPS = [
+    lambda t: t.unbind(0),
+    lambda t: t.chunk(2, dim=0),
+    lambda t: t.split(1, dim=0),
+    lambda t: torch.var_mean(t, dim=0),
+    lambda t: torch.aminmax(t, dim=0),
+]
+
+
+@given(
+    st.integers(0, 2**31 - 1),
+    st.lists(st.integers(0, len(MULTI_OUTPUT_OPS) - 1), min_size=1, max_size=3),
+    st.integers(1, 5),
+    st.booleans(),
+)
+def test_bridge_on_random_multi_output_graphs(seed, ops, k, miss_one):
+    """Graphs built from ops with several outputs (one node, several gradient edges): through
+    = all outputs of the last op gives autograd's answer; leaving one out is an error."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, generator=gen, requires_grad=True)
+    h = torch.sin(x) * 3
+    for op in ops[:-1]:  # earlier multi-output ops, recombined into one tensor
+        h = torch.stack([p.reshape(-1)[:3] for p in MULTI_OUTPUT_OPS[op](h)][:2]) + h[:2, :3]
+    parts = list(MULTI_OUTPUT_OPS[ops[-1]](h))
+    coefficients = torch.randn(k, len(parts), generator=gen)
+    zs = [sum(c * (p**2).sum() + p.sum() for c, p in zip(row, parts)) for row in coefficients]
+    if miss_one and len(parts) > 1:
+        try:
+            funcgrad.grads(zs, x, through=parts[1:])
+        except ValueError as error:
+            assert "other than through" in str(error)
+        else:
+            raise AssertionError("a path around `through` went unnoticed")
+        return
+    expected = torch.stack([torch.autograd.grad(z, x, retain_graph=True)[0] for z in zs])
+    (got,) = funcgrad.grads(zs, x, through=parts)
+    torch.testing.assert_close(got, expected)
