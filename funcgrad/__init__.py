@@ -10,7 +10,7 @@ import contextlib
 from importlib.metadata import PackageNotFoundError, version
 
 from ._bridge import grads
-from ._config import set_check
+from ._config import checking, set_check
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._plan import Plan
@@ -35,6 +35,7 @@ __all__ = [
     "Plan",
     # settings, errors and warnings
     "set_check",
+    "checking",
     "ReleasedPullbackError",
     "BatchingMismatchError",
     "FuncgradWarning",

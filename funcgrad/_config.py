@@ -1,13 +1,21 @@
-"""Global settings: the ``check`` mode, also set by the ``FUNCGRAD_CHECK`` environment variable."""
+"""Settings: the ``check`` mode for a block of code (:func:`checking`, per thread and task),
+for the process (:func:`set_check`), or from the ``FUNCGRAD_CHECK`` environment variable."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
 from typing import Literal
 
 CheckMode = bool | Literal["strict"]
 _ENV = "FUNCGRAD_CHECK"
 _check: CheckMode | None = None  # None: follow the environment variable
+# Set by `checking` for a block; a ContextVar, so other threads and asyncio tasks keep theirs.
+_block_check: contextvars.ContextVar[CheckMode | None] = contextvars.ContextVar(
+    "funcgrad_check", default=None
+)
 
 
 def _from_env() -> CheckMode:
@@ -34,7 +42,8 @@ def _validate(mode: object, call: str) -> CheckMode:
 
 
 def set_check(mode: CheckMode | None) -> CheckMode | None:
-    """Set the default ``check`` mode of every transform; returns the previous setting.
+    """Set the default ``check`` mode of every transform, for the whole process (every
+    thread); returns the previous setting. For one block of code, use :func:`checking`.
 
     Args:
         mode: ``True`` compares each batched (vmapped) result with unbatched pullbacks on a
@@ -58,8 +67,36 @@ def set_check(mode: CheckMode | None) -> CheckMode | None:
     return previous
 
 
+@contextlib.contextmanager
+def checking(mode: CheckMode) -> Iterator[None]:
+    """The default ``check`` mode inside a ``with`` block, for this thread (or asyncio task)
+    only; other threads keep theirs. It overrides :func:`set_check` and ``FUNCGRAD_CHECK``; a
+    ``check=`` argument of a call still overrides it.
+
+    Args:
+        mode: ``True``, ``False`` or ``"strict"``, as for :func:`set_check`.
+
+    Example:
+        >>> import torch, funcgrad
+        >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]])
+        >>> with funcgrad.checking("strict"):  # a wrong batching rule raises in this block
+        ...     values, grads = fn(torch.zeros(3))
+        >>> grads[1]
+        tensor([1., 0., 0.])
+    """
+    token = _block_check.set(_validate(mode, "funcgrad.checking(mode)"))
+    try:
+        yield
+    finally:
+        _block_check.reset(token)
+
+
 def resolve_check(mode: CheckMode | None, call: str) -> CheckMode:
-    """The ``check`` argument of a call, or the global default when it is ``None``."""
-    if mode is None:
-        return _from_env() if _check is None else _check
-    return _validate(mode, call)
+    """The ``check`` argument of a call; when it is ``None``, the block's (:func:`checking`),
+    else the process's (:func:`set_check`), else the environment's."""
+    if mode is not None:
+        return _validate(mode, call)
+    block = _block_check.get()
+    if block is not None:
+        return block
+    return _from_env() if _check is None else _check

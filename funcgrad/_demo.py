@@ -15,11 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 import funcgrad
 
 from ._counting import BackwardCounter, counted
-from ._progress import progress
 
 # The seed's two heads, then a few more; each with its derivative g'(y) for the closed form.
 HEADS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[float], float]]] = {
@@ -46,12 +46,10 @@ def make_slow_fun(n: int, counter: BackwardCounter) -> Callable[[torch.Tensor], 
 
 def timed(label: str, fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     times, result = [], None
-    for step in range(repeats):
-        progress(label, step, repeats)
+    for _ in tqdm(range(repeats), desc=label, unit="run", leave=False, disable=None):
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
-    progress(label, repeats, repeats)
     return statistics.median(times), result
 
 

@@ -204,40 +204,25 @@ def _replaying_random_draws(fn: Callable[..., Tensors], like: Sequence[torch.Ten
     return replayed
 
 
-def forward_columns(
-    jvp: Callable[..., Tensors],
-    primals: Tensors,
-    check: bool | str,
-    chunk_size: int | None = None,
-) -> Tensors:
+def forward_columns(jvp: Callable[..., Tensors], primals: Tensors, check: bool | str) -> Tensors:
     """J's n columns by forward mode: ``jvp`` along every real unit direction of the inputs,
-    one vmap per chunk of ``chunk_size`` tangents (one for all by default). Each vmap runs
-    f's forward once, with ``randomness="same"``; every chunk (and every ``check`` call)
-    replays the random draws of the first, so all columns belong to one evaluation of f.
+    in one vmap with ``randomness="same"``, so f's forward runs once. The ``check`` calls
+    replay the random draws of that one (dropout masks), so they compare like with like and
+    leave the generators where one forward of f leaves them.
 
     Raises :class:`CannotBatch` where that is not possible (no batching rule, or ``check``
     found a wrong batching rule); the caller then uses reverse mode.
     """
-    spans = list(chunks(_coords.real_size(primals), chunk_size))
     # One call needs no replay; and dynamo cannot trace reading the generator state.
-    calls_once = len(spans) == 1 and not check
-    fn = (
-        jvp
-        if calls_once or torch.compiler.is_compiling()
-        else _replaying_random_draws(jvp, primals)
+    replay = check and not torch.compiler.is_compiling()
+    return batched(
+        _replaying_random_draws(jvp, primals) if replay else jvp,
+        _coords.unit_rows(primals, 0, _coords.real_size(primals)),
+        chunk_size=None,
+        check=check,
+        what="f's JVP",
+        may_loop=False,
     )
-    parts = [
-        batched(
-            fn,
-            _coords.unit_rows(primals, start, stop),
-            chunk_size=None,
-            check=check,
-            what="f's JVP",
-            may_loop=False,
-        )
-        for start, stop in spans
-    ]
-    return parts[0] if len(parts) == 1 else tuple(torch.cat(p) for p in zip(*parts))
 
 
 # -- linearity: the kept basis of the eager paths ------------------------------------------

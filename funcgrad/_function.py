@@ -48,7 +48,11 @@ def is_forward_mode_limit(error: BaseException) -> bool:
 
 def is_torch_func_limit(error: BaseException) -> bool:
     """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
-    return "In order to use an autograd.Function with functorch transforms" in str(error)
+    message = str(error)
+    return (
+        "In order to use an autograd.Function with functorch transforms" in message
+        or _MUTATES_CAPTURED in message
+    )
 
 
 def normalize_argnums(argnums: object, nargs: int, call: str) -> tuple[int, ...]:

@@ -186,14 +186,11 @@ def _head_cotangents(
     return values, grads
 
 
-def _forward_mode(
-    flat: FlatFunction, check: CheckMode, chunk_size: int | None
-) -> tuple[Tensors, Tensors, Tensors] | None:
-    """jacfwd: J's n columns by vmapped JVPs along the real unit directions of the inputs, one
-    vmap per chunk (f's forward runs once per chunk; every chunk replays the first one's
-    random draws, so all columns differentiate one evaluation of f). Returns (f's output,
-    aux tensors, tangents with a leading n), or None where forward mode cannot do it: then
-    the caller uses reverse mode, which covers strictly more of PyTorch."""
+def _forward_mode(flat: FlatFunction, check: CheckMode) -> tuple[Tensors, Tensors, Tensors] | None:
+    """jacfwd: J's n columns by one vmapped JVP along the real unit directions of the inputs
+    (f's forward runs once). Returns (f's output, aux tensors, tangents with a leading n), or
+    None where forward mode cannot do it: then the caller uses reverse mode, which covers
+    strictly more of PyTorch."""
     primals = flat.leaves
 
     def one(*tangent: torch.Tensor) -> Tensors:
@@ -202,7 +199,7 @@ def _forward_mode(
         return (*result[0], *result[1], *aux)
 
     try:
-        stacked = _engine.forward_columns(one, primals, check, chunk_size)
+        stacked = _engine.forward_columns(one, primals, check)
     except _engine.CannotBatch as error:
         why = f"vmap cannot batch its JVPs in one call ({error})"
     except (RuntimeError, NotImplementedError) as error:
@@ -285,6 +282,13 @@ class ComposedHeads(Generic[R]):
         n = _coords.real_size(flat.leaves)
         one_batch = self.chunk_size is None or self.chunk_size >= n
         if self.strategy == "jacfwd":
+            if not one_batch:
+                raise ValueError(
+                    f"{self.call}: strategy='jacfwd' takes all n = {n} columns of J in one "
+                    f"batched forward pass; chunk_size={self.chunk_size} would run f's forward "
+                    f"once per chunk. Pass chunk_size=None (or >= {n}) with jacfwd, or use "
+                    "strategy='jacrev' or 'vjp' to bound memory with chunks."
+                )
             return ("jacfwd" if n else "vjp"), None
         if self.strategy != "auto":
             return self.strategy, None
@@ -323,7 +327,7 @@ class ComposedHeads(Generic[R]):
 
         strategy, _ = self._strategy(flat)
         if strategy == "jacfwd":
-            result = _forward_mode(flat, check, self.chunk_size)
+            result = _forward_mode(flat, check)
             if result is not None:
                 out, aux, tangents = result
                 values, cotangents = heads_of(out)
@@ -431,8 +435,9 @@ def compose_heads(
             - ``"vjp"``: one vmapped backward over the k cotangents: k directions.
             - ``"jacrev"``: pull back the m unit directions of y (the rows of J), then
               ``V @ J``: m directions plus a (k, m) @ (m, n) product.
-            - ``"jacfwd"``: n JVPs (the columns of J), then ``V @ J``: f's forward runs
-              once more batched with n tangents.
+            - ``"jacfwd"``: n JVPs (the columns of J) in one vmapped forward pass with n
+              tangents, then ``V @ J``. f's forward runs once, in that pass, so
+              ``chunk_size`` must be None or at least n (a ValueError otherwise).
             - ``"loop"``: one unbatched backward per head: k passes, lowest memory, no vmap.
             - ``"auto"``: the cheapest by ``k`` vs ``m`` vs ``2 n`` (forward mode must be
               clearly cheaper); shapes only, so the same under vmap, grad and compile.

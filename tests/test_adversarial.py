@@ -208,28 +208,37 @@ def test_pullback_inf_cotangent_matches_autograd():
 # -- 5. random ops under forward mode --------------------------------------------------------
 
 
-def dropout_f(t):
-    return torch.nn.functional.dropout(torch.sin(t), p=0.5, training=True)
+WIDE = torch.randn(32, 8)
+
+
+def dropout_f(t):  # m = 32 > 2 n = 16: auto picks forward mode for k > 16 heads
+    return torch.nn.functional.dropout(torch.sin(WIDE @ t), p=0.5, training=True)
 
 
 DROPOUT_HEADS = [lambda y, i=i: (y * (i + 1)).sum() + (y**2)[i] for i in range(3)]
 
 
+@pytest.mark.parametrize("check", [False, True])
 @pytest.mark.parametrize("chunk_size", [None, 1, 3])
 @pytest.mark.parametrize("strategy", ["jacfwd", "auto", "vjp", "jacrev", "loop"])
-def test_dropout_grads_belong_to_the_returned_values(strategy, chunk_size):
+def test_dropout_grads_belong_to_the_returned_values(strategy, chunk_size, check):
+    if strategy == "jacfwd" and chunk_size is not None:
+        chunk_size = 8  # forward mode takes every column in one pass
     x = torch.randn(8)
+    heads = DROPOUT_HEADS * 6  # k = 18 > 2 n
     torch.manual_seed(1)
+    if strategy == "auto":
+        assert funcgrad.compose_heads(dropout_f, heads).plan(x).strategy == "jacfwd"
     values, got = funcgrad.compose_heads(
-        dropout_f, DROPOUT_HEADS, strategy=strategy, chunk_size=chunk_size
+        dropout_f, heads, strategy=strategy, chunk_size=chunk_size, check=check
     )(x)
     after = torch.rand(1)
     torch.manual_seed(1)
     xr = x.clone().requires_grad_()
     y = dropout_f(xr)
     expected_after = torch.rand(1)
-    expected = per_head_autograd([h(y) for h in DROPOUT_HEADS], (xr,))[0]
-    torch.testing.assert_close(values, torch.stack([h(y) for h in DROPOUT_HEADS]).detach())
+    expected = per_head_autograd([h(y) for h in heads], (xr,))[0]
+    torch.testing.assert_close(values, torch.stack([h(y) for h in heads]).detach())
     torch.testing.assert_close(got, expected)
     # f's random ops drew exactly what one eager forward draws.
     torch.testing.assert_close(after, expected_after)
@@ -383,3 +392,16 @@ def test_inside_vmap_products_can_turn_inf_into_nan_as_documented(strategy):
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert "**Inside `vmap`, `grad` or `torch.compile`**" in readme
     assert 'Pass `strategy="vjp"` there if' in readme
+
+
+def test_jacfwd_with_chunks_smaller_than_n_is_an_error_before_f_runs():
+    calls = []
+
+    def f(t):
+        calls.append(1)
+        return torch.sin(t)
+
+    fn = funcgrad.compose_heads(f, DROPOUT_HEADS, strategy="jacfwd", chunk_size=2)
+    with pytest.raises(ValueError, match=r"strategy='jacfwd'.*chunk_size=2.*once per chunk"):
+        fn(torch.randn(3))
+    assert not calls

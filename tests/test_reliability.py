@@ -267,3 +267,38 @@ def test_chunk_size_bounds_peak_memory():
     """2000 cotangents through a 20000-wide layer: 160 MB per batched intermediate at once."""
     unchunked, chunked = _peak_kib(None), _peak_kib(20)
     assert chunked < unchunked / 4, (chunked, unchunked)
+
+
+def test_checking_block_overrides_and_restores():
+    with funcgrad.checking("strict"):
+        with pytest.raises(funcgrad.BatchingMismatchError):
+            _max_error("vjp")
+        with funcgrad.checking(False):
+            assert _max_error("vjp") > 1e-3  # the inner block turns check off
+        with pytest.warns(funcgrad.FuncgradWarning, match="check found"):
+            assert _max_error("vjp", check=True) < 1e-10  # the argument wins over the block
+    assert _max_error("vjp") > 1e-3  # restored: off by default
+    with pytest.raises(ValueError, match=r"funcgrad.checking\(mode\).*'strict'"):
+        with funcgrad.checking("yes"):
+            pass
+
+
+def test_checking_is_per_thread():
+    """Another thread does not see a block's mode (set_check would be process-wide)."""
+    import threading
+
+    seen = {}
+    inside, release = threading.Event(), threading.Event()
+
+    def worker():
+        inside.wait()
+        seen["error"] = _max_error("vjp")  # off: the main thread's block is not ours
+        release.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with funcgrad.checking("strict"):
+        inside.set()
+        release.wait(timeout=60)
+    thread.join()
+    assert seen["error"] > 1e-3

@@ -23,10 +23,10 @@ from typing import Any
 
 import optree
 import torch
+from tqdm.auto import tqdm
 
 import funcgrad
 
-from .._progress import progress
 from ._cases import BUILDERS, HEAD_COUNTS, Case
 
 # Targets from the performance issue: (case label, method, baseline, limit).
@@ -68,16 +68,17 @@ def _finish() -> None:
 def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
     names = list(case.methods)
     samples: dict[str, list[float]] = {name: [] for name in names}
-    total = rounds * len(names)
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for i, name in enumerate(order):
-            progress(f"timing {case.label}", r * len(names) + i, total)
-            start = time.perf_counter()
-            case.methods[name]()
-            _finish()
-            samples[name].append(time.perf_counter() - start)
-    progress(f"timing {case.label}", total, total)
+    with tqdm(
+        total=rounds * len(names), desc=f"timing {case.label}", leave=False, disable=None
+    ) as bar:
+        for r in range(rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            for name in order:
+                start = time.perf_counter()
+                case.methods[name]()
+                _finish()
+                samples[name].append(time.perf_counter() - start)
+                bar.update()
     return samples
 
 
@@ -122,8 +123,7 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
     # follows the live tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     names = [n for n in case.methods if n not in case.reference_only]
-    for i, name in enumerate(names):
-        progress(f"memory {case.label}", i, len(names))
+    for name in tqdm(names, desc=f"memory {case.label}", leave=False, disable=None):
         command = [
             sys.executable,
             "-m",
@@ -141,7 +141,6 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
         peaks[name] = (
             json.loads(lines[-1])["peak_kib"] / 1024 if done.returncode == 0 and lines else None
         )
-    progress(f"memory {case.label}", len(names), len(names))
     return peaks
 
 
