@@ -9,6 +9,8 @@ import os
 from collections.abc import Iterator
 from typing import Literal
 
+import torch
+
 CheckMode = bool | Literal["strict"]
 _ENV = "FUNCGRAD_CHECK"
 _check: CheckMode | None = None  # None: follow the environment variable
@@ -96,6 +98,8 @@ def resolve_check(mode: CheckMode | None, call: str) -> CheckMode:
     else the process's (:func:`set_check`), else the environment's."""
     if mode is not None:
         return _validate(mode, call)
+    if torch.compiler.is_compiling():  # check reads values, so it is off in compiled code
+        return False  # (and dynamo cannot trace ContextVar.get)
     block = _block_check.get()
     if block is not None:
         return block

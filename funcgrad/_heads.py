@@ -221,6 +221,23 @@ def _forward_mode(flat: FlatFunction, check: CheckMode) -> tuple[Tensors, Tensor
     return None
 
 
+def _shape_key(args: Sequence[Any]) -> Any:
+    """What y's shape may depend on: the tree, and every leaf's shape, dtype and device (or
+    its value, for a hashable non-tensor leaf)."""
+    leaves, treedef = _tree.flatten(list(args))
+
+    def of(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return (tuple(leaf.shape), leaf.dtype, leaf.device)
+        try:
+            hash(leaf)
+        except TypeError:
+            return type(leaf)
+        return (type(leaf), leaf)
+
+    return treedef, tuple(of(leaf) for leaf in leaves)
+
+
 def _output_size(flat: FlatFunction) -> int | None:
     """m = real numel of f's output without running f for real: f on fake tensors (shapes
     only, no data, no side effects: torch.func refuses in-place updates of captured buffers).
@@ -261,6 +278,10 @@ class ComposedHeads(Generic[R]):
         self.f, self.argnums, self.has_aux = f, argnums, has_aux
         self.strategy, self.chunk_size = strategy, chunk_size
         self.check = resolve_check(check, self.call) if check is not None else None
+        # y's size by the arguments' shapes, so that auto pays the fake run of f once per
+        # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
+        # size picks a strategy, and every strategy computes on the real output.
+        self._sizes: dict[Any, int | None] = {}
         functools.update_wrapper(self, f, updated=())
 
     @property
@@ -294,8 +315,18 @@ class ComposedHeads(Generic[R]):
             return self.strategy, None
         if not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return "reverse", None
-        m = _output_size(flat)
+        m = self._output_size(flat)
         return ("reverse" if m is None else choose(self.k, m, n)), m
+
+    def _output_size(self, flat: FlatFunction) -> int | None:
+        if not values_readable(flat.leaves):
+            return _output_size(flat)
+        key = _shape_key(flat.args)
+        if key not in self._sizes:
+            if len(self._sizes) >= 64:
+                self._sizes.clear()
+            self._sizes[key] = _output_size(flat)
+        return self._sizes[key]
 
     def plan(self, *args: Any) -> Plan:
         """The plan for these arguments, from shapes only.
@@ -308,7 +339,7 @@ class ComposedHeads(Generic[R]):
         flat = self._flat(args)
         strategy, m = self._strategy(flat)
         if m is None:
-            m = _output_size(flat)
+            m = self._output_size(flat)
         if m is None:
             with torch.no_grad():
                 result = flat(*flat.leaves)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import optree
 import pytest
 import torch
 from helpers import Pair, assert_tree_close, autograd_reference, tree_index
@@ -114,6 +115,12 @@ def test_matches_autograd_per_head(strategy, case, heads_name, chunk_size, has_a
     composed = funcgrad.compose_heads(
         fn, heads, argnums=argnums, has_aux=has_aux, strategy=strategy, chunk_size=chunk_size
     )
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    n = sum(leaf.numel() for a in nums for leaf in optree.tree_leaves(args[a]))
+    if strategy == "jacfwd" and chunk_size is not None and chunk_size < n:
+        with pytest.raises(ValueError, match="once per chunk"):  # f would run per chunk
+            composed(*args)
+        return
     result = composed(*args)
     values, grads = result[:2]
     head_list = list(heads.values()) if isinstance(heads, dict) else heads

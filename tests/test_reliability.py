@@ -278,9 +278,11 @@ def test_checking_block_overrides_and_restores():
         with pytest.warns(funcgrad.FuncgradWarning, match="check found"):
             assert _max_error("vjp", check=True) < 1e-10  # the argument wins over the block
     assert _max_error("vjp") > 1e-3  # restored: off by default
-    with pytest.raises(ValueError, match=r"funcgrad.checking\(mode\).*'strict'"):
-        with funcgrad.checking("yes"):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"funcgrad.checking\(mode\).*'strict'"),
+        funcgrad.checking("yes"),
+    ):
+        pass
 
 
 def test_checking_is_per_thread():
