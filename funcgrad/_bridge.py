@@ -57,17 +57,22 @@ def _parents(edge: Edge) -> list[Edge]:
     return [(node, nr) for node, nr in edge[0].next_functions if node is not None]
 
 
-def _reached(starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]) -> set[int]:
-    """Indices of the target edges reachable from ``starts`` without passing a ``stop`` edge.
+def _walk(
+    starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]
+) -> tuple[set[int], set[int]]:
+    """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
+    walk does not go past a stop edge, so it stays in the cheap part of the graph.
 
     Conservative where it must be: gradient entering a node by any output is taken to reach
     all of its inputs (true of every op but a few with unused inputs), so a dependency is
     never missed; a stop edge is checked before a target edge."""
     found: set[int] = set()
+    stopped: set[int] = set()
     seen, todo = set(starts), list(starts)
     while todo:
         edge = todo.pop()
         if edge in stop:
+            stopped.add(stop[edge])
             continue
         if edge in targets:
             found.add(targets[edge])
@@ -75,7 +80,7 @@ def _reached(starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]
             if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
-    return found
+    return found, stopped
 
 
 def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
@@ -95,7 +100,7 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
         through_edges[edge] = j
     for j, edge in enumerate(through_edges):
         others = {e: i for e, i in through_edges.items() if e != edge}
-        above = _reached(_parents(edge), others, {})
+        _, above = _walk(_parents(edge), {}, others)
         if above:
             raise ValueError(
                 f"{_CALL}: through[{j}] is computed from through[{min(above)}], so pulling "
@@ -103,13 +108,12 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
                 f"intermediates (drop through[{min(above)}] or through[{j}])."
             )
     for i, z in enumerate(outputs):
-        start = [_edge(z)]
-        if not _reached(start, through_edges, {}):
+        bypass, reached_through = _walk([_edge(z)], input_edges, through_edges)
+        if not reached_through:
             raise ValueError(
                 f"{_CALL}: outputs[{i}] does not depend on `through`; every output must be "
                 "computed from it (z = g(y)). Drop that output or compute it from `through`."
             )
-        bypass = _reached(start, input_edges, through_edges)
         if bypass:
             raise ValueError(
                 f"{_CALL}: outputs[{i}] depends on inputs[{min(bypass)}] other than through "
@@ -117,7 +121,7 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
                 "Add the intermediate it uses to `through`, or use torch.autograd.grad."
             )
     if not allow_unused:
-        reached = _reached(list(through_edges), input_edges, {})
+        reached, _ = _walk(list(through_edges), input_edges, {})
         for i, x in enumerate(inputs):
             if input_edges[_edge(x)] not in reached:
                 raise ValueError(

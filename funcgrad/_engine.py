@@ -8,7 +8,8 @@ and ``grads`` alike:
 - :func:`by_plan` forms the k products ``J^T v_i`` by a shape-only plan (vjp, loop, jacrev
   rows), with the non-finite recompute.
 - :func:`forward_columns` takes J's columns by forward mode in ONE vmapped JVP (f's forward
-  runs once, randomness shared), or says it cannot.
+  runs once, randomness shared), or says it cannot; :func:`by_columns` reduces them to
+  ``V @ J``.
 - :class:`Basis` and :func:`by_linearity` send only directions outside a kept span through
   f (the eager, data-dependent reuse of ``Pullback`` and ``grads``), with the non-finite,
   scale and half-precision handling.
@@ -136,6 +137,11 @@ def zeros(k: int, like: Sequence[torch.Tensor]) -> Tensors:
     return tuple(torch.zeros((k, *x.shape), dtype=x.dtype, device=x.device) for x in like)
 
 
+def nothing_to_pull(k: int, out_like: Tensors, x_like: Tensors) -> bool:
+    """No direction needs f: no cotangents, or an empty y or x (every answer is zeros)."""
+    return k == 0 or _coords.real_size(out_like) == 0 or _coords.real_size(x_like) == 0
+
+
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
     # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
     # needless, still correct, recomputation).
@@ -169,7 +175,7 @@ def by_plan(
     mode, the cotangents themselves are pulled back instead.
     """
     k, m = cotangents[0].shape[0], _coords.real_size(out)
-    if k == 0 or m == 0 or _coords.real_size(x_like) == 0:
+    if nothing_to_pull(k, out, x_like):
         return zeros(k, x_like)
     if strategy in ("vjp", "loop"):
         return pull(cotangents)
@@ -181,6 +187,18 @@ def by_plan(
     if went_non_finite(grads, out):
         return pull(cotangents)
     return grads
+
+
+def by_columns(
+    cotangents: Tensors, tangents: Tensors, out: Tensors, x_like: Tensors
+) -> Tensors | None:
+    """``J^T v_i`` for the k cotangents from J's n columns (forward mode): ``V @ J``. None
+    where that product went non-finite in eager mode: the caller then pulls the cotangents
+    themselves back, as autograd does."""
+    k, n = cotangents[0].shape[0], tangents[0].shape[0]
+    columns = _coords.to_coords(cotangents, k) @ _coords.to_coords(tangents, n).T
+    grads = _coords.from_coords(columns, x_like)
+    return None if went_non_finite(grads, out) else grads
 
 
 def _replaying_random_draws(fn: Callable[..., Tensors], like: Sequence[torch.Tensor]):
@@ -330,12 +348,12 @@ def by_linearity(
     number of directions pulled through f.
     """
     k, m = cotangents[0].shape[0], basis.m
-    if k == 0 or m == 0 or _coords.real_size(x_like) == 0:
+    if nothing_to_pull(k, out_like, x_like):
         return zeros(k, x_like), 0
     coords = _coords.to_coords(cotangents, k)
 
-    def direct() -> tuple[Tensors, int]:
-        return pull(cotangents), k
+    def direct(pulled: int = 0) -> tuple[Tensors, int]:
+        return pull(cotangents), pulled + k
 
     if not basis.enabled or not bool(torch.isfinite(coords).all()):
         # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
@@ -354,12 +372,12 @@ def by_linearity(
         if not all_finite(images):
             # A non-finite Jacobian would smear NaN over every combination: stop reusing.
             basis.clear(enabled=False)
-            return pull(cotangents), pulled + k
+            return direct(pulled)
         basis.add(new, images)
     if basis.q is None:  # every cotangent is zero
         return zeros(k, x_like), pulled
     coefficients = (coords if coords.requires_grad else work).to(basis.q.dtype) @ basis.q.T
     result = _coords.combine(coefficients, basis.images)
     if not all_finite(result):  # an overflow in the product that autograd may not have
-        return pull(cotangents), pulled + k
+        return direct(pulled)
     return result, pulled

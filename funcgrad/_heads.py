@@ -241,9 +241,7 @@ def _shape_key(args: Sequence[Any]) -> Any:
 def _output_size(flat: FlatFunction) -> int | None:
     """m = real numel of f's output without running f for real: f on fake tensors (shapes
     only, no data, no side effects: torch.func refuses in-place updates of captured buffers).
-    None where that cannot tell (data-dependent Python in f, inside transforms, ...)."""
-    if not values_readable(flat.leaves):
-        return None
+    None where that cannot tell (data-dependent Python in f, ...). Eager mode only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
@@ -319,8 +317,10 @@ class ComposedHeads(Generic[R]):
         return ("reverse" if m is None else choose(self.k, m, n)), m
 
     def _output_size(self, flat: FlatFunction) -> int | None:
+        """y's size from f on fake tensors, remembered per argument shapes; None inside
+        transforms and compiled code (no fake run there)."""
         if not values_readable(flat.leaves):
-            return _output_size(flat)
+            return None
         key = _shape_key(flat.args)
         if key not in self._sizes:
             if len(self._sizes) >= 64:
@@ -362,13 +362,10 @@ class ComposedHeads(Generic[R]):
             if result is not None:
                 out, aux, tangents = result
                 values, cotangents = heads_of(out)
-                n = tangents[0].shape[0]
-                coords = _coords.to_coords(cotangents, self.k)
-                columns = coords @ _coords.to_coords(tangents, n).T
-                grads = _coords.from_coords(columns, flat.leaves)
-                if not _engine.went_non_finite(grads, out):
+                grads = _engine.by_columns(cotangents, tangents, out, flat.leaves)
+                if grads is not None:
                     return self._package(flat, values, grads, aux)
-                strategy = "vjp"  # J went non-finite: the cotangents themselves, as autograd
+                strategy = "vjp"  # V @ J went non-finite: the cotangents themselves
             else:
                 strategy = "reverse"
         out, vjp_fn, aux, can_vmap = build_vjp(flat)

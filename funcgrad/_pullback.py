@@ -186,7 +186,7 @@ class Pullback:
         self.stats.cotangents += k
         leaves = self._flat.leaves
         if not (self._reuse and values_readable(cotangents)):
-            if k == 0 or self._basis.m == 0 or _coords.real_size(leaves) == 0:
+            if _engine.nothing_to_pull(k, self._out_like, leaves):
                 return _engine.zeros(k, leaves)
             self.stats.vjps += k
             return self._pull(cotangents, chunk_size, check)
