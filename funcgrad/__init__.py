@@ -10,9 +10,11 @@ import contextlib
 from importlib.metadata import PackageNotFoundError, version
 
 from ._bridge import grads
+from ._combine import CombinedHeads, combine_heads
 from ._config import checking, set_check
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
+from ._multitask import backward
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
 
@@ -27,10 +29,14 @@ __all__ = [
     "compose_heads",
     "stacked_heads",
     "grads",
+    # multi-task weighting
+    "backward",
+    "combine_heads",
     # their objects
     "Pullback",
     "PullbackStats",
     "ComposedHeads",
+    "CombinedHeads",
     "StackedHeads",
     "Plan",
     # settings, errors and warnings

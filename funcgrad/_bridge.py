@@ -16,7 +16,7 @@ from ._pullback import check_chunk_size
 _CALL = "funcgrad.grads(outputs, inputs, through=...)"
 
 
-def _as_tuple(value: Any, name: str) -> tuple[torch.Tensor, ...]:
+def _as_tuple(value: Any, name: str, call: str = _CALL) -> tuple[torch.Tensor, ...]:
     if isinstance(value, torch.Tensor):
         items: Any = (value,)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
@@ -25,15 +25,15 @@ def _as_tuple(value: Any, name: str) -> tuple[torch.Tensor, ...]:
         items = ()
     if not items:
         raise TypeError(
-            f"{_CALL}: `{name}` must be a tensor or a non-empty sequence of tensors, "
+            f"{call}: `{name}` must be a tensor or a non-empty sequence of tensors, "
             f"got {describe(value)}."
         )
     for index, item in enumerate(items):
         if not isinstance(item, torch.Tensor):
-            raise TypeError(f"{_CALL}: `{name}`[{index}] must be a tensor, got {describe(item)}.")
+            raise TypeError(f"{call}: `{name}`[{index}] must be a tensor, got {describe(item)}.")
         if not item.requires_grad:
             raise ValueError(
-                f"{_CALL}: `{name}`[{index}] does not require grad, so it is in no graph. "
+                f"{call}: `{name}`[{index}] does not require grad, so it is in no graph. "
                 + (
                     "Create it with requires_grad=True."
                     if name == "inputs"
@@ -58,10 +58,14 @@ def _parents(edge: Edge) -> list[Edge]:
 
 
 def _walk(
-    starts: list[Edge], targets: dict[Edge, int], stop: dict[Edge, int]
+    starts: list[Edge],
+    targets: dict[Edge, int],
+    stop: dict[Edge, int],
+    leaves: dict[Edge, torch.Tensor] | None = None,
 ) -> tuple[set[int], set[int]]:
     """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
-    walk does not go past a stop edge, so it stays in the cheap part of the graph.
+    walk does not go past a stop edge, so it stays in the cheap part of the graph. The leaf
+    tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given.
 
     Conservative where it must be: gradient entering a node by any output is taken to reach
     all of its inputs (true of every op but a few with unused inputs), so a dependency is
@@ -76,11 +80,37 @@ def _walk(
             continue
         if edge in targets:
             found.add(targets[edge])
+        if leaves is not None and hasattr(edge[0], "variable"):  # AccumulateGrad: a leaf
+            leaves.setdefault(edge, edge[0].variable)
         for parent in _parents(edge):
             if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
     return found, stopped
+
+
+def through_edges(through: tuple[torch.Tensor, ...], call: str) -> dict[Edge, int]:
+    """The gradient edges of ``through``, checked to be distinct and independent: pulling
+    back through a tensor and one computed from it would count that path twice."""
+    edges: dict[Edge, int] = {}
+    for j, y in enumerate(through):
+        edge = _edge(y)
+        if edge in edges:
+            raise ValueError(
+                f"{call}: through[{j}] is the same tensor as through[{edges[edge]}]; "
+                "list each intermediate once."
+            )
+        edges[edge] = j
+    for j, edge in enumerate(edges):
+        others = {e: i for e, i in edges.items() if e != edge}
+        _, above = _walk(_parents(edge), {}, others)
+        if above:
+            raise ValueError(
+                f"{call}: through[{j}] is computed from through[{min(above)}], so pulling "
+                "back through both would count that path twice. Pass only the independent "
+                f"intermediates (drop through[{min(above)}] or through[{j}])."
+            )
+    return edges
 
 
 def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
@@ -89,26 +119,9 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
     input_edges: dict[Edge, int] = {}
     for i, x in enumerate(inputs):
         input_edges.setdefault(_edge(x), i)  # a repeated input is answered like its first
-    through_edges: dict[Edge, int] = {}
-    for j, y in enumerate(through):
-        edge = _edge(y)
-        if edge in through_edges:
-            raise ValueError(
-                f"{_CALL}: through[{j}] is the same tensor as through[{through_edges[edge]}]; "
-                "list each intermediate once."
-            )
-        through_edges[edge] = j
-    for j, edge in enumerate(through_edges):
-        others = {e: i for e, i in through_edges.items() if e != edge}
-        _, above = _walk(_parents(edge), {}, others)
-        if above:
-            raise ValueError(
-                f"{_CALL}: through[{j}] is computed from through[{min(above)}], so pulling "
-                "back through both would count that path twice. Pass only the independent "
-                f"intermediates (drop through[{min(above)}] or through[{j}])."
-            )
+    stops = through_edges(through, _CALL)
     for i, z in enumerate(outputs):
-        bypass, reached_through = _walk([_edge(z)], input_edges, through_edges)
+        bypass, reached_through = _walk([_edge(z)], input_edges, stops)
         if not reached_through:
             raise ValueError(
                 f"{_CALL}: outputs[{i}] does not depend on `through`; every output must be "
@@ -121,7 +134,7 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
                 "Add the intermediate it uses to `through`, or use torch.autograd.grad."
             )
     if not allow_unused:
-        reached, _ = _walk(list(through_edges), input_edges, {})
+        reached, _ = _walk(list(stops), input_edges, {})
         for i, x in enumerate(inputs):
             if input_edges[_edge(x)] not in reached:
                 raise ValueError(
@@ -130,15 +143,18 @@ def _check_graph(outputs, inputs, through, allow_unused: bool) -> None:
                 )
 
 
-def _check_outputs(outputs: tuple[torch.Tensor, ...]) -> None:
+def _check_outputs(
+    outputs: tuple[torch.Tensor, ...], call: str = _CALL, names: Sequence[str] | None = None
+) -> None:
     for i, z in enumerate(outputs):
+        name = f"outputs[{i}]" if names is None else names[i]
         if z.numel() != 1:
             raise ValueError(
-                f"{_CALL}: outputs[{i}] must be a scalar, got shape {tuple(z.shape)}. Reduce it "
-                "(.sum() or .mean()) or pass one output per entry."
+                f"{call}: {name} must be a scalar, got shape {tuple(z.shape)}. Reduce it "
+                "(.sum() or .mean()) or pass one entry per scalar."
             )
         if z.is_complex() or not z.is_floating_point():
-            raise TypeError(f"{_CALL}: outputs[{i}] must be a real floating scalar, got {z.dtype}.")
+            raise TypeError(f"{call}: {name} must be a real floating scalar, got {z.dtype}.")
 
 
 def grads(
@@ -214,8 +230,21 @@ def grads(
     ]
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
-    # Through -> inputs (slow): only the independent directions, batched with vmap over
-    # torch.autograd.grad where the graph allows (a loop for create_graph).
+    return pull_through(mids, ins, cotangents, chunk_size, mode, create_graph)
+
+
+def pull_through(
+    mids: tuple[torch.Tensor, ...],
+    ins: tuple[torch.Tensor, ...],
+    cotangents: tuple[torch.Tensor, ...],
+    chunk_size: int | None,
+    check: bool | str,
+    create_graph: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Through -> inputs (slow) for k cotangents on ``mids``: only their independent
+    directions, batched with vmap over torch.autograd.grad where the graph allows (a loop
+    for create_graph). The graph is retained."""
+
     def backward(*cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return autograd_grad(mids, ins, cotangent, retain_graph=True, create_graph=create_graph)
 
@@ -224,7 +253,7 @@ def grads(
             backward,
             directions,
             chunk_size=chunk_size,
-            check=mode,
+            check=check,
             what="the backward from `through` to the inputs",
             can_vmap=not create_graph,
         )

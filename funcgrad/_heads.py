@@ -269,8 +269,18 @@ def _validate(f: object, strategy: object, chunk_size: object, argnums: object, 
 class ComposedHeads(Generic[R]):
     """The function returned by :func:`compose_heads`; call it with f's arguments."""
 
-    def __init__(self, f, heads, argnums, has_aux, strategy, chunk_size, check) -> None:
-        self.call = "compose_heads(f, heads)"
+    def __init__(
+        self,
+        f,
+        heads,
+        argnums,
+        has_aux,
+        strategy,
+        chunk_size,
+        check,
+        call="compose_heads(f, heads)",
+    ) -> None:
+        self.call = call
         _validate(f, strategy, chunk_size, argnums, self.call)
         self.keys, self.heads = _normalize_heads(heads, self.call)
         self.f, self.argnums, self.has_aux = f, argnums, has_aux
@@ -350,26 +360,31 @@ class ComposedHeads(Generic[R]):
         return Plan(strategy, self.k, m, n)
 
     def __call__(self, *args: Any) -> R:
-        check = resolve_check(self.check, self.call)
         flat = self._flat(args)
+        values, grads, aux = self._per_head(flat, resolve_check(self.check, self.call))
+        return self._package(flat, values, grads, aux)
 
-        def heads_of(out: Tensors) -> tuple[torch.Tensor, Tensors]:
-            return _head_cotangents(self.heads, self.keys, flat, out, self.call)
+    def _heads_of(self, flat: FlatFunction, out: Tensors) -> tuple[torch.Tensor, Tensors]:
+        return _head_cotangents(self.heads, self.keys, flat, out, self.call)
 
+    def _per_head(
+        self, flat: FlatFunction, check: CheckMode
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        """(values (k,), per-head gradient leaves (k, ...), aux tensors) by the plan."""
         strategy, _ = self._strategy(flat)
         if strategy == "jacfwd":
             result = _forward_mode(flat, check)
             if result is not None:
                 out, aux, tangents = result
-                values, cotangents = heads_of(out)
+                values, cotangents = self._heads_of(flat, out)
                 grads = _engine.by_columns(cotangents, tangents, out, flat.leaves)
                 if grads is not None:
-                    return self._package(flat, values, grads, aux)
+                    return values, grads, aux
                 strategy = "vjp"  # V @ J went non-finite: the cotangents themselves
             else:
                 strategy = "reverse"
         out, vjp_fn, aux, can_vmap = build_vjp(flat)
-        values, cotangents = heads_of(out)
+        values, cotangents = self._heads_of(flat, out)
         m, n = _coords.real_size(out), _coords.real_size(flat.leaves)
         if strategy == "reverse":
             strategy = choose(self.k, m, n, forward=False)
@@ -382,7 +397,7 @@ class ComposedHeads(Generic[R]):
             can_vmap=can_vmap and strategy != "loop",
         )
         grads = _engine.by_plan(strategy, pull, cotangents, out, flat.leaves, self.chunk_size)
-        return self._package(flat, values, grads, aux)
+        return values, grads, aux
 
     def _package(
         self, flat: FlatFunction, values: torch.Tensor, grads: Tensors, aux: Tensors

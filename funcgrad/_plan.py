@@ -22,12 +22,15 @@ class Plan:
     """How :func:`funcgrad.compose_heads` computes the gradients for given shapes.
 
     Attributes:
-        strategy: ``"vjp"``, ``"jacrev"``, ``"jacfwd"`` or ``"loop"`` (never ``"auto"``).
+        strategy: ``"vjp"``, ``"jacrev"``, ``"jacfwd"`` or ``"loop"`` (never ``"auto"``);
+            ``"weighted"`` for :func:`funcgrad.combine_heads` where one pullback of the
+            weighted cotangent ``w @ V`` is all it needs (level ``"features"``, or no
+            weighting).
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
         n: real dimension of the differentiated inputs.
-        directions: how many directions go through f: pullbacks for ``vjp``, ``loop``
-            and ``jacrev``, JVPs for ``jacfwd``.
+        directions: how many directions go through f: pullbacks for ``vjp``, ``loop``,
+            ``jacrev`` and ``weighted``, JVPs for ``jacfwd``.
     """
 
     strategy: str
@@ -37,7 +40,9 @@ class Plan:
 
     @property
     def directions(self) -> int:
-        return {"vjp": self.k, "loop": self.k, "jacrev": self.m, "jacfwd": self.n}[self.strategy]
+        return {"vjp": self.k, "loop": self.k, "jacrev": self.m, "jacfwd": self.n, "weighted": 1}[
+            self.strategy
+        ]
 
 
 def choose(k: int, m: int, n: int, forward: bool = True) -> str:

@@ -1,0 +1,231 @@
+"""``funcgrad.backward``: one weighted update from k task losses, written into ``.grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _coords, _weighting
+from ._bridge import Edge, _as_tuple, _check_outputs, _edge, _walk, pull_through, through_edges
+from ._config import resolve_check
+from ._errors import describe
+from ._function import autograd_grad
+from ._pullback import check_chunk_size
+
+_CALL = "funcgrad.backward(losses, through=...)"
+Tensors = tuple[torch.Tensor, ...]
+
+
+def _losses(losses: Any) -> tuple[list[Any] | None, Tensors, list[str]]:
+    """(keys or None, the losses, a name for each in messages)."""
+    if isinstance(losses, Mapping):
+        keys: list[Any] | None = list(losses.keys())
+        values: Any = list(losses.values())
+        names = [f"losses[{key!r}]" for key in losses]
+    else:
+        keys, values = None, losses
+        names = []
+    tensors = _as_tuple(values, "losses", _CALL)
+    return keys, tensors, names or [f"losses[{i}]" for i in range(len(tensors))]
+
+
+def _named_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
+    """``inputs`` as (name, leaf) pairs: tensors, or a mapping / ``named_parameters()`` pairs,
+    so that messages can name a parameter."""
+    if isinstance(inputs, Mapping):
+        pairs = [(f"inputs[{key!r}]", value) for key, value in inputs.items()]
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor):
+        items = list(inputs)
+        if items and all(isinstance(item, tuple) and len(item) == 2 for item in items):
+            pairs = [(f"inputs[{name!r}]", value) for name, value in items]
+        else:
+            tensors = _as_tuple(items, "inputs", _CALL)
+            pairs = [(f"inputs[{i}]", x) for i, x in enumerate(tensors)]
+    else:
+        pairs = [("inputs[0]", x) for x in _as_tuple(inputs, "inputs", _CALL)]
+    if not pairs:
+        raise ValueError(f"{_CALL}: `inputs` is empty; give the shared parameters, or None.")
+    for name, x in pairs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{_CALL}: {name} must be a tensor, got {describe(x)}.")
+        if not (x.requires_grad and x.is_leaf):
+            raise ValueError(
+                f"{_CALL}: {name} must be a leaf tensor that requires grad (a parameter), "
+                f"got {describe(x)} with requires_grad={x.requires_grad}, is_leaf={x.is_leaf}."
+            )
+    return pairs
+
+
+def _leaf_name(edge: Edge, leaf: torch.Tensor, names: dict[Edge, str]) -> str:
+    return names.get(edge, f"a leaf tensor of shape {tuple(leaf.shape)}")
+
+
+def _split_leaves(
+    losses: Tensors, names: list[str], mids: Tensors, inputs: Any
+) -> tuple[dict[Edge, torch.Tensor], list[dict[Edge, torch.Tensor]]]:
+    """(shared leaves, each loss's task-specific leaves), from one walk of the graph
+    (before any backward): shared ones are those ``through`` depends on (or ``inputs``);
+    a loss's own are those it reaches without passing through ``through``."""
+    stops = through_edges(mids, _CALL)
+    below: dict[Edge, torch.Tensor] = {}
+    _walk(list(stops), {}, {}, below)
+    leaf_names: dict[Edge, str] = {}
+    if inputs is None:
+        shared = below
+    else:
+        shared = {}
+        for name, x in _named_inputs(inputs):
+            edge = _edge(x)
+            leaf_names.setdefault(edge, name)
+            if edge in below:  # as torch.autograd.backward: an unused input is left alone
+                shared.setdefault(edge, x)
+    if not shared:
+        raise ValueError(
+            f"{_CALL}: `through` depends on no "
+            + ("leaf that requires grad" if inputs is None else "tensor of `inputs`")
+            + ", so there is nothing shared to update. Pass the features computed by the "
+            "shared model, or use sum(losses).backward()."
+        )
+    per_task = []
+    for name, loss in zip(names, losses):
+        own: dict[Edge, torch.Tensor] = {}
+        _, reached = _walk([_edge(loss)], {}, stops, own)
+        if not reached:
+            raise ValueError(
+                f"{_CALL}: {name} does not depend on `through`; every loss must be computed "
+                "from the shared features. Drop it, or add its features to `through`."
+            )
+        for edge, leaf in own.items():
+            if edge in below:
+                raise ValueError(
+                    f"{_CALL}: {name} reaches {_leaf_name(edge, leaf, leaf_names)} other than "
+                    "through `through`, so that leaf is both shared and task-specific and its "
+                    "weighted gradient would miss a path. Add the intermediate that the loss "
+                    "uses to `through` (or detach it)."
+                )
+        per_task.append(own)
+    return shared, per_task
+
+
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """``leaf.grad += grad``, as autograd accumulates."""
+    grad = grad.detach()
+    if leaf.grad is None:
+        leaf.grad = grad.clone()
+    else:
+        leaf.grad.add_(grad)
+
+
+def backward(
+    losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
+    *,
+    through: Sequence[torch.Tensor] | torch.Tensor,
+    weighting: Any = None,
+    level: str = "params",
+    inputs: Any = None,
+    retain_graph: bool = False,
+    chunk_size: int | None = None,
+) -> Any:
+    """One weighted update from k task losses, accumulated into ``.grad``, as
+    ``torch.autograd.backward`` does for one loss.
+
+    With ``P`` the k per-task gradients of the shared leaves (the rows of ``V J``: V the
+    cotangents of the losses on ``through``, J the shared model's Jacobian) and ``w =
+    weighting(G)``, the shared leaves get ``.grad += w @ P`` and every task-specific leaf its
+    own loss's gradient (summed over the losses that reach it), TorchJD's ``mtl_backward``
+    convention. ``weighting=None`` gives all ones: the same ``.grad`` as
+    ``sum(losses).backward()``.
+
+    Args:
+        losses: k real scalar tensors, a sequence or a mapping ``name -> loss``, each
+            computed from ``through``.
+        through: the shared features (one tensor or several independent ones).
+        weighting: a callable Gramian (k x k) -> weights (k,), such as TorchJD's
+            ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``
+            (``UPGrad()``, ``NashMTL(...)``, ``GradDrop()``). None: all ones.
+        level: ``"params"``: G is the Gramian of the per-task gradients of the shared
+            parameters (exact Jacobian descent). ``"features"``: G is the Gramian ``V V^T``
+            of the per-task gradients with respect to ``through`` (MGDA-UB's bound).
+        inputs: the shared leaves to update (tensors, a mapping or ``named_parameters()``
+            pairs, which name them in messages). None: every leaf ``through`` depends on.
+        retain_graph: keep the graph of the shared part after the last backward.
+        chunk_size: at level ``"params"``, at most this many directions per batched
+            backward through the shared part (1: a loop).
+
+    Returns:
+        The weights, shape (k,), detached (a dict for a mapping of losses); None for a
+        TorchJD aggregator that returns a vector without weights (GradDrop, ConFIG, ...).
+
+    Example:
+        >>> import torch, funcgrad
+        >>> encoder, heads = torch.nn.Linear(4, 8), torch.nn.ModuleList(
+        ...     torch.nn.Linear(8, 1) for _ in range(3))
+        >>> features = encoder(torch.randn(16, 4))
+        >>> losses = [head(features).pow(2).mean() for head in heads]
+        >>> weights = funcgrad.backward(losses, through=features, level="features",
+        ...                             weighting=lambda gramian: torch.ones(3) / 3)
+        >>> weights, encoder.weight.grad.shape, heads[0].weight.grad.shape
+        (tensor([0.3333, 0.3333, 0.3333]), torch.Size([8, 4]), torch.Size([1, 8]))
+
+    Notes:
+        Cost: one backward of each loss to ``through`` (cheap, head by head), then through
+        the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
+        (along ``w @ V``), and at ``level="params"`` one batched backward along the
+        independent directions of the k cotangents (at most ``min(k, numel(through))``),
+        after which the update needs no further pass. Everything is checked before the
+        shared part runs (the graph is walked once), and ``.grad`` is only written once
+        the weights are known to be finite. At level ``"params"`` the graph of the shared
+        part is retained during the call, whatever ``retain_graph``.
+    """
+    check_chunk_size(chunk_size, _CALL)
+    rule = _weighting.resolve(weighting, level, _CALL)
+    keys, outs, names = _losses(losses)
+    _check_outputs(outs, _CALL, names)
+    mids = _as_tuple(through, "through", _CALL)
+    shared, per_task = _split_leaves(outs, names, mids, inputs)
+
+    # Losses -> through (cheap), with each loss's own leaves on the way.
+    cotangent_rows, own_grads = [], []
+    for loss, own in zip(outs, per_task):
+        grads = autograd_grad(loss, mids + tuple(own.values()), None, retain_graph=True)
+        cotangent_rows.append(grads[: len(mids)])
+        own_grads.append(grads[len(mids) :])
+    k = len(outs)
+    cotangents = tuple(torch.stack([row[j] for row in cotangent_rows]) for j in range(len(mids)))
+    leaves = tuple(shared.values())
+
+    if rule.kind == "sum" or level == "features":
+        # w from V V^T, then ONE backward of w @ V through the shared part.
+        rows = _coords.to_coords(cotangents, k)
+        if rule.kind == "sum":
+            weights: torch.Tensor | None = torch.ones(k, dtype=rows.dtype, device=rows.device)
+        else:
+            g = _weighting.gramian(rows, "with respect to `through`", _CALL)
+            weights = _weighting.weights_from_gramian(rule, g, _CALL)
+        assert weights is not None
+        like = tuple(mid.detach() for mid in mids)
+        direction = _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
+        _write_own(per_task, own_grads)
+        torch.autograd.backward(
+            mids, tuple(d[0] for d in direction), inputs=list(leaves), retain_graph=retain_graph
+        )
+    else:
+        check = resolve_check(None, _CALL)
+        task_grads = pull_through(mids, leaves, cotangents, chunk_size, check)
+        weights, update = _weighting.combine(
+            rule, task_grads, "with respect to the shared parameters", _CALL
+        )
+        _write_own(per_task, own_grads)
+        for leaf, u in zip(leaves, update):
+            _accumulate(leaf, u)
+    if weights is None or keys is None:
+        return weights
+    return {key: weights[i] for i, key in enumerate(keys)}
+
+
+def _write_own(per_task: list[dict[Edge, torch.Tensor]], own_grads: list[Tensors]) -> None:
+    for own, grads in zip(per_task, own_grads):
+        for leaf, grad in zip(own.values(), grads):
+            _accumulate(leaf, grad)

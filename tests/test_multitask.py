@@ -1,0 +1,506 @@
+"""Multi-task weighting: funcgrad.backward and funcgrad.combine_heads against TorchJD, the
+MGDA-UB recipe written out by hand, and plain autograd per task, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_tree_close, autograd_reference
+from torchjd import aggregation as tjd
+from torchjd.autojac import jac_to_grad, mtl_backward
+
+import funcgrad
+from funcgrad._counting import BackwardCounter, counted
+
+
+class Model(torch.nn.Module):
+    """A shared encoder (one or two feature tensors) and k heads, some sharing a layer."""
+
+    def __init__(self, k: int = 3, two_features: bool = False, counter=None) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(
+            torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6)
+        )
+        self.other = torch.nn.Linear(5, 4) if two_features else None
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(6, 2) for _ in range(k))
+        self.shared_head = torch.nn.Linear(2, 1)  # task-specific, shared by every head
+        self.counter = counter
+
+    def features(self, x):
+        z = self.encoder(x)
+        if self.counter is not None:
+            z = counted(z, self.counter)
+        return (z,) if self.other is None else (z, torch.sin(self.other(x)))
+
+    def losses(self, features, targets):
+        z = features[0]
+        extra = features[1].sum(1, keepdim=True) if len(features) > 1 else 0.0
+        losses = []
+        for i, head in enumerate(self.heads):
+            out = self.shared_head(torch.tanh(head(z))) + extra * (i + 1)
+            losses.append((out - targets[:, i : i + 1]).pow(2).mean() * (i + 1))
+        return losses
+
+    def shared(self):
+        return list(self.encoder.parameters()) + (
+            [] if self.other is None else list(self.other.parameters())
+        )
+
+
+def _setup(k=3, two_features=False, counter=None):
+    torch.manual_seed(0)
+    model = Model(k, two_features, counter)
+    x, targets = torch.randn(10, 5), torch.randn(10, k)
+    return model, x, targets
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _torchjd(aggregator, k=3, two_features=False, seed=None):
+    model, x, targets = _setup(k, two_features)
+    features = model.features(x)
+    mtl_backward(model.losses(features, targets), features)
+    if seed is not None:  # for the aggregators that draw random numbers
+        torch.manual_seed(seed)
+    jac_to_grad(model.shared(), aggregator)
+    return _grads(model)
+
+
+def _funcgrad(weighting, k=3, two_features=False, **kwargs):
+    model, x, targets = _setup(k, two_features)
+    features = model.features(x)
+    weights = funcgrad.backward(
+        model.losses(features, targets), through=features, weighting=weighting, **kwargs
+    )
+    return _grads(model), weights
+
+
+def _assert_grads_close(got, want, rtol=1e-8):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol, msg=name)
+
+
+# -- params level: exact Jacobian descent, against TorchJD ----------------------------------
+
+AGGREGATORS = {
+    "UPGrad": (tjd.UPGrad, tjd.UPGradWeighting),
+    "MGDA": (tjd.MGDA, tjd.MGDAWeighting),
+    "PCGrad": (tjd.PCGrad, tjd.PCGradWeighting),
+    "Mean": (tjd.Mean, tjd.MeanWeighting),
+    "DualProj": (tjd.DualProj, tjd.DualProjWeighting),
+    "IMTLG": (tjd.IMTLG, tjd.IMTLGWeighting),
+    "AlignedMTL": (tjd.AlignedMTL, tjd.AlignedMTLWeighting),
+    "CAGrad": (lambda: tjd.CAGrad(c=0.5), lambda: tjd.CAGradWeighting(c=0.5)),
+}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("two_features", [False, True])
+@pytest.mark.parametrize("name", list(AGGREGATORS))
+def test_params_level_equals_torchjd(name, two_features, chunk_size):
+    aggregator, weighting = AGGREGATORS[name]
+    want = _torchjd(aggregator(), two_features=two_features)
+    for given in (aggregator(), weighting()):  # the Aggregator, and its Weighting
+        got, weights = _funcgrad(given, two_features=two_features, chunk_size=chunk_size)
+        _assert_grads_close(got, want, rtol=1e-6 if name == "CAGrad" else 1e-8)
+        assert weights.shape == (3,)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: tjd.NashMTL(n_tasks=4), tjd.GradDrop, tjd.ConFIG, lambda: tjd.Krum(1), tjd.Random],
+    ids=["NashMTL", "GradDrop", "ConFIG", "Krum", "Random"],
+)
+def test_params_level_jacobian_aggregators_equal_torchjd(make):
+    """Aggregators that need the Jacobian itself (NashMTL, GradDrop, ConFIG, Random) run on
+    it, hooks and all; Krum is Gramian-based. GradDrop and Random draw random numbers: the
+    same seed on both sides, and the same column order (inputs in TorchJD's order)."""
+    want = _torchjd(make(), k=4, seed=1)
+    model, x, targets = _setup(4)
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    aggregator = make()
+    torch.manual_seed(1)
+    weights = funcgrad.backward(
+        losses, through=features, weighting=aggregator, inputs=model.shared()
+    )
+    _assert_grads_close(_grads(model), want, rtol=1e-6)
+    if isinstance(aggregator, (tjd.GradDrop, tjd.ConFIG)):
+        assert weights is None
+    else:
+        assert weights.shape == (4,)
+
+
+def test_returned_weights_equal_weighting_of_the_gramian():
+    """The weighting sees the Gramian of the per-task gradients of the shared parameters
+    (params) or of `through` (features), and the weights it returns come back."""
+    seen = {}
+
+    def weighting(gramian):
+        seen["g"] = gramian.clone()
+        return torch.softmax(-torch.diagonal(gramian), 0)
+
+    model, x, targets = _setup(3)
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    per_task = [
+        torch.cat(
+            [g.flatten() for g in torch.autograd.grad(loss, model.shared(), retain_graph=True)]
+        )
+        for loss in losses
+    ]
+    on_features = [torch.autograd.grad(loss, features, retain_graph=True)[0] for loss in losses]
+    rows = torch.stack(per_task)
+    weights = funcgrad.backward(losses, through=features, weighting=weighting)
+    torch.testing.assert_close(seen["g"], rows @ rows.T)
+    torch.testing.assert_close(weights, weighting(rows @ rows.T))
+    _, rows_f = None, torch.stack([v.flatten() for v in on_features])
+
+    model, x, targets = _setup(3)
+    features = model.features(x)
+    weights = funcgrad.backward(
+        model.losses(features, targets), through=features, weighting=weighting, level="features"
+    )
+    torch.testing.assert_close(seen["g"], rows_f @ rows_f.T)
+    torch.testing.assert_close(weights, weighting(rows_f @ rows_f.T))
+
+
+# -- features level: the MGDA-UB recipe (LibMTL's rep_grad), written out ---------------------
+
+
+def _mgda_ub_by_hand(weighting, two_features=False):
+    """LibMTL's recipe: the losses on a detached copy of the features, the Gramian of the
+    per-task gradients with respect to it, then one backward of the weighted gradient."""
+    model, x, targets = _setup(3, two_features)
+    features = model.features(x)
+    detached = tuple(f.detach().requires_grad_() for f in features)
+    losses = model.losses(detached, targets)
+    task_params = list(model.heads.parameters()) + list(model.shared_head.parameters())
+    rows, own = [], []
+    for loss in losses:
+        grads = torch.autograd.grad(loss, detached + tuple(task_params), allow_unused=True)
+        rows.append(torch.cat([g.flatten() for g in grads[: len(detached)]]))
+        own.append(grads[len(detached) :])
+    rows = torch.stack(rows)
+    weights = weighting(rows @ rows.T)
+    combined = weights @ rows
+    direction, start = [], 0
+    for f in features:
+        direction.append(combined[start : start + f.numel()].reshape(f.shape))
+        start += f.numel()
+    torch.autograd.backward(features, direction)
+    for p, *gs in zip(task_params, *own):
+        p.grad = sum(g for g in gs if g is not None)
+    return _grads(model), weights
+
+
+@pytest.mark.parametrize("two_features", [False, True])
+@pytest.mark.parametrize("make", [tjd.MGDAWeighting, tjd.UPGradWeighting, tjd.MeanWeighting])
+def test_features_level_equals_mgda_ub_by_hand(make, two_features):
+    want, want_weights = _mgda_ub_by_hand(make(), two_features)
+    for given in (make(), tjd.MGDA() if make is tjd.MGDAWeighting else make()):
+        got, weights = _funcgrad(given, two_features=two_features, level="features")
+        _assert_grads_close(got, want)
+        torch.testing.assert_close(weights, want_weights)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_no_weighting_equals_sum_of_losses(level):
+    model, x, targets = _setup(3, two_features=True)
+    sum(model.losses(model.features(x), targets)).backward()
+    want = _grads(model)
+    got, weights = _funcgrad(None, two_features=True, level=level)
+    _assert_grads_close(got, want)
+    torch.testing.assert_close(weights, torch.ones(3))
+
+
+def test_grads_accumulate_and_mapping_losses_give_keyed_weights():
+    model, x, targets = _setup(3)
+    for _ in range(2):  # .grad += as autograd accumulates
+        features = model.features(x)
+        losses = dict(zip("abc", model.losses(features, targets)))
+        weights = funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+    assert list(weights) == ["a", "b", "c"]
+    want = _torchjd(tjd.UPGrad())
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, 2 * want[name], rtol=1e-8, atol=1e-8)
+
+
+def test_inputs_restricts_the_shared_update():
+    model, x, targets = _setup(3)
+    features = model.features(x)
+    first = model.encoder[2]
+    funcgrad.backward(
+        model.losses(features, targets),
+        through=features,
+        weighting=tjd.UPGradWeighting(),
+        inputs=first.named_parameters(),
+    )
+    assert model.encoder[0].weight.grad is None  # not in inputs: left alone
+    assert first.weight.grad is not None and model.heads[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 32])
+def test_features_level_runs_one_backward_through_the_shared_part(k):
+    counter = BackwardCounter()
+    model, x, targets = _setup(k, counter=counter)
+    features = model.features(x)
+    funcgrad.backward(
+        model.losses(features, targets),
+        through=features,
+        weighting=tjd.UPGradWeighting(),
+        level="features",
+    )
+    assert counter.backward == 1
+    counter.reset()
+    features = model.features(x)
+    funcgrad.backward(model.losses(features, targets), through=features)  # no weighting
+    assert counter.backward == 1
+
+
+def test_params_level_passes_are_one_batch_or_one_per_direction():
+    counter = BackwardCounter()
+    model, x, targets = _setup(4, counter=counter)
+    features = model.features(x)
+    funcgrad.backward(model.losses(features, targets), through=features, weighting=tjd.MGDA())
+    assert counter.backward == 1  # one vmapped backward of the 4 directions
+    counter.reset()
+    features = model.features(x)
+    funcgrad.backward(
+        model.losses(features, targets), through=features, weighting=tjd.MGDA(), chunk_size=1
+    )
+    assert counter.backward == 4
+
+
+def test_float32_model():
+    model, x, targets = _setup(3)
+    model.float()
+    features = model.features(x.float())
+    weights = funcgrad.backward(
+        model.losses(features, targets.float()), through=features, weighting=tjd.UPGrad()
+    )
+    assert weights.dtype == torch.float32
+    assert all(torch.isfinite(g).all() for g in _grads(model).values())
+
+
+# -- combine_heads: the functional form --------------------------------------------------
+
+
+def _encoder_and_heads(k=4):
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(6, 5), torch.randn(3, 6)
+    x = torch.randn(5)
+
+    def f(params):
+        return torch.tanh(params["w2"] @ torch.tanh(params["w1"] @ x))
+
+    targets = torch.randn(k, 3)
+    heads = [lambda y, t=targets[i], s=i + 1: s * (y - t).pow(2).sum() for i in range(k)]
+    return f, heads, {"w1": w1, "w2": w2}
+
+
+def _combined_reference(f, heads, params, weighting, level):
+    _, per_head = autograd_reference(f, heads, (params,))
+    rows = torch.stack([torch.cat([g["w1"].flatten(), g["w2"].flatten()]) for g in per_head])
+    if level == "features":
+        y = f({k: v.detach() for k, v in params.items()}).detach().requires_grad_()
+        v = torch.stack([torch.autograd.grad(h(y), y)[0] for h in heads])
+        weights = weighting(v @ v.T)
+    else:
+        weights = weighting(rows @ rows.T)
+    combined = weights @ rows
+    return {"w1": combined[:30].reshape(6, 5), "w2": combined[30:].reshape(3, 6)}, weights
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("make", [tjd.UPGradWeighting, tjd.MGDAWeighting, tjd.DualProjWeighting])
+def test_combine_heads_against_per_head_autograd(make, level, strategy):
+    f, heads, params = _encoder_and_heads()
+    want, want_weights = _combined_reference(f, heads, params, make(), level)
+    values, grad, weights = funcgrad.combine_heads(
+        f, heads, make(), level=level, strategy=strategy
+    )(params)
+    assert_tree_close(grad, want, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-7, atol=1e-9)
+    assert values.shape == (4,)
+
+
+def test_combine_heads_jacobian_aggregator_mapping_heads_and_aux():
+    f, heads, params = _encoder_and_heads()
+
+    def f_aux(p):
+        return f(p), {"norm": p["w1"].norm()}
+
+    named = dict(zip("abcd", heads))
+    values, grad, weights, aux = funcgrad.combine_heads(f_aux, named, tjd.UPGrad(), has_aux=True)(
+        params
+    )
+    want, want_weights = _combined_reference(f, heads, params, tjd.UPGradWeighting(), "params")
+    assert_tree_close(grad, want, rtol=1e-7, atol=1e-9)
+    assert list(values) == list(weights) == list("abcd")
+    torch.testing.assert_close(torch.stack(list(weights.values())), want_weights)
+    assert set(aux) == {"norm"}
+    _, grad_nash, weights_nash = funcgrad.combine_heads(f, heads, tjd.GradDrop())(params)
+    assert weights_nash is None and grad_nash["w1"].shape == (6, 5)
+
+
+def test_combine_heads_without_weighting_is_the_gradient_of_the_sum():
+    f, heads, params = _encoder_and_heads()
+    fn = funcgrad.combine_heads(f, heads)
+    _, grad, weights = fn(params)
+    want = torch.func.grad(lambda p: sum(h(f(p)) for h in heads))(params)
+    assert_tree_close(grad, want)
+    torch.testing.assert_close(weights, torch.ones(4))
+    assert fn.plan(params).directions == 1
+    features_plan = funcgrad.combine_heads(f, heads, tjd.MGDAWeighting(), level="features")
+    assert features_plan.plan(params).strategy == "weighted"
+    params_plan = funcgrad.combine_heads(f, heads, tjd.MGDAWeighting()).plan(params)
+    assert params_plan.directions == min(params_plan.k, params_plan.m)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_compiles_with_a_torch_native_weighting(level):
+    f, heads, params = _encoder_and_heads()
+
+    def weighting(gramian):
+        return torch.softmax(-torch.diagonal(gramian), 0)
+
+    fn = funcgrad.combine_heads(f, heads, weighting, level=level, strategy="vjp")
+    eager = fn(params)
+    compiled = torch.compile(fn, fullgraph=True)(params)
+    assert_tree_close(compiled[1], eager[1], rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(compiled[2], eager[2])
+
+
+def test_combine_heads_composes_with_vmap():
+    """Per-sample combined gradients: vmap over a batch of inputs, against a loop."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 4)
+    heads = [lambda y: y.sum(), lambda y: y.pow(2).sum()]
+    fn = funcgrad.combine_heads(
+        lambda w, x: torch.tanh(w @ x), heads, lambda g: torch.softmax(-torch.diagonal(g), 0)
+    )
+    xs = torch.randn(5, 4)
+    batched = torch.func.vmap(lambda x: fn(w, x)[1], in_dims=0)(xs)
+    looped = torch.stack([fn(w, x)[1] for x in xs])
+    torch.testing.assert_close(batched, looped)
+
+
+# -- errors: clear, named, and before any pass through the shared part ----------------------
+
+
+def _counted_graph(k=3):
+    counter = BackwardCounter()
+    model, x, targets = _setup(k, counter=counter)
+    features = model.features(x)
+    return counter, model, features, model.losses(features, targets)
+
+
+def _raises(match, *, losses=None, through=None, error=ValueError, **kwargs):
+    """The error, with no pass through the shared part (where the weights can be known
+    before it: not at level "params") and no .grad written."""
+    counter, model, features, default_losses = _counted_graph()
+    with pytest.raises(error, match=match):
+        funcgrad.backward(
+            default_losses if losses is None else losses(default_losses, model, features),
+            through=features if through is None else through(features, model),
+            **kwargs,
+        )
+    if kwargs.get("level") == "features" or kwargs.get("weighting") is None:
+        assert counter.backward == 0, "the shared part ran before the error"
+    assert not _grads(model), ".grad was written before the error"
+
+
+def test_errors_on_losses():
+    _raises(
+        r"losses\[1\] must be a scalar, got shape \(2,\)",
+        losses=lambda ls, m, f: [ls[0], ls[1] * torch.ones(2)],
+    )
+    _raises(
+        r"losses\[0\] must be a real floating scalar",
+        losses=lambda ls, m, f: [torch.ones((), dtype=torch.complex128, requires_grad=True)],
+        error=TypeError,
+    )
+    _raises(
+        r"losses\['b'\] does not depend on `through`",
+        losses=lambda ls, m, f: {"a": ls[0], "b": m.shared_head.bias.sum()},
+    )
+    _raises(
+        r"`losses` must be a tensor or a non-empty sequence",
+        losses=lambda ls, m, f: [],
+        error=TypeError,
+    )
+
+
+def test_error_on_a_loss_around_through():
+    counter, model, features, losses = _counted_graph()
+    bad = [losses[0], losses[1] + model.encoder[0].weight.sum()]
+    with pytest.raises(ValueError, match=r"losses\[1\] reaches inputs\['0.weight'\] other than"):
+        funcgrad.backward(bad, through=features, inputs=model.encoder.named_parameters())
+    with pytest.raises(ValueError, match=r"reaches a leaf tensor of shape \(7, 5\).*both shared"):
+        funcgrad.backward(bad, through=features)
+    assert counter.backward == 0 and not _grads(model)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_errors_on_weighting_output(level):
+    _raises(
+        r"`weighting` must return a tensor of k = 3 weights",
+        weighting=lambda g: [1, 1, 1],
+        level=level,
+        error=TypeError,
+    )
+    _raises(r"must return weights of shape \(3,\) .* got shape \(3, 3\)", weighting=lambda g: g)
+    _raises(
+        "must return real floating-point weights",
+        weighting=lambda g: torch.ones(3, dtype=torch.int64),
+        error=TypeError,
+    )
+    _raises("non-finite weights", weighting=lambda g: torch.full((3,), float("nan")))
+
+
+def test_params_level_weighting_errors_come_before_any_write():
+    _, model, features, losses = _counted_graph()
+    with pytest.raises(ValueError, match=r"must return weights of shape \(3,\)"):
+        funcgrad.backward(losses, through=features, weighting=lambda g: torch.ones(2))
+    assert not _grads(model)
+    with pytest.raises(ValueError, match="non-finite weights"):
+        funcgrad.backward(losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0)
+    assert not _grads(model)
+
+
+def test_non_finite_gramian_is_an_error_before_the_shared_part():
+    _raises(
+        r"Gramian of the task gradients with respect to `through` is not finite: task\(s\) \[1\]",
+        losses=lambda ls, m, f: [ls[0], ls[1] * float("inf"), ls[2]],
+        weighting=tjd.UPGradWeighting(),
+        level="features",
+    )
+
+
+def test_errors_on_arguments():
+    _raises("unknown `level` 'param'", level="param")
+    _raises("`weighting` must be None, a callable", weighting=3, error=TypeError)
+    _raises(
+        "GradDrop is a TorchJD Aggregator that needs the Jacobian",
+        weighting=tjd.GradDrop(),
+        level="features",
+    )
+    _raises("`chunk_size` must be", chunk_size=0)
+    with pytest.raises(ValueError, match="depends on no tensor of `inputs`"):
+        model, x, targets = _setup()
+        features = model.features(x)
+        unrelated = torch.nn.Parameter(torch.ones(2))
+        funcgrad.backward(model.losses(features, targets), through=features, inputs=[unrelated])
+    with pytest.raises(ValueError, match=r"inputs\[0\] must be a leaf tensor"):
+        model, x, targets = _setup()
+        features = model.features(x)
+        funcgrad.backward(model.losses(features, targets), through=features, inputs=[features[0]])
+    with pytest.raises(ValueError, match="unknown `level`"):
+        funcgrad.combine_heads(torch.sin, [torch.sum], level="both")
+    with pytest.raises(ValueError, match=r"combine_heads\(f, heads\): `weighting` must return"):
+        funcgrad.combine_heads(torch.sin, [torch.sum, torch.sum], lambda g: g.sum())(torch.ones(2))
