@@ -49,7 +49,7 @@ class CombinedHeads(ComposedHeads[Any]):
             if self.rule.kind == "sum":
                 weights = torch.ones(self.k, dtype=rows.dtype, device=rows.device)
             else:
-                g = _weighting.gramian(rows, "with respect to f's output", _CALL)
+                g = _weighting.gramian([rows], "with respect to f's output", _CALL)
                 weights = _weighting.weights_from_gramian(self.rule, g, _CALL)
             direction = _coords.from_coords((weights.to(rows.dtype) @ rows)[None], out)
             grads = tuple(vjp_fn(tuple(d[0] for d in direction)))
@@ -128,7 +128,7 @@ def combine_heads(
         :func:`compose_heads` (the cheapest of k VJPs, m Jacobian rows or n JVPs; the
         Gramian ``P P^T = V (J J^T) V^T`` and the update then need no further pass). Under
         ``torch.compile`` a torch-native weighting compiles; TorchJD weightings that call a
-        solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) do
-        not, and graph-break under ``torch.compile`` without ``fullgraph``.
+        solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call
+        numpy and cannot run inside ``torch.compile(fullgraph=True)``.
     """
     return CombinedHeads(f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check)

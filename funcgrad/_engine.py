@@ -263,6 +263,19 @@ def _unit_rows(coords: torch.Tensor) -> torch.Tensor:
     return scaled / torch.where(norms > 0, norms, 1)
 
 
+def _clearly_independent(rows: torch.Tensor) -> torch.Tensor | None:
+    """An orthonormal basis of the rows' span (as rows) when a QR shows them clearly
+    independent (every |R_ii| above sqrt(eps)), else None. Several times cheaper than an SVD
+    for k << m (the usual multi-task case). It can only err towards more directions, which
+    is still exact: each is pulled back through f."""
+    if rows.shape[0] > rows.shape[1]:
+        return None
+    q, r = torch.linalg.qr(rows.T)
+    if bool((torch.diagonal(r).abs() > math.sqrt(torch.finfo(rows.dtype).eps)).all()):
+        return q.T
+    return None
+
+
 class Basis:
     """Orthonormal directions of y's space (rows, real coordinates) and their pullbacks.
 
@@ -313,9 +326,11 @@ class Basis:
         if not bool(outside.any()):
             return None
         residual = residual[outside]
-        _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
-        keep = singular > 16 * eps * math.sqrt(residual.shape[0])
-        new = vh[: int(keep.sum())][: self.m - r]
+        new = _clearly_independent(residual)
+        if new is None:  # the rank is in doubt: the SVD tells it
+            _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
+            keep = singular > 16 * eps * math.sqrt(residual.shape[0])
+            new = vh[: int(keep.sum())][: self.m - r]
         if self.q is not None and new.shape[0]:  # once more against the basis, for orthogonality
             new = new - (new @ self.q.T) @ self.q
             new = torch.linalg.qr(new.T).Q.T

@@ -110,10 +110,11 @@ def _split_leaves(
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """``leaf.grad += grad``, as autograd accumulates."""
+    """``leaf.grad += grad``, as autograd accumulates (``grad`` is a fresh tensor, kept as
+    the first ``.grad`` without a copy)."""
     grad = grad.detach()
     if leaf.grad is None:
-        leaf.grad = grad.clone()
+        leaf.grad = grad
     else:
         leaf.grad.add_(grad)
 
@@ -186,14 +187,16 @@ def backward(
     mids = _as_tuple(through, "through", _CALL)
     shared, per_task = _split_leaves(outs, names, mids, inputs)
 
-    # Losses -> through (cheap), with each loss's own leaves on the way.
-    cotangent_rows, own_grads = [], []
-    for loss, own in zip(outs, per_task):
-        grads = autograd_grad(loss, mids + tuple(own.values()), None, retain_graph=True)
-        cotangent_rows.append(grads[: len(mids)])
-        own_grads.append(grads[len(mids) :])
+    # Losses -> through (cheap), with each loss's own leaves on the way. V is written in
+    # place, row by row: it is the one k x m buffer that the features level holds.
     k = len(outs)
-    cotangents = tuple(torch.stack([row[j] for row in cotangent_rows]) for j in range(len(mids)))
+    cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
+    own_grads = []
+    for i, (loss, own) in enumerate(zip(outs, per_task)):
+        grads = autograd_grad(loss, mids + tuple(own.values()), None, retain_graph=True)
+        for row, grad in zip(cotangents, grads):
+            row[i] = grad
+        own_grads.append(grads[len(mids) :])
     leaves = tuple(shared.values())
 
     if rule.kind == "sum" or level == "features":
@@ -202,7 +205,7 @@ def backward(
         if rule.kind == "sum":
             weights: torch.Tensor | None = torch.ones(k, dtype=rows.dtype, device=rows.device)
         else:
-            g = _weighting.gramian(rows, "with respect to `through`", _CALL)
+            g = _weighting.gramian([rows], "with respect to `through`", _CALL)
             weights = _weighting.weights_from_gramian(rule, g, _CALL)
         assert weights is not None
         like = tuple(mid.detach() for mid in mids)

@@ -91,13 +91,16 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def gramian(rows: torch.Tensor, what: str, call: str) -> torch.Tensor:
-    """``rows @ rows.T`` (detached), checked finite where values can be read: a NaN/inf task
-    gradient would make every weighting's answer meaningless."""
-    rows = rows.detach().to(work_dtype(rows.dtype))
-    g = rows @ rows.T
+def gramian(blocks: Sequence[torch.Tensor], what: str, call: str) -> torch.Tensor:
+    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached),
+    checked finite where values can be read: a NaN/inf task gradient would make every
+    weighting's answer meaningless. Block by block, so the k x n Jacobian is never
+    concatenated."""
+    work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
+    g = sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
     if values_readable([g]) and not bool(torch.isfinite(g).all()):
-        bad = (~torch.isfinite(rows).all(dim=1)).nonzero().flatten().tolist()
+        finite = torch.stack([torch.isfinite(b).all(dim=1) for b in work]).all(dim=0)
+        bad = (~finite).nonzero().flatten().tolist()
         tasks = f"task(s) {bad} have" if bad else "the products of the task gradients"
         raise ValueError(
             f"{call}: the Gramian of the task gradients {what} is not finite: {tasks} NaN or "
@@ -174,13 +177,11 @@ def combine(
     the ``"sum"`` rule, which needs no per-task gradients (one pass of the summed
     cotangent)."""
     k = grads[0].shape[0]
-    like = tuple(g[0] for g in grads)
+    if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
+        blocks = [_coords.to_coords([g], k) for g in grads]
+        weights = weights_from_gramian(rule, gramian(blocks, what, call), call)
+        return weights, tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
     rows = _coords.to_coords(grads, k)
-    weights: torch.Tensor | None
-    if rule.needs_jacobian:
-        weights, vector = update_from_jacobian(rule, rows, call)
-    else:
-        weights = weights_from_gramian(rule, gramian(rows, what, call), call)
-        vector = weights.to(rows.dtype) @ rows
-    update = _coords.from_coords(vector.to(rows.dtype)[None], like)
-    return weights, tuple(u[0] for u in update)
+    found, vector = update_from_jacobian(rule, rows, call)
+    update = _coords.from_coords(vector.to(rows.dtype)[None], tuple(g[0] for g in grads))
+    return found, tuple(u[0] for u in update)

@@ -22,6 +22,7 @@ def test_quick_benchmark_runs_and_every_method_agrees(tmp_path):
         "seed",
         "multi-output",
         "mtl",
+        "mtl-weighting",
         "probes",
         "bridge",
     }

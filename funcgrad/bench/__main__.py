@@ -37,6 +37,14 @@ TARGETS = [
     ("mtl k=8", "funcgrad auto", "torchjd jac", 0.9),
     ("probes k=512", "funcgrad auto", "torch.func vjp+vmap", 0.30),
     ("bridge k=4", "funcgrad.grads", "naive", 0.35),
+    ("mtl-weighting k=8", "funcgrad backward features", "sum(losses) fwd+bwd", 1.25),
+    ("mtl-weighting k=8", "funcgrad backward features", "torchjd mtl_backward+jac_to_grad", 0.3),
+    ("mtl-weighting k=8", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.85),
+    ("mtl-weighting k=32", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.5),
+]
+# Peak-memory targets: (case label, method, baseline, limit).
+MEMORY_TARGETS = [
+    ("mtl-weighting k=8", "funcgrad backward features", "sum(losses) fwd+bwd", 1.2),
 ]
 
 
@@ -45,11 +53,12 @@ def _leaves(result: Any) -> list[torch.Tensor]:
 
 
 def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
-    reference = _leaves(results["naive"])
     verdicts = {}
+    references = set(case.reference_for.values())
     for name, result in results.items():
-        if name in case.reference_only:
+        if name in case.reference_only or name in references:
             continue
+        reference = _leaves(results[case.reference_for.get(name, "naive")])
         leaves = _leaves(result)
         worst = 0.0
         for got, want in zip(leaves, reference, strict=True):
@@ -122,7 +131,7 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
     # A fixed mmap threshold keeps glibc's heap from holding freed memory, so that RSS
     # follows the live tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    names = [n for n in case.methods if n not in case.reference_only]
+    names = list(case.methods)
     for name in tqdm(names, desc=f"memory {case.label}", leave=False, disable=None):
         command = [
             sys.executable,
@@ -175,6 +184,17 @@ def _evaluate_targets(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]
                 "met": ratio <= limit,
             }
         )
+    for label, method, baseline, limit in MEMORY_TARGETS:
+        peaks = (entries.get(label) or {}).get("peak_mib") or {}
+        if peaks.get(method) is not None and peaks.get(baseline) is not None:
+            verdicts.append(
+                {
+                    "case": label,
+                    "target": f"{method} peak memory <= {limit} x {baseline}'s",
+                    "ratio": peaks[method] / max(peaks[baseline], 1e-9),
+                    "met": peaks[method] <= limit * peaks[baseline] + 1.0,
+                }
+            )
     for label, entry in entries.items():
         peaks = entry.get("peak_mib") or {}
         naive = peaks.get("naive")

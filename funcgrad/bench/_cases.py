@@ -6,6 +6,7 @@ returns the per-head gradients stacked along a leading k, as a tensor or a dict 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 from collections.abc import Callable
@@ -29,6 +30,8 @@ class Case:
     methods: dict[str, Callable[[], Any]]
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     reference_only: tuple[str, ...] = ()  # timed for scale, not a way to get the grads
+    # The method each one must agree with, where it is not "naive" (another quantity).
+    reference_for: dict[str, str] = dataclasses.field(default_factory=dict)
     auto: str = ""  # the strategy "funcgrad auto" chose
 
     @property
@@ -187,14 +190,7 @@ def mtl_case(k: int, quick: bool) -> Case:
     torch.manual_seed(0)
     encoder = Encoder(widths)
     inputs = torch.randn(batch, widths[0])
-    heads = []
-    for t in range(k):
-        if t % 2 == 0:  # linear + MSE
-            w, target = torch.randn(1, widths[-1]) / 10, torch.randn(batch, 1)
-            heads.append(lambda z, w=w, y=target: torch.nn.functional.mse_loss(z @ w.T, y))
-        else:  # linear + cross-entropy over 10 classes
-            w, target = torch.randn(10, widths[-1]) / 10, torch.randint(0, 10, (batch,))
-            heads.append(lambda z, w=w, y=target: torch.nn.functional.cross_entropy(z @ w.T, y))
+    heads = _mtl_heads(k, widths[-1], batch)
     params = {name: p.detach() for name, p in encoder.named_parameters()}
     names = list(params)
 
@@ -225,6 +221,123 @@ def mtl_case(k: int, quick: bool) -> Case:
     _add_torchjd(case, graph, package=lambda jacobians: dict(zip(names, jacobians)))
     _add_funcgrad(case, f, heads, params, quick)
     return case
+
+
+def mtl_weighting_case(k: int, quick: bool) -> Case:
+    """The mtl encoder, k task losses, float32, UPGrad: one combined update into .grad.
+
+    ``naive`` (k per-task backward passes, then UPGrad on the Gramian) is the reference at
+    the params level; the LibMTL recipe (the losses on a detached copy of the features,
+    MGDA-UB's bound V V^T, one weighted backward) is the reference at the features level.
+    """
+    try:
+        from torchjd.aggregation import UPGrad, UPGradWeighting
+        from torchjd.autogram import Engine
+        from torchjd.autojac import jac_to_grad, mtl_backward
+    except ImportError:
+        case = Case("mtl-weighting", k, 0, 0, {"naive": lambda: None})
+        case.skipped["all"] = "torchjd is not installed (pip install funcgrad[bench])"
+        return case
+    widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 256)
+    torch.manual_seed(0)
+    encoder = Encoder(widths)
+    inputs = torch.randn(batch, widths[0])
+    heads = _mtl_heads(k, widths[-1], batch)
+    shared = list(encoder.parameters())
+    names = [name for name, _ in encoder.named_parameters()]
+    weighting = UPGradWeighting()
+
+    def update(run, params=shared) -> dict[str, torch.Tensor]:
+        """Run an imperative method from zeroed grads; the update it wrote into .grad."""
+        for p in params:
+            p.grad = None
+        run()
+        return {name: p.grad for name, p in zip(names, params)}
+
+    def losses_on(features):
+        return [h(features) for h in heads]
+
+    def floor():
+        sum(losses_on(encoder(inputs))).backward()
+
+    def naive():
+        losses = losses_on(encoder(inputs))
+        grads = [torch.autograd.grad(loss, shared, retain_graph=True) for loss in losses]
+        rows = torch.stack([torch.cat([g.flatten() for g in gs]) for gs in grads])
+        weights = weighting(rows @ rows.T)
+        for j, p in enumerate(shared):
+            p.grad = torch.tensordot(weights, torch.stack([g[j] for g in grads]), dims=1)
+
+    def torchjd_autojac():
+        features = encoder(inputs)
+        mtl_backward(losses_on(features), features)
+        jac_to_grad(shared, UPGrad())
+
+    # autogram hooks the modules for good: on a copy, so that the other methods run plain.
+    hooked = copy.deepcopy(encoder)
+    engine = Engine(hooked, batch_dim=None)
+
+    def torchjd_autogram():
+        losses = torch.stack(losses_on(hooked(inputs)))
+        losses.backward(weighting(engine.compute_gramian(losses)))
+
+    def libmtl_recipe():  # LibMTL's rep_grad: the losses on a detached representation
+        features = encoder(inputs)
+        rep = features.detach().requires_grad_()
+        rows = torch.stack([torch.autograd.grad(h(rep), rep)[0].flatten() for h in heads])
+        weights = weighting(rows @ rows.T)
+        features.backward((weights @ rows).reshape(features.shape))
+
+    def funcgrad_backward(level):
+        def run():
+            features = encoder(inputs)
+            funcgrad.backward(
+                losses_on(features), through=features, weighting=weighting, level=level
+            )
+
+        return run
+
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+
+    def f(p):
+        return torch.func.functional_call(encoder, p, (inputs,))
+
+    combined = {
+        level: funcgrad.combine_heads(f, heads, weighting, level=level)
+        for level in ("params", "features")
+    }
+    case = Case("mtl-weighting", k, batch * widths[-1], sum(p.numel() for p in shared), {})
+    case.methods = {
+        "naive": lambda: update(naive),
+        "sum(losses) fwd+bwd": lambda: update(floor),
+        "torchjd mtl_backward+jac_to_grad": lambda: update(torchjd_autojac),
+        "torchjd autogram": lambda: update(torchjd_autogram, list(hooked.parameters())),
+        "LibMTL recipe (features)": lambda: update(libmtl_recipe),
+        "funcgrad backward params": lambda: update(funcgrad_backward("params")),
+        "funcgrad backward features": lambda: update(funcgrad_backward("features")),
+        "funcgrad combine_heads params": lambda: combined["params"](params)[1],
+        "funcgrad combine_heads features": lambda: combined["features"](params)[1],
+    }
+    case.reference_only = ("sum(losses) fwd+bwd",)
+    case.reference_for = {
+        "funcgrad backward features": "LibMTL recipe (features)",
+        "funcgrad combine_heads features": "LibMTL recipe (features)",
+    }
+    case.auto = combined["params"].plan(params).strategy
+    return case
+
+
+def _mtl_heads(k: int, width: int, batch: int) -> list[Callable[..., torch.Tensor]]:
+    """k cheap task losses on the features: linear + MSE and linear + cross-entropy."""
+    heads = []
+    for t in range(k):
+        if t % 2 == 0:
+            w, target = torch.randn(1, width) / 10, torch.randn(batch, 1)
+            heads.append(lambda z, w=w, y=target: torch.nn.functional.mse_loss(z @ w.T, y))
+        else:
+            w, target = torch.randn(10, width) / 10, torch.randint(0, 10, (batch,))
+            heads.append(lambda z, w=w, y=target: torch.nn.functional.cross_entropy(z @ w.T, y))
+    return heads
 
 
 def probes_case(k: int, quick: bool) -> Case:
@@ -302,6 +415,7 @@ BUILDERS: dict[str, Callable[[int, bool], Case]] = {
     "seed": seed_case,
     "multi-output": multi_output_case,
     "mtl": mtl_case,
+    "mtl-weighting": mtl_weighting_case,
     "probes": probes_case,
     "bridge": bridge_case,
 }
@@ -310,6 +424,7 @@ HEAD_COUNTS: dict[str, dict[str, tuple[int, ...]]] = {
     "seed": {"full": (2, 8, 32), "quick": (2, 8)},
     "multi-output": {"full": (32,), "quick": (32,)},
     "mtl": {"full": (2, 8, 32), "quick": (2, 8)},
+    "mtl-weighting": {"full": (2, 8, 32), "quick": (2, 8)},
     "probes": {"full": (512,), "quick": (64,)},
     "bridge": {"full": (4,), "quick": (4,)},
 }
