@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import _coords, _weighting
+from . import _coords, _distributed, _weighting
 from ._config import CheckMode, resolve_check
 from ._function import build_vjp
 from ._heads import ComposedHeads, StackedHeads
@@ -21,11 +21,17 @@ class CombinedHeads(ComposedHeads[Any]):
     """The function returned by :func:`combine_heads`; call it with f's arguments."""
 
     def __init__(
-        self, f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check
+        self, f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check, group
     ) -> None:
         super().__init__(f, heads, argnums, has_aux, strategy, chunk_size, check, call=_CALL)
         self.rule = _weighting.resolve(weighting, level, _CALL)
         self.level = level
+        if isinstance(group, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                f"{_CALL}: `process_group` must be a ProcessGroup here (f is a function, "
+                "not a DDP module); pass ddp.process_group."
+            )
+        self.process_group = group
 
     @property
     def _one_pullback(self) -> bool:
@@ -42,6 +48,24 @@ class CombinedHeads(ComposedHeads[Any]):
         check = resolve_check(self.check, self.call)
         flat = self._flat(args)
         weights: torch.Tensor | None
+        group = None
+        if self.process_group is not None:
+            group = _distributed.Group(self.process_group, _CALL)
+            group.agree(
+                [
+                    self.k,
+                    int(self.level == "features"),
+                    len(flat.leaves),
+                    hash(tuple(tuple(x.shape) for x in flat.leaves)),
+                ],
+                [
+                    "number of heads",
+                    "level",
+                    "number of differentiated leaves",
+                    "hash of their shapes",
+                ],
+                flat.leaves[0].device,
+            )
         if self._one_pullback:
             out, vjp_fn, aux, _ = build_vjp(flat)
             values, cotangents = self._heads_of(flat, out)
@@ -49,15 +73,26 @@ class CombinedHeads(ComposedHeads[Any]):
             if self.rule.kind == "sum":
                 weights = torch.ones(self.k, dtype=rows.dtype, device=rows.device)
             else:
-                g = _weighting.gramian([rows], "with respect to f's output", _CALL)
-                weights = _weighting.weights_from_gramian(self.rule, g, _CALL)
+                g = _weighting.gramian(
+                    [rows],
+                    "with respect to f's output",
+                    _CALL,
+                    reduce=None if group is None else (lambda g: group.sum(g) / group.size**2),
+                )
+                weights = _weighting.weights_from_gramian(self.rule, g, _CALL, group)
             direction = _coords.from_coords((weights.to(rows.dtype) @ rows)[None], out)
             grads = tuple(vjp_fn(tuple(d[0] for d in direction)))
+            if group is not None:
+                grads = group.average(grads)
         else:
             values, per_head, aux = self._per_head(flat, check)
+            if group is not None:  # the global per-head gradients: one k x n all-reduce
+                per_head = group.average(per_head)
             weights, grads = _weighting.combine(
-                self.rule, per_head, "with respect to the differentiated arguments", _CALL
+                self.rule, per_head, "with respect to the differentiated arguments", _CALL, group
             )
+        if group is not None:  # the global head values: the average of the ranks'
+            (values,) = group.average([values.detach()])
         trees = flat.split_inputs(grads)
         grad = trees[0] if isinstance(self.argnums, int) else tuple(trees)
         values_out: Any = values
@@ -84,6 +119,7 @@ def combine_heads(
     strategy: str = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
+    process_group: Any = None,
 ) -> CombinedHeads:
     """The heads' values and ONE weighted gradient, ``sum_i w_i grads_i``, with f run once.
 
@@ -106,6 +142,10 @@ def combine_heads(
         argnums, has_aux, chunk_size, check: as for :func:`compose_heads`.
         strategy: how the per-head gradients are formed at level ``"params"``, as for
             :func:`compose_heads`; level ``"features"`` always takes one pullback.
+        process_group: a ``torch.distributed`` ProcessGroup for data-parallel use (eager
+            mode): each rank calls the function on its equal shard, and every rank gets the
+            values (averaged), ``grad`` and weights of one call on the whole batch (heads
+            are means over the shard, as in DDP). None: nothing is communicated.
 
     Returns:
         A function of f's arguments returning ``(values, grad, weights)`` (and aux with
@@ -131,4 +171,6 @@ def combine_heads(
         solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call
         numpy and cannot run inside ``torch.compile(fullgraph=True)``.
     """
-    return CombinedHeads(f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check)
+    return CombinedHeads(
+        f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check, process_group
+    )

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _coords, _weighting
+from . import _coords, _distributed, _weighting
 from ._bridge import Edge, _as_tuple, _check_outputs, _edge, _walk, pull_through, through_edges
 from ._config import resolve_check
 from ._errors import describe
@@ -128,6 +128,7 @@ def backward(
     inputs: Any = None,
     retain_graph: bool = False,
     chunk_size: int | None = None,
+    process_group: Any = None,
 ) -> Any:
     """One weighted update from k task losses, accumulated into ``.grad``, as
     ``torch.autograd.backward`` does for one loss.
@@ -154,6 +155,12 @@ def backward(
         retain_graph: keep the graph of the shared part after the last backward.
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
+        process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, or the
+            ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
+            then averages the shared gradients). Every rank ends with the ``.grad`` of one
+            process on the concatenated batch (losses are means over equal local shards,
+            the global loss their average, as in DDP); task-specific leaves are averaged
+            too. None: nothing is communicated. See the README, "Scaling out".
 
     Returns:
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a
@@ -199,33 +206,102 @@ def backward(
         own_grads.append(grads[len(mids) :])
     leaves = tuple(shared.values())
 
+    group = None if process_group is None else _distributed.Group(process_group, _CALL)
+    if group is not None:
+        if group.ddp and rule.kind == "vector" and level == "params":
+            raise ValueError(
+                f"{_CALL}: {type(rule.fn).__name__} returns an update without weights, but a "
+                "DDP-wrapped encoder needs weights (its reducer averages the backward of "
+                "w @ V). Use a weighted aggregator, or pass the process group itself and a "
+                "plain encoder."
+            )
+        # Fixed length (the all-gather needs equal sizes); variable parts as int hashes,
+        # which do not depend on PYTHONHASHSEED.
+        group.agree(
+            [
+                k,
+                _LEVEL_CODES[level],
+                len(mids),
+                len(leaves),
+                hash(tuple(tuple(leaf.shape) for leaf in leaves)),
+                hash(tuple(tuple(tuple(x.shape) for x in own.values()) for own in per_task)),
+            ],
+            [
+                "number of losses",
+                "level",
+                "number of `through` tensors",
+                "number of shared leaves",
+                "hash of the shared leaves' shapes",
+                "hash of the task-specific leaves' shapes",
+            ],
+            mids[0].device,
+        )
+        own_grads = _average_own(group, own_grads)
+
     if rule.kind == "sum" or level == "features":
         # w from V V^T, then ONE backward of w @ V through the shared part.
         rows = _coords.to_coords(cotangents, k)
         if rule.kind == "sum":
             weights: torch.Tensor | None = torch.ones(k, dtype=rows.dtype, device=rows.device)
         else:
-            g = _weighting.gramian([rows], "with respect to `through`", _CALL)
-            weights = _weighting.weights_from_gramian(rule, g, _CALL)
+            g = _weighting.gramian(
+                [rows],
+                "with respect to `through`",
+                _CALL,
+                # global features: each rank's are (1/R) of its coordinates, disjoint
+                reduce=None if group is None else (lambda g: group.sum(g) / group.size**2),
+            )
+            weights = _weighting.weights_from_gramian(rule, g, _CALL, group)
         assert weights is not None
         like = tuple(mid.detach() for mid in mids)
-        direction = _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
-        _write_own(per_task, own_grads)
-        torch.autograd.backward(
-            mids, tuple(d[0] for d in direction), inputs=list(leaves), retain_graph=retain_graph
+        direction = tuple(
+            d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
         )
+        _write_own(per_task, own_grads)
+        if group is None or group.ddp:  # DDP's reducer averages the shared gradients
+            torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
+        else:
+            local = autograd_grad(mids, leaves, direction, retain_graph=retain_graph)
+            for leaf, grad in zip(leaves, group.average(local)):
+                _accumulate(leaf, grad)
     else:
         check = resolve_check(None, _CALL)
         task_grads = pull_through(mids, leaves, cotangents, chunk_size, check)
+        if group is not None:  # the global per-task gradients: one k x P all-reduce
+            task_grads = group.average(task_grads)
         weights, update = _weighting.combine(
-            rule, task_grads, "with respect to the shared parameters", _CALL
+            rule, task_grads, "with respect to the shared parameters", _CALL, group
         )
         _write_own(per_task, own_grads)
-        for leaf, u in zip(leaves, update):
-            _accumulate(leaf, u)
+        if group is not None and group.ddp:
+            # DDP expects one backward per forward: the backward of w @ V_r, which its
+            # reducer averages into w @ (global per-task gradients).
+            assert weights is not None
+            rows = _coords.to_coords(cotangents, k)
+            like = tuple(mid.detach() for mid in mids)
+            direction = tuple(
+                d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
+            )
+            torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
+        else:
+            for leaf, u in zip(leaves, update):
+                _accumulate(leaf, u)
     if weights is None or keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(keys)}
+
+
+_LEVEL_CODES = {"params": 0, "features": 1}
+
+
+def _average_own(group: _distributed.Group, own_grads: list[Tensors]) -> list[Tensors]:
+    """Every task-specific gradient averaged over the ranks, in one flat buffer."""
+    flat = group.average([g for grads in own_grads for g in grads])
+    result, start = [], 0
+    for grads in own_grads:
+        result.append(flat[start : start + len(grads)])
+        start += len(grads)
+    return result
 
 
 def _write_own(per_task: list[dict[Edge, torch.Tensor]], own_grads: list[Tensors]) -> None:

@@ -16,7 +16,7 @@ one pullback of f, once w is known.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,13 +91,21 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def gramian(blocks: Sequence[torch.Tensor], what: str, call: str) -> torch.Tensor:
+def gramian(
+    blocks: Sequence[torch.Tensor],
+    what: str,
+    call: str,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached),
     checked finite where values can be read: a NaN/inf task gradient would make every
     weighting's answer meaningless. Block by block, so the k x n Jacobian is never
-    concatenated."""
+    concatenated. ``reduce`` (data-parallel) turns the local Gramian into the global one
+    before the check, so that every rank raises alike."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
     g = sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
+    if reduce is not None:
+        g = reduce(g)
     if values_readable([g]) and not bool(torch.isfinite(g).all()):
         finite = torch.stack([torch.isfinite(b).all(dim=1) for b in work]).all(dim=0)
         bad = (~finite).nonzero().flatten().tolist()
@@ -135,10 +143,13 @@ def _validated(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
     return weights.detach()
 
 
-def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
+def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str, group: Any = None) -> torch.Tensor:
     assert rule.fn is not None
     with torch.no_grad():
-        return _validated(rule.fn(g), g.shape[0], f"the {tuple(g.shape)} Gramian", call)
+        weights = rule.fn(g)
+        if group is not None and isinstance(weights, torch.Tensor) and weights.shape == g.shape[:1]:
+            weights = group.from_first_rank(weights.to(g.dtype))  # rank 0's, for random ones
+        return _validated(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
 
 
 def update_from_jacobian(
@@ -170,7 +181,7 @@ def update_from_jacobian(
 
 
 def combine(
-    rule: Rule, grads: Sequence[torch.Tensor], what: str, call: str
+    rule: Rule, grads: Sequence[torch.Tensor], what: str, call: str, group: Any = None
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """(weights, update): per-task gradient leaves (k, ...) to one update of the leaves'
     shapes, ``sum_i w_i grads_i`` (the aggregator's vector for a ``"vector"`` rule). Not for
@@ -179,9 +190,11 @@ def combine(
     k = grads[0].shape[0]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in grads]
-        weights = weights_from_gramian(rule, gramian(blocks, what, call), call)
+        weights = weights_from_gramian(rule, gramian(blocks, what, call), call, group)
         return weights, tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
     rows = _coords.to_coords(grads, k)
     found, vector = update_from_jacobian(rule, rows, call)
+    if group is not None:  # GradDrop, Random draw random numbers: rank 0's update for all
+        vector = group.from_first_rank(vector)
     update = _coords.from_coords(vector.to(rows.dtype)[None], tuple(g[0] for g in grads))
     return found, tuple(u[0] for u in update)

@@ -1,0 +1,175 @@
+"""Data-parallel funcgrad.backward: 2 gloo ranks on CPU, each rank's .grad against one
+process on the whole batch, in float64. Every collective has a 30 s timeout (a failing test
+ends, never hangs)."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchjd.aggregation import MGDAWeighting, UPGrad, UPGradWeighting
+
+import funcgrad
+
+WORLD = 2
+CONFIGS = [
+    (level, name, wrap)
+    for level in ("params", "features")
+    for name in ("UPGrad", "MGDA", "none")
+    for wrap in ("plain", "ddp")
+]
+WEIGHTINGS = {"UPGrad": UPGradWeighting, "MGDA": MGDAWeighting, "none": lambda: None}
+
+
+def _model():
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
+    heads = torch.nn.ModuleList(torch.nn.Linear(6, 1) for _ in range(3))
+    return encoder.double(), heads.double()
+
+
+def _data():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator)
+
+
+def _step(encoder, heads, x, y, weighting, level, process_group=None):
+    features = encoder(x)
+    losses = [
+        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
+        for i, head in enumerate(heads)
+    ]
+    return funcgrad.backward(
+        losses, through=features, weighting=weighting, level=level, process_group=process_group
+    )
+
+
+def _init(rank, store):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=30),
+    )
+
+
+def _agreement_worker(rank, store):
+    _init(rank, store)
+    try:
+        x, y = _data()
+        shard = slice(rank * 4, rank * 4 + 4)
+        for level, name, wrap in CONFIGS:
+            encoder, heads = _model()
+            ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
+            shared = torch.nn.parallel.DistributedDataParallel(encoder) if wrap == "ddp" else None
+            group = shared if shared is not None else dist.group.WORLD
+            run = shared if shared is not None else encoder
+            params = [*encoder.parameters(), *heads.parameters()]
+            ref_params = [*ref_encoder.parameters(), *ref_heads.parameters()]
+            optimizer = torch.optim.SGD(params, lr=0.1)
+            ref_optimizer = torch.optim.SGD(ref_params, lr=0.1)
+            for step in range(2):  # two steps in a row: DDP's reducer must be left clean
+                optimizer.zero_grad()
+                ref_optimizer.zero_grad()
+                weights = _step(run, heads, x[shard], y[shard], WEIGHTINGS[name](), level, group)
+                want = _step(ref_encoder, ref_heads, x, y, WEIGHTINGS[name](), level)
+                torch.testing.assert_close(weights, want, msg=f"{level} {name} {wrap} {step}")
+                for p, q in zip(params, ref_params):
+                    torch.testing.assert_close(
+                        p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=f"{level} {name} {wrap} {step}"
+                    )
+                optimizer.step()
+                ref_optimizer.step()
+        # combine_heads: each rank on its shard against one call on the whole batch.
+        module = _model()[0]
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        head_fns = [
+            lambda z, i=i: torch.nn.functional.mse_loss(z.sum(1, keepdim=True), z[:, i : i + 1])
+            for i in range(3)
+        ]
+
+        def f(p, inputs):
+            return torch.func.functional_call(module, p, (inputs,))
+
+        for level in ("params", "features"):
+            fn = funcgrad.combine_heads(
+                f, head_fns, UPGradWeighting(), level=level, process_group=dist.group.WORLD
+            )
+            values, grad, weights = fn(params, x[shard])
+            want = funcgrad.combine_heads(f, head_fns, UPGradWeighting(), level=level)(params, x)
+            torch.testing.assert_close(values, want[0])
+            torch.testing.assert_close(weights, want[2])
+            for name in grad:
+                torch.testing.assert_close(grad[name], want[1][name], rtol=1e-7, atol=1e-9)
+        # A Jacobian aggregator at the params level, plain encoder.
+        encoder, heads = _model()
+        ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
+        _step(encoder, heads, x[shard], y[shard], UPGrad(), "params", dist.group.WORLD)
+        _step(ref_encoder, ref_heads, x, y, UPGrad(), "params")
+        for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9)
+    finally:
+        dist.destroy_process_group()
+
+
+def _mismatch_worker(rank, store):
+    _init(rank, store)
+    try:
+        x, _ = _data()
+        encoder, heads = _model()
+        features = encoder(x[rank * 4 : rank * 4 + 4])
+        losses = [head(features).mean() for head in heads][: 3 - rank]  # k = 3 vs 2
+        with pytest.raises(ValueError, match=r"ranks of `process_group` disagree \(number of"):
+            funcgrad.backward(
+                losses,
+                through=features,
+                weighting=UPGradWeighting(),
+                process_group=dist.group.WORLD,
+            )
+        assert all(p.grad is None for p in encoder.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("worker", [_agreement_worker, _mismatch_worker])
+def test_two_gloo_ranks(worker, tmp_path):
+    mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def test_process_group_needs_an_initialised_group():
+    encoder, heads = _model()
+    features = encoder(torch.randn(4, 5))
+    with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
+        funcgrad.backward([h(features).mean() for h in heads], through=features, process_group=1)
+
+
+def test_the_example_runs_under_torchrun():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "ddp_multitask.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(example),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("largest .grad difference") == 6
