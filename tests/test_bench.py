@@ -25,9 +25,11 @@ def test_quick_benchmark_runs_and_every_method_agrees(tmp_path):
         "mtl-weighting",
         "probes",
         "bridge",
+        "ddp",
     }
     for entry in report["cases"].values():
-        assert "naive" in entry["methods"] and entry["methods"]["naive"]["samples"]
+        baseline = entry.get("baseline", "naive")
+        assert baseline in entry["methods"] and entry["methods"][baseline]["samples"]
         assert all(verdict == "ok" for verdict in entry["agreement"].values())
     assert report["targets"], "the targets table is empty"
     assert (tmp_path / "results.md").read_text().startswith("# funcgrad benchmarks")

@@ -28,6 +28,9 @@ from tqdm.auto import tqdm
 import funcgrad
 
 from ._cases import BUILDERS, HEAD_COUNTS, Case
+from ._ddp import ddp_entry
+
+DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
 
 # Targets from the performance issue: (case label, method, baseline, limit).
 TARGETS = [
@@ -225,10 +228,12 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
-        naive = entry["methods"]["naive"]["median"]
+        naive = entry["methods"][entry.get("baseline", "naive")]["median"]
         for name, stats in entry["methods"].items():
             peak = (entry.get("peak_mib") or {}).get(name)
             shown = f"{name} ({entry['auto']})" if name == "funcgrad auto" else name
+            if "bytes_per_rank" in stats:
+                shown += f", {stats['bytes_per_rank'] / 2**20:.2f} MiB all-reduced per rank"
             cells = [
                 label,
                 shown,
@@ -236,7 +241,12 @@ def _markdown(report: dict[str, Any]) -> str:
                 f"{stats['min'] * 1e3:.2f}-{stats['max'] * 1e3:.2f}",
                 f"{stats['median'] / naive:.3f}",
                 "" if peak is None else f"{peak:.1f}",
-                entry["agreement"].get(name, "reference"),
+                entry["agreement"].get(
+                    name,
+                    "tested in tests/test_distributed.py"
+                    if entry["name"] == "ddp"
+                    else "reference",
+                ),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         for name, why in entry["skipped"].items():
@@ -304,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (< 1 min)")
-    parser.add_argument("--cases", nargs="+", choices=list(BUILDERS), default=list(BUILDERS))
+    parser.add_argument(
+        "--cases", nargs="+", choices=[*BUILDERS, "ddp"], default=[*BUILDERS, "ddp"]
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--plot", action="store_true", help="draw time against k (matplotlib)")
     parser.add_argument(
@@ -347,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         versions["torchjd"] = None
     for name in args.cases:
+        if name == "ddp":  # 2 gloo ranks in subprocesses: time per step, bytes per rank
+            for k in DDP_HEAD_COUNTS[mode]:
+                report["cases"][f"ddp k={k}"] = ddp_entry(k, args.quick, rounds)
+            continue
         for k in HEAD_COUNTS[name][mode]:
             case = BUILDERS[name](k, args.quick)
             results, start = {}, time.perf_counter()
