@@ -80,8 +80,7 @@ class CombinedHeads(ComposedHeads[Any]):
                     reduce=None if group is None else (lambda g: group.sum(g) / group.size**2),
                 )
                 weights = _weighting.weights_from_gramian(self.rule, g, _CALL, group)
-            direction = _coords.from_coords((weights.to(rows.dtype) @ rows)[None], out)
-            grads = tuple(vjp_fn(tuple(d[0] for d in direction)))
+            grads = tuple(vjp_fn(_weighting.weighted(weights, cotangents, out)))
             if group is not None:
                 grads = group.average(grads)
         else:

@@ -253,10 +253,7 @@ def backward(
             )
             weights = _weighting.weights_from_gramian(rule, g, _CALL, group)
         assert weights is not None
-        like = tuple(mid.detach() for mid in mids)
-        direction = tuple(
-            d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
-        )
+        direction = _weighting.weighted(weights, cotangents, tuple(mid.detach() for mid in mids))
         _write_own(per_task, own_grads)
         if group is None or group.ddp:  # DDP's reducer averages the shared gradients
             torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
@@ -277,11 +274,8 @@ def backward(
             # DDP expects one backward per forward: the backward of w @ V_r, which its
             # reducer averages into w @ (global per-task gradients).
             assert weights is not None
-            rows = _coords.to_coords(cotangents, k)
             like = tuple(mid.detach() for mid in mids)
-            direction = tuple(
-                d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like)
-            )
+            direction = _weighting.weighted(weights, cotangents, like)
             torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
         else:
             for leaf, u in zip(leaves, update):

@@ -180,6 +180,15 @@ def update_from_jacobian(
     return weights, vector
 
 
+def weighted(
+    weights: torch.Tensor, cotangents: Sequence[torch.Tensor], like: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """``sum_i w_i v_i`` over k cotangent leaves (k, ...): the one direction to pull back
+    through f, shaped like ``like``."""
+    rows = _coords.to_coords(cotangents, cotangents[0].shape[0])
+    return tuple(d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like))
+
+
 def combine(
     rule: Rule, grads: Sequence[torch.Tensor], what: str, call: str, group: Any = None
 ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
