@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from . import _coords, _distributed, _weighting
+from . import _distributed, _weighting
 from ._config import CheckMode, resolve_check
 from ._function import build_vjp
 from ._heads import ComposedHeads, StackedHeads
@@ -69,17 +69,9 @@ class CombinedHeads(ComposedHeads[Any]):
         if self._one_pullback:
             out, vjp_fn, aux, _ = build_vjp(flat)
             values, cotangents = self._heads_of(flat, out)
-            rows = _coords.to_coords(cotangents, self.k)
-            if self.rule.kind == "sum":
-                weights = torch.ones(self.k, dtype=rows.dtype, device=rows.device)
-            else:
-                g = _weighting.gramian(
-                    [rows],
-                    "with respect to f's output",
-                    _CALL,
-                    reduce=None if group is None else (lambda g: group.sum(g) / group.size**2),
-                )
-                weights = _weighting.weights_from_gramian(self.rule, g, _CALL, group)
+            weights = _weighting.weights_on_features(
+                self.rule, cotangents, "with respect to f's output", _CALL, group
+            )
             grads = tuple(vjp_fn(_weighting.weighted(weights, cotangents, out)))
             if group is not None:
                 grads = group.average(grads)

@@ -91,7 +91,7 @@ class Group:
                 numel = tensors[i].numel()
                 result[i] = flat[start : start + numel].view_as(tensors[i])
                 start += numel
-        return tuple(t for t in result if t is not None)
+        return tuple(t for t in result if t is not None)  # every entry is set above
 
     def from_first_rank(self, weights: torch.Tensor) -> torch.Tensor:
         """The first rank's tensor on every rank (the k weights, or an aggregator's update)."""

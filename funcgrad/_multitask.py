@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _coords, _distributed, _weighting
+from . import _distributed, _weighting
 from ._bridge import Edge, _as_tuple, _check_outputs, _edge, _walk, pull_through, through_edges
 from ._config import resolve_check
 from ._errors import describe
@@ -240,18 +240,9 @@ def backward(
 
     if rule.kind == "sum" or level == "features":
         # w from V V^T, then ONE backward of w @ V through the shared part.
-        rows = _coords.to_coords(cotangents, k)
-        if rule.kind == "sum":
-            weights: torch.Tensor | None = torch.ones(k, dtype=rows.dtype, device=rows.device)
-        else:
-            g = _weighting.gramian(
-                [rows],
-                "with respect to `through`",
-                _CALL,
-                # global features: each rank's are (1/R) of its coordinates, disjoint
-                reduce=None if group is None else (lambda g: group.sum(g) / group.size**2),
-            )
-            weights = _weighting.weights_from_gramian(rule, g, _CALL, group)
+        weights: torch.Tensor | None = _weighting.weights_on_features(
+            rule, cotangents, "with respect to `through`", _CALL, group
+        )
         assert weights is not None
         direction = _weighting.weighted(weights, cotangents, tuple(mid.detach() for mid in mids))
         _write_own(per_task, own_grads)

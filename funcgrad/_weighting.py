@@ -180,6 +180,21 @@ def update_from_jacobian(
     return weights, vector
 
 
+def weights_on_features(
+    rule: Rule, cotangents: Sequence[torch.Tensor], what: str, call: str, group: Any = None
+) -> torch.Tensor:
+    """The weights of the one-pullback path: all ones without a weighting, else
+    ``weighting(V V^T)``. With a group, the Gramian is the global one: each rank's
+    features are disjoint coordinates, entering the global loss with a factor 1/R, so
+    ``G = (1/R^2) sum_r V_r V_r^T``."""
+    k = cotangents[0].shape[0]
+    rows = _coords.to_coords(cotangents, k)
+    if rule.kind == "sum":
+        return torch.ones(k, dtype=rows.dtype, device=rows.device)
+    reduce = None if group is None else (lambda g: group.sum(g) / group.size**2)
+    return weights_from_gramian(rule, gramian([rows], what, call, reduce), call, group)
+
+
 def weighted(
     weights: torch.Tensor, cotangents: Sequence[torch.Tensor], like: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, ...]:
