@@ -2,99 +2,101 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import _distributed, _weighting
-from ._config import CheckMode, resolve_check
-from ._function import build_vjp
-from ._heads import ComposedHeads, StackedHeads
+from . import _engine, _linearize, _sync, _weighting
+from ._config import CheckMode
+from ._heads import Composition, StackedHeads
+from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
+from ._types import Level, Strategy
 
 _CALL = "combine_heads(f, heads)"
 
 
-class CombinedHeads(ComposedHeads[Any]):
-    """The function returned by :func:`combine_heads`; call it with f's arguments."""
+class CombinedHeads:
+    """The function returned by :func:`combine_heads`: call it with f's arguments.
+
+    ``fn(*args)`` returns ``(values, grad, weights)`` (and aux with ``has_aux=True``);
+    ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call runs.
+
+    Example:
+        >>> import torch, funcgrad
+        >>> fn = funcgrad.combine_heads(torch.sin, [lambda y: y.sum(), lambda y: -y[0]])
+        >>> fn
+        combine_heads(sin, 2 heads, strategy='auto', weighting=None, level='params')
+        >>> fn.plan(torch.zeros(3)).strategy  # no weighting: one pullback of the summed heads
+        'weighted'
+    """
 
     def __init__(
-        self, f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check, group
+        self,
+        composition: Composition,
+        weighting: Any,
+        level: Level,
+        process_group: Any,
     ) -> None:
-        super().__init__(f, heads, argnums, has_aux, strategy, chunk_size, check, call=_CALL)
+        self._composition = composition
         self.rule = _weighting.resolve(weighting, level, _CALL)
         self.level = level
-        if isinstance(group, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                f"{_CALL}: `process_group` must be a ProcessGroup here (f is a function, "
-                "not a DDP module); pass ddp.process_group."
-            )
-        self.process_group = group
+        if isinstance(process_group, torch.nn.parallel.DistributedDataParallel):
+            _sync.policy(process_group, _CALL, allow_ddp=False)  # a clear error, at once
+        self.process_group = process_group
+
+    @property
+    def k(self) -> int:
+        """The number of heads."""
+        return self._composition.k
 
     @property
     def _one_pullback(self) -> bool:
         return self.rule.kind == "sum" or self.level == "features"
 
     def plan(self, *args: Any) -> Plan:
-        """The plan for these arguments, from shapes only (see :meth:`ComposedHeads.plan`):
-        ``"weighted"`` (one pullback) at level ``"features"`` or without a weighting, else
-        the per-head plan of :func:`compose_heads`."""
-        plan = super().plan(*args)
-        return dataclasses.replace(plan, strategy="weighted") if self._one_pullback else plan
+        """The plan that ``fn(*args)`` runs, from shapes only: ``"weighted"`` (one pullback of
+        ``w @ V``) at level ``"features"`` or without a weighting, else the per-head plan of
+        :func:`compose_heads` (see :meth:`ComposedHeads.plan` for what it costs)."""
+        c = self._composition
+        return c.plan(c.flat(args), weighted=self._one_pullback)
 
     def __call__(self, *args: Any) -> Any:
-        check = resolve_check(self.check, self.call)
-        flat = self._flat(args)
-        weights: torch.Tensor | None
-        group = None
-        if self.process_group is not None:
-            group = _distributed.Group(self.process_group, _CALL)
-            group.agree(
-                [
-                    self.k,
-                    int(self.level == "features"),
-                    len(flat.leaves),
-                    hash(tuple(tuple(x.shape) for x in flat.leaves)),
-                ],
-                [
-                    "number of heads",
-                    "level",
-                    "number of differentiated leaves",
-                    "hash of their shapes",
-                ],
-                flat.leaves[0].device,
-            )
+        c = self._composition
+        sync = _sync.policy(self.process_group, _CALL, allow_ddp=False)
+        flat = c.flat(args)
+        sync.agree(
+            {
+                "number of heads": c.k,
+                "head keys": None if c.keys is None else [repr(key) for key in c.keys],
+                "level": self.level,
+                "differentiated leaves' shapes": [tuple(x.shape) for x in flat.leaves],
+            },
+            None,
+        )
+        check = c.resolved_check()
         if self._one_pullback:
-            out, vjp_fn, aux, _ = build_vjp(flat)
-            values, cotangents = self._heads_of(flat, out)
-            weights = _weighting.weights_on_features(
-                self.rule, cotangents, "with respect to f's output", _CALL, group
-            )
-            grads = tuple(vjp_fn(_weighting.weighted(weights, cotangents, out)))
-            if group is not None:
-                grads = group.average(grads)
+            lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+            values, cotangents = c.cotangents_of(flat)(lin.out)
+            what = "with respect to f's output"
+            weights: torch.Tensor | None = weigh_features(self.rule, cotangents, sync, what, _CALL)
+            assert weights is not None
+            grads = sync.average(_engine.weighted(lin, weights, cotangents))
+            aux = lin.aux
         else:
-            values, per_head, aux = self._per_head(flat, check)
-            if group is not None:  # the global per-head gradients: one k x n all-reduce
-                per_head = group.average(per_head)
-            weights, grads = _weighting.combine(
-                self.rule, per_head, "with respect to the differentiated arguments", _CALL, group
-            )
-        if group is not None:  # the global head values: the average of the ranks'
-            (values,) = group.average([values.detach()])
-        trees = flat.split_inputs(grads)
-        grad = trees[0] if isinstance(self.argnums, int) else tuple(trees)
-        values_out: Any = values
-        weights_out: Any = weights
-        if self.keys is not None:
-            values_out = {key: values[i] for i, key in enumerate(self.keys)}
-            if weights is not None:
-                weights_out = {key: weights[i] for i, key in enumerate(self.keys)}
-        if self.has_aux:
-            return values_out, grad, weights_out, flat.rebuild_aux(aux)
-        return values_out, grad, weights_out
+            values, per_head, aux = c.per_head(flat, check)
+            what = "with respect to the differentiated arguments"
+            # The global per-head gradients: one k x n all-reduce.
+            weights, grads = weigh_params(self.rule, sync.average(per_head), sync, what, _CALL)
+        (values,) = sync.average([values.detach()])  # the global head values
+        result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
+        return (*result, flat.rebuild_aux(aux)) if c.has_aux else result
+
+    def __repr__(self) -> str:
+        weighting = "None" if self.rule.fn is None else type(self.rule.fn).__name__
+        text = self._composition.describe("combine_heads")
+        return text[:-1] + f", weighting={weighting}, level={self.level!r})"
 
 
 def combine_heads(
@@ -104,10 +106,10 @@ def combine_heads(
     | StackedHeads,
     weighting: Any = None,
     *,
-    level: str = "params",
+    level: Level = "params",
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
-    strategy: str = "auto",
+    strategy: Strategy = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
     process_group: Any = None,
@@ -162,6 +164,5 @@ def combine_heads(
         solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call
         numpy and cannot run inside ``torch.compile(fullgraph=True)``.
     """
-    return CombinedHeads(
-        f, heads, weighting, level, argnums, has_aux, strategy, chunk_size, check, process_group
-    )
+    composition = Composition(f, heads, argnums, has_aux, strategy, chunk_size, check, _CALL)
+    return CombinedHeads(composition, weighting, level, process_group)

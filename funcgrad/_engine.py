@@ -1,18 +1,16 @@
-"""The one engine: pull directions through f, by a plan.
+"""The one engine: pull directions through f's linearisation, by a plan.
 
-Everything that sends directions through f lives here, for ``compose_heads``, ``Pullback``
-and ``grads`` alike:
+Everything that sends directions through f lives here (with :mod:`funcgrad._linearize`,
+which builds the linearisation), for every public entry point:
 
-- :func:`batched` runs a linear map (a pullback or a JVP) over a batch of directions: one
-  vmap, chunks, a loop, the fallback when vmap cannot batch, the ``check`` comparison.
-- :func:`by_plan` forms the k products ``J^T v_i`` by a shape-only plan (vjp, loop, jacrev
-  rows), with the non-finite recompute.
-- :func:`forward_columns` takes J's columns by forward mode in ONE vmapped JVP (f's forward
-  runs once, randomness shared), or says it cannot; :func:`by_columns` reduces them to
-  ``V @ J``.
+- :func:`per_head` runs a :class:`~funcgrad.Plan` for k head cotangents: forward mode
+  (``jacfwd``) or reverse mode (``vjp``, ``loop``, ``jacrev`` rows), each fallback with its
+  one warning, random draws replayed across every re-run of f, the non-finite recompute;
+- :func:`batched` runs a linear map over a batch of directions: one vmap, chunks, a loop,
+  the fallback when vmap cannot batch, the ``check`` comparison;
+- :func:`weighted` pulls back the one weighted direction ``w @ V``;
 - :class:`Basis` and :func:`by_linearity` send only directions outside a kept span through
-  f (the eager, data-dependent reuse of ``Pullback`` and ``grads``), with the non-finite,
-  scale and half-precision handling.
+  f (the eager, data-dependent reuse of ``Pullback``, ``grads`` and ``backward``).
 """
 
 from __future__ import annotations
@@ -23,12 +21,19 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import _coords
+from . import _coords, _linearize
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
-from ._function import is_torch_func_limit, values_readable
+from ._function import FlatFunction
+from ._linearize import Linearization, RandomState
+from ._plan import Plan
+from ._types import Tensors
+from ._validate import values_readable
 
-Tensors = tuple[torch.Tensor, ...]
-Pull = Callable[[Tensors], Tensors]
+# What the heads give for f's output: their values (k,) and cotangents (leaves (k, ...)).
+CotangentsOf = Callable[[Tensors], tuple[torch.Tensor, Tensors]]
+# The plan for y's real size m; with True, the reverse-mode plan that replaces a forward-mode
+# one that could not run.
+Planner = Callable[[int, bool], Plan]
 
 
 class CannotBatch(Exception):
@@ -96,7 +101,8 @@ def batched(
     try:
         result = _vmap(fn, args, chunk_size if may_loop else None, "error" if may_loop else "same")
     except (RuntimeError, NotImplementedError) as error:
-        if is_torch_func_limit(error):  # not a batching problem: a loop would fail the same way
+        # Not a batching problem: a loop would fail the same way.
+        if _linearize.is_torch_func_limit(error):
             raise
         if not may_loop:
             raise CannotBatch(first_line(error)) from error
@@ -159,33 +165,48 @@ def went_non_finite(grads: Tensors, out: Tensors) -> bool:
     return values_readable(out) and not all_finite(grads)
 
 
-def by_plan(
-    strategy: str,
-    pull: Callable[..., Tensors],
-    cotangents: Tensors,
-    out: Tensors,
-    x_like: Tensors,
+def pull(
+    lin: Linearization,
+    directions: Tensors,
     chunk_size: int | None,
+    check: bool | str,
+    *,
+    loop: bool = False,
 ) -> Tensors:
-    """``J^T v_i`` for the k cotangents by a shape-only plan.
+    """``J^T d`` for a batch of directions (leaves with a leading batch dim): one vmapped
+    call of the linearisation, one per chunk, or a loop."""
+    return batched(
+        lambda *direction: lin.vjp(direction),
+        directions,
+        chunk_size=chunk_size,
+        check=check,
+        what=lin.what,
+        can_vmap=lin.can_vmap and not loop,
+    )
 
-    ``vjp``/``loop``: pull back the k cotangents (``pull`` batches or loops). ``jacrev``:
-    pull back the m unit directions of y, chunk by chunk, each chunk of J's rows reduced at
-    once into ``V @ J`` (J is never held whole); where that product went non-finite in eager
-    mode, the cotangents themselves are pulled back instead.
+
+def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | str) -> Tensors:
+    """``J^T v_i`` for the k cotangents by a reverse-mode plan.
+
+    ``vjp``/``loop``: pull back the k cotangents (batched, or a loop). ``jacrev``: pull back
+    the m unit directions of y, chunk by chunk, each chunk of J's rows reduced at once into
+    ``V @ J`` (J is never held whole); where that product went non-finite in eager mode, the
+    cotangents themselves are pulled back instead.
     """
+    out, x_like = lin.out, lin.x_like
     k, m = cotangents[0].shape[0], _coords.real_size(out)
     if nothing_to_pull(k, out, x_like):
         return zeros(k, x_like)
-    if strategy in ("vjp", "loop"):
-        return pull(cotangents)
+    if plan.strategy != "jacrev":
+        return pull(lin, cotangents, plan.chunk_size, check, loop=plan.strategy == "loop")
     coords = _coords.to_coords(cotangents, k)
     grads: Tensors = ()
-    for start, stop in chunks(m, chunk_size):
-        part = _coords.combine(coords[:, start:stop], pull(_coords.unit_rows(out, start, stop)))
+    for start, stop in chunks(m, plan.chunk_size):
+        rows = pull(lin, _coords.unit_rows(out, start, stop), plan.chunk_size, check)
+        part = _coords.combine(coords[:, start:stop], rows)
         grads = part if not grads else tuple(g + p for g, p in zip(grads, part))
     if went_non_finite(grads, out):
-        return pull(cotangents)
+        return pull(lin, cotangents, plan.chunk_size, check)
     return grads
 
 
@@ -201,46 +222,104 @@ def by_columns(
     return None if went_non_finite(grads, out) else grads
 
 
-def _replaying_random_draws(fn: Callable[..., Tensors], like: Sequence[torch.Tensor]):
-    """``fn`` that, from its second call on, first restores the random number generators of
-    ``like``'s devices to their state before the first call: every call of a forward-mode
-    map then differentiates the same draw of f's random ops (dropout masks)."""
-    devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
-    cpu_state = torch.get_rng_state()
-    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-    calls = 0
+def forward_columns(
+    flat: FlatFunction, check: bool | str, rng: RandomState
+) -> tuple[Tensors, Tensors, Tensors] | None:
+    """J's n columns by forward mode: f's JVP along every real unit direction of the inputs,
+    in one vmap with ``randomness="same"``, so f's forward runs once. ``check``'s unbatched
+    calls replay that forward's random draws (dropout masks), so they compare like with like
+    and leave the generators where one forward of f leaves them.
 
-    def replayed(*args: torch.Tensor) -> Tensors:
-        nonlocal calls
-        if calls:
-            torch.set_rng_state(cpu_state)
-            for device, state in zip(devices, cuda_states):
-                torch.cuda.set_rng_state(state, device)
-        calls += 1
-        return fn(*args)
-
-    return replayed
-
-
-def forward_columns(jvp: Callable[..., Tensors], primals: Tensors, check: bool | str) -> Tensors:
-    """J's n columns by forward mode: ``jvp`` along every real unit direction of the inputs,
-    in one vmap with ``randomness="same"``, so f's forward runs once. The ``check`` calls
-    replay the random draws of that one (dropout masks), so they compare like with like and
-    leave the generators where one forward of f leaves them.
-
-    Raises :class:`CannotBatch` where that is not possible (no batching rule, or ``check``
-    found a wrong batching rule); the caller then uses reverse mode.
+    Returns (f's output, aux tensors, tangents with a leading n), or None, with one warning,
+    where forward mode cannot do it (no batching rule, an op without a forward derivative,
+    ``check`` found a wrong batching rule); the generators are then restored, and the caller
+    uses reverse mode, which covers strictly more of PyTorch.
     """
-    # One call needs no replay; and dynamo cannot trace reading the generator state.
-    replay = check and not torch.compiler.is_compiling()
-    return batched(
-        _replaying_random_draws(jvp, primals) if replay else jvp,
-        _coords.unit_rows(primals, 0, _coords.real_size(primals)),
-        chunk_size=None,
-        check=check,
-        what="f's JVP",
-        may_loop=False,
+    primals = flat.leaves
+    jvp = _linearize.jvp_of(flat)
+    try:
+        stacked = batched(
+            rng.replaying(jvp) if check else jvp,
+            _coords.unit_rows(primals, 0, _coords.real_size(primals)),
+            chunk_size=None,
+            check=check,
+            what="f's JVP",
+            may_loop=False,
+        )
+    except CannotBatch as error:
+        why = f"vmap cannot batch its JVPs in one call ({error})"
+    except (RuntimeError, NotImplementedError) as error:
+        if isinstance(error, BatchingMismatchError) or not _linearize.is_forward_mode_limit(error):
+            raise
+        rng.restore()
+        if _linearize.is_torch_func_limit(error):  # of_function's fallback reports this one
+            return None
+        why = f"forward mode cannot differentiate f ({first_line(error)})"
+    else:
+        n_out = flat.out_def.num_leaves  # known once f has run
+        # Every output is batched (f's own as broadcast views): row 0 is f's output.
+        out = tuple(s[0] for s in stacked[:n_out])
+        return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+    rng.restore()
+    warnings.warn(
+        f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more, with the "
+        "same random draws).",
+        FuncgradWarning,
+        stacklevel=5,
     )
+    return None
+
+
+def per_head(
+    flat: FlatFunction,
+    planner: Planner,
+    forward_first: bool,
+    cotangents_of: CotangentsOf,
+    check: bool | str,
+) -> tuple[Plan, torch.Tensor, Tensors, Tensors]:
+    """(plan, values (k,), per-head gradient leaves (k, ...), aux tensors): f run, the heads'
+    cotangents formed on its output, and pulled back by the plan.
+
+    ``forward_first``: the plan is ``jacfwd``, which must be known before f runs (forward
+    mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
+    again in reverse mode with the same random draws.
+    """
+    rng = RandomState(flat.leaves)
+    instead_of_forward = False
+    if forward_first:
+        columns = forward_columns(flat, check, rng)
+        if columns is not None:
+            out, aux, tangents = columns
+            plan = planner(_coords.real_size(out), True)
+            values, cotangents = cotangents_of(out)
+            grads = by_columns(cotangents, tangents, out, flat.leaves)
+            if grads is not None:
+                return plan, values, grads, aux
+            # V @ J went non-finite: pull the cotangents themselves back, as autograd does.
+            rng.restore()
+            lin = _linearize.of_function(flat, rng)
+            values, cotangents = cotangents_of(lin.out)
+            vjp = Plan("vjp", plan.k, plan.m, plan.n, plan.chunk_size)
+            return plan, values, by_plan(vjp, lin, cotangents, check), lin.aux
+        instead_of_forward = True
+    lin = _linearize.of_function(flat, rng)
+    plan = planner(_coords.real_size(lin.out), instead_of_forward)
+    values, cotangents = cotangents_of(lin.out)
+    return plan, values, by_plan(plan, lin, cotangents, check), lin.aux
+
+
+def weighted_direction(weights: torch.Tensor, cotangents: Tensors, like: Tensors) -> Tensors:
+    """``sum_i w_i v_i`` over k cotangent leaves (k, ...): the one direction to pull back,
+    shaped like ``like``."""
+    rows = _coords.to_coords(cotangents, cotangents[0].shape[0])
+    return tuple(d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like))
+
+
+def weighted(lin: Linearization, weights: torch.Tensor, cotangents: Tensors) -> Tensors:
+    """``(w @ V) J``: ONE pull of the weighted cotangent, whatever k (the last pull: an
+    autograd graph is then freed unless the user asked to retain it)."""
+    direction = weighted_direction(weights, cotangents, lin.out)
+    return (lin.last_vjp or lin.vjp)(direction)
 
 
 # -- linearity: the kept basis of the eager paths ------------------------------------------
@@ -345,13 +424,13 @@ class Basis:
 
 
 def by_linearity(
-    pull: Pull,
+    lin: Linearization,
     cotangents: Tensors,
-    out_like: Tensors,
-    x_like: Tensors,
     basis: Basis,
     *,
     keep: bool,
+    chunk_size: int | None,
+    check: bool | str,
 ) -> tuple[Tensors, int]:
     """``J^T v_i`` for k cotangents, sending through f only directions outside ``basis``.
 
@@ -363,12 +442,15 @@ def by_linearity(
     number of directions pulled through f.
     """
     k, m = cotangents[0].shape[0], basis.m
+    out_like, x_like = lin.out, lin.x_like
     if nothing_to_pull(k, out_like, x_like):
         return zeros(k, x_like), 0
+    if not values_readable(cotangents):  # reuse reads values: eager mode only
+        return pull(lin, cotangents, chunk_size, check), k
     coords = _coords.to_coords(cotangents, k)
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(cotangents), pulled + k
+        return pull(lin, cotangents, chunk_size, check), pulled + k
 
     if not basis.enabled or not bool(torch.isfinite(coords).all()):
         # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
@@ -382,7 +464,7 @@ def by_linearity(
     if new is not None:
         if (not keep and new.shape[0] >= k) or not basis.fits(new, x_like):
             return direct()
-        images = pull(_coords.from_coords(new, out_like))
+        images = pull(lin, _coords.from_coords(new, out_like), chunk_size, check)
         pulled = new.shape[0]
         if not all_finite(images):
             # A non-finite Jacobian would smear NaN over every combination: stop reusing.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -12,19 +11,19 @@ import torch
 
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
-from ._errors import BatchingMismatchError, FuncgradWarning, describe, first_line
-from ._function import (
-    FlatFunction,
-    build_vjp,
-    is_forward_mode_limit,
-    is_torch_func_limit,
+from ._errors import describe
+from ._function import FlatFunction
+from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
+from ._types import Strategy, Tensors
+from ._validate import (
+    check_argnums_type,
+    check_callable,
+    check_chunk_size,
+    check_strategy,
     normalize_argnums,
     values_readable,
 )
-from ._plan import FORWARD_MODE_PENALTY, STRATEGIES, Plan, choose
-from ._pullback import check_chunk_size
 
-Tensors = tuple[torch.Tensor, ...]
 R = TypeVar("R")
 
 
@@ -186,41 +185,6 @@ def _head_cotangents(
     return values, grads
 
 
-def _forward_mode(flat: FlatFunction, check: CheckMode) -> tuple[Tensors, Tensors, Tensors] | None:
-    """jacfwd: J's n columns by one vmapped JVP along the real unit directions of the inputs
-    (f's forward runs once). Returns (f's output, aux tensors, tangents with a leading n), or
-    None where forward mode cannot do it: then the caller uses reverse mode, which covers
-    strictly more of PyTorch."""
-    primals = flat.leaves
-
-    def one(*tangent: torch.Tensor) -> Tensors:
-        result: tuple[Any, ...] = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
-        aux = result[2] if flat.has_aux else ()
-        return (*result[0], *result[1], *aux)
-
-    try:
-        stacked = _engine.forward_columns(one, primals, check)
-    except _engine.CannotBatch as error:
-        why = f"vmap cannot batch its JVPs in one call ({error})"
-    except (RuntimeError, NotImplementedError) as error:
-        if isinstance(error, BatchingMismatchError) or not is_forward_mode_limit(error):
-            raise
-        if is_torch_func_limit(error):  # build_vjp's fallback reports this one
-            return None
-        why = f"forward mode cannot differentiate f ({first_line(error)})"
-    else:
-        n_out = flat.out_def.num_leaves  # known once f has run
-        # Every output is batched (f's own as broadcast views): row 0 is f's output.
-        out = tuple(s[0] for s in stacked[:n_out])
-        return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
-    warnings.warn(
-        f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more).",
-        FuncgradWarning,
-        stacklevel=4,
-    )
-    return None
-
-
 def _shape_key(args: Sequence[Any]) -> Any:
     """What y's shape may depend on: the tree, and every leaf's shape, dtype and device (or
     its value, for a hashable non-tensor leaf)."""
@@ -253,80 +217,48 @@ def _output_size(flat: FlatFunction) -> int | None:
         return None
 
 
-def _validate(f: object, strategy: object, chunk_size: object, argnums: object, call: str) -> None:
-    if not callable(f):
-        raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f"{call}: unknown `strategy` {strategy!r}; "
-            f"expected one of {', '.join(map(repr, STRATEGIES))}."
-        )
-    check_chunk_size(chunk_size, call)
-    if not isinstance(argnums, (int, tuple)) or isinstance(argnums, bool):
-        raise TypeError(f"{call}: `argnums` must be an int or a tuple of ints, got {argnums!r}.")
-
-
-class ComposedHeads(Generic[R]):
-    """The function returned by :func:`compose_heads`; call it with f's arguments."""
+class Composition:
+    """f and its heads, as one call of :func:`compose_heads` or :func:`combine_heads` needs
+    them: validation, the plan, the per-head pass through the engine, and packaging."""
 
     def __init__(
         self,
-        f,
-        heads,
-        argnums,
-        has_aux,
-        strategy,
-        chunk_size,
-        check,
-        call="compose_heads(f, heads)",
+        f: Any,
+        heads: Any,
+        argnums: Any,
+        has_aux: bool,
+        strategy: Any,
+        chunk_size: Any,
+        check: Any,
+        call: str,
     ) -> None:
         self.call = call
-        _validate(f, strategy, chunk_size, argnums, self.call)
-        self.keys, self.heads = _normalize_heads(heads, self.call)
+        check_callable(f, "f", call)
+        check_strategy(strategy, call)
+        check_chunk_size(chunk_size, call)
+        check_argnums_type(argnums, call)
+        self.keys, self.heads = _normalize_heads(heads, call)
         self.f, self.argnums, self.has_aux = f, argnums, has_aux
-        self.strategy, self.chunk_size = strategy, chunk_size
-        self.check = resolve_check(check, self.call) if check is not None else None
+        self.strategy: Strategy = strategy
+        self.chunk_size: int | None = chunk_size
+        self.check = resolve_check(check, call) if check is not None else None
         # y's size by the arguments' shapes, so that auto pays the fake run of f once per
         # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
         # size picks a strategy, and every strategy computes on the real output.
         self._sizes: dict[Any, int | None] = {}
-        functools.update_wrapper(self, f, updated=())
 
     @property
     def k(self) -> int:
         return len(self.heads)
 
-    def _flat(self, args: Sequence[Any]) -> FlatFunction:
+    def flat(self, args: Sequence[Any]) -> FlatFunction:
         argnums = normalize_argnums(self.argnums, len(args), self.call)
         return FlatFunction(self.f, args, argnums, self.has_aux, self.call)
 
-    def _strategy(self, flat: FlatFunction) -> tuple[str, int | None]:
-        """The strategy chosen before f runs, and m where it had to be known for that.
+    def resolved_check(self) -> CheckMode:
+        return resolve_check(self.check, self.call)
 
-        Forward mode runs f's forward itself, so it must be chosen before f runs: only when
-        it can win (``2 n < k``, one batch of all n tangents within ``chunk_size``) does the
-        planner need m, which it takes from f on fake tensors. Otherwise reverse mode runs f
-        and picks vjp or jacrev from the real output; ``"reverse"`` stands for that choice.
-        """
-        n = _coords.real_size(flat.leaves)
-        one_batch = self.chunk_size is None or self.chunk_size >= n
-        if self.strategy == "jacfwd":
-            if not one_batch:
-                raise ValueError(
-                    f"{self.call}: strategy='jacfwd' takes all n = {n} columns of J in one "
-                    f"batched forward pass; chunk_size={self.chunk_size} would run f's forward "
-                    f"once per chunk. Pass chunk_size=None (or >= {n}) with jacfwd, or use "
-                    "strategy='jacrev' or 'vjp' to bound memory with chunks."
-                )
-            return ("jacfwd" if n else "vjp"), None
-        if self.strategy != "auto":
-            return self.strategy, None
-        if not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
-            return "reverse", None
-        m = self._output_size(flat)
-        return ("reverse" if m is None else choose(self.k, m, n)), m
-
-    def _output_size(self, flat: FlatFunction) -> int | None:
+    def output_size(self, flat: FlatFunction) -> int | None:
         """y's size from f on fake tensors, remembered per argument shapes; None inside
         transforms and compiled code (no fake run there)."""
         if not values_readable(flat.leaves):
@@ -338,80 +270,150 @@ class ComposedHeads(Generic[R]):
             self._sizes[key] = _output_size(flat)
         return self._sizes[key]
 
-    def plan(self, *args: Any) -> Plan:
-        """The plan for these arguments, from shapes only.
+    def before_f(self, flat: FlatFunction) -> tuple[bool, int | None]:
+        """(forward mode first?, y's size where it had to be known before f runs).
 
-        Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
-        which takes about a second to initialise), and no real forward of f. Where that
-        cannot tell y's shape (data-dependent Python in f, f updating captured buffers), f
-        runs once for real, without gradients.
+        Forward mode runs f's forward itself, so it must be chosen before f runs: only when
+        it can win (``2 n < k``, all n tangents in one batch) does the planner need m, which
+        it takes from f on fake tensors. Otherwise reverse mode runs f, and the plan is made
+        from the real output's size.
         """
-        flat = self._flat(args)
-        strategy, m = self._strategy(flat)
+        n = _coords.real_size(flat.leaves)
+        if self.strategy == "jacfwd":
+            make_plan("jacfwd", self.k, 0, n, self.chunk_size, call=self.call)  # checks chunks
+            return n > 0, None
+        one_batch = self.chunk_size is None or self.chunk_size >= n
+        if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
+            return False, None
+        m = self.output_size(flat)
         if m is None:
-            m = self._output_size(flat)
-        if m is None:
+            return False, None
+        return self.planner(flat, m)(m, False).strategy == "jacfwd", m
+
+    def planner(self, flat: FlatFunction, m_before: int | None) -> _engine.Planner:
+        """The plan for y's real size; forward mode is a candidate only where y's size was
+        known before f ran (or jacfwd was requested)."""
+        n = _coords.real_size(flat.leaves)
+
+        def plan(m: int, instead_of_forward: bool) -> Plan:
+            if instead_of_forward:
+                return make_plan("auto", self.k, m, n, self.chunk_size, forward=False)
+            forward = m_before is not None
+            return make_plan(
+                self.strategy, self.k, m, n, self.chunk_size, forward=forward, call=self.call
+            )
+
+        return plan
+
+    def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
+        """The plan that a call on these arguments runs, from shapes only."""
+        _forward, m_before = self.before_f(flat)
+        m = m_before if m_before is not None else self.output_size(flat)
+        if m is None:  # data-dependent shapes: f runs once for real, without gradients
             with torch.no_grad():
                 result = flat(*flat.leaves)
             m = _coords.real_size(result[0] if self.has_aux else result)
-        n = _coords.real_size(flat.leaves)
-        if strategy == "reverse":
-            strategy = choose(self.k, m, n, forward=False)
-        return Plan(strategy, self.k, m, n)
+        plan = self.planner(flat, m_before)(m, False)
+        if weighted:
+            return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
+        return plan
 
-    def __call__(self, *args: Any) -> R:
-        flat = self._flat(args)
-        values, grads, aux = self._per_head(flat, resolve_check(self.check, self.call))
-        return self._package(flat, values, grads, aux)
+    def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
+        return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
 
-    def _heads_of(self, flat: FlatFunction, out: Tensors) -> tuple[torch.Tensor, Tensors]:
-        return _head_cotangents(self.heads, self.keys, flat, out, self.call)
-
-    def _per_head(
+    def per_head(
         self, flat: FlatFunction, check: CheckMode
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
-        """(values (k,), per-head gradient leaves (k, ...), aux tensors) by the plan."""
-        strategy, _ = self._strategy(flat)
-        if strategy == "jacfwd":
-            result = _forward_mode(flat, check)
-            if result is not None:
-                out, aux, tangents = result
-                values, cotangents = self._heads_of(flat, out)
-                grads = _engine.by_columns(cotangents, tangents, out, flat.leaves)
-                if grads is not None:
-                    return values, grads, aux
-                strategy = "vjp"  # V @ J went non-finite: the cotangents themselves
-            else:
-                strategy = "reverse"
-        out, vjp_fn, aux, can_vmap = build_vjp(flat)
-        values, cotangents = self._heads_of(flat, out)
-        m, n = _coords.real_size(out), _coords.real_size(flat.leaves)
-        if strategy == "reverse":
-            strategy = choose(self.k, m, n, forward=False)
-        pull = functools.partial(
-            _engine.batched,
-            lambda *cotangent: vjp_fn(cotangent),
-            chunk_size=self.chunk_size,
-            check=check,
-            what="f's pullback",
-            can_vmap=can_vmap and strategy != "loop",
+        """(values (k,), per-head gradient leaves (k, ...), aux tensors), by the plan."""
+        forward, m_before = self.before_f(flat)
+        _, values, grads, aux = _engine.per_head(
+            flat, self.planner(flat, m_before), forward, self.cotangents_of(flat), check
         )
-        grads = _engine.by_plan(strategy, pull, cotangents, out, flat.leaves, self.chunk_size)
         return values, grads, aux
 
-    def _package(
-        self, flat: FlatFunction, values: torch.Tensor, grads: Tensors, aux: Tensors
-    ) -> Any:
-        trees = flat.split_inputs(grads)
-        grad_tree = trees[0] if isinstance(self.argnums, int) else tuple(trees)
-        if self.keys is not None:
-            values_out: Any = {key: values[i] for i, key in enumerate(self.keys)}
-            grad_out: Any = {key: _tree_index(grad_tree, i) for i, key in enumerate(self.keys)}
-        else:
-            values_out, grad_out = values, grad_tree
+    def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
+        """Gradient leaves back into the structure of the differentiated argument(s)."""
+        trees = flat.split_inputs(leaves)
+        return trees[0] if isinstance(self.argnums, int) else tuple(trees)
+
+    def keyed(self, values: torch.Tensor | None) -> Any:
+        """A (k,) tensor as a dict by head name for a mapping of heads."""
+        if values is None or self.keys is None:
+            return values
+        return {key: values[i] for i, key in enumerate(self.keys)}
+
+    def describe(self, name: str) -> str:
+        f = getattr(self.f, "__name__", None) or type(self.f).__name__
+        heads = (
+            repr(self.heads)
+            if isinstance(self.heads, StackedHeads)
+            else f"[{', '.join(map(repr, self.keys))}]"
+            if self.keys is not None
+            else f"{self.k} heads"
+        )
+        options = f"strategy={self.strategy!r}"
+        if self.chunk_size is not None:
+            options += f", chunk_size={self.chunk_size}"
+        if self.argnums != 0:
+            options += f", argnums={self.argnums!r}"
         if self.has_aux:
-            return values_out, grad_out, flat.rebuild_aux(aux)
-        return values_out, grad_out
+            options += ", has_aux=True"
+        return f"{name}({f}, {heads}, {options})"
+
+
+class ComposedHeads(Generic[R]):
+    """The function returned by :func:`compose_heads`: call it with f's arguments.
+
+    ``fn(*args)`` returns ``(values, grads)`` (``(values, grads, aux)`` with
+    ``has_aux=True``); ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call
+    runs, without running f for real.
+
+    Example:
+        >>> import torch, funcgrad
+        >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]])
+        >>> fn
+        compose_heads(sin, 2 heads, strategy='auto')
+        >>> values, grads = fn(torch.zeros(3))
+        >>> grads
+        tensor([[1., 1., 1.],
+                [1., 0., 0.]])
+    """
+
+    def __init__(self, composition: Composition) -> None:
+        self._composition = composition
+        functools.update_wrapper(self, composition.f, updated=())
+
+    @property
+    def k(self) -> int:
+        """The number of heads."""
+        return self._composition.k
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan that ``fn(*args)`` runs, from shapes only.
+
+        Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
+        which takes about a second to initialise), only where forward mode could win
+        (``2 n < k``); else, and where that cannot tell y's shape (data-dependent Python in
+        f), f runs once for real, without gradients.
+        """
+        composition = self._composition
+        return composition.plan(composition.flat(args))
+
+    def __call__(self, *args: Any) -> R:
+        c = self._composition
+        flat = c.flat(args)
+        values, grads, aux = c.per_head(flat, c.resolved_check())
+        grad_tree = c.grad_tree(flat, grads)
+        if c.keys is not None:
+            grad_out: Any = {key: _tree_index(grad_tree, i) for i, key in enumerate(c.keys)}
+        else:
+            grad_out = grad_tree
+        if c.has_aux:
+            return c.keyed(values), grad_out, flat.rebuild_aux(aux)  # type: ignore[return-value]
+        return c.keyed(values), grad_out  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return self._composition.describe("compose_heads")
 
 
 def _tree_index(tree: Any, i: int) -> Any:
@@ -428,7 +430,7 @@ def compose_heads(
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
-    strategy: str = "auto",
+    strategy: Strategy = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
 ) -> ComposedHeads[tuple[Any, Any]]: ...
@@ -441,7 +443,7 @@ def compose_heads(
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
-    strategy: str = "auto",
+    strategy: Strategy = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
 ) -> ComposedHeads[tuple[Any, Any, Any]]: ...
@@ -451,7 +453,7 @@ def compose_heads(
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
-    strategy: str = "auto",
+    strategy: Strategy = "auto",
     chunk_size: int | None = None,
     check: CheckMode | None = None,
 ) -> Any:
@@ -518,4 +520,5 @@ def compose_heads(
         NaN where autograd gives a finite entry, if a cotangent or J holds an inf (``0 * inf``);
         use ``strategy="vjp"`` there.
     """
-    return ComposedHeads(f, heads, argnums, has_aux, strategy, chunk_size, check)
+    call = "compose_heads(f, heads)"
+    return ComposedHeads(Composition(f, heads, argnums, has_aux, strategy, chunk_size, check, call))

@@ -1,34 +1,97 @@
-"""``funcgrad.backward``: one weighted update from k task losses, written into ``.grad``."""
+"""``funcgrad.backward``: one weighted update from k task losses, written into ``.grad``.
+
+It reads top to bottom as its stages: validate (and, with ranks, agree) -> collect (V and
+the task-specific gradients) -> weigh (Gramian and weights) -> apply (everything that will
+be written is computed, then ``.grad`` is written in one place). :func:`weigh_features` and
+:func:`weigh_params` are shared with ``combine_heads``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from . import _distributed, _weighting
-from ._bridge import Edge, _as_tuple, _check_outputs, _edge, _walk, pull_through, through_edges
-from ._config import resolve_check
+from . import _coords, _engine, _graph, _linearize, _sync, _weighting
+from ._config import CheckMode, resolve_check
 from ._errors import describe
-from ._function import autograd_grad
-from ._pullback import check_chunk_size
+from ._types import Level, Tensors
+from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
-Tensors = tuple[torch.Tensor, ...]
 
 
-def _losses(losses: Any) -> tuple[list[Any] | None, Tensors, list[str]]:
-    """(keys or None, the losses, a name for each in messages)."""
-    if isinstance(losses, Mapping):
-        keys: list[Any] | None = list(losses.keys())
-        values: Any = list(losses.values())
-        names = [f"losses[{key!r}]" for key in losses]
-    else:
-        keys, values = None, losses
-        names = []
-    tensors = _as_tuple(values, "losses", _CALL)
-    return keys, tensors, names or [f"losses[{i}]" for i in range(len(tensors))]
+# -- weigh: shared with combine_heads ------------------------------------------------------
+
+
+def weigh_features(
+    rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
+) -> torch.Tensor:
+    """The weights of the one-pullback path: all ones without a weighting, else
+    ``weighting(V V^T)`` of the global V, the first rank's weights on every rank."""
+    k = cotangents[0].shape[0]
+    rows = _coords.to_coords(cotangents, k)
+    if rule.kind == "sum":
+        return torch.ones(k, dtype=rows.dtype, device=rows.device)
+    g = sync.features_gramian(_weighting.gramian([rows]))
+    _weighting.check_gramian(g, [rows], what, call)
+    weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
+    return _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+
+
+def weigh_params(
+    rule: _weighting.Rule, task_grads: Tensors, sync: _sync.Sync, what: str, call: str
+) -> tuple[torch.Tensor | None, Tensors]:
+    """(weights, update) from the global per-task gradient leaves (k, ...): the update is
+    ``weights @ P`` (an aggregator's vector for one without weights); the first rank's on
+    every rank, for weightings that draw random numbers."""
+    k = task_grads[0].shape[0]
+    if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
+        blocks = [_coords.to_coords([g], k) for g in task_grads]
+        g = _weighting.gramian(blocks)
+        _weighting.check_gramian(g, blocks, what, call)
+        weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
+        weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+        return weights, _weighting.weighted_sum(weights, task_grads)
+    rows = _coords.to_coords(task_grads, k)
+    found, vector = _weighting.aggregate(rule, rows, call)
+    if found is not None:
+        weights = sync.from_first_rank(found)
+        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        return weights, _weighting.weighted_sum(weights, task_grads)
+    vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
+    like = tuple(g[0] for g in task_grads)
+    return None, tuple(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+
+
+# -- validate ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Task:
+    """What one call of ``backward`` works on, once validated."""
+
+    rule: _weighting.Rule
+    level: Level
+    keys: list[Any] | None
+    losses: Tensors
+    through: Tensors
+    shared: Tensors  # the shared leaves
+    own: list[Tensors]  # each loss's task-specific leaves
+
+    def facts(self) -> dict[str, Any]:
+        """What must match across ranks."""
+        return {
+            "number of losses": len(self.losses),
+            "loss keys": None if self.keys is None else [repr(key) for key in self.keys],
+            "level": self.level,
+            "weighting": None if self.rule.fn is None else type(self.rule.fn).__name__,
+            "number of `through` tensors": len(self.through),
+            "shared leaves' shapes": [tuple(x.shape) for x in self.shared],
+            "task-specific leaves' shapes": [[tuple(x.shape) for x in own] for own in self.own],
+        }
 
 
 def _named_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
@@ -41,10 +104,10 @@ def _named_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
         if items and all(isinstance(item, tuple) and len(item) == 2 for item in items):
             pairs = [(f"inputs[{name!r}]", value) for name, value in items]
         else:
-            tensors = _as_tuple(items, "inputs", _CALL)
+            tensors = as_tensors(items, "inputs", _CALL)
             pairs = [(f"inputs[{i}]", x) for i, x in enumerate(tensors)]
     else:
-        pairs = [("inputs[0]", x) for x in _as_tuple(inputs, "inputs", _CALL)]
+        pairs = [("inputs[0]", x) for x in as_tensors(inputs, "inputs", _CALL)]
     if not pairs:
         raise ValueError(f"{_CALL}: `inputs` is empty; give the shared parameters, or None.")
     for name, x in pairs:
@@ -58,55 +121,51 @@ def _named_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-def _leaf_name(edge: Edge, leaf: torch.Tensor, names: dict[Edge, str]) -> str:
-    return names.get(edge, f"a leaf tensor of shape {tuple(leaf.shape)}")
-
-
-def _split_leaves(
-    losses: Tensors, names: list[str], mids: Tensors, inputs: Any
-) -> tuple[dict[Edge, torch.Tensor], list[dict[Edge, torch.Tensor]]]:
-    """(shared leaves, each loss's task-specific leaves), from one walk of the graph
-    (before any backward): shared ones are those ``through`` depends on (or ``inputs``);
-    a loss's own are those it reaches without passing through ``through``."""
-    stops = through_edges(mids, _CALL)
-    below: dict[Edge, torch.Tensor] = {}
-    _walk(list(stops), {}, {}, below)
-    leaf_names: dict[Edge, str] = {}
-    if inputs is None:
-        shared = below
+def _validate(
+    losses: Any, through: Any, weighting: Any, level: Any, inputs: Any, chunk_size: Any
+) -> _Task:
+    check_chunk_size(chunk_size, _CALL)
+    rule = _weighting.resolve(weighting, level, _CALL)
+    if isinstance(losses, Mapping):
+        keys: list[Any] | None = list(losses.keys())
+        names = [f"losses[{key!r}]" for key in losses]
+        values: Any = list(losses.values())
     else:
-        shared = {}
-        for name, x in _named_inputs(inputs):
-            edge = _edge(x)
-            leaf_names.setdefault(edge, name)
-            if edge in below:  # as torch.autograd.backward: an unused input is left alone
-                shared.setdefault(edge, x)
-    if not shared:
-        raise ValueError(
-            f"{_CALL}: `through` depends on no "
-            + ("leaf that requires grad" if inputs is None else "tensor of `inputs`")
-            + ", so there is nothing shared to update. Pass the features computed by the "
-            "shared model, or use sum(losses).backward()."
-        )
-    per_task = []
-    for name, loss in zip(names, losses):
-        own: dict[Edge, torch.Tensor] = {}
-        _, reached = _walk([_edge(loss)], {}, stops, own)
-        if not reached:
-            raise ValueError(
-                f"{_CALL}: {name} does not depend on `through`; every loss must be computed "
-                "from the shared features. Drop it, or add its features to `through`."
-            )
-        for edge, leaf in own.items():
-            if edge in below:
-                raise ValueError(
-                    f"{_CALL}: {name} reaches {_leaf_name(edge, leaf, leaf_names)} other than "
-                    "through `through`, so that leaf is both shared and task-specific and its "
-                    "weighted gradient would miss a path. Add the intermediate that the loss "
-                    "uses to `through` (or detach it)."
-                )
-        per_task.append(own)
-    return shared, per_task
+        keys, values, names = None, losses, []
+    outs = as_tensors(values, "losses", _CALL)
+    names = names or [f"losses[{i}]" for i in range(len(outs))]
+    check_scalar_outputs(outs, _CALL, names)
+    mids = as_tensors(through, "through", _CALL)
+    named = None if inputs is None else _named_inputs(inputs)
+    shared, _, per_task = _graph.split_leaves(outs, names, mids, named, _CALL)
+    own = [tuple(leaves.values()) for leaves in per_task]
+    return _Task(rule, level, keys, outs, mids, tuple(shared.values()), own)
+
+
+# -- collect -------------------------------------------------------------------------------
+
+
+def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
+    """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
+    ranks): the cheap backward of each loss, head by head. V is written in place, row by
+    row: it is the one k x m buffer that the features level holds."""
+    k, mids = len(task.losses), task.through
+    cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
+    own_grads = []
+    for i, (loss, own) in enumerate(zip(task.losses, task.own)):
+        grads = _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
+        for row, grad in zip(cotangents, grads):
+            row[i] = grad
+        own_grads.append(grads[len(mids) :])
+    flat = sync.average([g for grads in own_grads for g in grads])
+    averaged, start = [], 0
+    for own in task.own:
+        averaged.append(flat[start : start + len(own)])
+        start += len(own)
+    return cotangents, averaged
+
+
+# -- apply ---------------------------------------------------------------------------------
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
@@ -124,10 +183,11 @@ def backward(
     *,
     through: Sequence[torch.Tensor] | torch.Tensor,
     weighting: Any = None,
-    level: str = "params",
+    level: Level = "params",
     inputs: Any = None,
     retain_graph: bool = False,
     chunk_size: int | None = None,
+    check: CheckMode | None = None,
     process_group: Any = None,
 ) -> Any:
     """One weighted update from k task losses, accumulated into ``.grad``, as
@@ -155,6 +215,8 @@ def backward(
         retain_graph: keep the graph of the shared part after the last backward.
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
+        check: compare the batched backward through the shared part with unbatched ones
+            (see :func:`funcgrad.set_check`); None uses the global setting.
         process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, or the
             ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
             then averages the shared gradients). Every rank ends with the ``.grad`` of one
@@ -182,114 +244,64 @@ def backward(
         the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
         (along ``w @ V``), and at ``level="params"`` one batched backward along the
         independent directions of the k cotangents (at most ``min(k, numel(through))``),
-        after which the update needs no further pass. Everything is checked before the
-        shared part runs (the graph is walked once), and ``.grad`` is only written once
-        the weights are known to be finite. At level ``"params"`` the graph of the shared
+        after which the update needs no further pass. It runs in stages: validate (the
+        graph is walked once) and, with a process group, agree across ranks; collect (V and
+        the task-specific gradients); weigh (the Gramian and the weights); apply. Nothing
+        is written before the apply stage, so an error anywhere before it leaves every
+        ``.grad`` unchanged. At level ``"params"`` the graph of the shared
         part is retained during the call, whatever ``retain_graph``.
     """
-    check_chunk_size(chunk_size, _CALL)
-    rule = _weighting.resolve(weighting, level, _CALL)
-    keys, outs, names = _losses(losses)
-    _check_outputs(outs, _CALL, names)
-    mids = _as_tuple(through, "through", _CALL)
-    shared, per_task = _split_leaves(outs, names, mids, inputs)
-
-    # Losses -> through (cheap), with each loss's own leaves on the way. V is written in
-    # place, row by row: it is the one k x m buffer that the features level holds.
-    k = len(outs)
-    cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
-    own_grads = []
-    for i, (loss, own) in enumerate(zip(outs, per_task)):
-        grads = autograd_grad(loss, mids + tuple(own.values()), None, retain_graph=True)
-        for row, grad in zip(cotangents, grads):
-            row[i] = grad
-        own_grads.append(grads[len(mids) :])
-    leaves = tuple(shared.values())
-
-    group = None if process_group is None else _distributed.Group(process_group, _CALL)
-    if group is not None:
-        if group.ddp and rule.kind == "vector" and level == "params":
+    # Validate, then agree: every rank's checks travel in one collective, before any backward.
+    sync = _sync.policy(process_group, _CALL)
+    mode = resolve_check(check, _CALL)
+    task: _Task | None = None
+    error: Exception | None = None
+    try:
+        task = _validate(losses, through, weighting, level, inputs, chunk_size)
+        if sync.reduces_backward and task.rule.kind == "vector" and level == "params":
             raise ValueError(
-                f"{_CALL}: {type(rule.fn).__name__} returns an update without weights, but a "
-                "DDP-wrapped encoder needs weights (its reducer averages the backward of "
+                f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
+                "but a DDP-wrapped encoder needs weights (its reducer averages the backward of "
                 "w @ V). Use a weighted aggregator, or pass the process group itself and a "
                 "plain encoder."
             )
-        # Fixed length (the all-gather needs equal sizes); variable parts as int hashes,
-        # which do not depend on PYTHONHASHSEED.
-        group.agree(
-            [
-                k,
-                _LEVEL_CODES[level],
-                len(mids),
-                len(leaves),
-                hash(tuple(tuple(leaf.shape) for leaf in leaves)),
-                hash(tuple(tuple(tuple(x.shape) for x in own.values()) for own in per_task)),
-            ],
-            [
-                "number of losses",
-                "level",
-                "number of `through` tensors",
-                "number of shared leaves",
-                "hash of the shared leaves' shapes",
-                "hash of the task-specific leaves' shapes",
-            ],
-            mids[0].device,
-        )
-        own_grads = _average_own(group, own_grads)
+    except (TypeError, ValueError) as caught:
+        error = caught
+    sync.agree(None if task is None else task.facts(), error)
+    assert task is not None
 
-    if rule.kind == "sum" or level == "features":
-        # w from V V^T, then ONE backward of w @ V through the shared part.
-        weights: torch.Tensor | None = _weighting.weights_on_features(
-            rule, cotangents, "with respect to `through`", _CALL, group
-        )
+    # Collect: V on `through`, and each loss's own gradients.
+    cotangents, own_grads = _collect(task, sync)
+    lin = _linearize.of_graph(task.through, task.shared, retain_graph=retain_graph)
+
+    # Weigh, and compute what the shared leaves get (nothing is written yet).
+    update: Tensors | None = None
+    if task.rule.kind == "sum" or level == "features":
+        what = "with respect to `through`"
+        weights: torch.Tensor | None = weigh_features(task.rule, cotangents, sync, what, _CALL)
         assert weights is not None
-        direction = _weighting.weighted(weights, cotangents, tuple(mid.detach() for mid in mids))
-        _write_own(per_task, own_grads)
-        if group is None or group.ddp:  # DDP's reducer averages the shared gradients
-            torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
-        else:
-            local = autograd_grad(mids, leaves, direction, retain_graph=retain_graph)
-            for leaf, grad in zip(leaves, group.average(local)):
-                _accumulate(leaf, grad)
+        if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
+            update = sync.average(_engine.weighted(lin, weights, cotangents))
     else:
-        check = resolve_check(None, _CALL)
-        task_grads = pull_through(mids, leaves, cotangents, chunk_size, check)
-        if group is not None:  # the global per-task gradients: one k x P all-reduce
-            task_grads = group.average(task_grads)
-        weights, update = _weighting.combine(
-            rule, task_grads, "with respect to the shared parameters", _CALL, group
+        basis = _engine.Basis(_coords.real_size(lin.out))
+        task_grads, _ = _engine.by_linearity(
+            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
         )
-        _write_own(per_task, own_grads)
-        if group is not None and group.ddp:
-            # DDP expects one backward per forward: the backward of w @ V_r, which its
-            # reducer averages into w @ (global per-task gradients).
-            assert weights is not None
-            like = tuple(mid.detach() for mid in mids)
-            direction = _weighting.weighted(weights, cotangents, like)
-            torch.autograd.backward(mids, direction, inputs=list(leaves), retain_graph=retain_graph)
-        else:
-            for leaf, u in zip(leaves, update):
-                _accumulate(leaf, u)
-    if weights is None or keys is None:
-        return weights
-    return {key: weights[i] for i, key in enumerate(keys)}
+        what = "with respect to the shared parameters"
+        weights, update = weigh_params(task.rule, sync.average(task_grads), sync, what, _CALL)
+        if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
+            update = None  # which its reducer averages into w @ (global per-task gradients)
 
-
-_LEVEL_CODES = {"params": 0, "features": 1}
-
-
-def _average_own(group: _distributed.Group, own_grads: list[Tensors]) -> list[Tensors]:
-    """Every task-specific gradient averaged over the ranks, in one flat buffer."""
-    flat = group.average([g for grads in own_grads for g in grads])
-    result, start = [], 0
-    for grads in own_grads:
-        result.append(flat[start : start + len(grads)])
-        start += len(grads)
-    return result
-
-
-def _write_own(per_task: list[dict[Edge, torch.Tensor]], own_grads: list[Tensors]) -> None:
-    for own, grads in zip(per_task, own_grads):
-        for leaf, grad in zip(own.values(), grads):
+    # Apply: the one place that writes .grad.
+    if update is None:
+        assert weights is not None and lin.accumulate is not None
+        lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
+    else:
+        for leaf, u in zip(task.shared, update):
+            _accumulate(leaf, u)
+    for own, grads in zip(task.own, own_grads):
+        for leaf, grad in zip(own, grads):
             _accumulate(leaf, grad)
+    if weights is None or task.keys is None:
+        return weights
+    return {key: weights[i] for i, key in enumerate(task.keys)}

@@ -8,12 +8,13 @@ from typing import Any, Literal, overload
 
 import torch
 
-from . import _coords, _engine, _tree
+from . import _coords, _engine, _linearize, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
-from ._function import FlatFunction, build_vjp, values_readable
-
-Tensors = tuple[torch.Tensor, ...]
+from ._function import FlatFunction
+from ._linearize import Linearization
+from ._types import Tensors
+from ._validate import check_callable, check_chunk_size, values_readable
 
 
 @dataclasses.dataclass
@@ -48,21 +49,15 @@ class Pullback:
     """
 
     def __init__(
-        self,
-        flat: FlatFunction,
-        out: Tensors,
-        vjp_fn: Callable[[Tensors], Tensors],
-        can_vmap: bool,
-        reuse: bool,
-        max_basis_bytes: int,
+        self, flat: FlatFunction, lin: Linearization, reuse: bool, max_basis_bytes: int
     ) -> None:
         self._flat = flat
         self._out_def = flat.out_def
-        self._out_like = tuple(o.detach() for o in out)
-        self._vjp_fn: Callable[[Tensors], Tensors] | None = vjp_fn
-        self._can_vmap = can_vmap
-        self._reuse = reuse and values_readable(out)
-        self._basis = _engine.Basis(_coords.real_size(out), max_basis_bytes)
+        self._lin: Linearization | None = lin
+        self._out_like = lin.out
+        self._basis = _engine.Basis(_coords.real_size(lin.out), max_basis_bytes)
+        if not (reuse and values_readable(lin.out)):
+            self._basis.clear(enabled=False)
         self.stats = PullbackStats()
 
     @property
@@ -72,11 +67,11 @@ class Pullback:
 
     @property
     def released(self) -> bool:
-        return self._vjp_fn is None
+        return self._lin is None
 
     def release(self) -> None:
         """Free f's graph and the kept directions; any later call raises an error."""
-        self._vjp_fn = None
+        self._lin = None
         self._basis.clear()
         self.stats.kept, self.stats.kept_bytes = 0, 0
 
@@ -121,7 +116,7 @@ class Pullback:
     # -- internals ---------------------------------------------------------------------
 
     def _check_cotangent(self, tree: Any, call: str, batched: bool) -> Tensors:
-        if self._vjp_fn is None:
+        if self._lin is None:
             raise ReleasedPullbackError(
                 f"{call}: this pullback was released (pb.release() freed f's graph); "
                 "build a new one with funcgrad.pullback(f, *primals)."
@@ -167,49 +162,25 @@ class Pullback:
             batch = shape[0] if batched else 1
         return tuple(leaves)
 
-    def _pull(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
-        """Send directions through f (the expensive part)."""
-        vjp_fn = self._vjp_fn
-        assert vjp_fn is not None
-        return _engine.batched(
-            lambda *cotangent: vjp_fn(cotangent),
-            cotangents,
-            chunk_size=chunk_size,
-            check=check,
-            what="f's pullback",
-            can_vmap=self._can_vmap,
-        )
-
     def _apply(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
-        k = cotangents[0].shape[0]
+        assert self._lin is not None  # checked by _check_cotangent
         self.stats.calls += 1
-        self.stats.cotangents += k
-        leaves = self._flat.leaves
-        if not (self._reuse and values_readable(cotangents)):
-            if _engine.nothing_to_pull(k, self._out_like, leaves):
-                return _engine.zeros(k, leaves)
-            self.stats.vjps += k
-            return self._pull(cotangents, chunk_size, check)
+        self.stats.cotangents += cotangents[0].shape[0]
         grads, pulled = _engine.by_linearity(
-            lambda directions: self._pull(directions, chunk_size, check),
-            cotangents,
-            self._out_like,
-            leaves,
-            self._basis,
-            keep=True,
+            self._lin, cotangents, self._basis, keep=True, chunk_size=chunk_size, check=check
         )
         self.stats.vjps += pulled
         self.stats.kept, self.stats.kept_bytes = self._basis.rank, self._basis.nbytes
         return grads
 
-
-def check_chunk_size(chunk_size: object, call: str) -> None:
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
-    ):
-        raise ValueError(
-            f"{call}: `chunk_size` must be None (all at once) or a positive int (1 means a "
-            f"loop), got {chunk_size!r}."
+    def __repr__(self) -> str:
+        if self._lin is None:
+            return "Pullback(released)"
+        shapes = ", ".join(str(tuple(o.shape)) for o in self._out_like)
+        return (
+            f"Pullback(of {self._flat.call.split('(')[0]} at y of shape {shapes}: "
+            f"{self.stats.vjps} direction(s) pulled through f for {self.stats.cotangents} "
+            f"cotangent(s), {self.rank} kept)"
         )
 
 
@@ -277,8 +248,7 @@ def pullback(
         cotangents themselves back, so NaN and inf come out as in autograd.
     """
     call = "pullback(f, *primals)"
-    if not callable(f):
-        raise TypeError(f"{call}: `f` must be callable, got {describe(f)}.")
+    check_callable(f, "f", call)
     if not primals:
         raise ValueError(f"{call}: give at least one primal to differentiate f at.")
     if not isinstance(max_basis_bytes, int) or max_basis_bytes < 0:
@@ -288,8 +258,8 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
-    out, vjp_fn, aux, can_vmap = build_vjp(flat)
-    pb = Pullback(flat, out, vjp_fn, can_vmap, reuse, max_basis_bytes)
+    lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+    pb = Pullback(flat, lin, reuse, max_basis_bytes)
     if has_aux:
-        return flat.outputs(out), pb, flat.rebuild_aux(aux)
-    return flat.outputs(out), pb
+        return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)
+    return flat.outputs(lin.out), pb

@@ -1,5 +1,6 @@
-"""Task weightings: from k per-task gradients to one update, for ``backward`` and
-``combine_heads``.
+"""Task weightings: from k per-task gradients to weights and one update, for ``backward``
+and ``combine_heads``. Pure math: no collectives (the Sync policy makes those, between
+these steps).
 
 A weighting is any callable Gramian (k x k) -> weights (k,), TorchJD's ``*Weighting``
 objects included. TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
@@ -16,16 +17,14 @@ one pullback of f, once w is known.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from . import _coords
 from ._errors import describe
-from ._function import values_readable
-
-LEVELS = ("params", "features")
+from ._types import Tensors
+from ._validate import check_level, values_readable
 
 
 def _torchjd_kind(obj: object) -> str | None:
@@ -58,14 +57,14 @@ class Rule:
 
 def resolve(weighting: Any, level: object, call: str) -> Rule:
     """The rule for ``weighting`` at ``level``, or a clear error (before any pass)."""
-    if level not in LEVELS:
-        raise ValueError(
-            f"{call}: unknown `level` {level!r}; expected 'params' (exact Jacobian descent on "
-            "the shared parameters) or 'features' (the Gramian of the task gradients with "
-            "respect to `through`, one backward through the shared part)."
-        )
+    check_level(level, call)
     if weighting is None:
         return Rule("sum")
+    if isinstance(weighting, type):
+        raise TypeError(
+            f"{call}: `weighting` must be an instance, got the class {weighting.__name__}. "
+            f"Pass {weighting.__name__}() (with its arguments, if it takes any)."
+        )
     kind = _torchjd_kind(weighting)
     if kind == "GramianWeightedAggregator":  # UPGrad, MGDA, ...: only the Gramian is needed
         return Rule("gramian", weighting.gramian_weighting)
@@ -91,23 +90,18 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def gramian(
-    blocks: Sequence[torch.Tensor],
-    what: str,
-    call: str,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached),
-    checked finite where values can be read: a NaN/inf task gradient would make every
-    weighting's answer meaningless. Block by block, so the k x n Jacobian is never
-    concatenated. ``reduce`` (data-parallel) turns the local Gramian into the global one
-    before the check, so that every rank raises alike."""
+def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached), block
+    by block, so that the k x n Jacobian is never concatenated."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
-    g = sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
-    if reduce is not None:
-        g = reduce(g)
+    return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
+
+
+def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, call: str) -> None:
+    """A NaN/inf Gramian makes every weighting's answer meaningless: a clear error, naming
+    the tasks whose gradients are not finite (where values can be read)."""
     if values_readable([g]) and not bool(torch.isfinite(g).all()):
-        finite = torch.stack([torch.isfinite(b).all(dim=1) for b in work]).all(dim=0)
+        finite = torch.stack([torch.isfinite(b).all(dim=1) for b in blocks]).all(dim=0)
         bad = (~finite).nonzero().flatten().tolist()
         tasks = f"task(s) {bad} have" if bad else "the products of the task gradients"
         raise ValueError(
@@ -115,10 +109,10 @@ def gramian(
             "inf entries (or the products overflow), so no weighting can be computed from it. "
             "Check those losses, or scale them down."
         )
-    return g
 
 
-def _validated(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
+def checked_shape(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
+    """The weights returned by a weighting: a real tensor of shape (k,), detached."""
     if not isinstance(weights, torch.Tensor):
         raise TypeError(
             f"{call}: `weighting` must return a tensor of k = {k} weights from {source}, got "
@@ -135,28 +129,32 @@ def _validated(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
         raise TypeError(
             f"{call}: `weighting` must return real floating-point weights, got {weights.dtype}."
         )
+    return weights.detach()
+
+
+def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
     if values_readable([weights]) and not bool(torch.isfinite(weights).all()):
         raise ValueError(
             f"{call}: `weighting` returned non-finite weights {weights.tolist()} from {source}; "
             "the update would be NaN. Check the weighting (a solver that failed to converge?)."
         )
-    return weights.detach()
+    return weights
 
 
-def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str, group: Any = None) -> torch.Tensor:
+def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
+    """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
     with torch.no_grad():
         weights = rule.fn(g)
-        if group is not None and isinstance(weights, torch.Tensor) and weights.shape == g.shape[:1]:
-            weights = group.from_first_rank(weights.to(g.dtype))  # rank 0's, for random ones
-        return _validated(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
+    return checked_shape(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
 
 
-def update_from_jacobian(
+def aggregate(
     rule: Rule, rows: torch.Tensor, call: str
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(weights or None, update) from a TorchJD aggregator run on the k x n Jacobian, its
-    hooks included; a weighted one's weights are read as its weighting returns them."""
+    hooks included; a weighted one's weights are read as its weighting returns them, as
+    TorchJD's ``jac_to_grad`` reads them."""
     k, n = rows.shape
     captured: list[Any] = []
     hook = None
@@ -174,51 +172,19 @@ def update_from_jacobian(
             f"{call}: the aggregator {name} must map the ({k}, {n}) Jacobian to a vector of "
             f"shape ({n},), got {describe(vector)}."
         )
+    if not captured:
+        return None, vector
+    return checked_shape(captured[-1], k, f"the ({k}, {n}) Jacobian", call), vector
+
+
+def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
     if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
-        raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
-    weights = _validated(captured[-1], k, f"the ({k}, {n}) Jacobian", call) if captured else None
-    return weights, vector
+        raise ValueError(
+            f"{call}: the aggregator {type(rule.fn).__name__} returned a non-finite update."
+        )
+    return vector
 
 
-def weights_on_features(
-    rule: Rule, cotangents: Sequence[torch.Tensor], what: str, call: str, group: Any = None
-) -> torch.Tensor:
-    """The weights of the one-pullback path: all ones without a weighting, else
-    ``weighting(V V^T)``. With a group, the Gramian is the global one: each rank's
-    features are disjoint coordinates, entering the global loss with a factor 1/R, so
-    ``G = (1/R^2) sum_r V_r V_r^T``."""
-    k = cotangents[0].shape[0]
-    rows = _coords.to_coords(cotangents, k)
-    if rule.kind == "sum":
-        return torch.ones(k, dtype=rows.dtype, device=rows.device)
-    reduce = None if group is None else (lambda g: group.sum(g) / group.size**2)
-    return weights_from_gramian(rule, gramian([rows], what, call, reduce), call, group)
-
-
-def weighted(
-    weights: torch.Tensor, cotangents: Sequence[torch.Tensor], like: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, ...]:
-    """``sum_i w_i v_i`` over k cotangent leaves (k, ...): the one direction to pull back
-    through f, shaped like ``like``."""
-    rows = _coords.to_coords(cotangents, cotangents[0].shape[0])
-    return tuple(d[0] for d in _coords.from_coords((weights.to(rows.dtype) @ rows)[None], like))
-
-
-def combine(
-    rule: Rule, grads: Sequence[torch.Tensor], what: str, call: str, group: Any = None
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
-    """(weights, update): per-task gradient leaves (k, ...) to one update of the leaves'
-    shapes, ``sum_i w_i grads_i`` (the aggregator's vector for a ``"vector"`` rule). Not for
-    the ``"sum"`` rule, which needs no per-task gradients (one pass of the summed
-    cotangent)."""
-    k = grads[0].shape[0]
-    if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
-        blocks = [_coords.to_coords([g], k) for g in grads]
-        weights = weights_from_gramian(rule, gramian(blocks, what, call), call, group)
-        return weights, tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
-    rows = _coords.to_coords(grads, k)
-    found, vector = update_from_jacobian(rule, rows, call)
-    if group is not None:  # GradDrop, Random draw random numbers: rank 0's update for all
-        vector = group.from_first_rank(vector)
-    update = _coords.from_coords(vector.to(rows.dtype)[None], tuple(g[0] for g in grads))
-    return found, tuple(u[0] for u in update)
+def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
+    """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...)."""
+    return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)

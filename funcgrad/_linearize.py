@@ -1,0 +1,225 @@
+"""f's linearisation, the one thing the engine pulls directions through, in whatever form:
+
+- :func:`of_function`: ``torch.func.vjp`` of a flat f; where torch.func cannot differentiate
+  f but autograd can, the same on one eager autograd graph, with one warning;
+- :func:`of_graph`: an autograd graph the user already built (``grads``, ``backward``);
+- :func:`forward_columns`: J's n columns by forward mode, in one vmapped JVP.
+
+Every re-run of f (the eager fallback after a failed torch.func attempt, reverse mode after
+forward mode, ``check``'s unbatched calls) replays the random draws of the first run
+(:class:`RandomState`), so dropout masks, running statistics and the generator's final state
+are those of one eager forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._errors import FuncgradWarning, first_line
+from ._function import FlatFunction
+from ._types import Tensors
+from ._validate import outside_transforms
+
+# Messages of torch.func failures on graphs that plain autograd can still differentiate.
+_TORCH_FUNC_LIMITS = (
+    "In order to use an autograd.Function with functorch transforms",
+    "Cannot access data pointer of Tensor that doesn't have storage",
+    "Cannot access storage of TensorWrapper",
+)
+# f updates a captured tensor in place (BatchNorm's running statistics in training mode):
+# torch.func refuses it at the first in-place op, before anything is mutated.
+_MUTATES_CAPTURED = "would mutate a captured Tensor"
+
+# Messages of forward-mode AD that cannot differentiate an op that reverse mode can.
+_FORWARD_MODE_LIMITS = (
+    "forward AD",
+    "forward mode AD",
+    "jvp function for custom autograd.Function",
+    "jvp is not implemented",
+    "the derivative for",
+    _MUTATES_CAPTURED,
+    *_TORCH_FUNC_LIMITS,
+)
+
+
+def is_forward_mode_limit(error: BaseException) -> bool:
+    """Whether forward mode (not the user's code) failed, so that reverse mode may succeed."""
+    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
+        limit in str(error) for limit in _FORWARD_MODE_LIMITS
+    )
+
+
+def is_torch_func_limit(error: BaseException) -> bool:
+    """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
+    message = str(error)
+    return (
+        "In order to use an autograd.Function with functorch transforms" in message
+        or _MUTATES_CAPTURED in message
+    )
+
+
+class RandomState:
+    """The random number generators f may draw from (the CPU one and those of the CUDA
+    devices of its inputs), saved before f first runs; :meth:`restore` before a re-run
+    makes it draw the same numbers. Inert in compiled code, where the state cannot be read."""
+
+    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+        self.active = not torch.compiler.is_compiling()
+        self.devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
+        if self.active:
+            self.cpu = torch.get_rng_state()
+            self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+
+    def restore(self) -> None:
+        if not self.active:
+            return
+        torch.set_rng_state(self.cpu)
+        for device, state in zip(self.devices, self.cuda):
+            torch.cuda.set_rng_state(state, device)
+
+    def replaying(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` that restores the generators before every call but the first."""
+        calls = 0
+
+        def replayed(*args: Any) -> Any:
+            nonlocal calls
+            if calls:
+                self.restore()
+            calls += 1
+            return fn(*args)
+
+        return replayed
+
+
+@dataclasses.dataclass
+class Linearization:
+    """A linear map ``v -> J^T v`` at a point, and what it was taken at.
+
+    ``vjp`` takes one cotangent (a tuple of y's leaves) and returns one gradient per input
+    leaf; it can be called many times, and vmapped where ``can_vmap``. ``last_vjp`` is the
+    call to use for the last pull (on an autograd graph it frees the graph unless the user
+    asked to retain it); ``accumulate`` (graphs only) runs ``torch.autograd.backward``, so
+    that hooks on the leaves (DDP's reducer) fire.
+    """
+
+    out: Tensors
+    x_like: Tensors
+    vjp: Callable[[Tensors], Tensors]
+    can_vmap: bool
+    what: str
+    aux: Tensors = ()
+    last_vjp: Callable[[Tensors], Tensors] | None = None
+    accumulate: Callable[[Tensors], None] | None = None
+
+
+def autograd_grad(
+    outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool, create_graph: bool = False
+) -> Tensors:
+    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach."""
+    grads = torch.autograd.grad(
+        outputs,
+        inputs,
+        cotangents,
+        retain_graph=retain_graph,
+        create_graph=create_graph,
+        allow_unused=True,
+    )
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+
+def of_graph(
+    outputs: Tensors,
+    inputs: Tensors,
+    *,
+    create_graph: bool = False,
+    retain_graph: bool = True,
+    what: str = "the backward from `through` to the inputs",
+) -> Linearization:
+    """The backward of an existing graph from ``outputs`` to ``inputs``. Every pull but the
+    last retains the graph; the last retains it only with ``retain_graph``. Batched with
+    ``torch.func.vmap`` over ``torch.autograd.grad`` (as TorchJD batches), a loop with
+    ``create_graph``."""
+
+    def vjp(cotangent: Tensors) -> Tensors:
+        return autograd_grad(outputs, inputs, cotangent, True, create_graph)
+
+    def last_vjp(cotangent: Tensors) -> Tensors:
+        return autograd_grad(outputs, inputs, cotangent, retain_graph, create_graph)
+
+    def accumulate(cotangent: Tensors) -> None:
+        torch.autograd.backward(outputs, cotangent, inputs=list(inputs), retain_graph=retain_graph)
+
+    like = tuple(o.detach() for o in outputs)
+    return Linearization(like, inputs, vjp, not create_graph, what, (), last_vjp, accumulate)
+
+
+def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
+    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph)."""
+    inputs = tuple(leaf.detach().requires_grad_() for leaf in flat.leaves)
+    with torch.enable_grad():
+        result = flat(*inputs)
+    out, aux = result if flat.has_aux else (result, ())
+
+    def vjp(cotangents: Tensors) -> Tensors:
+        return autograd_grad(out, inputs, cotangents, retain_graph=True)
+
+    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux)
+
+
+def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
+    """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
+    can, the same on eager autograd (the random draws replayed), with one warning."""
+    what = "f's pullback"
+    try:
+        result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
+    except (RuntimeError, NotImplementedError) as error:
+        mutates = _MUTATES_CAPTURED in str(error)
+        limit = mutates or any(limit in str(error) for limit in _TORCH_FUNC_LIMITS)
+        if not limit or not outside_transforms(flat.leaves):
+            raise
+        rng.restore()  # the failed attempt may have drawn random numbers (dropout)
+        out, vjp, aux = _eager(flat)
+        if mutates:
+            why = (
+                "f updates a captured tensor in place, such as BatchNorm's running statistics "
+                "in training mode; torch.func refuses that before anything is mutated. funcgrad "
+                "ran f once on eager autograd instead (statistics updated once, random draws as "
+                "in one eager forward, gradients as autograd's, still batched with vmap where "
+                "it can). To stay in torch.func: use eval mode, "
+                "torch.func.replace_all_batch_norm_modules_(model), or pass the buffers to f "
+                "explicitly"
+            )
+            warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
+            return Linearization(out, flat.leaves, vjp, True, what, aux)
+        warnings.warn(
+            f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
+            "fell back to eager torch.autograd.grad, one backward pass per direction. "
+            "The answer is the same as autograd's; it is not batched and not composable with "
+            "torch.func transforms.",
+            FuncgradWarning,
+            stacklevel=5,
+        )
+        return Linearization(out, flat.leaves, vjp, False, what, aux)
+    if flat.has_aux:
+        out, vjp, aux = result
+        return Linearization(out, flat.leaves, vjp, True, what, aux)
+    out, vjp = result
+    return Linearization(out, flat.leaves, vjp, True, what)
+
+
+def jvp_of(flat: FlatFunction) -> Callable[..., Tensors]:
+    """One JVP of f along a tangent (one per input leaf): f's output, the tangent of the
+    output and aux, flattened into one tuple (the engine batches it)."""
+    primals = flat.leaves
+
+    def one(*tangent: torch.Tensor) -> Tensors:
+        result: tuple[Any, ...] = torch.func.jvp(flat, primals, tangent, has_aux=flat.has_aux)
+        aux = result[2] if flat.has_aux else ()
+        return (*result[0], *result[1], *aux)
+
+    return one

@@ -1,0 +1,171 @@
+"""Sync policies: every collective funcgrad makes, in one place.
+
+DDP's convention: every rank holds an equal shard, each loss is a mean over the local shard,
+and the global loss is the average of the ranks'. So the global task gradient is the average
+of the ranks' local ones, and:
+
+- features level: the ranks' features are disjoint coordinates of the global features, so
+  the global Gramian is ``(1/R^2) sum_r V_r V_r^T``: one all-reduce of k x k numbers, then
+  the one backward of ``w @ V_r`` whose parameter gradients are averaged (by DDP's own
+  reducer when the encoder is wrapped in DDP, else in one flat buffer here);
+- params level: one all-reduce of the k x P per-task gradients (one flat buffer).
+
+The policies: :class:`Sync` (no distribution: every collective is the identity),
+:class:`GroupSync` (a ProcessGroup) and :class:`DDPSync` (a DistributedDataParallel encoder,
+whose reducer averages the shared gradients of one backward). Every call agrees first
+(:meth:`Sync.agree`): each rank's local checks and the choices that must match travel in
+one all-gather, before any backward, so that a mistake on one rank is a clear error on
+every rank instead of a hang. The weights (or an aggregator's update) are then broadcast
+from the first rank, so a weighting that draws random numbers gives every rank one update,
+and every rank returns the weights it applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import first_line
+from ._types import Tensors
+
+
+class Sync:
+    """No distribution: nothing is communicated."""
+
+    size = 1
+    # Whether one backward through the shared part averages its gradients across ranks
+    # (DDP's reducer); else funcgrad averages what it computes.
+    reduces_backward = False
+
+    def __init__(self, call: str) -> None:
+        self.call = call
+        self.bytes = 0  # sent per rank in this call (payloads), for the stats
+
+    def agree(self, facts: dict[str, Any] | None, error: BaseException | None) -> None:
+        """Raise the local error, if any (with ranks: on every rank, after comparing the
+        facts that must match)."""
+        if error is not None:
+            raise error
+
+    def features_gramian(self, local: torch.Tensor) -> torch.Tensor:
+        """The global ``V V^T`` from this rank's."""
+        return local
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> Tensors:
+        """The average over the ranks of every tensor."""
+        return tuple(tensors)
+
+    def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The first rank's tensor on every rank (the weights, or an aggregator's update)."""
+        return tensor
+
+
+class GroupSync(Sync):
+    """The ranks of a ``torch.distributed`` ProcessGroup."""
+
+    def __init__(self, group: Any, call: str) -> None:
+        super().__init__(call)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{call}: `process_group` was given but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group first, or pass process_group=None."
+            )
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"{call}: `process_group` must be a torch.distributed ProcessGroup (such as "
+                "torch.distributed.group.WORLD) or the DistributedDataParallel module of the "
+                f"shared encoder, got {type(group).__name__}."
+            )
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.source = dist.get_global_rank(group, 0)
+
+    def agree(self, facts: dict[str, Any] | None, error: BaseException | None) -> None:
+        mine = (type(self).__name__, facts, None if error is None else first_line(error))
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        if error is not None:
+            raise error
+        for rank, (_, _, message) in enumerate(gathered):
+            if message is not None:
+                raise RuntimeError(
+                    f"{self.call}: rank {rank} of `process_group` failed its checks "
+                    f"({message}); every rank stops here, before anything is communicated "
+                    "or written. Fix the input on that rank."
+                )
+        # Every rank compares every rank with the first, so all raise alike (or none does).
+        policy, reference, _ = gathered[0]
+        diffs = []
+        for rank, (their_policy, theirs, _) in enumerate(gathered[1:], start=1):
+            if their_policy != policy:
+                diffs.append(f"wrap: {their_policy} on rank {rank} vs {policy} on rank 0")
+            diffs += [
+                f"{label}: {theirs.get(label)!r} on rank {rank} vs {value!r} on rank 0"
+                for label, value in reference.items()
+                if theirs.get(label) != value
+            ]
+        if diffs:
+            raise ValueError(
+                f"{self.call}: the ranks of `process_group` disagree ({'; '.join(diffs)}). "
+                "Every rank must pass the same losses (same k, keys in the same order), the "
+                "same `through` structure and the same model; nothing was communicated or "
+                "written."
+            )
+
+    def _sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def features_gramian(self, local: torch.Tensor) -> torch.Tensor:
+        # Each rank's features enter the global loss with a factor 1/R.
+        return self._sum(local) / self.size**2
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> Tensors:
+        """In one flat buffer per dtype."""
+        result: list[torch.Tensor | None] = [None] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = self._sum(torch.cat([tensors[i].reshape(-1) for i in indices])) / self.size
+            start = 0
+            for i in indices:
+                numel = tensors[i].numel()
+                result[i] = flat[start : start + numel].view_as(tensors[i])
+                start += numel
+        return tuple(t for t in result if t is not None)  # every entry is set above
+
+    def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.contiguous()
+        dist.broadcast(tensor, src=self.source, group=self.group)
+        self.bytes += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+class DDPSync(GroupSync):
+    """The ranks of a DistributedDataParallel encoder: its reducer averages the shared
+    gradients of the one backward that funcgrad runs through it."""
+
+    reduces_backward = True
+
+    def __init__(self, module: torch.nn.parallel.DistributedDataParallel, call: str) -> None:
+        super().__init__(module.process_group, call)
+        self.module = module
+
+
+def policy(process_group: Any, call: str, *, allow_ddp: bool = True) -> Sync:
+    """The Sync policy for a ``process_group`` argument."""
+    if process_group is None:
+        return Sync(call)
+    if isinstance(process_group, torch.nn.parallel.DistributedDataParallel):
+        if not allow_ddp:
+            raise TypeError(
+                f"{call}: `process_group` must be a ProcessGroup here (f is a function, "
+                "not a DDP module); pass ddp.process_group."
+            )
+        return DDPSync(process_group, call)
+    return GroupSync(process_group, call)

@@ -1,0 +1,144 @@
+"""Argument validation, in one place: every check on a user's argument is made here, before
+anything slow runs, with a message that names the call, the argument and the fix.
+
+Also :func:`values_readable`, the one guard for data-dependent checks (``bool(t)``,
+``.item()``): they run in eager mode only, never inside torch.func transforms or compiled code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from . import _tree
+from ._errors import describe
+from ._types import LEVELS, STRATEGIES, Tensors
+
+
+def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether no leaf is a functorch wrapper, i.e. we are not inside vmap/grad/jvp."""
+    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
+
+
+def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether data-dependent Python (``bool(t)``, ``.item()``) may look at these tensors:
+    eager mode, outside torch.func transforms and outside a compiled region."""
+    # is_compiling first: dynamo cannot trace is_functorch_wrapped_tensor.
+    return not torch.compiler.is_compiling() and outside_transforms(leaves)
+
+
+def check_callable(f: object, name: str, call: str) -> None:
+    if not callable(f):
+        raise TypeError(f"{call}: `{name}` must be callable, got {describe(f)}.")
+
+
+def check_chunk_size(chunk_size: object, call: str) -> None:
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
+        raise ValueError(
+            f"{call}: `chunk_size` must be None (all at once) or a positive int (1 means a "
+            f"loop), got {chunk_size!r}."
+        )
+
+
+def check_strategy(strategy: object, call: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"{call}: unknown `strategy` {strategy!r}; "
+            f"expected one of {', '.join(map(repr, STRATEGIES))}."
+        )
+
+
+def check_level(level: object, call: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(
+            f"{call}: unknown `level` {level!r}; expected 'params' (exact Jacobian descent on "
+            "the shared parameters) or 'features' (the Gramian of the task gradients with "
+            "respect to `through`, one backward through the shared part)."
+        )
+
+
+def check_argnums_type(argnums: object, call: str) -> None:
+    if not isinstance(argnums, (int, tuple)) or isinstance(argnums, bool):
+        raise TypeError(f"{call}: `argnums` must be an int or a tuple of ints, got {argnums!r}.")
+
+
+def normalize_argnums(argnums: object, nargs: int, call: str) -> tuple[int, ...]:
+    """``argnums`` as a tuple of non-negative ints, checked against the number of arguments."""
+    items = argnums if isinstance(argnums, tuple) else (argnums,)
+    if not items or not all(isinstance(a, int) and not isinstance(a, bool) for a in items):
+        raise TypeError(
+            f"{call}: `argnums` must be an int or a non-empty tuple of ints, got {argnums!r}."
+        )
+    result = []
+    for a in items:
+        if not -nargs <= a < nargs:
+            raise ValueError(
+                f"{call}: `argnums` entry {a} is out of range: f was called with {nargs} "
+                f"positional argument(s), so argnums must lie in [{-nargs}, {nargs - 1}]."
+            )
+        result.append(a % nargs)
+    if len(set(result)) != len(result):
+        raise ValueError(
+            f"{call}: `argnums` {argnums!r} names the same argument twice; list each once."
+        )
+    return tuple(result)
+
+
+def check_primal_leaves(
+    leaves: Sequence[Any], treedef: Any, what: str, call: str, hint: str
+) -> None:
+    if not leaves:
+        raise ValueError(f"{call}: {what} contains no tensor to differentiate.")
+    for index, leaf in enumerate(leaves):
+        if not _tree.is_differentiable(leaf):
+            path = _tree.leaf_path(treedef, index)
+            raise TypeError(
+                f"{call}: {what}, leaf {path}, must be a floating-point or complex tensor to be "
+                f"differentiated, got {describe(leaf)}. Convert it with .float() or .double(), "
+                f"or {hint}."
+            )
+
+
+def as_tensors(value: Any, name: str, call: str) -> Tensors:
+    """A tensor or a non-empty sequence (or generator) of tensors that require grad."""
+    if isinstance(value, torch.Tensor):
+        items: Any = (value,)
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
+        items = tuple(value)  # a list, or a generator such as model.parameters()
+    else:
+        items = ()
+    if not items:
+        raise TypeError(
+            f"{call}: `{name}` must be a tensor or a non-empty sequence of tensors, "
+            f"got {describe(value)}."
+        )
+    for index, item in enumerate(items):
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"{call}: `{name}`[{index}] must be a tensor, got {describe(item)}.")
+        if not item.requires_grad:
+            raise ValueError(
+                f"{call}: `{name}`[{index}] does not require grad, so it is in no graph. "
+                + (
+                    "Create it with requires_grad=True."
+                    if name == "inputs"
+                    else "Compute it from the inputs with gradients enabled."
+                )
+            )
+    return tuple(items)
+
+
+def check_scalar_outputs(outputs: Tensors, call: str, names: Sequence[str] | None = None) -> None:
+    """Every output a real floating scalar (a loss, a head's value)."""
+    for i, z in enumerate(outputs):
+        name = f"outputs[{i}]" if names is None else names[i]
+        if z.numel() != 1:
+            raise ValueError(
+                f"{call}: {name} must be a scalar, got shape {tuple(z.shape)}. Reduce it "
+                "(.sum() or .mean()) or pass one entry per scalar."
+            )
+        if z.is_complex() or not z.is_floating_point():
+            raise TypeError(f"{call}: {name} must be a real floating scalar, got {z.dtype}.")
