@@ -52,7 +52,7 @@ def grads(
     Returns:
         A tuple with one tensor per input, of shape ``(k, *input.shape)``.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> x = torch.tensor(1.0, requires_grad=True)
         >>> y = torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(30, 30))))

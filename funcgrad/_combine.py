@@ -23,7 +23,7 @@ class CombinedHeads:
     ``fn(*args)`` returns ``(values, grad, weights)`` (and aux with ``has_aux=True``);
     ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call runs.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> fn = funcgrad.combine_heads(torch.sin, [lambda y: y.sum(), lambda y: -y[0]])
         >>> fn
@@ -132,7 +132,10 @@ def combine_heads(
             ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``.
             None: all ones (``grad`` is the gradient of the sum of the heads).
         level: ``"params"`` or ``"features"``, see above.
-        argnums, has_aux, chunk_size, check: as for :func:`compose_heads`.
+        argnums: as for :func:`compose_heads`.
+        has_aux: as for :func:`compose_heads`.
+        chunk_size: as for :func:`compose_heads`.
+        check: as for :func:`compose_heads`.
         strategy: how the per-head gradients are formed at level ``"params"``, as for
             :func:`compose_heads`; level ``"features"`` always takes one pullback.
         process_group: a ``torch.distributed`` ProcessGroup for data-parallel use (eager
@@ -146,7 +149,7 @@ def combine_heads(
         ``values`` and ``weights`` shape (k,) (dicts for a mapping of heads). ``weights``
         is detached, and None for a TorchJD aggregator that returns only a vector.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> heads = [lambda y: y.sum(), lambda y: -y[0]]
         >>> fn = funcgrad.combine_heads(torch.sin, heads, lambda gramian: torch.ones(2),

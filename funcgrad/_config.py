@@ -57,7 +57,7 @@ def set_check(mode: CheckMode | None) -> CheckMode | None:
     Returns:
         The previous setting, so that it can be restored.
 
-    Example:
+    Examples:
         >>> import funcgrad
         >>> previous = funcgrad.set_check(True)
         >>> funcgrad.set_check(previous)
@@ -78,7 +78,7 @@ def checking(mode: CheckMode) -> Iterator[None]:
     Args:
         mode: ``True``, ``False`` or ``"strict"``, as for :func:`set_check`.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]])
         >>> with funcgrad.checking("strict"):  # a wrong batching rule raises in this block

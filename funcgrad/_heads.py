@@ -75,7 +75,7 @@ def stacked_heads(head_fn: Callable[[Any, Any], torch.Tensor], params: Any) -> S
     Returns:
         A heads collection of length k.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> w = torch.randn(512, 64)
         >>> probes = funcgrad.stacked_heads(lambda w_j, y: torch.nn.functional.softplus(w_j @ y), w)
@@ -368,7 +368,7 @@ class ComposedHeads(Generic[R]):
     ``has_aux=True``); ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call
     runs, without running f for real.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]])
         >>> fn
@@ -497,7 +497,7 @@ def compose_heads(
         k; for a mapping both are dicts keyed by the head names. ``grads`` has the structure
         of the differentiated argument (a tuple of them when ``argnums`` is a tuple).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> def slow_fun(x):
         ...     return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(30, 30))))

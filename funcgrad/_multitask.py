@@ -228,7 +228,7 @@ def backward(
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a
         TorchJD aggregator that returns a vector without weights (GradDrop, ConFIG, ...).
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> encoder, heads = torch.nn.Linear(4, 8), torch.nn.ModuleList(
         ...     torch.nn.Linear(8, 1) for _ in range(3))

@@ -54,7 +54,7 @@ class Plan:
         fallbacks: what the engine does, with one warning, where this strategy cannot run
             as planned; each entry reads "condition -> what runs instead".
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum()] * 8)
         >>> plan = fn.plan(torch.zeros(3))

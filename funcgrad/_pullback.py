@@ -229,7 +229,7 @@ def pullback(
     Returns:
         ``(out, pb)`` or ``(out, pb, aux)``: f's output and a :class:`Pullback`.
 
-    Example:
+    Examples:
         >>> import torch, funcgrad
         >>> x = torch.tensor(0.5)
         >>> y, pb = funcgrad.pullback(torch.sin, x)

@@ -12,15 +12,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# Warnings of the strict build caused by a docstring in funcgrad/_*.py, to be fixed there (not
-# in mkdocs.yml): while one of them fails the build the test is an expected failure; any other
-# warning fails it. Delete an entry once its docstring is fixed (the test then says so).
-KNOWN_DOCSTRING_WARNINGS = (
-    # combine_heads' Args: griffe (Google style) reads one parameter per entry, so
-    # "argnums, has_aux, chunk_size, check: as for compose_heads" is one unknown name.
-    "Parameter 'argnums, has_aux, chunk_size, check' does not appear in the function signature",
-)
-
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
@@ -43,13 +34,7 @@ def test_mkdocs_build_strict(build):
     process, _ = build
     output = process.stdout + process.stderr
     warnings = re.findall(r"^(?:WARNING|ERROR)\s+-\s+(.*)$", output, flags=re.M)
-    known = [k for k in KNOWN_DOCSTRING_WARNINGS if any(k in w for w in warnings)]
-    others = [w for w in warnings if not any(k in w for k in KNOWN_DOCSTRING_WARNINGS)]
-    if process.returncode != 0 and warnings and not others:
-        pytest.xfail(f"docstrings to fix in funcgrad/_*.py: {known}")
-    assert process.returncode == 0, f"mkdocs build --strict failed:\n{output}"
-    fixed = [k for k in KNOWN_DOCSTRING_WARNINGS if k not in known]
-    assert not fixed, f"fixed, delete from KNOWN_DOCSTRING_WARNINGS: {fixed}"
+    assert process.returncode == 0 and not warnings, f"mkdocs build --strict failed:\n{output}"
 
 
 def test_every_public_object_is_documented(build):
@@ -61,11 +46,6 @@ def test_every_public_object_is_documented(build):
     assert not missing, f"add to docs/api.md: {missing}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the docstrings head their >>> examples 'Example:', which griffe reads as an "
-    "admonition of Markdown text (>>> becomes a quote); 'Examples:' is the Google section",
-)
 def test_docstring_examples_render_as_code(build):
     _, site = build
     page = (site / "api" / "index.html").read_text(encoding="utf-8")
