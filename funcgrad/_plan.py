@@ -140,17 +140,19 @@ def make_plan(
             "bound memory with chunks."
         )
     costs = {"vjp": k, "jacrev": m}
-    if n and one_batch and (forward or requested == "jacfwd"):
+    if n and one_batch:
         costs["jacfwd"] = FORWARD_MODE_PENALTY * n
+    candidates = [name for name in costs if forward or name != "jacfwd"]
     strategy: Executed
     if weighted:
         strategy, costs = "weighted", {"weighted": 1}
     elif requested == "auto":
-        strategy = min(costs, key=lambda name: (costs[name], list(costs).index(name)))  # type: ignore[assignment]
+        strategy = min(candidates, key=lambda name: (costs[name], candidates.index(name)))  # type: ignore[assignment]
     elif requested == "jacfwd" and not n:
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
     else:
         strategy = requested
-    return Plan(
-        strategy, k, m, n, chunk_size, requested, tuple(costs.items()), _FALLBACKS[strategy]
-    )
+    fallbacks = _FALLBACKS[strategy]
+    if requested == "auto" and len(candidates) < len(costs) and not weighted:
+        fallbacks = ("jacfwd was not a candidate: y's size was unknown before f ran", *fallbacks)
+    return Plan(strategy, k, m, n, chunk_size, requested, tuple(costs.items()), fallbacks)

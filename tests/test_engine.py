@@ -1,0 +1,250 @@
+"""The engine runs the plan that `plan()` reports (counted passes through f), replays random
+draws across every re-run of f (the eager fallback included), and `backward` writes `.grad`
+only once nothing can fail any more."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from helpers import autograd_reference
+from torch import nn
+
+import funcgrad
+from funcgrad._counting import BackwardCounter, counted
+from funcgrad._types import STRATEGIES
+
+# -- the plan reported is the path taken -------------------------------------------------------
+
+GRID = [
+    (k, m, n, strategy, chunk_size)
+    for k in (1, 3, 9)
+    for m, n in ((1, 1), (4, 2), (2, 5))
+    for strategy in STRATEGIES
+    for chunk_size in (None, 1, 2)
+    if not (strategy == "jacfwd" and chunk_size is not None and chunk_size < n)
+]
+
+
+@pytest.mark.parametrize(("k", "m", "n", "strategy", "chunk_size"), GRID)
+def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
+    counter, calls = BackwardCounter(), []
+    w = torch.randn(m, n)
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(w @ counted(x, counter))
+
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(k)]
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy, chunk_size=chunk_size, check=False)
+    x = torch.randn(n)
+    plan = fn.plan(x)
+    assert (plan.k, plan.m, plan.n, plan.chunk_size, plan.requested) == (
+        k,
+        m,
+        n,
+        chunk_size,
+        strategy,
+    )
+    expected_directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[plan.strategy]
+    assert plan.directions == expected_directions
+    step = 1 if plan.strategy == "loop" else chunk_size or expected_directions
+    assert plan.passes == (
+        1 if plan.strategy == "jacfwd" else math.ceil(expected_directions / step)
+    )
+    counter.reset()
+    calls.clear()
+    values, grads = fn(x)
+    assert len(calls) == 1  # f's forward ran once, in either mode
+    assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("weighting", [None, lambda g: torch.ones(g.shape[0])])
+def test_combine_heads_plan_equals_the_path_taken(level, weighting):
+    counter = BackwardCounter()
+    w = torch.randn(6, 3)
+    f = lambda x: torch.tanh(w @ counted(x, counter))  # noqa: E731
+    heads = [lambda y, i=i: y[i] ** 2 for i in range(4)]
+    fn = funcgrad.combine_heads(f, heads, weighting, level=level)
+    x = torch.randn(3)
+    plan = fn.plan(x)
+    counter.reset()
+    fn(x)
+    assert counter.backward == plan.passes
+    one_pullback = weighting is None or level == "features"
+    assert (plan.strategy == "weighted") == one_pullback
+    # vjp: k = 4 < m = 6 directions, in one batched pass
+    assert (plan.directions, plan.passes) == ((1, 1) if one_pullback else (4, 1))
+
+
+def test_plan_repr_says_why():
+    fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum()] * 8, strategy="vjp")
+    text = repr(fn.plan(torch.zeros(3)))
+    assert text.startswith("Plan('vjp': 8 directions through f in 1 pass; k=8, m=3, n=3")
+    assert "strategy='vjp' requested (costs: vjp=8, jacrev=3, jacfwd=6)" in text
+    assert fn.plan(torch.zeros(3)).fallbacks  # the chain is part of the plan
+
+
+def test_public_objects_print_what_they_are():
+    fn = funcgrad.compose_heads(torch.sin, {"a": lambda y: y.sum()}, chunk_size=2)
+    assert repr(fn) == "compose_heads(sin, ['a'], strategy='auto', chunk_size=2)"
+    _, pb = funcgrad.pullback(torch.sin, torch.zeros(2))
+    assert repr(pb).startswith("Pullback(of pullback at y of shape (2,): 0 direction(s)")
+    pb.release()
+    assert repr(pb) == "Pullback(released)"
+
+
+# -- random draws: the eager fallback equals one eager forward ---------------------------------
+
+
+def _dropout_batchnorm():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+HEADS = [lambda y: y[:, 0].pow(2).mean(), lambda y: y.sin().sum(), lambda y: y[:, 2].mean()]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dropout_before_batchnorm_through_the_eager_fallback_equals_one_eager_forward(strategy):
+    model, x = _dropout_batchnorm(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def f(p, inputs):
+        return torch.func.functional_call(model, p, (inputs,))
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the fallback's warning
+        values, grads = fn(params, x)
+    state_after = torch.get_rng_state()
+
+    torch.manual_seed(11)
+    y = reference(x)  # one eager forward under the same seed
+    assert torch.equal(torch.get_rng_state(), state_after)
+    for i, head in enumerate(HEADS):
+        z = head(y)
+        torch.testing.assert_close(values[i], z.detach())
+        expected = torch.autograd.grad(z, list(reference.parameters()), retain_graph=True)
+        for name, e in zip(params, expected):
+            torch.testing.assert_close(grads[name][i], e)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model[2], name), getattr(reference[2], name))
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_dropout_before_batchnorm_in_combine_heads_and_pullback(level):
+    model, x = _dropout_batchnorm(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def f(p, inputs):
+        return torch.func.functional_call(model, p, (inputs,))
+
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        _values, grad, _ = funcgrad.combine_heads(f, HEADS, level=level)(params, x)
+    state_after = torch.get_rng_state()
+    torch.manual_seed(11)
+    y = reference(x)
+    assert torch.equal(torch.get_rng_state(), state_after)
+    total = sum(head(y) for head in HEADS)
+    expected = torch.autograd.grad(total, list(reference.parameters()))
+    for name, e in zip(params, expected):
+        torch.testing.assert_close(grad[name], e)
+    torch.testing.assert_close(model[2].running_mean, reference[2].running_mean)
+
+    model, reference = _dropout_batchnorm(), _dropout_batchnorm()
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        out, _pb = funcgrad.pullback(lambda p: torch.func.functional_call(model, p, (x,)), params)
+    state_after = torch.get_rng_state()
+    torch.manual_seed(11)
+    torch.testing.assert_close(out, reference(x))
+    assert torch.equal(torch.get_rng_state(), state_after)
+
+
+# -- backward: an error at any stage leaves every .grad unchanged ------------------------------
+
+
+def _multitask():
+    torch.manual_seed(2)
+    encoder = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4))
+    heads = nn.ModuleList(nn.Linear(4, 1) for _ in range(3))
+    return encoder, heads
+
+
+def _grads(*modules):
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _same(before, after):
+    return len(before) == len(after) and all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(before, after)
+    )
+
+
+def _nan_weights(gramian):
+    return torch.full(gramian.shape[:1], float("nan"))
+
+
+def _raising_weighting(gramian):
+    raise RuntimeError("the solver failed")
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize(
+    "stage", ["validate", "collect", "weigh-nan", "weigh-raises", "apply-freed-graph"]
+)
+def test_an_error_at_any_stage_of_backward_leaves_every_grad_unchanged(level, stage):
+    encoder, heads = _multitask()
+    x = torch.randn(8, 5)
+    features = encoder(x)
+    losses = [head(features).pow(2).mean() for head in heads]
+    weighting = lambda g: torch.ones(g.shape[0])  # noqa: E731
+    if stage == "apply-freed-graph":  # a first call frees the shared part's graph (at level
+        # "params" the graph is kept during the call, whatever retain_graph: see backward)
+        funcgrad.backward(losses, through=features, weighting=weighting, level="features")
+    before = _grads(encoder, heads)
+    if stage == "validate":
+        losses = [*losses, encoder(x).sum()]  # does not depend on `through`
+        error = ValueError
+    elif stage == "collect":
+        losses[2].backward(retain_graph=False)  # frees that loss's own graph
+        for p in heads[2].parameters():  # (what that backward wrote is not funcgrad's)
+            p.grad = None
+        for p in encoder.parameters():
+            p.grad = None
+        before = _grads(encoder, heads)
+        error = RuntimeError
+    elif stage == "weigh-nan":
+        weighting, error = _nan_weights, ValueError
+    elif stage == "weigh-raises":
+        weighting, error = _raising_weighting, RuntimeError
+    else:
+        error = RuntimeError
+    with pytest.raises(error):
+        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    assert _same(before, _grads(encoder, heads))
+
+
+def test_backward_accepts_check():
+    encoder, heads = _multitask()
+    features = encoder(torch.randn(8, 5))
+    losses = [head(features).pow(2).mean() for head in heads]
+    with pytest.raises(ValueError, match="`check` must be True, False or 'strict'"):
+        funcgrad.backward(losses, through=features, check="sometimes")
+    funcgrad.backward(losses, through=features, weighting=lambda g: torch.ones(3), check="strict")
+    assert all(p.grad is not None for p in encoder.parameters())
