@@ -351,7 +351,8 @@ def _clearly_independent(rows: torch.Tensor) -> torch.Tensor | None:
         return None
     q, r = torch.linalg.qr(rows.T)
     if bool((torch.diagonal(r).abs() > math.sqrt(torch.finfo(rows.dtype).eps)).all()):
-        return q.T
+        basis: torch.Tensor = q.T
+        return basis
     return None
 
 

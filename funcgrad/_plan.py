@@ -142,12 +142,14 @@ def make_plan(
     costs = {"vjp": k, "jacrev": m}
     if n and one_batch:
         costs["jacfwd"] = FORWARD_MODE_PENALTY * n
-    candidates = [name for name in costs if forward or name != "jacfwd"]
+    candidates: list[Executed] = ["vjp", "jacrev"]
+    if "jacfwd" in costs and forward:
+        candidates.append("jacfwd")
     strategy: Executed
     if weighted:
         strategy, costs = "weighted", {"weighted": 1}
     elif requested == "auto":
-        strategy = min(candidates, key=lambda name: (costs[name], candidates.index(name)))  # type: ignore[assignment]
+        strategy = min(candidates, key=lambda name: (costs[name], candidates.index(name)))
     elif requested == "jacfwd" and not n:
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
     else:

@@ -10,13 +10,18 @@ import copy
 import dataclasses
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import funcgrad
 
-STRATEGIES = ("vjp", "jacrev", "jacfwd", "loop")
+STRATEGIES: tuple[Literal["vjp", "jacrev", "jacfwd", "loop"], ...] = (
+    "vjp",
+    "jacrev",
+    "jacfwd",
+    "loop",
+)
 # A fixed strategy needing more passes through f than this is skipped (it would take minutes).
 MAX_DIRECTIONS = {"full": 4096, "quick": 256}
 
