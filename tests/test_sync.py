@@ -84,7 +84,7 @@ def _random_weights(rank):
             torch.testing.assert_close(other, weights, msg=message)
         # One process on the whole batch, with the weights every rank applied.
         features, losses = _losses(*reference, x, y)
-        funcgrad.backward(losses, through=features, weighting=lambda g: weights, level=level)
+        funcgrad.backward(losses, through=features, weighting=lambda g, w=weights: w, level=level)
         params = [*encoder.parameters(), *heads.parameters()]
         ref_params = [*reference[0].parameters(), *reference[1].parameters()]
         for p, q in zip(params, ref_params):
@@ -104,7 +104,7 @@ def _random_weights(rank):
         _, grad, weights = fn(params, x[shard])
         for other in _gathered(weights):
             torch.testing.assert_close(other, weights)
-        want = funcgrad.combine_heads(f, head_fns, lambda g: weights, level=level)(params, x)
+        want = funcgrad.combine_heads(f, head_fns, lambda g, w=weights: w, level=level)(params, x)
         for key in grad:
             torch.testing.assert_close(grad[key], want[1][key], rtol=1e-7, atol=1e-9)
 
