@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,9 +22,18 @@ import torch.distributed as dist
 # functions take `group=group.WORLD` as a default argument; imported later, they would keep
 # the group (and gloo's threads and sockets) alive past destroy_process_group, into exit.
 import torch.distributed.nn
-from torchjd.aggregation import UPGradWeighting
 
 import funcgrad
+
+try:
+    from torchjd.aggregation import UPGradWeighting
+except ModuleNotFoundError:
+    if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+        print(
+            'ddp_multitask.py needs TorchJD: pip install -e ".[mtl]" (from the source tree)',
+            file=sys.stderr,
+        )
+    sys.exit(1)
 
 
 def main() -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from ._cases import Encoder, _mtl_heads
 
 WORLD = 2
 METHODS = ("plain DDP sum(losses)", "funcgrad backward features", "funcgrad backward params")
+MISSING_TORCHJD = 'needs TorchJD: pip install -e ".[mtl]" (from the source tree)'
 
 
 @contextlib.contextmanager
@@ -126,7 +129,13 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
 
 
 def ddp_entry(k: int, quick: bool, rounds: int) -> dict[str, Any]:
-    """The report entry of the ``ddp k=...`` case (run in 2 spawned ranks)."""
+    """The report entry of the ``ddp k=...`` case (run in 2 spawned ranks), or, without
+    TorchJD, an entry that says it was skipped (one line on stderr, nothing spawned)."""
+    entry: dict[str, Any] = {"name": "ddp", "k": k, "m": 0, "auto": "", "rounds": rounds}
+    entry |= {"agreement": {}, "skipped": {}, "baseline": METHODS[0]}
+    if importlib.util.find_spec("torchjd") is None:
+        print(f"bench: skipping ddp k={k}: it {MISSING_TORCHJD}", file=sys.stderr)
+        return entry | {"n": 0, "methods": {}, "skipped": {"all": MISSING_TORCHJD}}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
         mp.spawn(
@@ -146,15 +155,4 @@ def ddp_entry(k: int, quick: bool, rounds: int) -> dict[str, Any]:
         }
         for m, s in result["samples"].items()
     }
-    return {
-        "name": "ddp",
-        "k": k,
-        "m": 0,
-        "n": result["n"],
-        "auto": "",
-        "methods": methods,
-        "rounds": rounds,
-        "agreement": {},
-        "skipped": {},
-        "baseline": METHODS[0],
-    }
+    return entry | {"n": result["n"], "methods": methods}
