@@ -12,16 +12,40 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
+import sys
 
 import torch
 import torch.distributed as dist
-from torchjd.aggregation import UPGradWeighting
+
+# Before any process group exists: DistributedDataParallel imports this module, whose
+# functions take `group=group.WORLD` as a default argument; imported later, they would keep
+# the group (and gloo's threads and sockets) alive past destroy_process_group, into exit.
+import torch.distributed.nn
 
 import funcgrad
+
+try:
+    from torchjd.aggregation import UPGradWeighting
+except ModuleNotFoundError:
+    if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+        print(
+            'ddp_multitask.py needs TorchJD: pip install -e ".[mtl]" (from the source tree)',
+            file=sys.stderr,
+        )
+    sys.exit(1)
 
 
 def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        train()
+        dist.barrier()  # every rank's last collective: nothing is in flight anywhere after it
+    finally:
+        dist.destroy_process_group()
+
+
+def train() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same initial model on every rank
     encoder = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
@@ -74,7 +98,6 @@ def main() -> None:
                     f"largest .grad difference from one process on the whole batch: {worst:.1e}"
                 )
             assert worst < 1e-5, worst
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -228,8 +228,9 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
-        naive = entry["methods"][entry.get("baseline", "naive")]["median"]
-        for name, stats in entry["methods"].items():
+        methods = entry["methods"]  # empty when the whole case was skipped
+        naive = methods[entry.get("baseline", "naive")]["median"] if methods else None
+        for name, stats in methods.items():
             peak = (entry.get("peak_mib") or {}).get(name)
             shown = f"{name} ({entry['auto']})" if name == "funcgrad auto" else name
             if "bytes_per_rank" in stats:

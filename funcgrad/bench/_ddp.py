@@ -9,12 +9,16 @@ collectives are counted by wrapping ``torch.distributed``'s functions; DDP's red
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,32 @@ from ._cases import Encoder, _mtl_heads
 
 WORLD = 2
 METHODS = ("plain DDP sum(losses)", "funcgrad backward features", "funcgrad backward params")
+MISSING_TORCHJD = 'needs TorchJD: pip install -e ".[mtl]" (from the source tree)'
+
+
+@contextlib.contextmanager
+def gloo_group(timeout_s: float, **init: Any) -> Iterator[None]:
+    """A gloo process group for the body, shut down the same way on every rank.
+
+    ``torch.distributed.nn`` is imported first: DistributedDataParallel imports it on first
+    use, and its functions take ``group=group.WORLD`` as a default argument, evaluated at
+    import. Imported while a group is initialised, they would hold that ProcessGroup for the
+    life of the process, so that ``destroy_process_group`` could not free it: gloo's threads
+    and sockets would live on into interpreter exit, racing the other rank's exit.
+
+    If the body succeeds, a barrier is every rank's last collective (nothing is left in
+    flight, DDP's reducer included, on either side) before the group is destroyed. If it
+    raises, the group is destroyed without a barrier (the other rank may be in another
+    collective) and the error propagates; every collective keeps ``timeout_s``.
+    """
+    import torch.distributed.nn  # noqa: F401  (before the group exists: see above)
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s), **init)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _counting(counter: dict[str, int]) -> None:
@@ -45,13 +75,11 @@ def _counting(counter: dict[str, int]) -> None:
 
 def _worker(rank: int, store: str, k: int, quick: bool, rounds: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    with gloo_group(120, init_method=f"file://{store}", rank=rank, world_size=WORLD):
+        _run(rank, k, quick, rounds, out)
+
+
+def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
     from torchjd.aggregation import UPGradWeighting
 
     counter = {"bytes": 0}
@@ -98,11 +126,16 @@ def _worker(rank: int, store: str, k: int, quick: bool, rounds: int, out: str) -
     if rank == 0:
         n = sum(p.numel() for p in shared)
         Path(out).write_text(json.dumps({"samples": samples, "bytes": sent, "n": n}))
-    dist.destroy_process_group()
 
 
 def ddp_entry(k: int, quick: bool, rounds: int) -> dict[str, Any]:
-    """The report entry of the ``ddp k=...`` case (run in 2 spawned ranks)."""
+    """The report entry of the ``ddp k=...`` case (run in 2 spawned ranks), or, without
+    TorchJD, an entry that says it was skipped (one line on stderr, nothing spawned)."""
+    entry: dict[str, Any] = {"name": "ddp", "k": k, "m": 0, "auto": "", "rounds": rounds}
+    entry |= {"agreement": {}, "skipped": {}, "baseline": METHODS[0]}
+    if importlib.util.find_spec("torchjd") is None:
+        print(f"bench: skipping ddp k={k}: it {MISSING_TORCHJD}", file=sys.stderr)
+        return entry | {"n": 0, "methods": {}, "skipped": {"all": MISSING_TORCHJD}}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
         mp.spawn(
@@ -122,15 +155,4 @@ def ddp_entry(k: int, quick: bool, rounds: int) -> dict[str, Any]:
         }
         for m, s in result["samples"].items()
     }
-    return {
-        "name": "ddp",
-        "k": k,
-        "m": 0,
-        "n": result["n"],
-        "auto": "",
-        "methods": methods,
-        "rounds": rounds,
-        "agreement": {},
-        "skipped": {},
-        "baseline": METHODS[0],
-    }
+    return entry | {"n": result["n"], "methods": methods}
