@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,9 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
         if method == METHODS[0]:
             torch.stack(losses).sum().backward()
         else:
-            level = method.split()[-1]
+            level: Literal["params", "features"] = (
+                "params" if method.endswith("params") else "features"
+            )
             funcgrad.backward(
                 losses,
                 through=features,
