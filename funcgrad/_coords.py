@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ._types import Tensors
+
 
 def real_numel(leaf: torch.Tensor) -> int:
     return leaf.numel() * (2 if leaf.is_complex() else 1)
@@ -41,7 +43,7 @@ def to_coords(leaves: Sequence[torch.Tensor], batch: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> Tensors:
     """Inverse of :func:`to_coords`: leaves shaped ``(batch, *like[i].shape)``, like's dtypes."""
     batch = coords.shape[0]
     leaves, start = [], 0
@@ -57,7 +59,7 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> tuple[tor
     return tuple(leaves)
 
 
-def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> Tensors:
     """Unit directions ``start..stop-1`` of the real space of ``like``, stacked on a leading
     dim: rows of the identity, built a chunk at a time (never the whole m x m identity)."""
     m = real_size(like)
@@ -66,6 +68,6 @@ def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> tuple[torc
     return from_coords(rows, like)
 
 
-def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> Tensors:
     """``coefficients @ rows`` leaf by leaf: (k, r) times leaves (r, ...) gives leaves (k, ...)."""
     return tuple(torch.tensordot(coefficients.to(row.dtype), row, dims=1) for row in rows)

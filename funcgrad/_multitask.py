@@ -9,16 +9,15 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
-from ._errors import describe
 from ._types import Level, Tensors
-from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
+from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
 
@@ -94,33 +93,6 @@ class _Task:
         }
 
 
-def _named_inputs(inputs: Any) -> list[tuple[str, torch.Tensor]]:
-    """``inputs`` as (name, leaf) pairs: tensors, or a mapping / ``named_parameters()`` pairs,
-    so that messages can name a parameter."""
-    if isinstance(inputs, Mapping):
-        pairs = [(f"inputs[{key!r}]", value) for key, value in inputs.items()]
-    elif isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor):
-        items = list(inputs)
-        if items and all(isinstance(item, tuple) and len(item) == 2 for item in items):
-            pairs = [(f"inputs[{name!r}]", value) for name, value in items]
-        else:
-            tensors = as_tensors(items, "inputs", _CALL)
-            pairs = [(f"inputs[{i}]", x) for i, x in enumerate(tensors)]
-    else:
-        pairs = [("inputs[0]", x) for x in as_tensors(inputs, "inputs", _CALL)]
-    if not pairs:
-        raise ValueError(f"{_CALL}: `inputs` is empty; give the shared parameters, or None.")
-    for name, x in pairs:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{_CALL}: {name} must be a tensor, got {describe(x)}.")
-        if not (x.requires_grad and x.is_leaf):
-            raise ValueError(
-                f"{_CALL}: {name} must be a leaf tensor that requires grad (a parameter), "
-                f"got {describe(x)} with requires_grad={x.requires_grad}, is_leaf={x.is_leaf}."
-            )
-    return pairs
-
-
 def _validate(
     losses: Any, through: Any, weighting: Any, level: Any, inputs: Any, chunk_size: Any
 ) -> _Task:
@@ -136,7 +108,7 @@ def _validate(
     names = names or [f"losses[{i}]" for i in range(len(outs))]
     check_scalar_outputs(outs, _CALL, names)
     mids = as_tensors(through, "through", _CALL)
-    named = None if inputs is None else _named_inputs(inputs)
+    named = None if inputs is None else named_inputs(inputs, _CALL)
     shared, _, per_task = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]
     return _Task(rule, level, keys, outs, mids, tuple(shared.values()), own)

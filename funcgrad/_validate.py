@@ -142,3 +142,30 @@ def check_scalar_outputs(outputs: Tensors, call: str, names: Sequence[str] | Non
             )
         if z.is_complex() or not z.is_floating_point():
             raise TypeError(f"{call}: {name} must be a real floating scalar, got {z.dtype}.")
+
+
+def named_inputs(inputs: Any, call: str) -> list[tuple[str, torch.Tensor]]:
+    """``inputs`` as (name, leaf) pairs: tensors, or a mapping / ``named_parameters()`` pairs,
+    so that messages can name a parameter."""
+    if isinstance(inputs, Mapping):
+        pairs = [(f"inputs[{key!r}]", value) for key, value in inputs.items()]
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor):
+        items = list(inputs)
+        if items and all(isinstance(item, tuple) and len(item) == 2 for item in items):
+            pairs = [(f"inputs[{name!r}]", value) for name, value in items]
+        else:
+            tensors = as_tensors(items, "inputs", call)
+            pairs = [(f"inputs[{i}]", x) for i, x in enumerate(tensors)]
+    else:
+        pairs = [("inputs[0]", x) for x in as_tensors(inputs, "inputs", call)]
+    if not pairs:
+        raise ValueError(f"{call}: `inputs` is empty; give the shared parameters, or None.")
+    for name, x in pairs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{call}: {name} must be a tensor, got {describe(x)}.")
+        if not (x.requires_grad and x.is_leaf):
+            raise ValueError(
+                f"{call}: {name} must be a leaf tensor that requires grad (a parameter), "
+                f"got {describe(x)} with requires_grad={x.requires_grad}, is_leaf={x.is_leaf}."
+            )
+    return pairs
