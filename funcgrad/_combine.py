@@ -40,7 +40,8 @@ class CombinedHeads:
         process_group: Any,
     ) -> None:
         self._composition = composition
-        self.rule = _weighting.resolve(weighting, level, _CALL)
+        distributed = process_group is not None
+        self.rule = _weighting.resolve(weighting, level, _CALL, distributed=distributed)
         self.level = level
         if isinstance(process_group, torch.nn.parallel.DistributedDataParallel):
             _sync.policy(process_group, _CALL, allow_ddp=False)  # a clear error, at once

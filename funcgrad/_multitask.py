@@ -29,11 +29,16 @@ def weigh_features(
     rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
 ) -> torch.Tensor:
     """The weights of the one-pullback path: all ones without a weighting, else
-    ``weighting(V V^T)`` of the global V, the first rank's weights on every rank."""
+    ``weighting(V V^T)`` of the global V (or, for a weighting that reads the Jacobian, of V
+    itself: one process only), the first rank's weights on every rank."""
     k = cotangents[0].shape[0]
     rows = _coords.to_coords(cotangents, k)
     if rule.kind == "sum":
         return torch.ones(k, dtype=rows.dtype, device=rows.device)
+    if rule.needs_jacobian:  # resolve() refused this with a process group
+        weights, _ = _weighting.aggregate(rule, rows, call)
+        assert weights is not None  # "vector" rules are refused at this level
+        return _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
     g = sync.features_gramian(_weighting.gramian([rows]))
     _weighting.check_gramian(g, [rows], what, call)
     weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
@@ -60,6 +65,7 @@ def weigh_params(
         weights = sync.from_first_rank(found)
         weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
         return weights, _weighting.weighted_sum(weights, task_grads)
+    assert vector is not None  # a Jacobian rule gives weights or an update
     vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
     like = tuple(g[0] for g in task_grads)
     return None, tuple(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
@@ -94,10 +100,16 @@ class _Task:
 
 
 def _validate(
-    losses: Any, through: Any, weighting: Any, level: Any, inputs: Any, chunk_size: Any
+    losses: Any,
+    through: Any,
+    weighting: Any,
+    level: Any,
+    inputs: Any,
+    chunk_size: Any,
+    sync: _sync.Sync,
 ) -> _Task:
     check_chunk_size(chunk_size, _CALL)
-    rule = _weighting.resolve(weighting, level, _CALL)
+    rule = _weighting.resolve(weighting, level, _CALL, distributed=sync.size > 1)
     if isinstance(losses, Mapping):
         keys: list[Any] | None = list(losses.keys())
         names = [f"losses[{key!r}]" for key in losses]
@@ -229,7 +241,7 @@ def backward(
     task: _Task | None = None
     error: Exception | None = None
     try:
-        task = _validate(losses, through, weighting, level, inputs, chunk_size)
+        task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
         if sync.reduces_backward and task.rule.kind == "vector" and level == "params":
             raise ValueError(
                 f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "

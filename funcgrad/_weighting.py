@@ -27,24 +27,52 @@ from ._types import Tensors
 from ._validate import check_level, values_readable
 
 
-def _torchjd_kind(obj: object) -> str | None:
-    """Which TorchJD aggregator base ``obj`` derives from (by class name: TorchJD is not
-    imported), or None."""
-    names = {cls.__name__ for cls in type(obj).__mro__ if cls.__module__.startswith("torchjd")}
-    for kind in ("GramianWeightedAggregator", "WeightedAggregator", "Aggregator"):
-        if kind in names:
-            return kind
-    return None
+def _torchjd_bases(obj: object) -> set[str]:
+    """The names of ``obj``'s TorchJD base classes (TorchJD is never imported)."""
+    return {cls.__name__ for cls in type(obj).__mro__ if cls.__module__.startswith("torchjd")}
+
+
+def _has_hooks(module: Any) -> bool:
+    """Whether forward (pre-)hooks are registered on a TorchJD object, as ``jac_to_grad``
+    checks before it takes the Gramian shortcut."""
+    return bool(getattr(module, "_forward_hooks", None)) or bool(
+        getattr(module, "_forward_pre_hooks", None)
+    )
+
+
+def _weighting_input(weighting: Any) -> str:
+    """What a TorchJD ``Weighting`` reads: ``"gramian"`` (a ``_GramianWeighting``) or
+    ``"jacobian"`` (a ``_MatrixWeighting``, or a composition such as an aggregator's
+    ``weighting``); a wrapper such as ``CRMOGMWeighting`` reads what it wraps."""
+    bases = _torchjd_bases(weighting)
+    if "_GramianWeighting" in bases:
+        return "gramian"
+    if "_MatrixWeighting" in bases or "_Composition" in bases:
+        return "jacobian"
+    inner = getattr(weighting, "weighting", None)
+    return _weighting_input(inner) if inner is not None else "gramian"
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """How weights (or the update) come out of the task gradients.
 
-    ``kind``: ``"sum"`` (no weighting: all ones, no Gramian), ``"gramian"`` (``fn(G)`` gives
-    the weights), ``"matrix"`` (``fn(P)`` gives the update, P the k x n Jacobian, and
-    ``fn.weighting`` the weights, as TorchJD's ``jac_to_grad`` reads them) or ``"vector"``
-    (``fn(P)`` gives the update, and there are no weights).
+    ``kind``:
+
+    - ``"sum"``: no weighting: all ones, no Gramian;
+    - ``"gramian"``: ``fn(G)`` gives the weights (any callable; TorchJD's Gramian weightings;
+      a Gramian-weighted aggregator without hooks, through its ``gramian_weighting``, the
+      shortcut ``jac_to_grad`` takes);
+    - ``"jacobian"``: ``fn(P)`` gives the weights, P the k x n Jacobian (TorchJD's matrix
+      weightings: Mean, Random, ExcessMTL, ...);
+    - ``"matrix"``: ``fn(P)`` gives the update and ``fn.weighting`` the weights, as TorchJD's
+      ``jac_to_grad`` reads them (weighted aggregators, and Gramian-weighted ones with hooks,
+      so that the hooks run);
+    - ``"vector"``: ``fn(P)`` gives the update and there are no weights (GradDrop, ConFIG,
+      TrimmedMean).
+
+    At level ``"features"`` the Jacobian is V, the task gradients with respect to
+    ``through``, and the Gramian is ``V V^T``.
     """
 
     kind: str
@@ -52,37 +80,53 @@ class Rule:
 
     @property
     def needs_jacobian(self) -> bool:
-        return self.kind in ("matrix", "vector")
+        return self.kind in ("jacobian", "matrix", "vector")
 
 
-def resolve(weighting: Any, level: object, call: str) -> Rule:
+def resolve(weighting: Any, level: object, call: str, *, distributed: bool = False) -> Rule:
     """The rule for ``weighting`` at ``level``, or a clear error (before any pass)."""
     check_level(level, call)
     if weighting is None:
         return Rule("sum")
+    name = type(weighting).__name__
     if isinstance(weighting, type):
         raise TypeError(
             f"{call}: `weighting` must be an instance, got the class {weighting.__name__}. "
             f"Pass {weighting.__name__}() (with its arguments, if it takes any)."
         )
-    kind = _torchjd_kind(weighting)
-    if kind == "GramianWeightedAggregator":  # UPGrad, MGDA, ...: only the Gramian is needed
-        return Rule("gramian", weighting.gramian_weighting)
-    if kind is not None:
-        if level == "features":
+    bases = _torchjd_bases(weighting)
+    if "Aggregator" in bases:
+        if "GramianWeightedAggregator" in bases and not (
+            _has_hooks(weighting) or _has_hooks(weighting.weighting)
+        ):
+            rule = Rule("gramian", weighting.gramian_weighting)
+        elif "WeightedAggregator" in bases:
+            rule = Rule("matrix", weighting)
+        elif level == "features":
             raise ValueError(
-                f"{call}: `weighting` {type(weighting).__name__} is a TorchJD Aggregator that "
-                "needs the Jacobian with respect to the parameters, which level='features' "
-                "never forms. Pass level='params', or a Gramian weighting (such as "
+                f"{call}: `weighting` {name} is a TorchJD Aggregator without weights: it maps "
+                "the Jacobian with respect to the parameters to an update, which "
+                "level='features' never forms. Pass level='params', or a weighting (such as "
                 "UPGradWeighting()) at level='features'."
             )
-        return Rule("matrix" if kind == "WeightedAggregator" else "vector", weighting)
-    if not callable(weighting):
+        else:
+            rule = Rule("vector", weighting)
+    elif "Weighting" in bases:
+        rule = Rule(_weighting_input(weighting), weighting)
+    elif callable(weighting):
+        rule = Rule("gramian", weighting)
+    else:
         raise TypeError(
             f"{call}: `weighting` must be None, a callable Gramian (k x k) -> weights (k,), "
-            f"or a TorchJD Aggregator, got {describe(weighting)}."
+            f"or a TorchJD Aggregator or Weighting, got {describe(weighting)}."
         )
-    return Rule("gramian", weighting)
+    if distributed and level == "features" and rule.needs_jacobian:
+        raise ValueError(
+            f"{call}: `weighting` {name} reads the Jacobian, and at level='features' with a "
+            "process group that is V, split across the ranks (only V V^T is reduced). Pass "
+            "level='params', or a Gramian weighting (such as UPGradWeighting())."
+        )
+    return rule
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -151,11 +195,15 @@ def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor
 
 def aggregate(
     rule: Rule, rows: torch.Tensor, call: str
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(weights or None, update) from a TorchJD aggregator run on the k x n Jacobian, its
-    hooks included; a weighted one's weights are read as its weighting returns them, as
-    TorchJD's ``jac_to_grad`` reads them."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(weights or None, update or None) from the k x n Jacobian: a TorchJD aggregator run
+    on it, its hooks included (a weighted one's weights are read as its weighting returns
+    them, as TorchJD's ``jac_to_grad`` reads them), or a Jacobian weighting (weights only)."""
     k, n = rows.shape
+    if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
+        with torch.no_grad():
+            weights = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
+        return checked_shape(weights, k, f"the ({k}, {n}) Jacobian", call), None
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":

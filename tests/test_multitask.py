@@ -486,7 +486,7 @@ def test_errors_on_arguments():
     _raises("unknown `level` 'param'", level="param")
     _raises("`weighting` must be None, a callable", weighting=3, error=TypeError)
     _raises(
-        "GradDrop is a TorchJD Aggregator that needs the Jacobian",
+        "GradDrop is a TorchJD Aggregator without weights",
         weighting=tjd.GradDrop(),
         level="features",
     )
