@@ -8,6 +8,7 @@ edge's output index tells them apart, so the walk reasons in edges, not nodes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,6 +60,29 @@ def walk(
     return found, stopped
 
 
+# The backward node of torch.utils.checkpoint(use_reentrant=True), transformers' default
+# gradient checkpointing. It recomputes its forward in backward and calls .backward() there:
+# the leaves it uses (the parameters inside) are not edges of the graph, so torch.autograd.grad
+# never reaches them (it would return None, or zeros with allow_unused) and only .backward()
+# accumulates their gradients.
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
+    starts = [edge(t) for t in outputs if t.grad_fn is not None]
+    seen, todo = set(starts), list(starts)
+    while todo:
+        e = todo.pop()
+        if type(e[0]).__name__ == REENTRANT_CHECKPOINT:
+            return True
+        for parent in _parents(e):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return False
+
+
 def through_edges(through: Tensors, call: str) -> dict[Edge, int]:
     """The gradient edges of ``through``, checked to be distinct and independent: pulling
     back through a tensor and one computed from it would count that path twice."""
@@ -105,7 +129,7 @@ def check_paths(
                 "`through`, so pulling back through `through` alone would miss that path. "
                 "Add the intermediate it uses to `through`, or use torch.autograd.grad."
             )
-    if not allow_unused:
+    if not allow_unused and not has_reentrant_checkpoint(through):
         reached, _ = walk(list(stops), input_edges, {})
         for i, x in enumerate(inputs):
             if input_edges[edge(x)] not in reached:
@@ -129,6 +153,15 @@ def split_leaves(
     below: dict[Edge, torch.Tensor] = {}
     walk(list(stops), {}, {}, below)
     leaf_names: dict[Edge, str] = {}
+    hidden = has_reentrant_checkpoint(through)
+    if hidden and inputs is None:
+        raise ValueError(
+            f"{call}: the graph below `through` holds a reentrant checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True, transformers' default gradient "
+            "checkpointing): the parameters inside it are reached only by .backward(), not by "
+            "walking the graph. Pass inputs=model.parameters() (the shared parameters), or "
+            "checkpoint with use_reentrant=False."
+        )
     if inputs is None:
         shared = below
     else:
@@ -136,7 +169,9 @@ def split_leaves(
         for name, x in inputs:
             e = edge(x)
             leaf_names.setdefault(e, name)
-            if e in below:  # as torch.autograd.backward: an unused input is left alone
+            # As torch.autograd.backward: an unused input is left alone (unless a reentrant
+            # checkpoint hides which inputs are used).
+            if e in below or hidden:
                 shared.setdefault(e, x)
     if not shared:
         raise ValueError(

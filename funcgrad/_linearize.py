@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Tensors
@@ -30,6 +31,16 @@ _TORCH_FUNC_LIMITS = (
     "In order to use an autograd.Function with functorch transforms",
     "Cannot access data pointer of Tensor that doesn't have storage",
     "Cannot access storage of TensorWrapper",
+    # Non-reentrant torch.utils.checkpoint (saved-tensor hooks, which torch.func disables).
+    "don't yet support saved tensor hooks",
+    # A forward hook calling requires_grad_() (transformers' gradient checkpointing).
+    "You are attempting to call Tensor.requires_grad_()",
+)
+# Those of them that an unbatched loop hits as well (not vmap's own).
+_EAGER_ONLY = (
+    _TORCH_FUNC_LIMITS[0],
+    *_TORCH_FUNC_LIMITS[3:],
+    "would mutate a captured Tensor",
 )
 # f updates a captured tensor in place (BatchNorm's running statistics in training mode):
 # torch.func refuses it at the first in-place op, before anything is mutated.
@@ -57,9 +68,8 @@ def is_forward_mode_limit(error: BaseException) -> bool:
 def is_torch_func_limit(error: BaseException) -> bool:
     """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
     message = str(error)
-    return (
-        "In order to use an autograd.Function with functorch transforms" in message
-        or _MUTATES_CAPTURED in message
+    return _MUTATES_CAPTURED in message or any(
+        limit in message for limit in _TORCH_FUNC_LIMITS[:1] + _TORCH_FUNC_LIMITS[3:]
     )
 
 
@@ -132,6 +142,21 @@ def autograd_grad(
     return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
 
 
+def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool) -> Tensors:
+    """What ``torch.autograd.grad`` gives, by ``torch.autograd.backward`` into ``.grad``: the
+    only way to reach leaves inside a reentrant checkpoint. The inputs' ``.grad`` are set
+    aside and restored, so only the answer is returned (one pass per call: no vmap)."""
+    saved = [x.grad for x in inputs]
+    for x in inputs:
+        x.grad = None
+    try:
+        torch.autograd.backward(outputs, cotangents, retain_graph=retain_graph)
+        return tuple(torch.zeros_like(x) if x.grad is None else x.grad for x in inputs)
+    finally:
+        for x, g in zip(inputs, saved):
+            x.grad = g
+
+
 def of_graph(
     outputs: Tensors,
     inputs: Tensors,
@@ -143,19 +168,34 @@ def of_graph(
     """The backward of an existing graph from ``outputs`` to ``inputs``. Every pull but the
     last retains the graph; the last retains it only with ``retain_graph``. Batched with
     ``torch.func.vmap`` over ``torch.autograd.grad`` (as TorchJD batches), a loop with
-    ``create_graph``."""
+    ``create_graph``; by ``.backward()``, one pass per direction, through a reentrant
+    checkpoint."""
+    by_backward = _graph.has_reentrant_checkpoint(outputs)
+    if by_backward and create_graph:
+        raise ValueError(
+            "funcgrad: create_graph=True cannot go through a reentrant checkpoint "
+            "(torch.utils.checkpoint with use_reentrant=True); checkpoint with "
+            "use_reentrant=False."
+        )
 
-    def vjp(cotangent: Tensors) -> Tensors:
-        return autograd_grad(outputs, inputs, cotangent, True, create_graph)
-
-    def last_vjp(cotangent: Tensors) -> Tensors:
-        return autograd_grad(outputs, inputs, cotangent, retain_graph, create_graph)
+    def pull(cotangent: Tensors, retain: bool) -> Tensors:
+        if by_backward:
+            return backward_grad(outputs, inputs, cotangent, retain)
+        return autograd_grad(outputs, inputs, cotangent, retain, create_graph)
 
     def accumulate(cotangent: Tensors) -> None:
         torch.autograd.backward(outputs, cotangent, inputs=list(inputs), retain_graph=retain_graph)
 
-    like = tuple(o.detach() for o in outputs)
-    return Linearization(like, inputs, vjp, not create_graph, what, (), last_vjp, accumulate)
+    return Linearization(
+        tuple(o.detach() for o in outputs),
+        inputs,
+        lambda cotangent: pull(cotangent, True),
+        not (create_graph or by_backward),
+        what + (" (by .backward(): a reentrant checkpoint)" if by_backward else ""),
+        (),
+        lambda cotangent: pull(cotangent, retain_graph),
+        None if by_backward else accumulate,
+    )
 
 
 def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
@@ -164,6 +204,17 @@ def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], T
     with torch.enable_grad():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
+
+    if _graph.has_reentrant_checkpoint(out):
+        raise ValueError(
+            f"{flat.call}: f runs a reentrant checkpoint (torch.utils.checkpoint with "
+            "use_reentrant=True, transformers' default gradient checkpointing). Its backward "
+            "recomputes the forward outside this call (with the module's own parameters, not "
+            "the ones passed to f) and writes .grad as a side effect, so no gradient of f's "
+            "arguments can be read from it. Checkpoint with use_reentrant=False (transformers: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False})), or build the graph yourself and use funcgrad.backward."
+        )
 
     def vjp(cotangents: Tensors) -> Tensors:
         return autograd_grad(out, inputs, cotangents, retain_graph=True)

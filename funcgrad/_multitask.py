@@ -242,6 +242,13 @@ def backward(
     error: Exception | None = None
     try:
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
+        if sync.reduces_backward and _graph.has_reentrant_checkpoint(task.through):
+            raise ValueError(
+                f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
+                "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
+                "reducer would see one backward per direction. Checkpoint with "
+                "use_reentrant=False."
+            )
         if sync.reduces_backward and task.rule.kind == "vector" and level == "params":
             raise ValueError(
                 f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
