@@ -46,20 +46,28 @@ def weigh_features(
 
 
 def weigh_params(
-    rule: _weighting.Rule, task_grads: Tensors, sync: _sync.Sync, what: str, call: str
+    rule: _weighting.Rule,
+    task_grads: Tensors,
+    sync: _sync.Sync,
+    what: str,
+    call: str,
+    weighed: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor | None, Tensors]:
     """(weights, update) from the global per-task gradient leaves (k, ...): the update is
     ``weights @ P`` (an aggregator's vector for one without weights); the first rank's on
-    every rank, for weightings that draw random numbers."""
+    every rank, for weightings that draw random numbers. Only the leaves marked in
+    ``weighed`` (default: all) shape the weights; every leaf gets ``weights @ P``."""
     k = task_grads[0].shape[0]
+    shaping = [g for g, w in zip(task_grads, weighed or [True] * len(task_grads)) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
-        blocks = [_coords.to_coords([g], k) for g in task_grads]
+        blocks = [_coords.to_coords([g], k) for g in shaping]
         g = _weighting.gramian(blocks)
         _weighting.check_gramian(g, blocks, what, call)
         weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
         weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
         return weights, _weighting.weighted_sum(weights, task_grads)
-    rows = _coords.to_coords(task_grads, k)
+    # An aggregator without weights maps the whole Jacobian to the update.
+    rows = _coords.to_coords(task_grads if rule.kind == "vector" else shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)
     if found is not None:
         weights = sync.from_first_rank(found)
@@ -84,6 +92,7 @@ class _Task:
     losses: Tensors
     through: Tensors
     shared: Tensors  # the shared leaves
+    weighed: list[bool]  # which of them shape the weights (params level)
     own: list[Tensors]  # each loss's task-specific leaves
 
     def facts(self) -> dict[str, Any]:
@@ -123,7 +132,21 @@ def _validate(
     named = None if inputs is None else named_inputs(inputs, _CALL)
     shared, _, per_task = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]
-    return _Task(rule, level, keys, outs, mids, tuple(shared.values()), own)
+    leaves = tuple(shared.values())
+    # By default only parameters shape the weights, as jac_to_grad(model.parameters(), ...)
+    # (an input that requires grad, such as wav2vec2's, still gets w @ its gradients);
+    # with `inputs`, every leaf given does; leaves of neither kind: all of them.
+    weighed = [named is not None or isinstance(x, torch.nn.Parameter) for x in leaves]
+    return _Task(
+        rule,
+        level,
+        keys,
+        outs,
+        mids,
+        leaves,
+        weighed if any(weighed) else [True] * len(leaves),
+        own,
+    )
 
 
 # -- collect -------------------------------------------------------------------------------
@@ -194,8 +217,12 @@ def backward(
         level: ``"params"``: G is the Gramian of the per-task gradients of the shared
             parameters (exact Jacobian descent). ``"features"``: G is the Gramian ``V V^T``
             of the per-task gradients with respect to ``through`` (MGDA-UB's bound).
-        inputs: the shared leaves to update (tensors, a mapping or ``named_parameters()``
-            pairs, which name them in messages). None: every leaf ``through`` depends on.
+        inputs: the shared leaves to update: tensors, a Module (its parameters), a mapping
+            or ``named_parameters()`` pairs (which name them in messages); all of them shape
+            the weights. None: every leaf ``through`` depends on is updated, and its
+            ``nn.Parameter`` leaves shape the weights at level ``"params"`` (as TorchJD's
+            ``jac_to_grad(model.parameters(), ...)``): another leaf that requires grad, such
+            as an input, gets ``w @`` its per-task gradients without changing ``w``.
         retain_graph: keep the graph of the shared part after the last backward.
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
@@ -279,7 +306,9 @@ def backward(
             lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
         )
         what = "with respect to the shared parameters"
-        weights, update = weigh_params(task.rule, sync.average(task_grads), sync, what, _CALL)
+        weights, update = weigh_params(
+            task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
+        )
         if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 

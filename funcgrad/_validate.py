@@ -147,7 +147,10 @@ def check_scalar_outputs(outputs: Tensors, call: str, names: Sequence[str] | Non
 def named_inputs(inputs: Any, call: str) -> list[tuple[str, torch.Tensor]]:
     """``inputs`` as (name, leaf) pairs: tensors, or a mapping / ``named_parameters()`` pairs,
     so that messages can name a parameter."""
-    if isinstance(inputs, Mapping):
+    pairs: list[tuple[str, torch.Tensor]]
+    if isinstance(inputs, torch.nn.Module):
+        pairs = [(f"inputs[{name!r}]", p) for name, p in inputs.named_parameters()]
+    elif isinstance(inputs, Mapping):
         pairs = [(f"inputs[{key!r}]", value) for key, value in inputs.items()]
     elif isinstance(inputs, Iterable) and not isinstance(inputs, torch.Tensor):
         items = list(inputs)

@@ -221,7 +221,7 @@ def transformer_encoder_train() -> Case:
 def compiled_encoder(backend: str = "aot_eager") -> Case:
     """torch.compile of a TransformerEncoder (eval, dropout 0), float32."""
     model = torch.compile(_encoder(0.0, torch.float32).eval(), backend=backend)
-    return Case(model, (torch.randn(2, 5, 16),), lambda out: out.mean(1),
+    return Case(model, (torch.randn(2, 5, 16, dtype=torch.float32),), lambda out: out.mean(1),
                 dtype=torch.float32, rtol=1e-4, atol=1e-5)
 
 
@@ -229,7 +229,7 @@ def autocast_encoder() -> Case:
     """float32 TransformerEncoder (dropout 0) run under CPU autocast to bfloat16; the
     features are cast back to float32 for the heads."""
     model = _encoder(0.0, torch.float32).eval()
-    return Case(model, (torch.randn(2, 5, 16),), lambda out: out.mean(1),
+    return Case(model, (torch.randn(2, 5, 16, dtype=torch.float32),), lambda out: out.mean(1),
                 dtype=torch.float32, rtol=2e-2, atol=2e-2,
                 context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
 
