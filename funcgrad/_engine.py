@@ -175,14 +175,26 @@ def pull(
 ) -> Tensors:
     """``J^T d`` for a batch of directions (leaves with a leading batch dim): one vmapped
     call of the linearisation, one per chunk, or a loop."""
-    return batched(
-        lambda *direction: lin.vjp(direction),
-        directions,
-        chunk_size=chunk_size,
-        check=check,
-        what=lin.what,
-        can_vmap=lin.can_vmap and not loop,
-    )
+    try:
+        return batched(
+            lambda *direction: lin.vjp(direction),
+            directions,
+            chunk_size=chunk_size,
+            check=check,
+            what=lin.what,
+            can_vmap=lin.can_vmap and not loop,
+        )
+    except RuntimeError as error:
+        if "donated buffers" not in str(error):
+            raise
+        raise RuntimeError(
+            f"funcgrad: {lin.what} runs a torch.compile'd backward, which may run only once "
+            f"(donated buffers), but {directions[0].shape[0]} directions must go through it one "
+            "by one (a compiled backward cannot be vmapped). Set "
+            "torch._functorch.config.donated_buffer = False before the module's first call, "
+            "use level='features' (one backward), or compile the layers inside the encoder "
+            "rather than the encoder as a whole."
+        ) from error
 
 
 def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | str) -> Tensors:

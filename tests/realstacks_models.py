@@ -48,7 +48,8 @@ class Case:
     def features(self, model: nn.Module | None = None) -> torch.Tensor:
         """The pooled features of one eager forward (the graph built by plain autograd)."""
         with self.context():
-            return self.pool((model or self.model)(*self.inputs)).to(self.dtype)
+            model = self.model if model is None else model
+            return self.pool(model(*self.inputs)).to(self.dtype)
 
     def functional(self, params: dict[str, torch.Tensor], *inputs: Any) -> torch.Tensor:
         """f(params, *inputs): the pooled features through ``functional_call``."""
