@@ -15,9 +15,12 @@ which builds the linearisation), for every public entry point:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -78,6 +81,68 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
     return None
 
 
+# torch's warning when vmap has no batching rule for an op and loops over the batch inside.
+_SLOW_PATH = "There is a performance drop because we have not yet implemented the batching rule"
+# A loop must beat vmap by this factor to be chosen: below it, the difference is within the
+# noise of one timed call, and vmap (fewer calls) is kept.
+_LOOP_MARGIN = 0.9
+# Set by `measuring()`: each batched call is timed against one unbatched call, and where the
+# unbatched one is faster per direction the reason is appended, for the caller to plan
+# unbatched calls from then on.
+_measurements: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "funcgrad_measurements", default=None
+)
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[list[str]]:
+    """For this block, time the first vmapped call against one unbatched call (eager mode
+    only); the log then holds why unbatched calls measured faster, or ``""``."""
+    log: list[str] = []
+    token = _measurements.set(log)
+    try:
+        yield log
+    finally:
+        _measurements.reset(token)
+
+
+def _vmap_measured(
+    fn: Callable[..., Tensors],
+    args: Sequence[torch.Tensor],
+    chunk_size: int | None,
+    what: str,
+    log: list[str],
+) -> Tensors:
+    """``_vmap``, timed against one unbatched call (one direction more through f, once per
+    shapes); noting in ``log`` when that call is faster per direction. vmap's warning about
+    its own per-example loop (an op without a batching rule) is swallowed here: the timing
+    decides. Other warnings are re-emitted."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        result = _vmap(fn, args, chunk_size, "error")
+        batched_s = time.perf_counter() - start
+    slow_path = False
+    for w in caught:
+        if _SLOW_PATH in str(w.message):
+            slow_path = True
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    start = time.perf_counter()
+    fn(*(arg[0] for arg in args))
+    single_s = time.perf_counter() - start
+    batch = args[0].shape[0]
+    faster = single_s < _LOOP_MARGIN * batched_s / batch
+    inside = " (vmap loops inside: an op has no batching rule)" if slow_path else ""
+    log.append(
+        f"{what}: {1e3 * batched_s / batch:.2g} ms a direction in one vmap{inside}, "
+        f"{1e3 * single_s:.2g} ms unbatched, measured on the first call"
+        if faster
+        else ""
+    )
+    return result
+
+
 def batched(
     fn: Callable[..., Tensors],
     args: Sequence[torch.Tensor],
@@ -98,8 +163,16 @@ def batched(
     batch = args[0].shape[0]
     if may_loop and (batch == 1 or chunk_size == 1 or not can_vmap):
         return _loop(fn, args)
+    log = _measurements.get() if may_loop and values_readable(args) else None
+    if log:  # one measurement per block: the first batched call's
+        log = None
     try:
-        result = _vmap(fn, args, chunk_size if may_loop else None, "error" if may_loop else "same")
+        if log is None:
+            result = _vmap(
+                fn, args, chunk_size if may_loop else None, "error" if may_loop else "same"
+            )
+        else:
+            result = _vmap_measured(fn, args, chunk_size, what, log)
     except (RuntimeError, NotImplementedError) as error:
         # Not a batching problem: a loop would fail the same way.
         if _linearize.is_torch_func_limit(error):

@@ -246,6 +246,9 @@ class Composition:
         # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
         # size picks a strategy, and every strategy computes on the real output.
         self._sizes: dict[Any, int | None] = {}
+        # Per argument shapes, what the first call measured: None where vmap was faster
+        # (or nothing was batched), else why unbatched calls were (then planned unbatched).
+        self._measured: dict[Any, str | None] = {}
 
     @property
     def k(self) -> int:
@@ -294,13 +297,23 @@ class Composition:
         """The plan for y's real size; forward mode is a candidate only where y's size was
         known before f ran (or jacfwd was requested)."""
         n = _coords.real_size(flat.leaves)
+        unbatched = self._measured.get(_shape_key(flat.args)) if self._measured else None
+        measure = self._measure_key(flat) is not None
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
                 return make_plan("auto", self.k, m, n, self.chunk_size, forward=False)
             forward = m_before is not None
             return make_plan(
-                self.strategy, self.k, m, n, self.chunk_size, forward=forward, call=self.call
+                self.strategy,
+                self.k,
+                m,
+                n,
+                self.chunk_size,
+                forward=forward,
+                unbatched=unbatched,
+                measure=measure,
+                call=self.call,
             )
 
         return plan
@@ -326,10 +339,26 @@ class Composition:
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """(values (k,), per-head gradient leaves (k, ...), aux tensors), by the plan."""
         forward, m_before = self.before_f(flat)
-        _, values, grads, aux = _engine.per_head(
-            flat, self.planner(flat, m_before), forward, self.cotangents_of(flat), check
-        )
+        planner = self.planner(flat, m_before)
+        key = self._measure_key(flat)
+        with contextlib.ExitStack() as stack:
+            log = stack.enter_context(_engine.measuring()) if key is not None else None
+            _, values, grads, aux = _engine.per_head(
+                flat, planner, forward, self.cotangents_of(flat), check
+            )
+        if log and key is not None:  # a batched call was measured
+            if len(self._measured) >= 64:
+                self._measured.clear()
+            self._measured[key] = log[0] or None
         return values, grads, aux
+
+    def _measure_key(self, flat: FlatFunction) -> Any:
+        """The shapes' key where this call is the first under auto (it times the first
+        batched call against one unbatched call), else None."""
+        if self.strategy != "auto" or not values_readable(flat.leaves):
+            return None
+        key = _shape_key(flat.args)
+        return None if key in self._measured else key
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""

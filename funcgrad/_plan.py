@@ -53,15 +53,21 @@ class Plan:
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
         fallbacks: what the engine does, with one warning, where this strategy cannot run
             as planned; each entry reads "condition -> what runs instead".
+        measured: why an earlier call on these shapes chose unbatched calls over vmap (vmap
+            loops inside for an op without a batching rule, and a loop measured faster),
+            else None.
+        measure: the call times its first batched call against one unbatched call (the
+            first call on new shapes under ``"auto"``): one direction more through f, in
+            ``passes``; the result decides how later calls on these shapes run.
 
     Examples:
         >>> import torch, funcgrad
         >>> fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum()] * 8)
         >>> plan = fn.plan(torch.zeros(3))
-        >>> plan.strategy, plan.directions, plan.passes
-        ('jacrev', 3, 1)
+        >>> plan.strategy, plan.directions, plan.passes  # the first call also times vmap
+        ('jacrev', 3, 2)
         >>> plan
-        Plan('jacrev': 3 directions through f in 1 pass; ...; auto chose the fewest: vjp=8, ...)
+        Plan('jacrev': 3 directions through f in 2 passes; ...; auto chose the fewest: vjp=8, ...)
     """
 
     strategy: Executed
@@ -72,6 +78,8 @@ class Plan:
     requested: Strategy = "auto"
     costs: tuple[tuple[str, int], ...] = ()
     fallbacks: tuple[str, ...] = ()
+    measured: str | None = None
+    measure: bool = False
 
     @property
     def directions(self) -> int:
@@ -94,7 +102,7 @@ class Plan:
             return self.directions
         if self.strategy == "jacfwd":
             return 1
-        return math.ceil(self.directions / (self.chunk_size or self.directions))
+        return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
 
     def __repr__(self) -> str:
         d, p = self.directions, self.passes
@@ -103,13 +111,16 @@ class Plan:
         if self.chunk_size is not None:
             shapes += f", chunk_size={self.chunk_size}"
         costs = ", ".join(f"{name}={cost}" for name, cost in self.costs)
-        if self.strategy == "weighted":
+        if self.measured is not None:
+            why = f"unbatched, measured: {self.measured}"
+        elif self.strategy == "weighted":
             why = "one pullback of w @ V, whatever k"
         elif self.requested == "auto":
             why = f"auto chose the fewest: {costs}"
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
-        return f"Plan({self.strategy!r}: {what}; {shapes}; {why})"
+        measuring = "; times vmap against one unbatched call (first call)" * self.measure
+        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring})"
 
 
 def make_plan(
@@ -121,6 +132,8 @@ def make_plan(
     *,
     forward: bool = True,
     weighted: bool = False,
+    unbatched: str | None = None,
+    measure: bool = False,
     call: str = "funcgrad",
 ) -> Plan:
     """The plan for k cotangents on an m-dimensional y and n-dimensional inputs.
@@ -130,6 +143,9 @@ def make_plan(
     ``vjp``, which needs no product. Forward mode is a candidate only where ``forward`` (its
     choice is made before f runs, so y's size had to be known then) and all n tangents fit
     one batch (f's forward runs once, in that batch). ``weighted``: one pullback of ``w @ V``.
+    ``unbatched`` (auto only): the reason an earlier call measured unbatched calls faster;
+    then the fewer of k pullbacks (``loop``) or m rows one at a time (``jacrev``, chunks of 1).
+    ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
     """
     one_batch = chunk_size is None or chunk_size >= n
     if requested == "jacfwd" and not one_batch:
@@ -154,7 +170,25 @@ def make_plan(
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
     else:
         strategy = requested
+    if unbatched is not None and requested == "auto" and not weighted and strategy != "jacfwd":
+        strategy = "loop" if k <= m else "jacrev"
+        chunk_size = None if strategy == "loop" else 1
+    else:
+        unbatched = None
+    batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
+    measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
     fallbacks = _FALLBACKS[strategy]
     if requested == "auto" and len(candidates) < len(costs) and not weighted:
         fallbacks = ("jacfwd was not a candidate: y's size was unknown before f ran", *fallbacks)
-    return Plan(strategy, k, m, n, chunk_size, requested, tuple(costs.items()), fallbacks)
+    return Plan(
+        strategy,
+        k,
+        m,
+        n,
+        chunk_size,
+        requested,
+        tuple(costs.items()),
+        fallbacks,
+        unbatched,
+        measure,
+    )
