@@ -269,6 +269,8 @@ def backward(
     error: Exception | None = None
     try:
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
+        if isinstance(sync, _sync.DDPSync):
+            sync.configure(task.shared, task.level)
         if sync.reduces_backward and _graph.has_reentrant_checkpoint(task.through):
             raise ValueError(
                 f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
@@ -285,7 +287,8 @@ def backward(
             )
     except (TypeError, ValueError) as caught:
         error = caught
-    sync.agree(None if task is None else task.facts(), error)
+    facts = None if task is None else {**task.facts(), "DDP's reducer": sync.reduces_backward}
+    sync.agree(facts, error)
     assert task is not None
 
     # Collect: V on `through`, and each loss's own gradients.

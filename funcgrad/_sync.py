@@ -147,14 +147,40 @@ class GroupSync(Sync):
 
 
 class DDPSync(GroupSync):
-    """The ranks of a DistributedDataParallel encoder: its reducer averages the shared
-    gradients of the one backward that funcgrad runs through it."""
+    """The ranks of a DistributedDataParallel encoder. Where the DDP module's parameters are
+    exactly the shared leaves, its reducer averages the shared gradients of the one backward
+    that funcgrad runs through it (its bucketing and communication hooks apply). Otherwise
+    (a DDP module wrapping part of the shared model, a side branch outside it, ``inputs=`` a
+    subset, heads inside it), DDP's backward would leave some gradients un-averaged, so
+    funcgrad averages every gradient itself, as for a ProcessGroup, and runs no backward
+    through DDP's reducer."""
 
     reduces_backward = True
 
     def __init__(self, module: torch.nn.parallel.DistributedDataParallel, call: str) -> None:
         super().__init__(module.process_group, call)
         self.module = module
+
+    def configure(self, shared: Sequence[torch.Tensor], level: str) -> None:
+        """Decide, from the shared leaves, whether DDP's reducer can do the averaging."""
+        wrapped = {id(p) for p in self.module.parameters() if p.requires_grad}
+        exact = wrapped == {id(x) for x in shared}
+        static = bool(getattr(self.module, "static_graph", False))
+        if static and (level == "params" or not exact):
+            why = (
+                "at level='params' the per-task gradients are pulled through the module, "
+                "and with static_graph its reducer acts on every backward through it"
+                if exact
+                else "its parameters are not exactly the shared leaves, so funcgrad must "
+                "average some gradients itself and skip DDP's backward, which a static graph "
+                "does not allow"
+            )
+            raise ValueError(
+                f"{self.call}: DistributedDataParallel(static_graph=True) is not supported "
+                f"here: {why}. Use static_graph=False, or level='features' with the DDP "
+                "module wrapping exactly the shared model."
+            )
+        self.reduces_backward = exact
 
 
 def policy(process_group: Any, call: str, *, allow_ddp: bool = True) -> Sync:

@@ -251,11 +251,90 @@ def _disagreements(rank):
             assert all(p.grad is None for p in [*encoder.parameters(), *heads.parameters()])
 
 
+def _wrapped(config):
+    """(encoder, side branch, heads, how a batch becomes the features, the DDP module) for a
+    way people wrap DDP: all of the encoder, part of it, a side branch beside it, the heads
+    inside it, or with static_graph."""
+    encoder, heads = _model()
+    side = torch.nn.Linear(5, 6).double()
+    if config == "part":
+        ddp = torch.nn.parallel.DistributedDataParallel(encoder[0])
+        return encoder, side, heads, lambda x: (encoder[2](encoder[1](ddp(x))),), ddp
+    if config == "heads inside":
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.ModuleList([encoder, heads]))
+        return encoder, side, heads, lambda x: (ddp.module[0](x),), ddp
+    static = config == "static graph"
+    ddp = torch.nn.parallel.DistributedDataParallel(encoder, static_graph=static)
+    if config == "side branch":
+        return encoder, side, heads, lambda x: (ddp(x), side(x)), ddp
+    return encoder, side, heads, lambda x: (ddp(x),), ddp
+
+
+def _ddp_configurations(rank):
+    """Each way of wrapping DDP is exact on every rank (against one process on the whole
+    batch, two SGD steps), or a clear error on every rank."""
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    for config in ("part", "side branch", "heads inside", "static graph"):
+        for level in ("params", "features"):
+            encoder, side, heads, features_of, ddp = _wrapped(config)
+            reference = copy.deepcopy((encoder, side, heads))
+            params = [*encoder.parameters(), *side.parameters(), *heads.parameters()]
+            ref_params = [p for module in reference for p in module.parameters()]
+            optimizer = torch.optim.SGD(params, lr=0.1)
+            ref_optimizer = torch.optim.SGD(ref_params, lr=0.1)
+            for step in range(2):
+                optimizer.zero_grad()
+                ref_optimizer.zero_grad()
+                features = features_of(x[shard])
+                losses = [
+                    torch.nn.functional.mse_loss(head(sum(features)), y[shard][:, i : i + 1])
+                    for i, head in enumerate(heads)
+                ]
+                if config == "static graph" and level == "params":
+                    with pytest.raises(ValueError, match=r"static_graph=True\) is not supported"):
+                        funcgrad.backward(
+                            losses,
+                            through=features,
+                            weighting=UPGradWeighting(),
+                            level=level,
+                            process_group=ddp,
+                        )
+                    assert all(p.grad is None for p in params)
+                    break
+                funcgrad.backward(
+                    losses,
+                    through=features,
+                    weighting=UPGradWeighting(),
+                    level=level,
+                    process_group=ddp,
+                )
+                ref_features = (reference[0](x),) + (
+                    (reference[1](x),) if config == "side branch" else ()
+                )
+                ref_losses = [
+                    torch.nn.functional.mse_loss(head(sum(ref_features)), y[:, i : i + 1])
+                    for i, head in enumerate(reference[2])
+                ]
+                funcgrad.backward(
+                    ref_losses, through=ref_features, weighting=UPGradWeighting(), level=level
+                )
+                for p, q in zip(params, ref_params):
+                    want = torch.zeros_like(q) if q.grad is None else q.grad
+                    got = torch.zeros_like(p) if p.grad is None else p.grad
+                    torch.testing.assert_close(
+                        got, want, rtol=1e-7, atol=1e-9, msg=f"{config} {level} {step}"
+                    )
+                optimizer.step()
+                ref_optimizer.step()
+
+
 def _sync_worker(rank, store):
     with _group(rank, store):
         _mismatch(rank)
         _random_weights(rank)
         _disagreements(rank)
+        _ddp_configurations(rank)
 
 
 @pytest.mark.parametrize("worker", [_agreement_worker, _sync_worker])
