@@ -16,8 +16,9 @@ one pullback of f, once w is known.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -129,6 +130,16 @@ def resolve(weighting: Any, level: object, call: str, *, distributed: bool = Fal
     return rule
 
 
+@contextlib.contextmanager
+def _naming(rule: Rule, given: str, call: str) -> Iterator[None]:
+    """Name the weighting, and what it was given, on an error raised inside it."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(f"{call}: raised by the weighting {type(rule.fn).__name__}, given {given}.")
+        raise
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     # A half-precision Gramian overflows easily, and TorchJD's solvers want float32 or more.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -188,7 +199,7 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
 def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
-    with torch.no_grad():
+    with torch.no_grad(), _naming(rule, f"the {tuple(g.shape)} Gramian", call):
         weights = rule.fn(g)
     return checked_shape(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
 
@@ -201,7 +212,7 @@ def aggregate(
     them, as TorchJD's ``jac_to_grad`` reads them), or a Jacobian weighting (weights only)."""
     k, n = rows.shape
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        with torch.no_grad():
+        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
             weights = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
         return checked_shape(weights, k, f"the ({k}, {n}) Jacobian", call), None
     captured: list[Any] = []
@@ -209,7 +220,7 @@ def aggregate(
     if rule.kind == "matrix":
         hook = rule.fn.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
             vector = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
     finally:
         if hook is not None:

@@ -28,7 +28,7 @@ def import_or_skip(name: str) -> Any:
     ``import timm`` (timm imports torchvision at module level)."""
     try:
         return importlib.import_module(name)
-    except Exception as error:  # noqa: BLE001 - any import failure means "not usable here"
+    except Exception as error:
         pytest.skip(f"{name} does not import here: {type(error).__name__}: {error}")
 
 
@@ -65,8 +65,9 @@ class Case:
 
 # -- transformers -----------------------------------------------------------------------------
 
-_TINY = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-             intermediate_size=32)
+_TINY = dict(
+    vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+)
 
 
 def _ids(batch: int = 2, seq: int = 5, vocab: int = 50) -> torch.Tensor:
@@ -86,8 +87,16 @@ def bert(attn: str = "eager") -> Case:
 
 def gpt2(attn: str = "eager") -> Case:
     tf = import_or_skip("transformers")
-    config = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16,
-                           attn_implementation=attn)
+    config = tf.GPT2Config(
+        vocab_size=50,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation=attn,
+    )
     model = _eval64(tf.GPT2Model(config))
     return Case(model, (_ids(),), lambda out: out.last_hidden_state.mean(1))
 
@@ -96,8 +105,17 @@ def gpt2_lm_tied() -> Case:
     """GPT2LMHeadModel with lm_head.weight tied to transformer.wte.weight: the features are
     the last position's logits, so the tied weight is reached along both paths."""
     tf = import_or_skip("transformers")
-    config = tf.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16,
-                           tie_word_embeddings=True, attn_implementation="eager")
+    config = tf.GPT2Config(
+        vocab_size=50,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        bos_token_id=None,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
     model = _eval64(tf.GPT2LMHeadModel(config))
     assert model.lm_head.weight is model.transformer.wte.weight
     return Case(model, (_ids(),), lambda out: out.logits[:, -1])
@@ -105,9 +123,16 @@ def gpt2_lm_tied() -> Case:
 
 def vit(attn: str = "eager") -> Case:
     tf = import_or_skip("transformers")
-    config = tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
-                          num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                          attn_implementation=attn)
+    config = tf.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        attn_implementation=attn,
+    )
     model = _eval64(tf.ViTModel(config))
     pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     return Case(model, (pixels,), lambda out: out.pooler_output)
@@ -119,12 +144,18 @@ def bert_checkpointed(use_reentrant: bool) -> Case:
     torch.utils.checkpoint (reentrant: an autograd.Function; non-reentrant: saved-tensor
     hooks)."""
     tf = import_or_skip("transformers")
-    config = tf.BertConfig(**_TINY, max_position_embeddings=16, attn_implementation="eager",
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = tf.BertConfig(
+        **_TINY,
+        max_position_embeddings=16,
+        attn_implementation="eager",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     model = tf.BertModel(config).to(torch.float64)
     with warnings.catch_warnings():  # deprecated alias of activation_checkpointing_enable (5.x)
-        warnings.filterwarnings("ignore", "`gradient_checkpointing_enable` is deprecated",
-                                FutureWarning)
+        warnings.filterwarnings(
+            "ignore", "`gradient_checkpointing_enable` is deprecated", FutureWarning
+        )
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
         )
@@ -144,9 +175,13 @@ def timm_resnet(train: bool) -> Case:
 
 def timm_vit() -> Case:
     timm = import_or_skip("timm")
-    model = timm.models.vision_transformer.VisionTransformer(
-        img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=0
-    ).to(torch.float64).eval()
+    model = (
+        timm.models.vision_transformer.VisionTransformer(
+            img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, num_classes=0
+        )
+        .to(torch.float64)
+        .eval()
+    )
     return Case(model, (torch.randn(2, 3, 8, 8, dtype=torch.float64),), lambda out: out)
 
 
@@ -168,8 +203,9 @@ class TinyResNet(nn.Module):
 
     def __init__(self, width: int = 4) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
@@ -215,24 +251,63 @@ def transformer_encoder_eval() -> Case:
 def transformer_encoder_train() -> Case:
     """training mode with dropout 0.1: random draws in the forward."""
     model = _encoder(0.1).train()
-    return Case(model, (torch.randn(2, 5, 16, dtype=torch.float64),), lambda out: out.mean(1),
-                random=True)
+    return Case(
+        model, (torch.randn(2, 5, 16, dtype=torch.float64),), lambda out: out.mean(1), random=True
+    )
 
 
 def compiled_encoder(backend: str = "aot_eager") -> Case:
     """torch.compile of a TransformerEncoder (eval, dropout 0), float32."""
+    torch._dynamo.reset()  # a fresh compile: no cache entry left by another test's call
     model = torch.compile(_encoder(0.0, torch.float32).eval(), backend=backend)
-    return Case(model, (torch.randn(2, 5, 16, dtype=torch.float32),), lambda out: out.mean(1),
-                dtype=torch.float32, rtol=1e-4, atol=1e-5)
+    return Case(
+        model,
+        (torch.randn(2, 5, 16, dtype=torch.float32),),
+        lambda out: out.mean(1),
+        dtype=torch.float32,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def compiled_mlp(backend: str = "aot_eager") -> Case:
+    """torch.compile of a small MLP with LayerNorm, float32: its backward is compiled too, and
+    a compiled backward cannot run under vmap."""
+    torch._dynamo.reset()  # a fresh compile: no cache entry left by another test's call
+    torch.manual_seed(5)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 8))
+    model = torch.compile(mlp.to(torch.float32), backend=backend)
+    return Case(
+        model,
+        (torch.randn(4, 8, dtype=torch.float32),),
+        lambda out: out,
+        dtype=torch.float32,
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def vit_input_requires_grad() -> Case:
+    """ViT whose input requires grad (as wav2vec2's feature encoder does in training): a leaf
+    that is not a parameter reaches the features."""
+    case = vit()
+    case.inputs = (case.inputs[0].requires_grad_(),)
+    return case
 
 
 def autocast_encoder() -> Case:
     """float32 TransformerEncoder (dropout 0) run under CPU autocast to bfloat16; the
     features are cast back to float32 for the heads."""
     model = _encoder(0.0, torch.float32).eval()
-    return Case(model, (torch.randn(2, 5, 16, dtype=torch.float32),), lambda out: out.mean(1),
-                dtype=torch.float32, rtol=2e-2, atol=2e-2,
-                context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    return Case(
+        model,
+        (torch.randn(2, 5, 16, dtype=torch.float32),),
+        lambda out: out.mean(1),
+        dtype=torch.float32,
+        rtol=2e-2,
+        atol=2e-2,
+        context=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    )
 
 
 # -- the k task heads on the pooled features -----------------------------------------------------
@@ -285,5 +360,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "encoder-train-dropout": transformer_encoder_train,
     "compiled-aot-eager": compiled_encoder,
     "compiled-inductor": lambda: compiled_encoder("inductor"),
+    "compiled-mlp-aot-eager": compiled_mlp,
+    "compiled-mlp-inductor": lambda: compiled_mlp("inductor"),
+    "vit-input-requires-grad": vit_input_requires_grad,
     "autocast-bf16": autocast_encoder,
 }

@@ -1,0 +1,220 @@
+"""Every TorchJD 0.18 aggregator and weighting, used as it is, at both levels: exact against
+TorchJD (params level: mtl_backward + jac_to_grad; features level: the same weighting on
+the task gradients with respect to `through`, written out by hand), or a clear error that
+says which level or form works. Hooks on TorchJD objects run as under jac_to_grad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchjd import aggregation as tjd
+from torchjd.autojac import jac_to_grad, mtl_backward
+
+import funcgrad
+
+K = 3
+# Every concrete aggregator and weighting of torchjd.aggregation, built with arguments where
+# it needs them (bases such as WeightedAggregator are built around a weighting).
+OBJECTS = {
+    "AlignedMTL": tjd.AlignedMTL,
+    "AlignedMTLWeighting": tjd.AlignedMTLWeighting,
+    "CAGrad": lambda: tjd.CAGrad(c=0.5),
+    "CAGradWeighting": lambda: tjd.CAGradWeighting(c=0.5),
+    "CRMOGMWeighting": lambda: tjd.CRMOGMWeighting(tjd.UPGradWeighting()),
+    "CRMOGMWeighting(Mean)": lambda: tjd.CRMOGMWeighting(tjd.MeanWeighting()),
+    "ConFIG": tjd.ConFIG,
+    "Constant": lambda: tjd.Constant(torch.tensor([0.5, 1.0, 2.0])),
+    "ConstantWeighting": lambda: tjd.ConstantWeighting(torch.tensor([0.5, 1.0, 2.0])),
+    "DualProj": tjd.DualProj,
+    "DualProjWeighting": tjd.DualProjWeighting,
+    "ExcessMTL": tjd.ExcessMTL,
+    "ExcessMTLWeighting": tjd.ExcessMTLWeighting,
+    "FairGrad": lambda: tjd.FairGrad(alpha=1.0),
+    "FairGradWeighting": lambda: tjd.FairGradWeighting(alpha=1.0),
+    "GradDrop": tjd.GradDrop,
+    "GradVac": tjd.GradVac,
+    "GradVacWeighting": tjd.GradVacWeighting,
+    "GramianWeightedAggregator": lambda: tjd.GramianWeightedAggregator(tjd.MGDAWeighting()),
+    "IMTLG": tjd.IMTLG,
+    "IMTLGWeighting": tjd.IMTLGWeighting,
+    "Krum": lambda: tjd.Krum(n_byzantine=0),
+    "KrumWeighting": lambda: tjd.KrumWeighting(n_byzantine=0),
+    "MGDA": tjd.MGDA,
+    "MGDAWeighting": tjd.MGDAWeighting,
+    "Mean": tjd.Mean,
+    "MeanWeighting": tjd.MeanWeighting,
+    "MoDoWeighting": tjd.MoDoWeighting,
+    "NashMTL": lambda: tjd.NashMTL(n_tasks=K),
+    "PCD": tjd.PCD,
+    "PCDWeighting": tjd.PCDWeighting,
+    "PCGrad": tjd.PCGrad,
+    "PCGradWeighting": tjd.PCGradWeighting,
+    "Random": tjd.Random,
+    "RandomWeighting": tjd.RandomWeighting,
+    "SDMGradWeighting": tjd.SDMGradWeighting,
+    "Sum": tjd.Sum,
+    "SumWeighting": tjd.SumWeighting,
+    "TrimmedMean": lambda: tjd.TrimmedMean(trim_number=1),
+    "UPGrad": tjd.UPGrad,
+    "UPGradWeighting": tjd.UPGradWeighting,
+    "WeightedAggregator": lambda: tjd.WeightedAggregator(tjd.MeanWeighting()),
+}
+# Aggregators that map the Jacobian to an update without weights: params level only.
+WITHOUT_WEIGHTS = {"ConFIG", "GradDrop", "TrimmedMean"}
+# These read a Jacobian of another form (stochastic pairs of task gradients), and raise on
+# TorchJD's own jac_to_grad: funcgrad raises the same error, naming the weighting.
+RAISE_IN_TORCHJD = {"MoDoWeighting", "SDMGradWeighting"}
+# The solvers behind these are iterative (cvxpy, quadprog): agreement to their tolerance.
+LOOSE = {"CAGrad", "CAGradWeighting", "NashMTL", "FairGrad", "FairGradWeighting"}
+
+
+def test_every_public_class_is_covered():
+    concrete = {
+        name
+        for name in tjd.__all__
+        if isinstance(getattr(tjd, name), type) and name not in ("Aggregator", "Weighting")
+    }
+    assert concrete <= set(OBJECTS), sorted(concrete - set(OBJECTS))
+
+
+def _model():
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6))
+    heads = torch.nn.ModuleList(torch.nn.Linear(6, 1) for _ in range(K))
+    x, y = torch.randn(10, 5), torch.randn(10, K)
+
+    def losses():
+        features = encoder(x)
+        return features, [
+            (head(features) - y[:, i : i + 1]).pow(2).mean() * (i + 1)
+            for i, head in enumerate(heads)
+        ]
+
+    return encoder, heads, losses
+
+
+def _grads(*modules):
+    return [p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _as_aggregator(obj):
+    """A TorchJD weighting as jac_to_grad takes it: inside its aggregator."""
+    bases = {cls.__name__ for cls in type(obj).__mro__}
+    if "Aggregator" in bases:
+        return obj
+    if "_GramianWeighting" in bases or "_GramianWeighting" in {
+        cls.__name__ for cls in type(getattr(obj, "weighting", None)).__mro__
+    }:
+        return tjd.GramianWeightedAggregator(obj)
+    return tjd.WeightedAggregator(obj)
+
+
+@pytest.mark.parametrize("name", list(OBJECTS))
+def test_params_level_equals_jac_to_grad(name):
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    mtl_backward(task_losses, features)
+    torch.manual_seed(1)  # the same draws for the random ones
+    if name in RAISE_IN_TORCHJD:
+        with pytest.raises(RuntimeError) as expected:
+            jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
+        encoder, heads, losses = _model()
+        features, task_losses = losses()
+        with pytest.raises(RuntimeError, match=str(expected.value)[:20]) as got:
+            funcgrad.backward(task_losses, through=features, weighting=OBJECTS[name]())
+        assert f"raised by the weighting {name}" in "".join(got.value.__notes__)
+        assert all(p.grad is None for p in encoder.parameters())
+        return
+    jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
+    want = _grads(encoder, heads)
+
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    torch.manual_seed(1)
+    # GradDrop draws one number per Jacobian column: the columns in jac_to_grad's order.
+    weights = funcgrad.backward(
+        task_losses, through=features, weighting=OBJECTS[name](), inputs=encoder.parameters()
+    )
+    tolerance = 1e-5 if name in LOOSE else 1e-7
+    for got, expected in zip(_grads(encoder, heads), want):
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    assert (weights is None) == (name in WITHOUT_WEIGHTS)
+
+
+@pytest.mark.parametrize("name", list(OBJECTS))
+def test_features_level_is_the_weighting_on_the_feature_gradients(name):
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    if name in RAISE_IN_TORCHJD:
+        with pytest.raises(RuntimeError, match="size mismatch") as got:
+            funcgrad.backward(
+                task_losses, through=features, weighting=OBJECTS[name](), level="features"
+            )
+        assert f"raised by the weighting {name}" in "".join(got.value.__notes__)
+        return
+    if name in WITHOUT_WEIGHTS:
+        with pytest.raises(ValueError, match=r"Aggregator without weights.*level='params'"):
+            funcgrad.backward(
+                task_losses, through=features, weighting=OBJECTS[name](), level="features"
+            )
+        assert all(p.grad is None for p in encoder.parameters())
+        return
+    # By hand: V (the task gradients on the features), the weighting on V V^T or on V as
+    # TorchJD's aggregator would read them, then one backward of sum_i w_i L_i.
+    rows = torch.stack(
+        [
+            torch.autograd.grad(loss, features, retain_graph=True)[0].flatten()
+            for loss in task_losses
+        ]
+    )
+    obj = OBJECTS[name]()
+    captured = []
+    aggregator = _as_aggregator(obj)
+    aggregator.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    torch.manual_seed(1)
+    aggregator(rows)
+    w = captured[-1].detach()
+    own = [list(h.parameters()) for h in heads]
+    shared = torch.autograd.grad(
+        sum(wi * loss for wi, loss in zip(w, task_losses)),
+        list(encoder.parameters()),
+        retain_graph=True,
+    )
+    want = list(shared) + [
+        g for loss, params in zip(task_losses, own) for g in torch.autograd.grad(loss, params)
+    ]
+
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    torch.manual_seed(1)
+    weights = funcgrad.backward(
+        task_losses, through=features, weighting=OBJECTS[name](), level="features"
+    )
+    tolerance = 1e-5 if name in LOOSE else 1e-7
+    torch.testing.assert_close(weights, w, rtol=tolerance, atol=tolerance)
+    for got, expected in zip(_grads(encoder, heads), want):
+        torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_hooks_on_an_aggregator_and_its_weighting_run(level):
+    calls = []
+    aggregator = tjd.UPGrad()
+    aggregator.register_forward_hook(lambda _m, _i, out: calls.append("aggregator"))
+    aggregator.weighting.register_forward_hook(
+        lambda _m, _i, out: calls.append("weighting") or out * 2  # a hook that changes weights
+    )
+    _encoder, _heads, losses = _model()
+    features, task_losses = losses()
+    weights = funcgrad.backward(task_losses, through=features, weighting=aggregator, level=level)
+    assert calls == ["weighting", "aggregator"]
+    features, task_losses = losses()
+    plain = funcgrad.backward(task_losses, through=features, weighting=tjd.UPGrad(), level=level)
+    torch.testing.assert_close(weights, 2 * plain)
+
+
+def test_a_weighting_class_instead_of_an_instance_is_a_clear_error():
+    _, _, losses = _model()
+    features, task_losses = losses()
+    with pytest.raises(TypeError, match=r"got the class UPGradWeighting. Pass UPGradWeighting\(\)"):
+        funcgrad.backward(task_losses, through=features, weighting=tjd.UPGradWeighting)
