@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
 from ._config import checking, set_check
+from ._counting import PassCounter
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._multitask import backward
@@ -39,6 +40,7 @@ __all__ = [
     "CombinedHeads",
     "StackedHeads",
     "Plan",
+    "PassCounter",
     # settings, errors and warnings
     "set_check",
     "checking",
