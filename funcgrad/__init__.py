@@ -15,6 +15,7 @@ from ._config import checking, set_check
 from ._counting import PassCounter
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
+from ._memory import memory_budget
 from ._multitask import backward
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
@@ -44,6 +45,7 @@ __all__ = [
     # settings, errors and warnings
     "set_check",
     "checking",
+    "memory_budget",
     "ReleasedPullbackError",
     "BatchingMismatchError",
     "FuncgradWarning",

@@ -8,7 +8,7 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize
 from ._config import CheckMode, resolve_check
-from ._types import Tensors
+from ._types import ChunkSize, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
 
 _CALL = "funcgrad.grads(outputs, inputs, through=...)"
@@ -22,7 +22,7 @@ def grads(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     allow_unused: bool = False,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
 ) -> Tensors:
     """Gradients of many outputs already in an autograd graph, with f's backward run once.

@@ -12,7 +12,7 @@ from ._config import CheckMode
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
-from ._types import Level, Strategy
+from ._types import ChunkSize, Level, Strategy
 
 _CALL = "combine_heads(f, heads)"
 
@@ -111,7 +111,7 @@ def combine_heads(
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
     strategy: Strategy = "auto",
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     process_group: Any = None,
 ) -> CombinedHeads:

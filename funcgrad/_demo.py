@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 
 import funcgrad
 
-from ._counting import BackwardCounter, counted
+from ._counting import PassCounter
 
 # The seed's two heads, then a few more; each with its derivative g'(y) for the closed form.
 HEADS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[float], float]]] = {
@@ -34,9 +35,9 @@ HEADS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[float],
 }
 
 
-def make_slow_fun(n: int, counter: BackwardCounter) -> Callable[[torch.Tensor], torch.Tensor]:
+def make_slow_fun(n: int, counter: PassCounter) -> Callable[[torch.Tensor], torch.Tensor]:
     def slow_fun(x: torch.Tensor) -> torch.Tensor:
-        x = counted(x, counter)  # counts the backward passes through f, nothing else
+        x = counter(x)  # counts the backward passes through f, nothing else
         a = x * torch.ones((n, n), dtype=x.dtype)
         b = torch.matrix_exp(1j * a)
         return torch.real(torch.trace(b))
@@ -46,11 +47,18 @@ def make_slow_fun(n: int, counter: BackwardCounter) -> Callable[[torch.Tensor], 
 
 def timed(label: str, fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     times, result = [], None
-    for _ in tqdm(range(repeats), desc=label, unit="run", leave=False, disable=None):
+    bar = sys.stderr.isatty()  # tqdm's bar on a terminal; nothing from it in a pipe or a log
+    for _ in tqdm(range(repeats), desc=label, unit="run", leave=False, disable=not bar):
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times), result
+
+
+def progress(line: str) -> None:
+    """A plain progress line where tqdm shows nothing (stderr not a terminal), flushed."""
+    if not sys.stderr.isatty():
+        print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     n, names = args.size, list(HEADS)[: args.heads]
-    counter = BackwardCounter()
+    counter = PassCounter()
     slow_fun = make_slow_fun(n, counter)
     x0 = torch.tensor(args.x, dtype=dtype)
 
@@ -119,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
         ("naive autograd, per head", naive),
         ("funcgrad.compose_heads", lambda: composed(x0)),
     ]:
+        progress(f"{label}: a warm-up call, then {args.repeats} timed...")
         counter.reset()
         fn()  # warm-up, and count the passes of one call
         passes = counter.backward
         seconds, result = timed(label, fn, args.repeats)
         runs[label] = (seconds, passes, result)
+        progress(f"{label}: median {seconds:.3f} s")
 
     _, grads = runs["funcgrad.compose_heads"][2]
     naive_grads = runs["naive autograd, per head"][2]

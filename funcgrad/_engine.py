@@ -21,15 +21,16 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from . import _coords, _linearize
+from . import _coords, _linearize, _memory
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
 from ._plan import Plan
-from ._types import Tensors
+from ._types import ChunkSize, Tensors
 from ._validate import values_readable
 
 # What the heads give for f's output: their values (k,) and cotangents (leaves (k, ...)).
@@ -65,9 +66,12 @@ def _vmap(
         chunk_size = None
     # vmap's warning that it loops inside for an op without a batching rule is not for the
     # user, who never called vmap: the planner times vmap against unbatched calls instead.
+    mapped = torch.func.vmap(fn, chunk_size=chunk_size, randomness=randomness)
+    if torch.compiler.is_compiling():  # (dynamo cannot trace the warnings filters)
+        return mapped(*args)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SLOW_PATH)
-        return torch.func.vmap(fn, chunk_size=chunk_size, randomness=randomness)(*args)
+        return mapped(*args)
 
 
 def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -140,11 +144,75 @@ def _vmap_measured(
     return result
 
 
+# chunk_size="auto": the chunk that the first call measured, per directions' shapes, for
+# the object whose call is running (set by `remembering_chunks`); None: measure every call.
+_fitted: contextvars.ContextVar[dict[Any, int] | None] = contextvars.ContextVar(
+    "funcgrad_fitted_chunks", default=None
+)
+
+
+@contextlib.contextmanager
+def remembering_chunks(store: dict[Any, int]) -> Iterator[None]:
+    """Inside the block, ``chunk_size="auto"`` reads and fills ``store``."""
+    token = _fitted.set(store)
+    try:
+        yield
+    finally:
+        _fitted.reset(token)
+
+
+def fitted_chunk(store: dict[Any, int], what: str, like: Sequence[torch.Tensor]) -> int | None:
+    """The chunk ``"auto"`` settled on for directions shaped like ``like``, if measured."""
+    return store.get(_fit_key(what, like))
+
+
+def _fit_key(what: str, like: Sequence[torch.Tensor]) -> Any:
+    return what, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in like)
+
+
+def fit_chunk(
+    run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
+) -> tuple[list[Tensors], int | None]:
+    """``chunk_size="auto"``: (the results of the directions run to measure, the chunk for
+    the rest). Directions 0 and 1-2 run as two chunks, each under a peak-memory measurement
+    (their results are kept: no direction is pulled twice); their difference is what one
+    more direction costs, and the chunk is the most directions that fit the budget. None
+    where nothing needs fitting (3 directions or fewer, or values cannot be read: compiled
+    code, inside transforms, where it runs unchunked). Remembered per shapes where an object
+    keeps it (see :func:`remembering_chunks`)."""
+    store = _fitted.get()
+    key = _fit_key(what, like)
+    if store is not None and key in store:
+        return [], store[key]
+    if total <= 3 or not values_readable(like):
+        return [], None
+    device = like[0].device
+    first, one = _memory.peak_of(lambda: run(0, 1), device)
+    second, three = _memory.peak_of(lambda: run(1, 3), device)
+    per_direction = max((three - one) // 1, 1)
+    fixed = max(one - per_direction, 0)
+    budget = _memory.budget(device)
+    fit = (budget - fixed) // per_direction
+    if fit < 1:
+        warnings.warn(
+            f"funcgrad: chunk_size='auto': one direction through {what} needs about "
+            f"{(fixed + per_direction) / 2**20:.3g} MiB, more than the memory budget of "
+            f"{budget / 2**20:.3g} MiB; running one direction at a time. Raise the budget "
+            "(funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
+            FuncgradWarning,
+            stacklevel=5,
+        )
+        fit = 1
+    if store is not None:
+        store[key] = int(fit)
+    return [first, second], int(fit)
+
+
 def batched(
     fn: Callable[..., Tensors],
     args: Sequence[torch.Tensor],
     *,
-    chunk_size: int | None,
+    chunk_size: ChunkSize,
     check: bool | str,
     what: str,
     can_vmap: bool = True,
@@ -158,6 +226,23 @@ def batched(
     ``randomness="same"`` or nothing: where that fails, :class:`CannotBatch` is raised.
     """
     batch = args[0].shape[0]
+    if chunk_size == "auto":
+        if not may_loop:  # forward mode: all n columns in one batch, or reverse mode
+            chunk_size = None
+        else:
+
+            def run(start: int, stop: int) -> Tensors:
+                part = [arg[start:stop] for arg in args]
+                return batched(fn, part, chunk_size=None, check=False, what=what, can_vmap=can_vmap)
+
+            parts, fit = fit_chunk(run, args, batch, what)
+            if parts:
+                rest = [arg[3:] for arg in args]
+                parts.append(
+                    batched(fn, rest, chunk_size=fit, check=check, what=what, can_vmap=can_vmap)
+                )
+                return tuple(torch.cat(outputs) for outputs in zip(*parts))
+            chunk_size = fit
     if may_loop and (batch == 1 or chunk_size == 1 or not can_vmap):
         return _loop(fn, args)
     log = _measurements.get() if may_loop and values_readable(args) else None
@@ -205,6 +290,7 @@ def batched(
 
 
 def chunks(total: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """Ranges of at most ``chunk_size`` (all at once for None) covering ``range(total)``."""
     step = max(total if chunk_size is None else chunk_size, 1)
     return [(start, min(start + step, total)) for start in range(0, total, step)]
 
@@ -238,7 +324,7 @@ def went_non_finite(grads: Tensors, out: Tensors) -> bool:
 def pull(
     lin: Linearization,
     directions: Tensors,
-    chunk_size: int | None,
+    chunk_size: ChunkSize,
     check: bool | str,
     *,
     loop: bool = False,
@@ -283,10 +369,26 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
         return pull(lin, cotangents, plan.chunk_size, check, loop=plan.strategy == "loop")
     coords = _coords.to_coords(cotangents, k)
     grads: Tensors = ()
-    for start, stop in chunks(m, plan.chunk_size):
-        rows = pull(lin, _coords.unit_rows(out, start, stop), plan.chunk_size, check)
+
+    def add(start: int, stop: int, rows: Tensors) -> None:
+        nonlocal grads
         part = _coords.combine(coords[:, start:stop], rows)
         grads = part if not grads else tuple(g + p for g, p in zip(grads, part))
+
+    chunk, first = plan.chunk_size, 0
+    if chunk == "auto":  # measure on the first rows, keep their results
+        measured, chunk = fit_chunk(
+            lambda start, stop: pull(lin, _coords.unit_rows(out, start, stop), None, False),
+            _coords.unit_rows(out, 0, 1),
+            m,
+            lin.what,
+        )
+        for (start, stop), rows in zip([(0, 1), (1, 3)], measured):
+            add(start, stop, rows)
+        first = 3 if measured else 0
+    for start, stop in chunks(m - first, chunk):
+        rows = pull(lin, _coords.unit_rows(out, first + start, first + stop), chunk, check)
+        add(first + start, first + stop, rows)
     if went_non_finite(grads, out):
         return pull(lin, cotangents, plan.chunk_size, check)
     return grads
@@ -512,7 +614,7 @@ def by_linearity(
     basis: Basis,
     *,
     keep: bool,
-    chunk_size: int | None,
+    chunk_size: ChunkSize,
     check: bool | str,
 ) -> tuple[Tensors, int]:
     """``J^T v_i`` for k cotangents, sending through f only directions outside ``basis``.

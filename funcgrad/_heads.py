@@ -14,7 +14,7 @@ from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction
 from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
-from ._types import Strategy, Tensors
+from ._types import ChunkSize, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
     check_callable,
@@ -240,7 +240,7 @@ class Composition:
         self.keys, self.heads = _normalize_heads(heads, call)
         self.f, self.argnums, self.has_aux = f, argnums, has_aux
         self.strategy: Strategy = strategy
-        self.chunk_size: int | None = chunk_size
+        self.chunk_size: ChunkSize = chunk_size
         self.check = resolve_check(check, call) if check is not None else None
         # y's size by the arguments' shapes, so that auto pays the fake run of f once per
         # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
@@ -249,6 +249,9 @@ class Composition:
         # Per argument shapes, what the first call measured: None where vmap was faster
         # (or nothing was batched), else why unbatched calls were (then planned unbatched).
         self._measured: dict[Any, str | None] = {}
+        # chunk_size="auto": the engine's fitted chunks, and the one each shape got.
+        self._fits: dict[Any, int] = {}
+        self._chunks: dict[Any, int] = {}
 
     @property
     def k(self) -> int:
@@ -285,7 +288,8 @@ class Composition:
         if self.strategy == "jacfwd":
             make_plan("jacfwd", self.k, 0, n, self.chunk_size, call=self.call)  # checks chunks
             return n > 0, None
-        one_batch = self.chunk_size is None or self.chunk_size >= n
+        chunk = self.chunk_size
+        one_batch = chunk is None or chunk == "auto" or chunk >= n
         if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return False, None
         m = self.output_size(flat)
@@ -299,17 +303,20 @@ class Composition:
         n = _coords.real_size(flat.leaves)
         unbatched = self._measured.get(_shape_key(flat.args)) if self._measured else None
         measure = self._measure_key(flat) is not None
+        chunk = self.chunk_size
+        if chunk == "auto" and self._chunks:
+            chunk = self._chunks.get(_shape_key(flat.args), "auto")
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
-                return make_plan("auto", self.k, m, n, self.chunk_size, forward=False)
+                return make_plan("auto", self.k, m, n, chunk, forward=False)
             forward = m_before is not None
             return make_plan(
                 self.strategy,
                 self.k,
                 m,
                 n,
-                self.chunk_size,
+                chunk,
                 forward=forward,
                 unbatched=unbatched,
                 measure=measure,
@@ -341,8 +348,11 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         key = self._measure_key(flat)
+        fitted = len(self._fits)
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(_engine.measuring()) if key is not None else None
+            if self.chunk_size == "auto" and not torch.compiler.is_compiling():
+                stack.enter_context(_engine.remembering_chunks(self._fits))
             _, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check
             )
@@ -350,6 +360,8 @@ class Composition:
             if len(self._measured) >= 64:
                 self._measured.clear()
             self._measured[key] = log[0] or None
+        if len(self._fits) > fitted:  # chunk_size="auto" fitted a chunk for these shapes
+            self._chunks[_shape_key(flat.args)] = list(self._fits.values())[-1]
         return values, grads, aux
 
     def _measure_key(self, flat: FlatFunction) -> Any:
@@ -460,7 +472,7 @@ def compose_heads(
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
     strategy: Strategy = "auto",
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
 ) -> ComposedHeads[tuple[Any, Any]]: ...
 @overload
@@ -473,7 +485,7 @@ def compose_heads(
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
     strategy: Strategy = "auto",
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
 ) -> ComposedHeads[tuple[Any, Any, Any]]: ...
 def compose_heads(
@@ -483,7 +495,7 @@ def compose_heads(
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
     strategy: Strategy = "auto",
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
 ) -> Any:
     """Values and gradients of many cheap heads on one slow f, with f run once.

@@ -16,7 +16,7 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
-from ._types import Level, Tensors
+from ._types import ChunkSize, Level, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
@@ -193,7 +193,7 @@ def backward(
     level: Level = "params",
     inputs: Any = None,
     retain_graph: bool = False,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     process_group: Any = None,
 ) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._types import Executed, Strategy
+from ._types import ChunkSize, Executed, Strategy
 
 # A JVP of f costs about as much as a VJP but forward mode can disagree with autograd's
 # conventions (cholesky, eigh, ...: see the README, Reliability), so it must be clearly
@@ -47,7 +47,9 @@ class Plan:
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
         n: real dimension of the differentiated inputs.
-        chunk_size: at most this many directions per batched call (None: all at once).
+        chunk_size: at most this many directions per batched call (None: all at once);
+            ``"auto"`` until a first call has measured the chunk that fits the memory budget
+            (then ``passes`` is a lower bound: 1 and 2 directions measured, then the rest).
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
@@ -74,7 +76,7 @@ class Plan:
     k: int
     m: int
     n: int
-    chunk_size: int | None = None
+    chunk_size: ChunkSize = None
     requested: Strategy = "auto"
     costs: tuple[tuple[str, int], ...] = ()
     fallbacks: tuple[str, ...] = ()
@@ -102,6 +104,8 @@ class Plan:
             return self.directions
         if self.strategy == "jacfwd":
             return 1
+        if self.chunk_size == "auto":  # not measured yet: 1 and 2 directions, then the rest
+            return (1 if self.directions <= 3 else 3) + self.measure
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
 
     def __repr__(self) -> str:
@@ -128,7 +132,7 @@ def make_plan(
     k: int,
     m: int,
     n: int,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSize = None,
     *,
     forward: bool = True,
     weighted: bool = False,
@@ -147,7 +151,7 @@ def make_plan(
     then the fewer of k pullbacks (``loop``) or m rows one at a time (``jacrev``, chunks of 1).
     ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
     """
-    one_batch = chunk_size is None or chunk_size >= n
+    one_batch = chunk_size is None or chunk_size == "auto" or chunk_size >= n
     if requested == "jacfwd" and not one_batch:
         raise ValueError(
             f"{call}: strategy='jacfwd' takes all n = {n} columns of J in one batched forward "

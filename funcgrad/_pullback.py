@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -13,7 +14,7 @@ from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
 from ._function import FlatFunction
 from ._linearize import Linearization
-from ._types import Tensors
+from ._types import ChunkSize, Tensors
 from ._validate import check_callable, check_chunk_size, values_readable
 
 
@@ -59,6 +60,7 @@ class Pullback:
         if not (reuse and values_readable(lin.out)):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
+        self._fits: dict[Any, int] = {}  # chunk_size="auto": the chunk measured per shapes
 
     @property
     def rank(self) -> int:
@@ -90,7 +92,7 @@ class Pullback:
         return tuple(self._flat.split_inputs([g[0] for g in grads]))
 
     def many(
-        self, cotangents: Any, *, chunk_size: int | None = None, check: CheckMode | None = None
+        self, cotangents: Any, *, chunk_size: ChunkSize = None, check: CheckMode | None = None
     ) -> tuple[Any, ...]:
         """Pull back k cotangents at once: every leaf carries a leading batch dimension k.
 
@@ -162,13 +164,16 @@ class Pullback:
             batch = shape[0] if batched else 1
         return tuple(leaves)
 
-    def _apply(self, cotangents: Tensors, chunk_size: int | None, check: CheckMode) -> Tensors:
+    def _apply(self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode) -> Tensors:
         assert self._lin is not None  # checked by _check_cotangent
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
-        grads, pulled = _engine.by_linearity(
-            self._lin, cotangents, self._basis, keep=True, chunk_size=chunk_size, check=check
-        )
+        with contextlib.ExitStack() as stack:
+            if chunk_size == "auto" and not torch.compiler.is_compiling():
+                stack.enter_context(_engine.remembering_chunks(self._fits))
+            grads, pulled = _engine.by_linearity(
+                self._lin, cotangents, self._basis, keep=True, chunk_size=chunk_size, check=check
+            )
         self.stats.vjps += pulled
         self.stats.kept, self.stats.kept_bytes = self._basis.rank, self._basis.nbytes
         return grads

@@ -35,12 +35,14 @@ def check_callable(f: object, name: str, call: str) -> None:
 
 
 def check_chunk_size(chunk_size: object, call: str) -> None:
-    if chunk_size is not None and (
-        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    if (
+        chunk_size != "auto"
+        and chunk_size is not None
+        and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1)
     ):
         raise ValueError(
-            f"{call}: `chunk_size` must be None (all at once) or a positive int (1 means a "
-            f"loop), got {chunk_size!r}."
+            f"{call}: `chunk_size` must be None (all at once), a positive int (1 means a "
+            f"loop) or 'auto' (the most that fit the memory budget), got {chunk_size!r}."
         )
 
 
