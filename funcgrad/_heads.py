@@ -8,11 +8,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction
+from ._linearize import RandomState
 from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
 from ._types import ChunkSize, Strategy, Tensors
 from ._validate import (
@@ -202,19 +205,96 @@ def _shape_key(args: Sequence[Any]) -> Any:
     return treedef, tuple(of(leaf) for leaf in leaves)
 
 
-def _output_size(flat: FlatFunction) -> int | None:
+# A fake run of f (shapes only) costs ~50 us an op: a Python loop of thousands of small ops
+# (an ODE simulator) would cost many eager forwards. Past this many ops it stops, unknown.
+FAKE_RUN_OPS = 2000
+
+
+class _Stop(Exception):
+    """Internal: a shape-only run of f went past its budget."""
+
+
+class _OpBudget(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Stops f after ``limit`` ops."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.left = limit
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise _Stop
+        return func(*args, **(kwargs or {}))
+
+
+class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs every op that would write into a tensor f did not create (a buffer's running
+    statistics, a captured state) on a copy of it instead: a forward run under it leaves no
+    trace (its values may differ from a real forward's; its shapes do not)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.made: set[int] = set()
+
+    def _foreign(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and (
+            value.untyped_storage().data_ptr() not in self.made
+        )
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        args, kwargs = list(args), dict(kwargs or {})
+        if "batch_norm" in func.__name__:  # updates the running statistics (args 3 and 4)
+            # in training mode without saying so in its schema
+            for i in (3, 4):
+                if i < len(args) and self._foreign(args[i]):
+                    args[i] = args[i].clone()
+        if func._schema.is_mutable:
+            for i, argument in enumerate(func._schema.arguments):
+                if argument.alias_info is None or not argument.alias_info.is_write:
+                    continue
+                if argument.kwarg_only:
+                    if self._foreign(kwargs.get(argument.name)):
+                        kwargs[argument.name] = kwargs[argument.name].clone()
+                elif i < len(args) and self._foreign(args[i]):
+                    args[i] = args[i].clone()
+        out = func(*args, **kwargs)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.made.add(tensor.untyped_storage().data_ptr())
+        return out
+
+
+def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | None:
     """m = real numel of f's output without running f for real: f on fake tensors (shapes
-    only, no data, no side effects: torch.func refuses in-place updates of captured buffers).
-    None where that cannot tell (data-dependent Python in f, ...). Eager mode only."""
+    only, no data, no side effects: torch.func refuses in-place updates of captured buffers),
+    for at most ``limit`` ops. None where that cannot tell (data-dependent Python in f, a long
+    Python loop, ...). Eager mode only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [mode.from_tensor(leaf) for leaf in flat.leaves]
-            out = torch.func.vjp(flat, *fakes, has_aux=flat.has_aux)[0]
+            with contextlib.ExitStack() as stack:
+                if limit is not None:
+                    stack.enter_context(_OpBudget(limit))
+                out = torch.func.vjp(flat, *fakes, has_aux=flat.has_aux)[0]
         return _coords.real_size(out)
     except Exception:  # any failure only means the shape is not known in advance
         return None
+
+
+def _forward_size(flat: FlatFunction) -> int:
+    """m from one real forward of f that leaves no trace: no gradients, the random number
+    generators restored, and no tensor written that f did not create (BatchNorm's running
+    statistics in training mode are updated on a copy)."""
+    rng = RandomState(flat.leaves)
+    try:
+        with torch.no_grad(), _NoMutation():
+            result = flat(*flat.leaves)
+    finally:
+        rng.restore()
+    return _coords.real_size(result[0] if flat.has_aux else result)
 
 
 class Composition:
@@ -329,10 +409,8 @@ class Composition:
         """The plan that a call on these arguments runs, from shapes only."""
         _forward, m_before = self.before_f(flat)
         m = m_before if m_before is not None else self.output_size(flat)
-        if m is None:  # data-dependent shapes: f runs once for real, without gradients
-            with torch.no_grad():
-                result = flat(*flat.leaves)
-            m = _coords.real_size(result[0] if self.has_aux else result)
+        if m is None:  # a long or data-dependent f: one real forward that leaves no trace
+            m = _forward_size(flat)
         plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)

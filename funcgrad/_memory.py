@@ -106,12 +106,12 @@ def budget(device: torch.device) -> int:
     return int(DEFAULT_SHARE * _available(device))
 
 
-class LivePeak(TorchDispatchMode):
+class LivePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """The peak of live bytes allocated by the ops run inside it (views and in-place ops of
     existing tensors do not count; a storage counts until its last tensor made here dies)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}

@@ -254,3 +254,46 @@ def test_backward_accepts_check():
         funcgrad.backward(losses, through=features, check="sometimes")
     funcgrad.backward(losses, through=features, weighting=lambda g: torch.ones(3), check="strict")
     assert all(p.grad is not None for p in encoder.parameters())
+
+
+# -- plan() stays cheap, and leaves no trace -------------------------------------------------
+
+
+def test_plan_of_a_long_python_loop_costs_at_most_two_forwards():
+    steps = []
+
+    def simulate(theta):  # RK4 on dy/dt = -theta[0] y + theta[1] sin(t), in a Python loop
+        y, dt = torch.ones(3), 0.01
+        for i in range(2000):
+            steps.append(1)
+            t = i * dt
+            k1 = -theta[0] * y + theta[1] * math.sin(t)
+            k2 = -theta[0] * (y + dt / 2 * k1) + theta[1] * math.sin(t + dt / 2)
+            k3 = -theta[0] * (y + dt / 2 * k2) + theta[1] * math.sin(t + dt / 2)
+            k4 = -theta[0] * (y + dt * k3) + theta[1] * math.sin(t + dt)
+            y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return y
+
+    heads = [lambda y, i=i: y[i % 3] * (i + 1) for i in range(6)]  # 2 n = 4 < k = 6
+    fn = funcgrad.compose_heads(simulate, heads)
+    plan = fn.plan(torch.tensor([0.5, 0.2]))
+    assert len(steps) <= 2 * 2000  # a shape-only run stopped early, then one real forward
+    assert (plan.m, plan.n) == (3, 2)
+
+
+def test_plan_leaves_no_trace():
+    model = _dropout_batchnorm()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    stats = model[2].running_mean.clone(), int(model[2].num_batches_tracked)
+
+    def f(p, x):
+        return torch.func.functional_call(model, p, (x,))
+
+    fn = funcgrad.compose_heads(f, HEADS * 3)  # 9 heads: forward mode could win, m needed
+    x = torch.randn(6, 4)
+    state = torch.get_rng_state()
+    plan = fn.plan(params, x)
+    assert plan.m == 18
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(model[2].running_mean, stats[0])
+    assert int(model[2].num_batches_tracked) == stats[1]
