@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,21 @@ from tqdm.auto import tqdm
 
 import funcgrad
 
-from ._cases import BUILDERS, HEAD_COUNTS, Case
+from ._cases import BUILDERS as STANDARD_BUILDERS
+from ._cases import HEAD_COUNTS, Case, SkipCase
 from ._ddp import ddp_entry
+from ._planner import cells as planner_cells
+from ._planner import planner_case
+from ._real_model import real_model_case
+
+# A builder makes the case of one cell: (k, quick), or (k, quick, variant) for the cases
+# with several functions or settings.
+BUILDERS: dict[str, Callable[..., Case]] = {
+    **STANDARD_BUILDERS,
+    "real-model": real_model_case,
+    "planner": planner_case,
+}
+REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
 DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
 
@@ -51,8 +66,28 @@ MEMORY_TARGETS = [
 ]
 
 
+def _cells(name: str, mode: str) -> list[tuple[str, int]]:
+    """(variant, k) of every cell of a case; variant "" for the cases with one function."""
+    if name == "planner":
+        return planner_cells(mode)
+    if name == "real-model":
+        return REAL_MODEL_CELLS[mode]
+    return [("", k) for k in HEAD_COUNTS[name][mode]]
+
+
+def _build(name: str, k: int, quick: bool, variant: str) -> Case:
+    return BUILDERS[name](k, quick, variant) if variant else BUILDERS[name](k, quick)
+
+
 def _leaves(result: Any) -> list[torch.Tensor]:
     return optree.tree_leaves(result)
+
+
+# Each leaf's error is relative to its own largest entry, but at least this fraction of the
+# largest entry of all the reference's leaves: a gradient that is exactly zero in exact
+# arithmetic (a BERT key bias: softmax ignores a shift of the logits) is rounding noise, and
+# is checked against the scale of the others (to 1e-6 of it) instead of its own.
+SCALE_FLOOR = 1e-3
 
 
 def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
@@ -63,9 +98,12 @@ def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
             continue
         reference = _leaves(results[case.reference_for.get(name, "naive")])
         leaves = _leaves(result)
+        overall = max((want.abs().max().item() for want in reference if want.numel()), default=0)
         worst = 0.0
         for got, want in zip(leaves, reference, strict=True):
-            scale = want.abs().max().item() or 1.0
+            if not want.numel():
+                continue
+            scale = max(want.abs().max().item(), SCALE_FLOOR * overall) or 1.0
             worst = max(worst, (got - want).abs().max().item() / scale)
         verdicts[name] = "ok" if worst < 1e-3 else f"DISAGREES (max rel. error {worst:.2e})"
     return verdicts
@@ -78,7 +116,7 @@ def _finish() -> None:
 
 
 def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
-    names = list(case.methods)
+    names = [name for name in case.methods if name not in case.untimed]
     samples: dict[str, list[float]] = {name: [] for name in names}
     with tqdm(
         total=rounds * len(names), desc=f"timing {case.label}", leave=False, disable=None
@@ -95,12 +133,12 @@ def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
 
 
 def _peak_memory_child(
-    case_name: str, k: int, quick: bool, method: str, threads: int, device: str
+    case_name: str, k: int, quick: bool, method: str, threads: int, device: str, variant: str
 ) -> None:
     """In a fresh process: run the method once to warm up, reset the peak, run it again."""
     torch.set_num_threads(threads)
     torch.set_default_device(device)
-    case = BUILDERS[case_name](k, quick)
+    case = _build(case_name, k, quick, variant)
     fn = case.methods[method]
     fn()
     _finish()
@@ -134,7 +172,7 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
     # A fixed mmap threshold keeps glibc's heap from holding freed memory, so that RSS
     # follows the live tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    names = list(case.methods)
+    names = [name for name in case.methods if name not in case.untimed]
     for name in tqdm(names, desc=f"memory {case.label}", leave=False, disable=None):
         command = [
             sys.executable,
@@ -147,6 +185,7 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
             name,
             str(threads),
             device,
+            case.variant,
         ]
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
         lines = done.stdout.strip().splitlines()
@@ -154,6 +193,143 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
             json.loads(lines[-1])["peak_kib"] / 1024 if done.returncode == 0 and lines else None
         )
     return peaks
+
+
+def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[str, Any]) -> Any:
+    """Warm up and check agreement (every method once), read the plans, time, and measure
+    peak memory: the case's report entry."""
+    results: dict[str, Any] = {}
+    first_call: dict[str, float] = {}
+    start = time.perf_counter()
+    for method, fn in list(case.methods.items()):  # warm-up, and the agreement check
+        if not case.drop_on_warning:
+            results[method] = _first_call(fn, first_call, method)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            results[method] = _first_call(fn, first_call, method)
+        fallbacks = [w for w in caught if issubclass(w.category, funcgrad.FuncgradWarning)]
+        for other in caught:  # the rest as they would have been
+            if other not in fallbacks:
+                warnings.warn_explicit(other.message, other.category, other.filename, other.lineno)
+        if fallbacks:  # it did not run as asked: not timed
+            del case.methods[method], results[method], first_call[method]
+            case.skipped[method] = f"does not run as asked: {fallbacks[0].message}"
+    # Slow cases (a round over 10 s) get 3 rounds, unless --rounds says otherwise.
+    case_rounds = args.rounds or (3 if time.perf_counter() - start > 10 else rounds)
+    agreement = _agreement(case, results)
+    report["disagreements"] += [
+        f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
+    ]
+    plans = {method: _plan_record(plan()) for method, plan in case.plans.items()}
+    samples = _time_case(case, case_rounds)
+    entry = {
+        "name": case.name,
+        "variant": case.variant,
+        "k": case.k,
+        "m": case.m,
+        "n": case.n,
+        "auto": case.auto,
+        "baseline": case.baseline,
+        "methods": {
+            m: {**_summary(s), "first_call": first_call[m], "samples": s}
+            for m, s in samples.items()
+        },
+        "rounds": case_rounds,
+        "agreement": agreement,
+        "skipped": case.skipped,
+        "untimed": list(case.untimed),
+        "plans": plans,
+        **case.extra,
+    }
+    # Quick runs measure memory on the seed only: each method is a fresh process.
+    if not args.no_memory and case.memory and (not args.quick or case.label == "seed k=8"):
+        entry["peak_mib"] = _peak_memory(case, args.quick, args.threads, args.device)
+    return entry
+
+
+def _first_call(fn: Callable[[], Any], times: dict[str, float], name: str) -> Any:
+    """The method's first (warm-up) call, its time in ``times``: under auto it includes
+    the plan's one-off costs (y's size on fake tensors, vmap timed against a loop)."""
+    start = time.perf_counter()
+    result = fn()
+    _finish()
+    times[name] = time.perf_counter() - start
+    return result
+
+
+def _plan_record(plan: funcgrad.Plan) -> dict[str, Any]:
+    return {
+        "strategy": plan.strategy,
+        "directions": plan.directions,
+        "passes": plan.passes,
+        "chunk_size": plan.chunk_size,
+        "measure": plan.measure,
+        "measured": plan.measured,
+        "repr": repr(plan),
+    }
+
+
+def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per cell of the planner grid: auto's median over the best fixed strategy's (the
+    regret); the max and median over the grid; fn.plan's cost against f's forward."""
+    cells: list[dict[str, Any]] = []
+    costs: list[dict[str, Any]] = []
+    missing: list[str] = []  # cells where auto itself did not run as asked
+    for label, entry in entries.items():
+        times = {m: stats["median"] for m, stats in entry["methods"].items()}
+        fastest = {m: stats["min"] for m, stats in entry["methods"].items()}
+        if entry.get("planner") == "regret" and "funcgrad auto" not in times:
+            missing.append(label)
+        elif entry.get("planner") == "regret":
+            fixed = {
+                m: t for m, t in times.items() if m.startswith("funcgrad ") and m != "funcgrad auto"
+            }
+            best = min(fixed, key=fixed.__getitem__)
+            cells.append(
+                {
+                    "case": label,
+                    "function": entry["variant"],
+                    "k": entry["k"],
+                    "m": entry["m"],
+                    "n": entry["n"],
+                    "auto_s": times["funcgrad auto"],
+                    "fixed_s": fixed,
+                    "best": best.removeprefix("funcgrad "),
+                    "regret": times["funcgrad auto"] / fixed[best],
+                    # The same on each method's fastest round: what a quiet machine would see.
+                    "regret_min": fastest["funcgrad auto"] / min(fastest[m] for m in fixed),
+                    "auto_first_call_s": entry["methods"]["funcgrad auto"]["first_call"],
+                    "first_call": entry["plans"]["funcgrad auto (first call)"],
+                    "plan": entry["plans"]["funcgrad auto"],
+                }
+            )
+        elif entry.get("planner") == "plan-cost" and times:
+            forward = times[entry["baseline"]]
+            costs.append(
+                {
+                    "case": label,
+                    "function": entry["variant"],
+                    "k": entry["k"],
+                    "forward_s": forward,
+                    "plan_fresh_s": times["fn.plan, fresh fn"],
+                    "plan_again_s": times["fn.plan, same fn again"],
+                    "fresh_ratio": times["fn.plan, fresh fn"] / forward,
+                    "again_ratio": times["fn.plan, same fn again"] / forward,
+                    "plan": entry["plans"]["fn.plan"]["repr"],
+                }
+            )
+    regrets = [cell["regret"] for cell in cells]
+    regrets_min = [cell["regret_min"] for cell in cells]
+    return {
+        "cells": cells,
+        "max_regret": max(regrets, default=None),
+        "median_regret": statistics.median(regrets) if regrets else None,
+        "max_regret_min": max(regrets_min, default=None),
+        "median_regret_min": statistics.median(regrets_min) if regrets_min else None,
+        "auto_not_run": missing,
+        "plan_cost": costs,
+    }
 
 
 def _summary(samples: list[float]) -> dict[str, float]:
@@ -221,13 +397,24 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['machine']}; torch {report['versions']['torch']}, {report['threads']} threads; "
         f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round), medians. "
-        "Ratios are against `naive` (k x `torch.autograd.grad(..., retain_graph=True)`) "
-        "in the same run.",
+        "Ratios (x base) are against the case's baseline in the same run: `naive` "
+        "(k x `torch.autograd.grad(..., retain_graph=True)`)"
+        + "".join(
+            f"; for {name}, `{base}`"
+            for name, base in {
+                e["name"]: e.get("baseline", "naive")
+                for e in report["cases"].values()
+                if e.get("baseline", "naive") != "naive" and e.get("planner") is None
+            }.items()
+        )
+        + ".",
         "",
-        "| case | method | median ms | min-max ms | x naive | peak MiB | agrees |",
+        "| case | method | median ms | min-max ms | x base | peak MiB | agrees |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
+        if entry.get("planner") is not None:  # in the planner's own tables below
+            continue
         methods = entry["methods"]  # empty when the whole case was skipped
         naive = methods[entry.get("baseline", "naive")]["median"] if methods else None
         for name, stats in methods.items():
@@ -252,12 +439,92 @@ def _markdown(report: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         for name, why in entry["skipped"].items():
             lines.append(f"| {label} | {name} | skipped: {why} | | | | |")
+    plans = [
+        f"- {label}, {method}: `{plan['repr']}`"
+        for label, entry in report["cases"].items()
+        if entry.get("planner") is None
+        for method, plan in (entry.get("plans") or {}).items()
+    ]
+    if plans:
+        lines += ["", "Plans (`fn.plan(...)` after the warm-up call):", "", *plans]
+    lines += _planner_markdown(report.get("planner") or {})
     lines += ["", "## Targets", "", "| case | target | ratio | met |", "|---|---|---:|---|"]
     for t in report["targets"]:
         ratio = "" if t["ratio"] is None else f"{t['ratio']:.3f}"
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"| {t['case']} | {t['target']} | {ratio} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _planner_markdown(summary: dict[str, Any]) -> list[str]:
+    if not summary.get("cells") and not summary.get("plan_cost"):
+        return []
+    lines = [
+        "",
+        "## Planner regret",
+        "",
+        "Per cell, median ms of `compose_heads(..., strategy=...)` (warm-up call first: under "
+        "`auto` it measures vmap against one unbatched call and fixes the plan); regret = "
+        "auto / the best fixed strategy (regret (min): the same on each method's fastest round);"
+        " `—`: not run (too many passes through f, or it falls back to another way: see the "
+        "JSON's `skipped`); auto's 1st call: the warm-up call, ms.",
+        "",
+        "| function | k | m | n | auto | vjp | jacrev | jacfwd | loop | regret | regret (min) "
+        "| auto's 1st call | auto's plan (after the first call) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for cell in summary["cells"]:
+        fixed = [
+            f"{cell['fixed_s'][f'funcgrad {s}'] * 1e3:.2f}"
+            if f"funcgrad {s}" in cell["fixed_s"]
+            else "—"
+            for s in ("vjp", "jacrev", "jacfwd", "loop")
+        ]
+        plan = cell["plan"]
+        shown = f"{plan['strategy']}, {plan['passes']} passes"
+        if plan["chunk_size"] is not None:
+            shown += f" (chunk_size={plan['chunk_size']})"
+        if plan["measured"] is not None:
+            shown += f"; unbatched, measured: {plan['measured']}"
+        if cell["first_call"]["strategy"] != plan["strategy"]:
+            shown += f" (first call: {cell['first_call']['strategy']})"
+        regret = f"{cell['regret']:.2f}" + (" **>1.2**" if cell["regret"] > 1.2 else "")
+        lines.append(
+            f"| {cell['function']} | {cell['k']} | {cell['m']} | {cell['n']} | "
+            f"{cell['auto_s'] * 1e3:.2f} | "
+            + " | ".join(fixed)
+            + f" | {regret} | {cell['regret_min']:.2f} | {cell['auto_first_call_s'] * 1e3:.1f}"
+            + f" | {shown} |"
+        )
+    if summary["cells"]:
+        worst = max(summary["cells"], key=lambda cell: cell["regret"])
+        lines += [
+            "",
+            f"Regret over {len(summary['cells'])} cells: max {summary['max_regret']:.2f} "
+            f"({worst['function']} k={worst['k']}), median {summary['median_regret']:.2f}; "
+            f"on each method's fastest round: max {summary['max_regret_min']:.2f}, median "
+            f"{summary['median_regret_min']:.2f}.",
+        ]
+    if summary.get("auto_not_run"):
+        lines += ["", f"Auto did not run as asked in: {', '.join(summary['auto_not_run'])}."]
+    if summary.get("plan_cost"):
+        lines += [
+            "",
+            "### fn.plan(*args) against one eager forward of f",
+            "",
+            "| function | k | eager forward ms | fn.plan, fresh fn ms (x forward) "
+            "| fn.plan, same fn again ms (x forward) | plan |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for cost in summary["plan_cost"]:
+            lines.append(
+                f"| {cost['function'].removesuffix(' plan cost')} | {cost['k']} | "
+                f"{cost['forward_s'] * 1e3:.2f} | "
+                f"{cost['plan_fresh_s'] * 1e3:.2f} ({cost['fresh_ratio']:.2f}) | "
+                f"{cost['plan_again_s'] * 1e3:.3f} ({cost['again_ratio']:.3f}) | "
+                f"`{cost['plan']}` |"
+            )
+    return lines
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
@@ -269,6 +536,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     families: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for entry in report["cases"].values():
         name, k = entry["name"], entry["k"]
+        if name not in STANDARD_BUILDERS:  # planner, real-model, ddp: their own tables
+            continue
         families.setdefault(name, []).append((k, entry))
     families = {n: sorted(v, key=lambda item: item[0]) for n, v in families.items() if len(v) > 1}
     if not families:
@@ -303,11 +572,25 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _cpu_model() -> str:
+    """(the model name from /proc/cpuinfo), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return f" ({line.split(':', 1)[1].strip()})"
+    except OSError:
+        pass
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_memory-child"]:
-        case_name, heads, size, method, threads, device = argv[1:7]
-        _peak_memory_child(case_name, int(heads), size == "quick", method, int(threads), device)
+        case_name, heads, size, method, threads, device, variant = argv[1:8]
+        _peak_memory_child(
+            case_name, int(heads), size == "quick", method, int(threads), device, variant
+        )
         return 0
     parser = argparse.ArgumentParser(
         prog="python -m funcgrad.bench",
@@ -316,7 +599,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, few rounds (< 1 min)")
     parser.add_argument(
-        "--cases", nargs="+", choices=[*BUILDERS, "ddp"], default=[*BUILDERS, "ddp"]
+        "--cases",
+        nargs="+",
+        choices=[*BUILDERS, "ddp"],
+        default=[name for name in BUILDERS if name != "planner"] + ["ddp"],
+        help="default: all but planner (funcgrad's auto against its own fixed strategies)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="only these functions or settings of the cases that have several (planner: "
+        "'seed', 'ode n=2', ...; real-model: eager, sdpa)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--plot", action="store_true", help="draw time against k (matplotlib)")
@@ -345,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": rounds,
         "threads": torch.get_num_threads(),
         "device": args.device,
-        "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores"
+        "machine": f"{platform.machine()} CPU{_cpu_model()}, {os.cpu_count()} cores"
         + (f", {torch.cuda.get_device_name()}" if args.device.startswith("cuda") else ""),
         "versions": versions,
         "cases": {},
@@ -364,34 +658,31 @@ def main(argv: list[str] | None = None) -> int:
             for k in DDP_HEAD_COUNTS[mode]:
                 report["cases"][f"ddp k={k}"] = ddp_entry(k, args.quick, rounds)
             continue
-        for k in HEAD_COUNTS[name][mode]:
-            case = BUILDERS[name](k, args.quick)
-            results, start = {}, time.perf_counter()
-            for method, fn in case.methods.items():  # warm-up, and the agreement check
-                results[method] = fn()
-            # Slow cases (a round over 10 s) get 3 rounds, unless --rounds says otherwise.
-            case_rounds = args.rounds or (3 if time.perf_counter() - start > 10 else rounds)
-            agreement = _agreement(case, results)
-            report["disagreements"] += [
-                f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
-            ]
-            samples = _time_case(case, case_rounds)
-            entry = {
-                "name": case.name,
-                "k": case.k,
-                "m": case.m,
-                "n": case.n,
-                "auto": case.auto,
-                "methods": {m: {**_summary(s), "samples": s} for m, s in samples.items()},
-                "rounds": case_rounds,
-                "agreement": agreement,
-                "skipped": case.skipped,
-            }
-            # Quick runs measure memory on the seed only: each method is a fresh process.
-            if not args.no_memory and (not args.quick or case.label == "seed k=8"):
-                entry["peak_mib"] = _peak_memory(case, args.quick, args.threads, args.device)
-            report["cases"][case.label] = entry
+        for variant, k in _cells(name, mode):
+            if (
+                variant
+                and args.variants
+                and variant.removesuffix(" plan cost") not in args.variants
+            ):
+                continue
+            try:
+                case = _build(name, k, args.quick, variant)
+            except SkipCase as why:  # a missing extra: one line per case, not per cell
+                if not any(e["name"] == name for e in report["cases"].values()):
+                    print(f"bench: skipping {name}: {why}", file=sys.stderr)
+                label = f"{name} {variant} k={k}" if variant else f"{name} k={k}"
+                report["cases"][label] = {
+                    "name": name,
+                    "variant": variant,
+                    "k": k,
+                    "methods": {},
+                    "agreement": {},
+                    "skipped": {"all": str(why)},
+                }
+                continue
+            report["cases"][case.label] = _run_case(case, args, rounds, report)
     report["targets"] = _evaluate_targets(report["cases"])
+    report["planner"] = _planner_summary(report["cases"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
     markdown = _markdown(report)

@@ -26,6 +26,10 @@ STRATEGIES: tuple[Literal["vjp", "jacrev", "jacfwd", "loop"], ...] = (
 MAX_DIRECTIONS = {"full": 4096, "quick": 256}
 
 
+class SkipCase(Exception):
+    """Raised by a builder whose case cannot run here (a missing extra): the one-line why."""
+
+
 @dataclasses.dataclass
 class Case:
     name: str
@@ -38,10 +42,23 @@ class Case:
     # The method each one must agree with, where it is not "naive" (another quantity).
     reference_for: dict[str, str] = dataclasses.field(default_factory=dict)
     auto: str = ""  # the strategy "funcgrad auto" chose
+    variant: str = ""  # which of the case's functions or settings (in the label)
+    baseline: str = "naive"  # the method that the table's ratios divide by
+    # Run once with the others for the agreement check (as a reference), but not timed.
+    untimed: tuple[str, ...] = ()
+    memory: bool = True  # peak memory measured per method (full runs)
+    # A method that warns (FuncgradWarning) in its warm-up call, falling back to another way
+    # of computing, is dropped (reported as skipped) rather than timed under a wrong name.
+    drop_on_warning: bool = False
+    # Plans to report, read after the warm-up call (auto's first call decides the plan).
+    plans: dict[str, Callable[[], funcgrad.Plan]] = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # copied into the report
 
     @property
     def label(self) -> str:
-        return f"{self.name} k={self.k}"
+        return (
+            f"{self.name} {self.variant} k={self.k}" if self.variant else f"{self.name} k={self.k}"
+        )
 
 
 def _add_torchjd(case: Case, graph: Callable[[], tuple[Any, Any]], package=lambda j: j[0]) -> None:

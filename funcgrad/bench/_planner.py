@@ -1,0 +1,274 @@
+"""The planner case: how much ``strategy="auto"`` loses to the best fixed strategy.
+
+A grid of real functions x k heads. Each cell times ``compose_heads(..., strategy="auto")``
+(its first call, the warm-up, measures vmap against one unbatched call and fixes the plan)
+and every fixed strategy that fits, interleaved; the regret of the cell is auto's median over
+the best fixed strategy's median. The ``plan cost`` cells time ``fn.plan(*args)`` against one
+eager forward of f (the Python-loop ODE simulator, where f's overhead is all Python).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+
+import funcgrad
+
+from ._cases import (
+    MAX_DIRECTIONS,
+    STRATEGIES,
+    Case,
+    Encoder,
+    _mtl_heads,
+    _scalar_heads,
+    seed_fun,
+)
+
+Heads = list[Callable[..., torch.Tensor]]
+Function = tuple[Callable[..., Any], Heads, tuple[Any, ...]]
+HEAD_COUNTS = {"full": (2, 8, 32), "quick": (2, 32)}
+ODE_STEPS = {"full": 300, "quick": 200}
+PLAN_COST_HEADS = 8
+
+
+def _generator() -> torch.Generator:
+    return torch.Generator(device=torch.get_default_device()).manual_seed(0)
+
+
+def _vector_heads(k: int, m: int, dtype: torch.dtype) -> Heads:
+    """k cheap nonlinear heads of a flattened y (m entries)."""
+    weights = torch.randn(k, m, generator=_generator(), dtype=dtype) / m**0.5
+    return [
+        lambda y, w=weights[i]: torch.sin(w @ y.flatten()) + (w * y.flatten()).pow(2).sum()
+        for i in range(k)
+    ]
+
+
+def seed(k: int, quick: bool) -> Function:
+    """The seed: real(trace(matrix_exp(1j x ones(N, N)))), a scalar of a scalar."""
+    f = seed_fun(30 if quick else 60)
+    return f, _scalar_heads(k), (torch.tensor(1.0, dtype=torch.float64),)
+
+
+def multi_output(k: int, quick: bool) -> Function:
+    """4 real diagonal entries of matrix_exp(i sum_j x_j A_j), x in R^4."""
+    n, gen = (20 if quick else 50), _generator()
+    bases = torch.randn(4, n, n, generator=gen, dtype=torch.float64) / n**0.5
+    bases = bases + bases.transpose(1, 2)
+
+    def f(x):
+        e = torch.matrix_exp(1j * torch.einsum("j,jab->ab", x, bases))
+        return torch.real(torch.diagonal(e)[:4])
+
+    return (
+        f,
+        _vector_heads(k, 4, torch.float64),
+        (torch.randn(4, generator=gen, dtype=torch.float64),),
+    )
+
+
+def mlp(k: int, quick: bool) -> Function:
+    """An MLP encoder, task losses on its features, gradients w.r.t. its parameters."""
+    widths, batch = ((32, 64, 64, 32), 16) if quick else ((64, 128, 128, 64), 32)
+    torch.manual_seed(0)
+    encoder = Encoder(widths)
+    inputs = torch.randn(batch, widths[0])
+
+    def f(p):
+        return torch.func.functional_call(encoder, p, (inputs,))
+
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+    return f, _mtl_heads(k, widths[-1], batch), (params,)
+
+
+def probes(k: int, quick: bool) -> Function:
+    """Linear probes (softplus) on the 16-d feature of a tanh MLP, gradients w.r.t. x."""
+    d_in, d_hidden, d_feature = (128, 64, 16) if quick else (256, 128, 32)
+    gen = _generator()
+    w1 = torch.randn(d_hidden, d_in, generator=gen) / d_in**0.5
+    w2 = torch.randn(d_feature, d_hidden, generator=gen) / d_hidden**0.5
+
+    def f(x):
+        return torch.tanh(w2 @ torch.tanh(w1 @ x))
+
+    w, b = torch.randn(k, d_feature, generator=gen), torch.randn(k, generator=gen)
+    heads = [lambda y, w=w[j], b=b[j]: torch.nn.functional.softplus(w @ y + b) for j in range(k)]
+    return f, heads, (torch.randn(d_in, generator=gen),)
+
+
+def lstm(k: int, quick: bool) -> Function:
+    """nn.LSTM over a sequence, y its final hidden state, gradients w.r.t. the sequence."""
+    torch.manual_seed(0)
+    seq, hidden = (20, 16) if quick else (40, 32)
+    module = torch.nn.LSTM(8, hidden)
+
+    def f(x):
+        return module(x)[1][0].flatten()
+
+    return f, _vector_heads(k, hidden, torch.float32), (torch.randn(seq, 1, 8),)
+
+
+def transformer(k: int, quick: bool) -> Function:
+    """A 2-layer nn.TransformerEncoder, mean-pooled, gradients w.r.t. its parameters."""
+    torch.manual_seed(0)
+    d_model, batch, seq = (32, 4, 16) if quick else (64, 8, 32)
+    layer = torch.nn.TransformerEncoderLayer(d_model, 4, 2 * d_model, dropout=0.0, batch_first=True)
+    module = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    src = torch.randn(batch, seq, d_model)
+
+    def f(p):
+        return torch.func.functional_call(module, p, (src,)).mean(1)
+
+    params = {name: p.detach() for name, p in module.named_parameters()}
+    return f, _mtl_heads(k, d_model, batch), (params,)
+
+
+def convnet(k: int, quick: bool) -> Function:
+    """A small convnet's 10 logits, gradients w.r.t. the image."""
+    torch.manual_seed(0)
+    side = 16 if quick else 32
+    module = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 10),
+    )
+
+    def f(x):
+        return module(x).flatten()
+
+    return f, _vector_heads(k, 10, torch.float32), (torch.randn(1, 3, side, side),)
+
+
+def ode(n: int) -> Callable[[int, bool], Function]:
+    """A Python-loop RK4 simulator of dx/dt = A(theta) x + sin(x) / 10 (x in R^4, theta in
+    R^n, float64); y = the final state and the time-average (m = 8)."""
+
+    def build(k: int, quick: bool) -> Function:
+        steps, d, dt = ODE_STEPS["quick" if quick else "full"], 4, 0.01
+        gen = _generator()
+        basis = torch.randn(n, d, d, generator=gen, dtype=torch.float64) / (n * d) ** 0.5
+        damping = torch.eye(d, dtype=torch.float64)
+        x0 = torch.randn(d, generator=gen, dtype=torch.float64)
+
+        def f(theta):
+            a = torch.einsum("j,jab->ab", theta, basis) - damping
+
+            def rhs(x):
+                return a @ x + torch.sin(x) / 10
+
+            x, total = x0, torch.zeros_like(x0)
+            for _ in range(steps):
+                k1 = rhs(x)
+                k2 = rhs(x + dt / 2 * k1)
+                k3 = rhs(x + dt / 2 * k2)
+                k4 = rhs(x + dt * k3)
+                x = x + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+                total = total + x
+            return torch.cat([x, total / steps])
+
+        theta = torch.randn(n, generator=gen, dtype=torch.float64)
+        return f, _vector_heads(k, 2 * d, torch.float64), (theta,)
+
+    return build
+
+
+FUNCTIONS: dict[str, Callable[[int, bool], Function]] = {
+    "seed": seed,
+    "multi-output": multi_output,
+    "mlp": mlp,
+    "probes": probes,
+    "lstm": lstm,
+    "transformer": transformer,
+    "convnet": convnet,
+    "ode n=2": ode(2),
+    "ode n=8": ode(8),
+    "ode n=64": ode(64),
+}
+QUICK_FUNCTIONS = (
+    "seed",
+    "multi-output",
+    "mlp",
+    "probes",
+    "lstm",
+    "transformer",
+    "convnet",
+    "ode n=2",
+    "ode n=64",
+)
+PLAN_COST = ("ode n=2", "ode n=64")
+PLAN_COST_SUFFIX = " plan cost"
+
+
+def cells(mode: str) -> list[tuple[str, int]]:
+    """(variant, k) for every cell of the grid, then the plan-cost cells."""
+    functions = QUICK_FUNCTIONS if mode == "quick" else tuple(FUNCTIONS)
+    grid = list(itertools.product(functions, HEAD_COUNTS[mode]))
+    return grid + [(name + PLAN_COST_SUFFIX, PLAN_COST_HEADS) for name in PLAN_COST]
+
+
+def _grads(fn: funcgrad.ComposedHeads[Any], args: tuple[Any, ...]) -> Any:
+    return fn(*args)[1]
+
+
+def planner_case(k: int, quick: bool, variant: str) -> Case:
+    if variant.endswith(PLAN_COST_SUFFIX):
+        return _plan_cost_case(k, quick, variant)
+    f, heads, args = FUNCTIONS[variant](k, quick)
+    auto = funcgrad.compose_heads(f, heads, strategy="auto")
+    first = auto.plan(*args)  # before the first call (which measures)
+    case = Case("planner", k, first.m, first.n, {}, variant=variant, memory=False)
+    case.drop_on_warning = True
+    case.methods["funcgrad auto"] = functools.partial(_grads, auto, args)
+    for strategy in STRATEGIES:
+        directions = funcgrad.Plan(strategy, first.k, first.m, first.n).directions
+        if directions > MAX_DIRECTIONS["quick" if quick else "full"]:
+            case.skipped[f"funcgrad {strategy}"] = f"needs {directions} passes through f"
+            continue
+        fixed = funcgrad.compose_heads(f, heads, strategy=strategy)
+        case.methods[f"funcgrad {strategy}"] = functools.partial(_grads, fixed, args)
+
+    def naive():  # the reference: k x torch.autograd.grad on one graph of f
+        leaves, treedef = optree.tree_flatten(args[0])
+        leaves = [leaf.detach().requires_grad_() for leaf in leaves]
+        y = f(optree.tree_unflatten(treedef, leaves))
+        rows = [torch.autograd.grad(h(y), leaves, retain_graph=True) for h in heads]
+        stacked = [torch.stack([row[j] for row in rows]) for j in range(len(leaves))]
+        return optree.tree_unflatten(treedef, stacked)
+
+    case.methods["naive"] = naive
+    case.untimed = ("naive",)
+    case.auto = first.strategy
+    case.plans = {
+        "funcgrad auto (first call)": lambda: first,
+        "funcgrad auto": lambda: auto.plan(*args),
+    }
+    case.extra = {"planner": "regret"}
+    return case
+
+
+def _plan_cost_case(k: int, quick: bool, variant: str) -> Case:
+    name = variant.removesuffix(PLAN_COST_SUFFIX)
+    f, heads, args = FUNCTIONS[name](k, quick)
+    warm = funcgrad.compose_heads(f, heads)
+    plan = warm.plan(*args)
+    methods = {
+        "one eager forward of f": lambda: f(*args),
+        "fn.plan, fresh fn": lambda: funcgrad.compose_heads(f, heads).plan(*args),
+        "fn.plan, same fn again": lambda: warm.plan(*args),
+    }
+    case = Case("planner", k, plan.m, plan.n, methods, variant=variant, memory=False)
+    case.reference_only = tuple(methods)
+    case.baseline = "one eager forward of f"
+    case.plans = {"fn.plan": lambda: warm.plan(*args)}
+    case.extra = {"planner": "plan-cost"}
+    return case
