@@ -6,6 +6,10 @@ from hypothesis import HealthCheck, settings
 
 import funcgrad
 
+# Checked by mypy, never run: under --doctest-modules pytest would import it, and its typos
+# (on purpose) raise.
+collect_ignore = ["typecheck_api.py"]
+
 settings.register_profile(
     "default", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
