@@ -22,6 +22,8 @@ from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
 import funcgrad
 from funcgrad.bench._ddp import gloo_group
 
+pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
+
 WORLD = 2
 CONFIGS = [
     (level, name, wrap)

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a whole mkdocs build
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -160,6 +160,7 @@ def test_multi_task_gradients_on_module_parameters():
             torch.testing.assert_close(grads[name][t], expected)
 
 
+@pytest.mark.slow  # inductor compiles five graphs
 @pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
 def test_torch_compile_fullgraph_matches_eager(strategy):
     torch._dynamo.reset()

@@ -55,6 +55,7 @@ def _peak_mib(chunk_size: str) -> float:
     return float(done.stdout.split()[-1])
 
 
+@pytest.mark.slow  # a subprocess that measures its peak memory
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
 def test_peak_memory_stays_within_a_small_budget():
     unchunked = _peak_mib(None)

@@ -362,6 +362,7 @@ def test_combine_heads_without_weighting_is_the_gradient_of_the_sum():
     assert params_plan.directions == min(params_plan.k, params_plan.m)
 
 
+@pytest.mark.slow  # inductor compiles
 @pytest.mark.parametrize("level", ["params", "features"])
 def test_combine_heads_compiles_with_a_torch_native_weighting(level):
     f, heads, params = _encoder_and_heads()

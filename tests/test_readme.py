@@ -6,8 +6,11 @@ Commands that cannot run here (pip, torchrun) are in ```bash fences, which are n
 import pathlib
 import re
 
+import pytest
 import torch
 from mktestdocs import check_md_file, grab_code_blocks
+
+pytestmark = pytest.mark.slow  # every block in one namespace: TorchJD, training, compiling
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

@@ -27,6 +27,8 @@ from realstacks_models import CASES, Case, Tasks
 
 import funcgrad
 
+pytestmark = pytest.mark.slow  # transformers models, compiled encoders
+
 tjd = pytest.importorskip("torchjd.aggregation")
 autojac = pytest.importorskip("torchjd.autojac")
 
