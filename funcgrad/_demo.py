@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         ("naive autograd, per head", naive),
         ("funcgrad.compose_heads", lambda: composed(x0)),
     ]:
-        progress(f"{label}: a warm-up call, then {args.repeats} timed...")
+        progress(f"{label}: a warm-up call, then {args.repeats} timed run(s)...")
         counter.reset()
         fn()  # warm-up, and count the passes of one call
         passes = counter.backward
