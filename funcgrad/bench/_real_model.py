@@ -31,7 +31,9 @@ _VMAP_FALLBACK = "There is a performance drop because we have not yet implemente
 
 
 def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
-    """``variant``: the attention implementation, ``"eager"`` or ``"sdpa"``."""
+    """``variant``: the attention implementation, ``"eager"`` or ``"sdpa"`` (or the case's
+    own variant, ``"bert-eager"``, as the peak-memory subprocess passes it back)."""
+    variant = variant.removeprefix("bert-")
     try:
         from transformers import BertConfig, BertModel
     except ImportError:
