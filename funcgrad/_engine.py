@@ -95,7 +95,7 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
 
 # A loop must beat vmap by this factor to be chosen: below it, the difference is within the
 # noise of one timed call, and vmap (fewer calls) is kept.
-_LOOP_MARGIN = 0.9
+LOOP_MARGIN = 0.9
 # Set by `measuring()`: each batched call is timed against one unbatched call, and where the
 # unbatched one is faster per direction the reason is appended, for the caller to plan
 # unbatched calls from then on.
@@ -134,7 +134,7 @@ def _vmap_measured(
     fn(*(arg[0] for arg in args))
     single_s = time.perf_counter() - start
     batch = args[0].shape[0]
-    faster = single_s < _LOOP_MARGIN * batched_s / batch
+    faster = single_s < LOOP_MARGIN * batched_s / batch
     log.append(
         f"{what}: {1e3 * batched_s / batch:.2g} ms a direction in one vmap, "
         f"{1e3 * single_s:.2g} ms unbatched, measured on the first call"

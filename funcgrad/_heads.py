@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -332,6 +333,9 @@ class Composition:
         # chunk_size="auto": the engine's fitted chunks, and the one each shape got.
         self._fits: dict[Any, int] = {}
         self._chunks: dict[Any, int] = {}
+        # Per shapes where auto chose forward mode: None where it measured faster than
+        # reverse mode on the first call, else why reverse mode was (then planned).
+        self._forward_timed: dict[Any, str | None] = {}
 
     @property
     def k(self) -> int:
@@ -372,6 +376,8 @@ class Composition:
         one_batch = chunk is None or chunk == "auto" or chunk >= n
         if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return False, None
+        if self._forward_timed.get(_shape_key(flat.args)):  # reverse mode measured faster
+            return False, None
         m = self.output_size(flat)
         if m is None:
             return False, None
@@ -387,6 +393,10 @@ class Composition:
         if chunk == "auto" and self._chunks:
             chunk = self._chunks.get(_shape_key(flat.args), "auto")
 
+        not_forward = (
+            self._forward_timed.get(_shape_key(flat.args)) if self._forward_timed else None
+        )
+
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
                 return make_plan("auto", self.k, m, n, chunk, forward=False)
@@ -400,6 +410,7 @@ class Composition:
                 forward=forward,
                 unbatched=unbatched,
                 measure=measure,
+                not_forward=not_forward,
                 call=self.call,
             )
 
@@ -426,6 +437,8 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         key = self._measure_key(flat)
+        if forward and key is not None and key not in self._forward_timed:
+            return self._forward_against_reverse(flat, planner, key, check)
         fitted = len(self._fits)
         with contextlib.ExitStack() as stack:
             log = stack.enter_context(_engine.measuring()) if key is not None else None
@@ -440,6 +453,38 @@ class Composition:
             self._measured[key] = log[0] or None
         if len(self._fits) > fitted:  # chunk_size="auto" fitted a chunk for these shapes
             self._chunks[_shape_key(flat.args)] = list(self._fits.values())[-1]
+        return values, grads, aux
+
+    def _forward_against_reverse(
+        self, flat: FlatFunction, planner: _engine.Planner, key: Any, check: CheckMode
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
+        """The first call on new shapes where auto chose forward mode: forward mode, then
+        the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
+        the generators end where one forward leaves them). The faster one's answer is
+        returned, and later calls on these shapes plan it (``Plan.measured`` says why)."""
+        cotangents_of = self.cotangents_of(flat)
+        before = RandomState(flat.leaves)
+        start = time.perf_counter()
+        forward_result = _engine.per_head(flat, planner, True, cotangents_of, check)
+        forward_s = time.perf_counter() - start
+        after = RandomState(flat.leaves)
+        before.restore()
+        with _engine.measuring() as log:
+            start = time.perf_counter()
+            reverse_result = _engine.per_head(
+                flat, lambda m, _: planner(m, True), False, cotangents_of, check
+            )
+            reverse_s = time.perf_counter() - start
+        after.restore()
+        faster = reverse_s < _engine.LOOP_MARGIN * forward_s
+        self._forward_timed[key] = (
+            f"reverse mode ({reverse_result[0].strategy}) {1e3 * reverse_s:.2g} ms, forward mode "
+            f"{1e3 * forward_s:.2g} ms on the first call"
+            if faster
+            else None
+        )
+        self._measured[key] = (log[0] or None) if log and faster else None
+        _, values, grads, aux = reverse_result if faster else forward_result
         return values, grads, aux
 
     def _measure_key(self, flat: FlatFunction) -> Any:

@@ -55,9 +55,9 @@ class Plan:
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
         fallbacks: what the engine does, with one warning, where this strategy cannot run
             as planned; each entry reads "condition -> what runs instead".
-        measured: why an earlier call on these shapes chose unbatched calls over vmap (vmap
-            loops inside for an op without a batching rule, and a loop measured faster),
-            else None.
+        measured: why an earlier call on these shapes changed the plan, else None: reverse
+            mode measured faster than forward mode, or unbatched calls faster than vmap
+            (which loops inside for an op without a batching rule, or is slow anyway).
         measure: the call times its first batched call against one unbatched call (the
             first call on new shapes under ``"auto"``): one direction more through f, in
             ``passes``; the result decides how later calls on these shapes run.
@@ -116,7 +116,7 @@ class Plan:
             shapes += f", chunk_size={self.chunk_size}"
         costs = ", ".join(f"{name}={cost}" for name, cost in self.costs)
         if self.measured is not None:
-            why = f"unbatched, measured: {self.measured}"
+            why = f"measured: {self.measured}"
         elif self.strategy == "weighted":
             why = "one pullback of w @ V, whatever k"
         elif self.requested == "auto":
@@ -138,6 +138,7 @@ def make_plan(
     weighted: bool = False,
     unbatched: str | None = None,
     measure: bool = False,
+    not_forward: str | None = None,
     call: str = "funcgrad",
 ) -> Plan:
     """The plan for k cotangents on an m-dimensional y and n-dimensional inputs.
@@ -150,6 +151,7 @@ def make_plan(
     ``unbatched`` (auto only): the reason an earlier call measured unbatched calls faster;
     then the fewer of k pullbacks (``loop``) or m rows one at a time (``jacrev``, chunks of 1).
     ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
+    ``not_forward``: why an earlier call measured reverse mode faster than forward mode.
     """
     one_batch = chunk_size is None or chunk_size == "auto" or chunk_size >= n
     if requested == "jacfwd" and not one_batch:
@@ -160,7 +162,7 @@ def make_plan(
             "bound memory with chunks."
         )
     costs = {"vjp": k, "jacrev": m}
-    if n and one_batch:
+    if n and one_batch and (forward or requested != "auto"):
         costs["jacfwd"] = FORWARD_MODE_PENALTY * n
     candidates: list[Executed] = ["vjp", "jacrev"]
     if "jacfwd" in costs and forward:
@@ -174,11 +176,11 @@ def make_plan(
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
     else:
         strategy = requested
+    measured = not_forward if requested == "auto" and not weighted else None
     if unbatched is not None and requested == "auto" and not weighted and strategy != "jacfwd":
         strategy = "loop" if k <= m else "jacrev"
         chunk_size = None if strategy == "loop" else 1
-    else:
-        unbatched = None
+        measured = unbatched if measured is None else f"{measured}; {unbatched}"
     batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
     measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
     fallbacks = _FALLBACKS[strategy]
@@ -193,6 +195,6 @@ def make_plan(
         requested,
         tuple(costs.items()),
         fallbacks,
-        unbatched,
+        measured,
         measure,
     )

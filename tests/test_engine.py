@@ -297,3 +297,30 @@ def test_plan_leaves_no_trace():
     assert torch.equal(torch.get_rng_state(), state)
     assert torch.equal(model[2].running_mean, stats[0])
     assert int(model[2].num_batches_tracked) == stats[1]
+
+
+def test_auto_times_forward_mode_against_reverse_mode_on_the_first_call():
+    counter, calls = BackwardCounter(), []
+    w = torch.randn(40, 2)
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(w @ counted(x, counter))
+
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(30)]  # 2 n = 4 < k, m
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(2)
+    assert fn.plan(x).strategy == "jacfwd"  # (f on fake tensors)
+    calls.clear()
+    values, grads = fn(x)  # runs both modes on the same draws, keeps the faster one's answer
+    assert len(calls) == 2
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+    plan = fn.plan(x)  # whichever won, later calls run it, and the plan says so
+    assert plan.strategy == "jacfwd" or plan.measured.startswith("reverse mode")
+    calls.clear()
+    counter.reset()
+    fn(x)
+    assert len(calls) == 1
+    assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)

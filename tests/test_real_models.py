@@ -212,6 +212,11 @@ def test_f_runs_exactly_once_per_call(shape, strategy, chunk_size):
     if strategy == "auto" and chunk_size is None:
         assert plan.strategy == shape
     fn(x)
+    # Where auto chose forward mode, the first call on new shapes times it against reverse
+    # mode: f runs once per mode, that once.
+    assert f.calls == (2 if strategy == "auto" and plan.strategy == "jacfwd" else 1)
+    f.calls = 0
+    fn(x)
     assert f.calls == 1
 
 
