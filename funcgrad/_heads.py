@@ -206,9 +206,10 @@ def _shape_key(args: Sequence[Any]) -> Any:
     return treedef, tuple(of(leaf) for leaf in leaves)
 
 
-# A fake run of f (shapes only) costs ~50 us an op: a Python loop of thousands of small ops
-# (an ODE simulator) would cost many eager forwards. Past this many ops it stops, unknown.
-FAKE_RUN_OPS = 2000
+# A fake run of f (shapes only) costs ~75 us an op: a Python loop of thousands of small ops
+# (an ODE simulator) would cost many eager forwards. Past this many ops it stops, unknown
+# (about 8 ms), and plan() takes y's size from one real forward instead.
+FAKE_RUN_OPS = 100
 
 
 class _Stop(Exception):
@@ -286,16 +287,22 @@ def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | 
 
 
 def _forward_size(flat: FlatFunction) -> int:
-    """m from one real forward of f that leaves no trace: no gradients, the random number
-    generators restored, and no tensor written that f did not create (BatchNorm's running
-    statistics in training mode are updated on a copy)."""
+    """m from one real forward of f that leaves no trace: under ``torch.func.vjp`` (which
+    refuses, before anything is mutated, to write into a tensor f captured; the graph is
+    dropped at once), else without gradients with every such write made on a copy (BatchNorm's
+    running statistics in training mode); the random number generators restored."""
     rng = RandomState(flat.leaves)
     try:
-        with torch.no_grad(), _NoMutation():
-            result = flat(*flat.leaves)
+        try:
+            out = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[0]
+        except RuntimeError:
+            rng.restore()
+            with torch.no_grad(), _NoMutation():
+                result = flat(*flat.leaves)
+            out = result[0] if flat.has_aux else result
     finally:
         rng.restore()
-    return _coords.real_size(result[0] if flat.has_aux else result)
+    return _coords.real_size(out)
 
 
 class Composition:
@@ -327,6 +334,7 @@ class Composition:
         # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
         # size picks a strategy, and every strategy computes on the real output.
         self._sizes: dict[Any, int | None] = {}
+        self._forward_sizes: dict[Any, int] = {}  # y's size from a real forward, for plan()
         # Per argument shapes, what the first call measured: None where vmap was faster
         # (or nothing was batched), else why unbatched calls were (then planned unbatched).
         self._measured: dict[Any, str | None] = {}
@@ -421,7 +429,13 @@ class Composition:
         _forward, m_before = self.before_f(flat)
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
-            m = _forward_size(flat)
+            # (remembered for plan() alone: the call still plans as without it)
+            key = _shape_key(flat.args)
+            if key not in self._forward_sizes:
+                if len(self._forward_sizes) >= 64:
+                    self._forward_sizes.clear()
+                self._forward_sizes[key] = _forward_size(flat)
+            m = self._forward_sizes[key]
         plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
