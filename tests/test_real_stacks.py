@@ -79,7 +79,10 @@ XFAIL: dict[tuple[str, str], str] = {
 # clear funcgrad error, before anything is written.
 REFUSED: dict[tuple[str, str], str] = {
     (c, e): "donated buffers"
-    for c in ("compiled-aot-eager", "compiled-mlp-aot-eager", "compiled-mlp-inductor")
+    # whether a compiled backward donates its buffers depends on the compile (a fresh process
+    # or dynamo's caches), so every compiled case may end either way
+    for c in CASES
+    if c.startswith("compiled")
     for e in ("grads", "backward-params")
 }
 
