@@ -161,11 +161,6 @@ def remembering_chunks(store: dict[Any, int]) -> Iterator[None]:
         _fitted.reset(token)
 
 
-def fitted_chunk(store: dict[Any, int], what: str, like: Sequence[torch.Tensor]) -> int | None:
-    """The chunk ``"auto"`` settled on for directions shaped like ``like``, if measured."""
-    return store.get(_fit_key(what, like))
-
-
 def _fit_key(what: str, like: Sequence[torch.Tensor]) -> Any:
     return what, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in like)
 
