@@ -299,6 +299,25 @@ def test_plan_leaves_no_trace():
     assert int(model[2].num_batches_tracked) == stats[1]
 
 
+def test_plan_leaves_a_captured_counter_alone():
+    calls = torch.zeros((), dtype=torch.long)  # a write that does not depend on x
+    w = torch.randn(5, 2)
+
+    def f(x):
+        calls.add_(1)
+        y = w @ x
+        for _ in range(200):  # too long for the shape-only run: plan() runs f for real
+            y = torch.tanh(y)
+        return y
+
+    heads = [lambda y, i=i: y[i] * y.sum() for i in range(5)]  # 2 n < k: m is needed
+    plan = funcgrad.compose_heads(f, heads).plan(torch.randn(2))
+    assert plan.m == 5 and int(calls) == 0
+    with pytest.warns(funcgrad.FuncgradWarning, match="captured tensor in place"):
+        funcgrad.compose_heads(f, heads)(torch.randn(2))  # the call updates it, once
+    assert int(calls) == 1
+
+
 def test_auto_times_forward_mode_against_reverse_mode_on_the_first_call():
     counter, calls = BackwardCounter(), []
     w = torch.randn(40, 2)
