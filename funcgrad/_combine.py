@@ -43,8 +43,8 @@ class CombinedHeads:
         distributed = process_group is not None
         self.rule = _weighting.resolve(weighting, level, _CALL, distributed=distributed)
         self.level = level
-        if isinstance(process_group, torch.nn.parallel.DistributedDataParallel):
-            _sync.policy(process_group, _CALL, allow_ddp=False)  # a clear error, at once
+        if isinstance(process_group, torch.nn.Module):  # DDP or FSDP: a clear error, at once
+            _sync.policy(process_group, _CALL, allow_modules=False)
         self.process_group = process_group
 
     @property
@@ -65,8 +65,17 @@ class CombinedHeads:
 
     def __call__(self, *args: Any) -> Any:
         c = self._composition
-        sync = _sync.policy(self.process_group, _CALL, allow_ddp=False)
+        sync = _sync.policy(self.process_group, _CALL, allow_modules=False)
         flat = c.flat(args)
+        sharded = _sync.first_sharded(flat.leaves)
+        error = None
+        if sharded is not None:
+            error = TypeError(
+                f"{_CALL}: differentiated leaf {sharded} is a DTensor (an FSDP-sharded "
+                "parameter); combine_heads differentiates f with torch.func, which does not "
+                "see the sharding. Pass plain (replicated) tensors, or use funcgrad.backward "
+                "with process_group=<the FSDP encoder>."
+            )
         sync.agree(
             {
                 "number of heads": c.k,
@@ -74,7 +83,7 @@ class CombinedHeads:
                 "level": self.level,
                 "differentiated leaves' shapes": [tuple(x.shape) for x in flat.leaves],
             },
-            None,
+            error,
         )
         check = c.resolved_check()
         if self._one_pullback:

@@ -61,7 +61,7 @@ def weigh_params(
     shaping = [g for g, w in zip(task_grads, weighed or [True] * len(task_grads)) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
-        g = _weighting.gramian(blocks)
+        g = sync.sum_over_shards(_weighting.gramian(blocks))
         _weighting.check_gramian(g, blocks, what, call)
         weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
         weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
@@ -268,17 +268,22 @@ def backward(
     task: _Task | None = None
     error: Exception | None = None
     try:
+        if isinstance(sync, _sync.FSDPSync):
+            sync.check_inputs(inputs)
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
         if isinstance(sync, _sync.DDPSync):
             sync.configure(task.shared, task.level)
-        if sync.reduces_backward and _graph.has_reentrant_checkpoint(task.through):
+        if isinstance(sync, _sync.FSDPSync):
+            sync.configure(task.shared, task.rule.needs_jacobian)
+        ddp = isinstance(sync, _sync.DDPSync) and sync.reduces_backward
+        if ddp and _graph.has_reentrant_checkpoint(task.through):
             raise ValueError(
                 f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
                 "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
                 "reducer would see one backward per direction. Checkpoint with "
                 "use_reentrant=False."
             )
-        if sync.reduces_backward and task.rule.kind == "vector" and level == "params":
+        if ddp and task.rule.kind == "vector" and level == "params":
             raise ValueError(
                 f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
                 "but a DDP-wrapped encoder needs weights (its reducer averages the backward of "
@@ -287,7 +292,7 @@ def backward(
             )
     except (TypeError, ValueError) as caught:
         error = caught
-    facts = None if task is None else {**task.facts(), "DDP's reducer": sync.reduces_backward}
+    facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
     sync.agree(facts, error)
     assert task is not None
 
@@ -303,6 +308,10 @@ def backward(
         assert weights is not None
         if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
             update = sync.average(_engine.weighted(lin, weights, cotangents))
+    elif isinstance(sync, _sync.FSDPSync):  # FSDP: each rank's shards of the k per-task gradients
+        task_grads = sync.task_gradients(task.through, cotangents, retain_graph)
+        what = "with respect to the shared parameters"
+        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL)
     else:
         basis = _engine.Basis(_coords.real_size(lin.out))
         task_grads, _ = _engine.by_linearity(
@@ -319,6 +328,8 @@ def backward(
     if update is None:
         assert weights is not None and lin.accumulate is not None
         lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
+    elif isinstance(sync, _sync.FSDPSync):
+        sync.write(update)
     else:
         for leaf, u in zip(task.shared, update):
             _accumulate(leaf, u)

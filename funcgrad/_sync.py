@@ -10,9 +10,18 @@ of the ranks' local ones, and:
   reducer when the encoder is wrapped in DDP, else in one flat buffer here);
 - params level: one all-reduce of the k x P per-task gradients (one flat buffer).
 
+FSDP2 (``fully_shard``) keeps that convention: its reduce-scatter averages the gradients of one
+backward, and each rank holds a shard of every parameter. The features level is the same
+one backward. The params level needs the k per-task gradients, which only FSDP's own
+backward computes (``torch.autograd.grad`` on its parameters returns unreduced gradients, or
+None with per-layer wraps): k backwards, one per task, each rank reading its shard of the
+averaged gradient. The Gramian is then the sum over the disjoint shards of every rank (one
+all-reduce of k x k numbers), and each rank writes ``w @`` its own shard.
+
 The policies: :class:`Sync` (no distribution: every collective is the identity),
-:class:`GroupSync` (a ProcessGroup) and :class:`DDPSync` (a DistributedDataParallel encoder,
-whose reducer averages the shared gradients of one backward). Every call agrees first
+:class:`GroupSync` (a ProcessGroup), :class:`DDPSync` (a DistributedDataParallel encoder,
+whose reducer averages the shared gradients of one backward) and :class:`FSDPSync` (an
+FSDP2-sharded encoder). Every call agrees first
 (:meth:`Sync.agree`): each rank's local checks and the choices that must match travel in
 one all-gather, before any backward, so that a mistake on one rank is a clear error on
 every rank instead of a hang. The weights (or an aggregator's update) are then broadcast
@@ -22,6 +31,7 @@ and every rank returns the weights it applied.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +67,11 @@ class Sync:
     def average(self, tensors: Sequence[torch.Tensor]) -> Tensors:
         """The average over the ranks of every tensor."""
         return tuple(tensors)
+
+    def sum_over_shards(self, gramian: torch.Tensor) -> torch.Tensor:
+        """The Gramian of the whole parameters from this rank's part of it (the identity
+        where every rank holds all of them)."""
+        return gramian
 
     def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
         """The first rank's tensor on every rank (the weights, or an aggregator's update)."""
@@ -183,12 +198,177 @@ class DDPSync(GroupSync):
         self.reduces_backward = exact
 
 
-def policy(process_group: Any, call: str, *, allow_ddp: bool = True) -> Sync:
+class FSDPSync(GroupSync):
+    """The ranks of an FSDP2 (``fully_shard``) encoder, with one wrap or per-layer wraps,
+    sharded over a 1-D device mesh. Its reduce-scatter averages the gradients of each
+    backward through it into each rank's shard (a DTensor ``.grad`` on the sharded
+    parameter)."""
+
+    reduces_backward = True
+
+    def __init__(self, module: torch.nn.Module, call: str) -> None:
+        meshes = {id(p.device_mesh): p.device_mesh for p in _sharded_params(module)}
+        mesh = next(iter(meshes.values()), None)
+        if mesh is None or len(meshes) > 1 or mesh.ndim != 1:
+            got = (
+                "no sharded parameter"
+                if mesh is None
+                else f"{len(meshes)} device meshes"
+                if len(meshes) > 1
+                else f"a {mesh.ndim}-D mesh"
+            )
+            raise ValueError(
+                f"{call}: `process_group` is an FSDP module, which must be sharded over one "
+                "1-D device mesh (fully_shard(module, mesh=init_device_mesh(device, "
+                f"(world_size,)))), got {got}. HSDP (a 2-D mesh) is not supported."
+            )
+        super().__init__(mesh.get_group(), call)
+        self.module = module
+
+    def check_inputs(self, inputs: Any) -> None:
+        """Before the graph is walked: FSDP updates every parameter of the module."""
+        if inputs is not None:
+            raise ValueError(
+                f"{self.call}: with an FSDP module as `process_group`, `inputs` must be None: "
+                "every parameter of the FSDP module is updated."
+            )
+
+    def configure(self, shared: Sequence[torch.Tensor], needs_jacobian: bool) -> None:
+        """The shared leaves must be exactly the module's parameters (unsharded in the
+        graph: compared by their global shapes)."""
+        wrapped = sorted(tuple(p.shape) for p in self.module.parameters() if p.requires_grad)
+        leaves = sorted(tuple(x.shape) for x in shared)
+        why = None
+        if len(_sharded_params(self.module)) != len(list(self.module.parameters())):
+            why = "every parameter of the module must be sharded by FSDP (no ignored_params)"
+        elif wrapped != leaves:
+            why = (
+                f"the shared leaves (shapes {leaves}) must be exactly the FSDP module's "
+                f"parameters (shapes {wrapped}): wrap the whole shared encoder, and keep the "
+                "task heads and any side branch out of it"
+            )
+        elif needs_jacobian:
+            why = (
+                "a weighting that reads the whole Jacobian would gather every task's "
+                "gradient of every parameter on each rank; use a Gramian weighting (such as "
+                "TorchJD's UPGradWeighting or MGDAWeighting, or UPGrad())"
+            )
+        if why is not None:
+            raise ValueError(f"{self.call}: with an FSDP module as `process_group`, {why}.")
+
+    def task_gradients(self, outputs: Tensors, cotangents: Tensors, retain_graph: bool) -> Tensors:
+        """Each sharded parameter's local shard of the k averaged per-task gradients,
+        (k, *shard shape): one backward through FSDP per task (each all-gathers the
+        parameters and reduce-scatters the gradients, as a plain FSDP backward does; FSDP
+        offers no batched backward). FSDP accumulates into ``.grad``, so the ``.grad`` held
+        before is set aside, and put back whatever happens."""
+        params = [p for p in _sharded_params(self.module) if p.requires_grad]
+        held = [p.grad for p in params]
+        k = cotangents[0].shape[0]
+        rows: list[list[torch.Tensor]] = [[] for _ in params]
+        try:
+            for p in params:
+                p.grad = None
+            for i in range(k):
+                retain = retain_graph or i < k - 1
+                torch.autograd.backward(outputs, [c[i] for c in cotangents], retain_graph=retain)
+                for row, p in zip(rows, params):
+                    local = _local(p if p.grad is None else p.grad)
+                    row.append(local.clone() if p.grad is not None else torch.zeros_like(local))
+                    p.grad = None
+        finally:
+            for p, grad in zip(params, held):
+                p.grad = grad
+        return tuple(torch.stack(row) for row in rows)
+
+    def sum_over_shards(self, gramian: torch.Tensor) -> torch.Tensor:
+        return self._sum(gramian)
+
+    def write(self, update: Tensors) -> None:
+        """``.grad += update`` on each rank's shards (``update``: the local shards, in the
+        order of :meth:`task_gradients`)."""
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in _sharded_params(self.module) if p.requires_grad]
+        for p, local in zip(params, update):
+            spec: Any = p
+            grad = DTensor.from_local(
+                local.detach().to(p.dtype),
+                spec.device_mesh,
+                spec.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+
+
+def _local(tensor: Any) -> torch.Tensor:
+    """This rank's shard of a DTensor."""
+    local: torch.Tensor = tensor.to_local()
+    return local.detach()
+
+
+# The sharded parameters of each FSDP module, the objects its optimizer holds: after the
+# forward, a root keeps its unsharded parameters registered until its backward, and FSDP's
+# public way back to the sharded ones, ``reshard()``, frees them (one more all-gather in the
+# backward): done once per module, the first time.
+_SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _sharded_params(module: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor  # (imported late: ~1 s)
+
+    params = list(module.parameters())
+    if all(isinstance(p, DTensor) for p in params):
+        _SHARDED[module] = params
+        return params
+    if module in _SHARDED:
+        return _SHARDED[module]
+    for part in module.modules():
+        if isinstance(part, FSDPModule):
+            part.reshard()
+    params = [p for p in module.parameters() if isinstance(p, DTensor)]
+    _SHARDED[module] = params
+    return params
+
+
+def first_sharded(leaves: Sequence[torch.Tensor]) -> int | None:
+    """The index of the first DTensor among ``leaves`` (None if none is)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return next((i for i, x in enumerate(leaves) if isinstance(x, DTensor)), None)
+
+
+def _is_fsdp(value: Any) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(value, FSDPModule)
+
+
+def policy(process_group: Any, call: str, *, allow_modules: bool = True) -> Sync:
     """The Sync policy for a ``process_group`` argument."""
     if process_group is None:
         return Sync(call)
+    if _is_fsdp(process_group):
+        if not allow_modules:
+            raise TypeError(
+                f"{call}: `process_group` must be a ProcessGroup here, got an FSDP module. "
+                "combine_heads differentiates f's explicit parameters with torch.func, which "
+                "does not see FSDP's sharding: use funcgrad.backward with "
+                "process_group=<the FSDP encoder> for sharded training."
+            )
+        return FSDPSync(process_group, call)
     if isinstance(process_group, torch.nn.parallel.DistributedDataParallel):
-        if not allow_ddp:
+        if not allow_modules:
             raise TypeError(
                 f"{call}: `process_group` must be a ProcessGroup here (f is a function, "
                 "not a DDP module); pass ddp.process_group."

@@ -1,0 +1,228 @@
+"""Sharded multi-task training: funcgrad.backward with an FSDP2 (fully_shard) encoder as
+``process_group``, 2 gloo ranks on CPU, against ONE process on the whole batch in float64.
+
+After two optimizer steps in a row (the second accumulating into the first's .grad), every
+rank's gathered parameters equal the one process's, with one wrap and per-layer wraps, at both
+levels, for UPGrad, MGDA and weighting=None. Errors are clear on every rank and leave .grad
+unchanged. Every collective has a 30 s timeout (a failing test ends, never hangs).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torchjd.aggregation import GradDrop, MGDAWeighting, UPGrad, UPGradWeighting
+
+import funcgrad
+from funcgrad.bench._ddp import gloo_group
+
+pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
+
+WORLD = 2
+WEIGHTINGS = {"UPGrad": UPGrad, "MGDA": MGDAWeighting, "UPGradWeighting": UPGradWeighting}
+WEIGHTINGS["none"] = lambda: None
+
+
+def _model(dtype=torch.float64):
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh()
+    )
+    heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+    return encoder.to(dtype), heads.to(dtype)
+
+
+def _data(dtype=torch.float64):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 5, generator=generator, dtype=dtype)
+    return x, torch.randn(8, 3, generator=generator, dtype=dtype)
+
+
+def _losses(encoder, heads, x, y):
+    features = encoder(x)
+    losses = [
+        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
+        for i, head in enumerate(heads)
+    ]
+    return features, losses
+
+
+def _shard(encoder, wrap, mesh, **options):
+    if wrap == "layers":
+        for layer in encoder:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh, **options)
+    fully_shard(encoder, mesh=mesh, **options)
+    return encoder
+
+
+def _group(rank, store):
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    return gloo_group(30, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+
+
+def _agreement(rank, mesh):
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    for wrap in ("one", "layers"):
+        for level in ("params", "features"):
+            for name in ("UPGrad", "MGDA", "none"):
+                label = f"{wrap} {level} {name}"
+                encoder, heads = _model()
+                ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
+                _shard(encoder, wrap, mesh)
+                params = [*encoder.parameters(), *heads.parameters()]
+                ref_params = [*ref_encoder.parameters(), *ref_heads.parameters()]
+                optimizer = torch.optim.SGD(params, lr=0.1)
+                ref_optimizer = torch.optim.SGD(ref_params, lr=0.1)
+                for step in range(2):  # the second step accumulates into the first's .grad
+                    features, losses = _losses(encoder, heads, x[shard], y[shard])
+                    weights = funcgrad.backward(
+                        losses,
+                        through=features,
+                        weighting=WEIGHTINGS[name](),
+                        level=level,
+                        process_group=encoder,
+                    )
+                    features, losses = _losses(ref_encoder, ref_heads, x, y)
+                    want = funcgrad.backward(
+                        losses, through=features, weighting=WEIGHTINGS[name](), level=level
+                    )
+                    torch.testing.assert_close(weights, want, msg=f"{label} step {step}")
+                    for p, q in zip(params, ref_params):
+                        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                        torch.testing.assert_close(
+                            grad, q.grad, rtol=1e-7, atol=1e-9, msg=f"{label} step {step}"
+                        )
+                    optimizer.step()
+                    ref_optimizer.step()
+                for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
+                    assert type(p).__name__ == "DTensor", label  # the optimizer's objects
+                    torch.testing.assert_close(p.full_tensor(), q, rtol=1e-7, atol=1e-9)
+
+
+class _Whole(torch.nn.Module):
+    def __init__(self, encoder, heads):
+        super().__init__()
+        self.encoder, self.heads = encoder, heads
+
+    def forward(self, x):
+        features = self.encoder(x)
+        return features, [head(features) for head in self.heads]
+
+
+def _errors(rank, mesh):
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    encoder, heads = _model()
+    _shard(encoder, "layers", mesh)
+    params = list(encoder.parameters())
+    # One step first, so that every sharded parameter holds a .grad to leave unchanged.
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), process_group=encoder)
+    held = [p.grad.to_local().clone() for p in params]
+
+    def unchanged():
+        for p, before in zip(encoder.parameters(), held):
+            torch.testing.assert_close(p.grad.to_local(), before, rtol=0, atol=0)
+
+    # Another number of losses on one rank: the same clear error on both, before any backward.
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    with pytest.raises(ValueError, match=r"ranks of `process_group` disagree \(number of"):
+        funcgrad.backward(
+            losses[: 3 - rank], through=features, weighting=UPGrad(), process_group=encoder
+        )
+    unchanged()
+    # A loss that is NaN on one rank: the summed Gramian is NaN on both, after the k
+    # backwards; every rank raises, and .grad is put back.
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    if rank == 1:
+        losses[2] = losses[2] * float("nan")
+    with pytest.raises(ValueError, match="Gramian of the task gradients"):
+        funcgrad.backward(losses, through=features, weighting=UPGrad(), process_group=encoder)
+    unchanged()
+    # A weighting that reads the whole Jacobian, `inputs`, heads inside the wrap: refused.
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    with pytest.raises(ValueError, match="reads the whole Jacobian"):
+        funcgrad.backward(losses, through=features, weighting=GradDrop(), process_group=encoder)
+    with pytest.raises(ValueError, match="`inputs` must be None"):
+        funcgrad.backward(losses, through=features, inputs=encoder, process_group=encoder)
+    whole = _shard(_Whole(*_model()), "one", mesh)  # the heads inside the wrap
+    features, outputs = whole(x[shard])
+    with pytest.raises(ValueError, match="exactly the FSDP module's parameters"):
+        funcgrad.backward([out.mean() for out in outputs], through=features, process_group=whole)
+    unchanged()
+    # combine_heads differentiates explicit parameters with torch.func: not FSDP's.
+    with pytest.raises(TypeError, match="must be a ProcessGroup here, got an FSDP module"):
+        funcgrad.combine_heads(lambda p: p, [lambda y: y.sum()], process_group=encoder)
+    sharded = dict(encoder.named_parameters())
+    fn = funcgrad.combine_heads(
+        lambda p: torch.func.functional_call(encoder, p, (x[shard],)),
+        [lambda y: y.sum()], process_group=dist.group.WORLD,
+    )  # fmt: skip
+    with pytest.raises(TypeError, match=r"leaf 0 is a DTensor \(an FSDP-sharded parameter\)"):
+        fn(sharded)
+
+
+def _mixed_precision(rank, mesh):
+    """param_dtype=bfloat16: the features level (and the params level) against one float32
+    process, to bfloat16's precision; .grad stays float32 on the sharded parameters."""
+    x, y = _data(torch.float32)
+    shard = slice(rank * 4, rank * 4 + 4)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for level in ("features", "params"):
+        encoder, heads = _model(torch.float32)
+        ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
+        _shard(encoder, "layers", mesh, mp_policy=policy)
+        features = encoder(x[shard])  # FSDP casts the input to bfloat16
+        assert features.dtype == torch.bfloat16
+        losses = [  # float32 heads
+            torch.nn.functional.mse_loss(head(features.float()), y[shard][:, i : i + 1])
+            for i, head in enumerate(heads)
+        ]
+        weights = funcgrad.backward(
+            losses, through=features, weighting=UPGradWeighting(), level=level,
+            process_group=encoder,
+        )  # fmt: skip
+        features, losses = _losses(ref_encoder, ref_heads, x, y)
+        want = funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), level=level)
+        torch.testing.assert_close(weights.float(), want, rtol=0.05, atol=0.02)
+        for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
+            assert p.grad.dtype == torch.float32
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0.05, atol=0.02)
+
+
+def _worker(rank, store):
+    with _group(rank, store):
+        torch.set_default_dtype(torch.float64)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        _agreement(rank, mesh)
+        _errors(rank, mesh)
+        torch.set_default_dtype(torch.float32)
+        _mixed_precision(rank, mesh)
+
+
+def test_fsdp_two_gloo_ranks(tmp_path):
+    mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+def test_the_fsdp_example_runs_under_torchrun():
+    example = Path(__file__).parent.parent / "examples" / "fsdp_multitask.py"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(example)],
+        capture_output=True, text=True, timeout=600,  # its collectives time out after 60 s
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("equal to one process on the whole batch") == 6
