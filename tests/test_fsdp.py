@@ -34,11 +34,12 @@ WEIGHTINGS["none"] = lambda: None
 
 
 def _model(dtype=torch.float64):
+    """Odd sizes: FSDP shards them unevenly (7 rows: 4 on rank 0, 3 on rank 1)."""
     torch.manual_seed(0)
     encoder = torch.nn.Sequential(
-        torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh()
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 9), torch.nn.Tanh()
     )
-    heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(3))
+    heads = torch.nn.ModuleList(torch.nn.Linear(9, 1) for _ in range(3))
     return encoder.to(dtype), heads.to(dtype)
 
 
