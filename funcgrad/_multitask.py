@@ -228,12 +228,14 @@ def backward(
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
             (see :func:`funcgrad.set_check`); None uses the global setting.
-        process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, or the
+        process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, the
             ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
-            then averages the shared gradients). Every rank ends with the ``.grad`` of one
-            process on the concatenated batch (losses are means over equal local shards,
-            the global loss their average, as in DDP); task-specific leaves are averaged
-            too. None: nothing is communicated. See the README, "Scaling out".
+            then averages the shared gradients), or the shared encoder sharded by FSDP2's
+            ``fully_shard`` (its reduce-scatter averages them; at level ``"params"`` one
+            FSDP backward per task, each rank reading its shard). Every rank ends with the
+            ``.grad`` of one process on the concatenated batch (losses are means over equal
+            local shards, the global loss their average, as in DDP); task-specific leaves
+            are averaged too. None: nothing is communicated. See the README, "Scaling out".
 
     Returns:
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a
