@@ -31,6 +31,7 @@ import funcgrad
 
 from ._cases import BUILDERS as STANDARD_BUILDERS
 from ._cases import HEAD_COUNTS, Case, SkipCase
+from ._ddp import NOTE as DDP_NOTE
 from ._ddp import ddp_entry
 from ._planner import cells as planner_cells
 from ._planner import planner_case
@@ -420,8 +421,14 @@ def _markdown(report: dict[str, Any]) -> str:
         for name, stats in methods.items():
             peak = (entry.get("peak_mib") or {}).get(name)
             shown = f"{name} ({entry['auto']})" if name == "funcgrad auto" else name
-            if "bytes_per_rank" in stats:
-                shown += f", {stats['bytes_per_rank'] / 2**20:.2f} MiB all-reduced per rank"
+            if "bytes_per_rank" in stats:  # the ddp case: see DDP_NOTE
+                shown += (
+                    f", {stats['bytes_per_rank'] / 2**20:.2f} MiB sent per rank "
+                    f"({stats.get('bytes_how', 'DDP all-reduce from P')})"
+                )
+                fsdp = methods.get(entry.get("fsdp_baseline", ""))
+                if fsdp is not None and "FSDP" in name:
+                    shown += f", {stats['median'] / fsdp['median']:.3f} x plain FSDP"
             cells = [
                 label,
                 shown,
@@ -434,11 +441,18 @@ def _markdown(report: dict[str, Any]) -> str:
                     "tested in tests/test_distributed.py"
                     if entry["name"] == "ddp"
                     else "reference",
+                )
+                + (
+                    f" ({entry['agreement_detail'][name]})"
+                    if name in entry.get("agreement_detail", {})
+                    else ""
                 ),
             ]
             lines.append("| " + " | ".join(cells) + " |")
         for name, why in entry["skipped"].items():
             lines.append(f"| {label} | {name} | skipped: {why} | | | | |")
+    if any(e["name"] == "ddp" and e.get("methods") for e in report["cases"].values()):
+        lines += ["", DDP_NOTE]
     plans = [
         f"- {label}, {method}: `{plan['repr']}`"
         for label, entry in report["cases"].items()
@@ -656,7 +670,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.cases:
         if name == "ddp":  # 2 gloo ranks in subprocesses: time per step, bytes per rank
             for k in DDP_HEAD_COUNTS[mode]:
-                report["cases"][f"ddp k={k}"] = ddp_entry(k, args.quick, rounds)
+                entry = ddp_entry(k, args.quick, rounds)
+                report["cases"][f"ddp k={k}"] = entry
+                report["disagreements"] += [
+                    f"ddp k={k}: {m}: {v}" for m, v in entry["agreement"].items() if v != "ok"
+                ]
             continue
         for variant, k in _cells(name, mode):
             if (
