@@ -159,11 +159,12 @@ def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
     k, mids = len(task.losses), task.through
     cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
     own_grads = []
-    for i, (loss, own) in enumerate(zip(task.losses, task.own)):
-        grads = _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
-        for row, grad in zip(cotangents, grads):
-            row[i] = grad
-        own_grads.append(grads[len(mids) :])
+    with sync.collecting():
+        for i, (loss, own) in enumerate(zip(task.losses, task.own)):
+            grads = _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
+            for row, grad in zip(cotangents, grads):
+                row[i] = grad
+            own_grads.append(grads[len(mids) :])
     flat = sync.average([g for grads in own_grads for g in grads])
     averaged, start = [], 0
     for own in task.own:

@@ -31,8 +31,9 @@ and every rank returns the weights it applied.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +64,11 @@ class Sync:
     def features_gramian(self, local: torch.Tensor) -> torch.Tensor:
         """The global ``V V^T`` from this rank's."""
         return local
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Around the k backwards of the losses to ``through`` (the cheap part)."""
+        yield
 
     def average(self, tensors: Sequence[torch.Tensor]) -> Tensors:
         """The average over the ranks of every tensor."""
@@ -256,6 +262,33 @@ class FSDPSync(GroupSync):
         if why is not None:
             raise ValueError(f"{self.call}: with an FSDP module as `process_group`, {why}.")
 
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[None]:
+        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features, which
+        all-gathers the last layer and prefetches the one before it; its final callback
+        then reshards them and drops the prefetch: all-gathers that the backward through the
+        encoder would repeat, k times. So during these k backwards resharding is put off and
+        none of them is FSDP's last backward (FSDP's public ``set_reshard_after_backward``
+        and ``set_is_last_backward``): what they gathered stays for the real backward,
+        which needs it anyway. Then each setting is put back. FSDP's API sets these but does
+        not read them, so they are read from FSDP's private state; where that is not found,
+        nothing is changed (only communication is saved, never correctness)."""
+        settings = _backward_settings(self.module)
+        if settings is None:
+            yield
+            return
+        last, reshard = settings
+        root: Any = self.module
+        for module in reshard:
+            module.set_reshard_after_backward(False, recurse=False)
+        root.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            root.set_is_last_backward(last)
+            for module, setting in reshard.items():
+                module.set_reshard_after_backward(setting, recurse=False)
+
     def task_gradients(self, outputs: Tensors, cotangents: Tensors, retain_graph: bool) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
         (k, *shard shape): one backward through FSDP per task (each all-gathers the
@@ -320,7 +353,6 @@ _SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKe
 
 
 def _sharded_params(module: torch.nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor  # (imported late: ~1 s)
 
     params = list(module.parameters())
@@ -329,12 +361,38 @@ def _sharded_params(module: torch.nn.Module) -> list[Any]:
         return params
     if module in _SHARDED:
         return _SHARDED[module]
-    for part in module.modules():
-        if isinstance(part, FSDPModule):
+    parts: list[Any] = list(module.modules())
+    for part in parts:
+        if isinstance(part, _fsdp_module()):
             part.reshard()
     params = [p for p in module.parameters() if isinstance(p, DTensor)]
     _SHARDED[module] = params
     return params
+
+
+def _fsdp_module() -> Any:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _backward_settings(module: torch.nn.Module) -> tuple[bool, dict[Any, bool]] | None:
+    """(is the next backward the last one, each FSDP module's reshard-after-backward) from
+    FSDP's private state, or None where it is not found."""
+    reshard: dict[Any, bool] = {}
+    parts: list[Any] = list(module.modules())
+    try:
+        last = bool(parts[0]._get_fsdp_state()._state_ctx.is_last_backward)
+        for part in parts:
+            if isinstance(part, _fsdp_module()):
+                groups = part._get_fsdp_state()._fsdp_param_groups
+                values = {bool(group.reshard_after_backward) for group in groups}
+                if len(values) > 1:
+                    return None
+                reshard[part] = values.pop() if values else True
+    except AttributeError:
+        return None
+    return last, reshard
 
 
 def first_sharded(leaves: Sequence[torch.Tensor]) -> int | None:
@@ -347,11 +405,7 @@ def first_sharded(leaves: Sequence[torch.Tensor]) -> int | None:
 
 
 def _is_fsdp(value: Any) -> bool:
-    if not dist.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(value, FSDPModule)
+    return dist.is_available() and isinstance(value, _fsdp_module())
 
 
 def policy(process_group: Any, call: str, *, allow_modules: bool = True) -> Sync:

@@ -9,6 +9,7 @@ unchanged. Every collective has a 30 s timeout (a failing test ends, never hangs
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -33,11 +34,11 @@ WEIGHTINGS = {"UPGrad": UPGrad, "MGDA": MGDAWeighting, "UPGradWeighting": UPGrad
 WEIGHTINGS["none"] = lambda: None
 
 
-def _model(dtype=torch.float64):
+def _model(dtype=torch.float64, last=torch.nn.Tanh):
     """Odd sizes: FSDP shards them unevenly (7 rows: 4 on rank 0, 3 on rank 1)."""
     torch.manual_seed(0)
     encoder = torch.nn.Sequential(
-        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 9), torch.nn.Tanh()
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 9), last()
     )
     heads = torch.nn.ModuleList(torch.nn.Linear(9, 1) for _ in range(3))
     return encoder.to(dtype), heads.to(dtype)
@@ -76,13 +77,16 @@ def _group(rank, store):
 def _agreement(rank, mesh):
     x, y = _data()
     shard = slice(rank * 4, rank * 4 + 4)
-    for wrap in ("one", "layers"):
+    # "layers, last": the features are a wrapped layer's output (its pre-backward hook fires
+    # on every loss's backward to them).
+    for wrap in ("one", "layers", "layers, last"):
         for level in ("params", "features"):
             for name in ("UPGrad", "MGDA", "none"):
                 label = f"{wrap} {level} {name}"
-                encoder, heads = _model()
+                last = torch.nn.Identity if wrap == "layers, last" else torch.nn.Tanh
+                encoder, heads = _model(last=last)
                 ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
-                _shard(encoder, wrap, mesh)
+                _shard(encoder, wrap.split(",")[0], mesh)
                 params = [*encoder.parameters(), *heads.parameters()]
                 ref_params = [*ref_encoder.parameters(), *ref_heads.parameters()]
                 optimizer = torch.optim.SGD(params, lr=0.1)
@@ -204,12 +208,65 @@ def _mixed_precision(rank, mesh):
             torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0.05, atol=0.02)
 
 
+@contextlib.contextmanager
+def _counting_collectives():
+    """The numbers FSDP all-gathers and reduce-scatters (through torch.distributed's Python
+    functions, looked up at each call)."""
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(output, *args, **kwargs):
+            counts[name] += output.numel()
+            return originals[name](output, *args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def _communication(rank, mesh):
+    """Counted: the features level communicates what plain FSDP does (the k backwards to
+    the features gather nothing the real backward gathers again); the params level, the
+    forward's all-gathers and k times the backward's."""
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    encoder, heads = _model(last=torch.nn.Identity)  # the features: a wrapped layer's output
+    _shard(encoder, "layers", mesh)
+    counted = {}
+    for method in ("plain", "features", "params", "plain"):
+        with _counting_collectives() as counts:
+            features, losses = _losses(encoder, heads, x[shard], y[shard])
+            forward = dict(counts)
+            if method == "plain":
+                torch.stack(losses).sum().backward()
+            else:
+                funcgrad.backward(
+                    losses, through=features, weighting=UPGradWeighting(), level=method,
+                    process_group=encoder,
+                )  # fmt: skip
+        counted[method] = forward, dict(counts)
+    plain_forward, plain = counted["plain"]
+    assert counted["features"] == counted["plain"]
+    forward, params = counted["params"]
+    backward = {name: plain[name] - plain_forward[name] for name in plain}
+    assert forward == plain_forward
+    assert params == {name: forward[name] + 3 * backward[name] for name in params}
+
+
 def _worker(rank, store):
     with _group(rank, store):
         torch.set_default_dtype(torch.float64)
         mesh = init_device_mesh("cpu", (WORLD,))
         _agreement(rank, mesh)
         _errors(rank, mesh)
+        _communication(rank, mesh)
         torch.set_default_dtype(torch.float32)
         _mixed_precision(rank, mesh)
 
