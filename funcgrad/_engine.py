@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 import time
 import warnings
@@ -96,19 +97,47 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
 # A loop must beat vmap by this factor to be chosen: below it, the difference is within the
 # noise of one timed call, and vmap (fewer calls) is kept.
 LOOP_MARGIN = 0.9
-# Set by `measuring()`: each batched call is timed against one unbatched call, and where the
-# unbatched one is faster per direction the reason is appended, for the caller to plan
-# unbatched calls from then on.
-_measurements: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One batched call timed against one unbatched call (seconds)."""
+
+    what: str
+    batched: float  # a direction, in one vmap
+    single: float  # one unbatched call
+    calls: int = 1  # the calls this is the fastest of
+
+    @property
+    def unbatched_faster(self) -> bool:
+        return self.single < LOOP_MARGIN * self.batched
+
+    def merged(self, other: Timing) -> Timing:
+        """Each side's fastest over both calls (the first vmapped call also pays vmap's
+        warm-up)."""
+        batched, single = min(self.batched, other.batched), min(self.single, other.single)
+        return Timing(self.what, batched, single, self.calls + other.calls)
+
+    def why(self) -> str:
+        calls = "on the first call" if self.calls == 1 else f"fastest of {self.calls} calls"
+        return (
+            f"{self.what}: {1e3 * self.batched:.2g} ms a direction in one vmap, "
+            f"{1e3 * self.single:.2g} ms unbatched, measured ({calls})"
+        )
+
+
+# Set by `measuring()`: the first batched call is timed against one unbatched call, for the
+# caller to plan unbatched calls from then on where they are faster.
+_measurements: contextvars.ContextVar[list[Timing] | None] = contextvars.ContextVar(
     "funcgrad_measurements", default=None
 )
 
 
 @contextlib.contextmanager
-def measuring() -> Iterator[list[str]]:
+def measuring() -> Iterator[list[Timing]]:
     """For this block, time the first vmapped call against one unbatched call (eager mode
-    only); the log then holds why unbatched calls measured faster, or ``""``."""
-    log: list[str] = []
+    only); the log then holds the :class:`Timing`."""
+    log: list[Timing] = []
     token = _measurements.set(log)
     try:
         yield log
@@ -121,26 +150,18 @@ def _vmap_measured(
     args: Sequence[torch.Tensor],
     chunk_size: int | None,
     what: str,
-    log: list[str],
+    log: list[Timing],
 ) -> Tensors:
-    """``_vmap``, timed against one unbatched call (one direction more through f, once per
-    shapes); noting in ``log`` when that call is faster per direction (vmap loops inside for
-    ops without a batching rule, such as CPU attention's backward; an RNN's backward is slow
-    under vmap without saying so)."""
+    """``_vmap``, timed against one unbatched call (one direction more through f), for
+    ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
+    backward; an RNN's backward is slow under vmap without saying so)."""
     start = time.perf_counter()
     result = _vmap(fn, args, chunk_size, "error")
     batched_s = time.perf_counter() - start
     start = time.perf_counter()
     fn(*(arg[0] for arg in args))
     single_s = time.perf_counter() - start
-    batch = args[0].shape[0]
-    faster = single_s < LOOP_MARGIN * batched_s / batch
-    log.append(
-        f"{what}: {1e3 * batched_s / batch:.2g} ms a direction in one vmap, "
-        f"{1e3 * single_s:.2g} ms unbatched, measured on the first call"
-        if faster
-        else ""
-    )
+    log.append(Timing(what, batched_s / args[0].shape[0], single_s))
     return result
 
 

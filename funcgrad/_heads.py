@@ -354,6 +354,9 @@ class Composition:
         # Per argument shapes, what the first call measured: None where vmap was faster
         # (or nothing was batched), else why unbatched calls were (then planned unbatched).
         self._measured: dict[Any, str | None] = {}
+        # Per argument shapes, a first call's timing where unbatched calls looked faster:
+        # the next call is timed too before deciding.
+        self._tentative: dict[Any, _engine.Timing] = {}
         # chunk_size="auto": the engine's fitted chunks, and the one each shape got.
         self._fits: dict[Any, int] = {}
         self._chunks: dict[Any, int] = {}
@@ -478,9 +481,7 @@ class Composition:
                 flat, planner, forward, self.cotangents_of(flat), check
             )
         if log and key is not None:  # a batched call was measured
-            if len(self._measured) >= 64:
-                self._measured.clear()
-            self._measured[key] = log[0] or None
+            self._remember(key, log[0])
         if len(self._fits) > fitted:  # chunk_size="auto" fitted a chunk for these shapes
             self._chunks[_shape_key(flat.args)] = list(self._fits.values())[-1]
         return values, grads, aux
@@ -513,13 +514,32 @@ class Composition:
             if faster
             else None
         )
-        self._measured[key] = (log[0] or None) if log and faster else None
+        if log and faster:
+            self._remember(key, log[0])
+        else:
+            self._measured[key] = None
         _, values, grads, aux = reverse_result if faster else forward_result
         return values, grads, aux
 
+    def _remember(self, key: Any, timing: _engine.Timing) -> None:
+        """Decide from a call's timing, or time the next call too: where unbatched calls
+        looked faster on one call, the next call (warm) is timed as well, and each side's
+        fastest decides."""
+        if key in self._tentative:
+            timing = timing.merged(self._tentative.pop(key))
+        elif timing.unbatched_faster:
+            if len(self._tentative) >= 64:
+                self._tentative.clear()
+            self._tentative[key] = timing
+            return
+        if len(self._measured) >= 64:
+            self._measured.clear()
+        self._measured[key] = timing.why() if timing.unbatched_faster else None
+
     def _measure_key(self, flat: FlatFunction) -> Any:
-        """The shapes' key where this call is the first under auto (it times the first
-        batched call against one unbatched call), else None."""
+        """The shapes' key where this call is timed under auto (the first call on these
+        shapes, and the second where the first found unbatched calls faster: it times its
+        first batched call against one unbatched call), else None."""
         if self.strategy != "auto" or not values_readable(flat.leaves):
             return None
         key = _shape_key(flat.args)

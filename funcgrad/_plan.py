@@ -59,8 +59,10 @@ class Plan:
             mode measured faster than forward mode, or unbatched calls faster than vmap
             (which loops inside for an op without a batching rule, or is slow anyway).
         measure: the call times its first batched call against one unbatched call (the
-            first call on new shapes under ``"auto"``): one direction more through f, in
-            ``passes``; the result decides how later calls on these shapes run.
+            first call on new shapes under ``"auto"``, and the second where the first found
+            unbatched calls faster: each side's fastest of the two decides): one direction
+            more through f, in ``passes``; the result decides how later calls on these
+            shapes run.
 
     Examples:
         >>> import torch, funcgrad
@@ -123,7 +125,7 @@ class Plan:
             why = f"auto chose the fewest: {costs}"
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
-        measuring = "; times vmap against one unbatched call (first call)" * self.measure
+        measuring = "; times vmap against one unbatched call (this call)" * self.measure
         return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring})"
 
 

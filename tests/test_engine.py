@@ -14,6 +14,7 @@ from helpers import autograd_reference
 from torch import nn
 
 import funcgrad
+from funcgrad import _engine
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._types import STRATEGIES
 
@@ -49,9 +50,10 @@ def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
         chunk_size,
         strategy,
     )
-    # The first call under auto times its first batched call against one unbatched call;
-    # whatever that measures, the next plan (and the call after it) agree again.
-    for _ in range(2):
+    # The first call under auto times its first batched call against one unbatched call
+    # (and the second too, where the first found unbatched calls faster); whatever that
+    # measures, the next plan (and the call after it) agree again.
+    for call in range(3):
         expected_directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[plan.strategy]
         assert plan.directions == expected_directions
         step = 1 if plan.strategy == "loop" else plan.chunk_size or expected_directions
@@ -64,10 +66,46 @@ def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
         assert len(calls) == 1  # f's forward ran once, in either mode
         assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
         plan = fn.plan(x)
-        assert not plan.measure
+        assert not plan.measure or call == 0
+    assert not plan.measure
     want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+@pytest.mark.parametrize(
+    ("timings", "strategy"),
+    [
+        ([(2e-3, 1e-3), (0.5e-3, 1e-3)], "vjp"),  # a cold first vmap: the warm one is faster
+        ([(2e-3, 1e-3), (1.5e-3, 1e-3)], "loop"),  # unbatched faster on both calls
+    ],
+)
+def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch, timings, strategy):
+    # The clock is replaced by given (a direction in one vmap, one unbatched call) seconds,
+    # so that the decision, the plans and the passes are checked without timing anything.
+    given, real = iter(timings), _engine._vmap_measured
+
+    def timed(fn, args, chunk_size, what, log):
+        result = real(fn, args, chunk_size, what, [])
+        log.append(_engine.Timing(what, *next(given)))
+        return result
+
+    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    counter, w = BackwardCounter(), torch.randn(6, 4)
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
+    x = torch.randn(4)
+    for call in range(3):
+        plan = fn.plan(x)
+        assert plan.measure == (call < 2)  # timed on the first two calls
+        assert plan.strategy == ("vjp" if call < 2 else strategy)
+        counter.reset()
+        fn(x)
+        assert counter.backward == plan.passes
+    if strategy == "loop":
+        assert "fastest of 2 calls" in plan.measured
+    else:
+        assert plan.measured is None
 
 
 @pytest.mark.parametrize("level", ["params", "features"])
