@@ -272,12 +272,13 @@ def backward(
     error: Exception | None = None
     try:
         if isinstance(sync, _sync.FSDPSync):
-            sync.check_inputs(inputs)
+            sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
+        _sync.check_fsdp_leaves(task.shared, task.own, sync)
         if isinstance(sync, _sync.DDPSync):
             sync.configure(task.shared, task.level)
         if isinstance(sync, _sync.FSDPSync):
-            sync.configure(task.shared, task.rule.needs_jacobian)
+            sync.configure(task.shared, task.level, task.rule.needs_jacobian)
         ddp = isinstance(sync, _sync.DDPSync) and sync.reduces_backward
         if ddp and _graph.has_reentrant_checkpoint(task.through):
             raise ValueError(
@@ -330,7 +331,8 @@ def backward(
     # Apply: the one place that writes .grad.
     if update is None:
         assert weights is not None and lin.accumulate is not None
-        lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
+        with sync.reducing_backward():
+            lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
     elif isinstance(sync, _sync.FSDPSync):
         sync.write(update)
     else:

@@ -32,6 +32,7 @@ and every rank returns the weights it applied.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import _graph
 from ._errors import first_line
 from ._types import Tensors
 
@@ -70,6 +72,11 @@ class Sync:
         """Around the k backwards of the losses to ``through`` (the cheap part)."""
         yield
 
+    @contextlib.contextmanager
+    def reducing_backward(self) -> Iterator[None]:
+        """Around the one backward whose gradients the wrap reduces (DDP, FSDP)."""
+        yield
+
     def average(self, tensors: Sequence[torch.Tensor]) -> Tensors:
         """The average over the ranks of every tensor."""
         return tuple(tensors)
@@ -97,8 +104,9 @@ class GroupSync(Sync):
         if not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"{call}: `process_group` must be a torch.distributed ProcessGroup (such as "
-                "torch.distributed.group.WORLD) or the DistributedDataParallel module of the "
-                f"shared encoder, got {type(group).__name__}."
+                "torch.distributed.group.WORLD), the DistributedDataParallel module of the "
+                "shared encoder, or the shared encoder after FSDP2's fully_shard, got "
+                f"{type(group).__name__}."
             )
         self.group = group
         self.size = dist.get_world_size(group)
@@ -230,28 +238,49 @@ class FSDPSync(GroupSync):
             )
         super().__init__(mesh.get_group(), call)
         self.module = module
+        self._reached: list[bool] = []  # which parameters the per-task backwards reached
 
-    def check_inputs(self, inputs: Any) -> None:
-        """Before the graph is walked: FSDP updates every parameter of the module."""
+    def check_inputs(self, inputs: Any, through: Tensors) -> None:
+        """Before the graph is walked: FSDP updates every parameter of the module, and the
+        graph must show them."""
         if inputs is not None:
             raise ValueError(
                 f"{self.call}: with an FSDP module as `process_group`, `inputs` must be None: "
                 "every parameter of the FSDP module is updated."
             )
+        if _graph.has_reentrant_checkpoint(through):
+            raise ValueError(
+                f"{self.call}: the FSDP module runs a reentrant checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True), whose graph hides the "
+                "parameters inside it; checkpoint with use_reentrant=False (or FSDP's "
+                "checkpoint_wrapper)."
+            )
 
-    def configure(self, shared: Sequence[torch.Tensor], needs_jacobian: bool) -> None:
-        """The shared leaves must be exactly the module's parameters (unsharded in the
-        graph: compared by their global shapes)."""
-        wrapped = sorted(tuple(p.shape) for p in self.module.parameters() if p.requires_grad)
-        leaves = sorted(tuple(x.shape) for x in shared)
+    def configure(self, shared: Sequence[torch.Tensor], level: str, needs_jacobian: bool) -> None:
+        """The shared leaves must be parameters of the module (found by identity in FSDP's
+        private state; by shape where that is not found); at the params level, FSDP must
+        reduce each backward's gradients."""
+        own = _unsharded_params([self.module])
         why = None
         if len(_sharded_params(self.module)) != len(list(self.module.parameters())):
             why = "every parameter of the module must be sharded by FSDP (no ignored_params)"
-        elif wrapped != leaves:
+        elif own is not None and any(id(x) not in own for x in shared):
+            shapes = [tuple(x.shape) for x in shared if id(x) not in own]
             why = (
-                f"the shared leaves (shapes {leaves}) must be exactly the FSDP module's "
-                f"parameters (shapes {wrapped}): wrap the whole shared encoder, and keep the "
-                "task heads and any side branch out of it"
+                f"`through` depends on leaves that are not parameters of this FSDP module "
+                f"(shapes {shapes}): an input that requires grad, a side branch, or another "
+                "model (a copy of it, a second tower). Compute `through` with this module "
+                "from inputs that do not require grad, or pass the FSDP module that computed it"
+            )
+        elif own is None and not {tuple(x.shape) for x in shared} <= {
+            tuple(p.shape) for p in self.module.parameters()
+        }:
+            why = "`through` depends on leaves that are not parameters of this FSDP module"
+        elif level == "params" and not _reduces_gradients(self.module):
+            why = (
+                "level='params' needs FSDP to reduce every backward's gradients, but "
+                "set_requires_gradient_sync(False) is in force (gradient accumulation): use "
+                "level='features', or synchronise every micro-batch"
             )
         elif needs_jacobian:
             why = (
@@ -261,6 +290,13 @@ class FSDPSync(GroupSync):
             )
         if why is not None:
             raise ValueError(f"{self.call}: with an FSDP module as `process_group`, {why}.")
+
+    def _reset(self) -> None:
+        """FSDP's public recovery after a backward that raised (its pre-backward hook has
+        run, its end-of-backward callback has not)."""
+        root: Any = self.module
+        with contextlib.suppress(Exception):  # the error being raised is the one to see
+            root.reset_iter_state()
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
@@ -274,20 +310,43 @@ class FSDPSync(GroupSync):
         not read them, so they are read from FSDP's private state; where that is not found,
         nothing is changed (only communication is saved, never correctness)."""
         settings = _backward_settings(self.module)
-        if settings is None:
-            yield
-            return
-        last, reshard = settings
         root: Any = self.module
-        for module in reshard:
-            module.set_reshard_after_backward(False, recurse=False)
-        root.set_is_last_backward(False)
+        if settings is not None:
+            for module in settings[1]:
+                module.set_reshard_after_backward(False, recurse=False)
+            root.set_is_last_backward(False)
         try:
             yield
+        except BaseException:
+            self._reset()
+            raise
         finally:
-            root.set_is_last_backward(last)
-            for module, setting in reshard.items():
-                module.set_reshard_after_backward(setting, recurse=False)
+            if settings is not None:
+                root.set_is_last_backward(settings[0])
+                for module, setting in settings[1].items():
+                    module.set_reshard_after_backward(setting, recurse=False)
+
+    @contextlib.contextmanager
+    def reducing_backward(self) -> Iterator[None]:
+        """Around the one backward through FSDP (features level): the ``.grad`` held before
+        is set aside and added back after it, so that a backward that raises half-way
+        (after some layers' reduce-scatter) leaves every ``.grad`` as it was."""
+        params = [p for p in _sharded_params(self.module) if p.requires_grad]
+        held = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            yield
+        except BaseException:
+            self._reset()
+            for p, grad in zip(params, held):
+                p.grad = grad
+            raise
+        for p, grad in zip(params, held):
+            if grad is not None and p.grad is not None:
+                p.grad = grad.add_(p.grad)
+            elif grad is not None:
+                p.grad = grad
 
     def task_gradients(self, outputs: Tensors, cotangents: Tensors, retain_graph: bool) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
@@ -299,13 +358,31 @@ class FSDPSync(GroupSync):
         held = [p.grad for p in params]
         k = cotangents[0].shape[0]
         rows: list[list[torch.Tensor]] = [[] for _ in params]
+        self._reached = [False] * len(params)
         try:
             for p in params:
                 p.grad = None
             for i in range(k):
                 retain = retain_graph or i < k - 1
-                torch.autograd.backward(outputs, [c[i] for c in cotangents], retain_graph=retain)
-                for row, p in zip(rows, params):
+                try:
+                    torch.autograd.backward(
+                        outputs, [c[i] for c in cotangents], retain_graph=retain
+                    )
+                except Exception as error:
+                    self._reset()
+                    if i == 0:
+                        raise
+                    raise RuntimeError(
+                        f"{self.call}: at level='params' with an FSDP module, funcgrad runs "
+                        "one FSDP backward per task on one retained graph; the second one "
+                        f"failed ({first_line(error)}). Something in the encoder does not "
+                        "support several backwards on one graph (such as "
+                        "torch.distributed._composable.checkpoint): use level='features', or "
+                        "checkpoint with torch.utils.checkpoint(use_reentrant=False) or "
+                        "checkpoint_wrapper."
+                    ) from error
+                for j, (row, p) in enumerate(zip(rows, params)):
+                    self._reached[j] |= p.grad is not None
                     local = _local(p if p.grad is None else p.grad)
                     row.append(local.clone() if p.grad is not None else torch.zeros_like(local))
                     p.grad = None
@@ -323,7 +400,9 @@ class FSDPSync(GroupSync):
         from torch.distributed.tensor import DTensor
 
         params = [p for p in _sharded_params(self.module) if p.requires_grad]
-        for p, local in zip(params, update):
+        for p, local, reached in zip(params, update, self._reached):
+            if not reached:  # unused by the forward: its .grad stays, as with plain FSDP
+                continue
             spec: Any = p
             grad = DTensor.from_local(
                 local.detach().to(p.dtype),
@@ -393,6 +472,72 @@ def _backward_settings(module: torch.nn.Module) -> tuple[bool, dict[Any, bool]] 
     except AttributeError:
         return None
     return last, reshard
+
+
+def _fsdp_params(modules: Any) -> Iterator[tuple[Any, Any]]:
+    """(param group, FSDPParam) of every FSDP module among ``modules`` (FSDP's private
+    state: AttributeError where it is not found)."""
+    for part in modules:
+        if isinstance(part, _fsdp_module()):
+            for group in part._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    yield group, fsdp_param
+
+
+def _unsharded_params(roots: Any) -> dict[int, str] | None:
+    """id -> name of the unsharded parameters (those in the autograd graph after a
+    forward) of every FSDP module under ``roots``; None where FSDP's private state is not
+    found."""
+    try:
+        return {
+            id(fsdp_param._unsharded_param): str(fsdp_param._param_fqn or "?")
+            for root in roots
+            for _, fsdp_param in _fsdp_params(root.modules())
+            if hasattr(fsdp_param, "_unsharded_param")
+        }
+    except AttributeError:
+        return None
+
+
+def _reduces_gradients(module: torch.nn.Module) -> bool:
+    """False where ``set_requires_gradient_sync(False)`` is in force on a part of it."""
+    try:
+        return all(group.reduce_grads for group, _ in _fsdp_params(module.modules()))
+    except AttributeError:
+        return True
+
+
+def check_fsdp_leaves(
+    shared: Sequence[torch.Tensor], own: Sequence[Sequence[torch.Tensor]], sync: Sync
+) -> None:
+    """A leaf that is an FSDP2 parameter (gathered for the forward) gets its gradient only
+    through FSDP's own backward: refuse it where funcgrad would compute and write it
+    itself (FSDP would never see it, and the sharded parameter would get nothing)."""
+    if "torch.distributed.fsdp" not in sys.modules or not dist.is_initialized():
+        return
+    from torch.distributed._composable_state import _module_state_mapping
+
+    found = _unsharded_params([m for m in list(_module_state_mapping) if _is_fsdp(m)]) or {}
+    if not found:
+        return
+    if not isinstance(sync, FSDPSync):
+        names = [found[id(x)] for x in shared if id(x) in found]
+        if names:
+            raise ValueError(
+                f"{sync.call}: the shared leaves include parameters of an FSDP2 module "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); their "
+                "gradients must come from FSDP's own backward, which shards them. Pass "
+                "process_group=<the fully_shard-ed shared encoder>."
+            )
+    for i, leaves in enumerate(own):
+        names = [found[id(x)] for x in leaves if id(x) in found]
+        if names:
+            raise ValueError(
+                f"{sync.call}: the task-specific leaves of loss {i} include parameters of "
+                f"an FSDP2 module ({', '.join(names[:3])}): funcgrad computes the heads' "
+                "gradients itself and cannot write them into FSDP's shards. Keep the task "
+                "heads out of fully_shard (replicated on every rank)."
+            )
 
 
 def first_sharded(leaves: Sequence[torch.Tensor]) -> int | None:

@@ -158,11 +158,15 @@ def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, ca
     if values_readable([g]) and not bool(torch.isfinite(g).all()):
         finite = torch.stack([torch.isfinite(b).all(dim=1) for b in blocks]).all(dim=0)
         bad = (~finite).nonzero().flatten().tolist()
-        tasks = f"task(s) {bad} have" if bad else "the products of the task gradients"
+        why = (
+            f"task(s) {bad} have NaN or inf entries"
+            if bad
+            else "the task gradients here are finite, so their products overflow, or (with "
+            "a process group) another rank's are not finite"
+        )
         raise ValueError(
-            f"{call}: the Gramian of the task gradients {what} is not finite: {tasks} NaN or "
-            "inf entries (or the products overflow), so no weighting can be computed from it. "
-            "Check those losses, or scale them down."
+            f"{call}: the Gramian of the task gradients {what} is not finite: {why}, so no "
+            "weighting can be computed from it. Check those losses, or scale them down."
         )
 
 

@@ -165,7 +165,7 @@ def _errors(rank, mesh):
         funcgrad.backward(losses, through=features, inputs=encoder, process_group=encoder)
     whole = _shard(_Whole(*_model()), "one", mesh)  # the heads inside the wrap
     features, outputs = whole(x[shard])
-    with pytest.raises(ValueError, match="exactly the FSDP module's parameters"):
+    with pytest.raises(ValueError, match="task-specific leaves of loss 0 include parameters"):
         funcgrad.backward([out.mean() for out in outputs], through=features, process_group=whole)
     unchanged()
     # combine_heads differentiates explicit parameters with torch.func: not FSDP's.
@@ -178,6 +178,129 @@ def _errors(rank, mesh):
     )  # fmt: skip
     with pytest.raises(TypeError, match=r"leaf 0 is a DTensor \(an FSDP-sharded parameter\)"):
         fn(sharded)
+
+
+class _WithPooler(torch.nn.Module):
+    """An encoder with a parameter its forward never uses (a pooler)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.pooler = _model()[0], torch.nn.Linear(9, 9).double()
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = _model()[0]
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.encoder, x, use_reentrant=True)
+
+
+def _step_and_compare(encoder, heads, ref_encoder, ref_heads, x, y, rank, level, label):
+    """One step each, then every rank's gathered .grad against the one process's."""
+    shard = slice(rank * 4, rank * 4 + 4)
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    funcgrad.backward(
+        losses, through=features, weighting=UPGradWeighting(), level=level, process_group=encoder
+    )
+    features, losses = _losses(ref_encoder, ref_heads, x, y)
+    funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), level=level)
+    for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
+        if q.grad is None:
+            assert p.grad is None, label
+        else:
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=label)
+
+
+def _misuses(rank, mesh):
+    """What an FSDP user may do by mistake or by habit: every one a clear error on every
+    rank (no hang, no torch-internal message), or exact; FSDP left usable after an error."""
+    from torch.distributed._composable import checkpoint as composable_checkpoint
+
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)
+
+    def fresh(last=torch.nn.Tanh):
+        encoder, heads = _model(last=last)
+        reference = copy.deepcopy(encoder), copy.deepcopy(heads)
+        return _shard(encoder, "layers", mesh), heads, *reference
+
+    # The DDP habit: an FSDP encoder with the ProcessGroup (or none); heads sharded too.
+    encoder, heads, *_ = fresh()
+    for group in (dist.group.WORLD, None):
+        features, losses = _losses(encoder, heads, x[shard], y[shard])
+        with pytest.raises(ValueError, match="shared leaves include parameters of an FSDP2"):
+            funcgrad.backward(losses, through=features, process_group=group)
+    for head in heads:
+        fully_shard(head, mesh=mesh)
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    with pytest.raises(ValueError, match="task-specific leaves of loss 0 include parameters"):
+        funcgrad.backward(losses, through=features, process_group=encoder)
+    # `through` from another model of the same shapes (an unsharded copy), on every rank and
+    # on one rank only: the same clear error on both ranks.
+    encoder, heads, copy_encoder, _ = fresh()
+    for ranks in ((0, 1), (1,)):
+        features, losses = _losses(encoder, heads, x[shard], y[shard])  # (collective)
+        if rank in ranks:
+            features, losses = _losses(copy_encoder, heads, x[shard], y[shard])
+        error = "not parameters of this FSDP module" if rank in ranks else "rank 1 of"
+        with pytest.raises((ValueError, RuntimeError), match=error):
+            funcgrad.backward(losses, through=features, process_group=encoder)
+    assert all(p.grad is None for p in encoder.parameters())
+    # A reentrant checkpoint inside: the fix that applies under FSDP.
+    checkpointed, heads = _Checkpointed(), _model()[1]
+    _shard(checkpointed, "one", mesh)
+    features = checkpointed(x[shard].requires_grad_())  # (reentrant: an input with grad)
+    losses = [head(features).mean() for head in heads]
+    with pytest.raises(ValueError, match="checkpoint with use_reentrant=False"):
+        funcgrad.backward(losses, through=features, process_group=checkpointed)
+    # Gradient accumulation without synchronisation: refused at the params level.
+    encoder, heads, *_ = fresh()
+    encoder.set_requires_gradient_sync(False)
+    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    with pytest.raises(ValueError, match=r"set_requires_gradient_sync\(False\)"):
+        funcgrad.backward(losses, through=features, weighting=UPGrad(), process_group=encoder)
+    # A second call on one forward without retain_graph: torch's error on every rank, then
+    # FSDP is usable again (its next step exact).
+    for level in ("features", "params"):
+        encoder, heads, ref_encoder, ref_heads = fresh(last=torch.nn.Identity)
+        features, losses = _losses(encoder, heads, x[shard], y[shard])
+        funcgrad.backward(losses, through=features, level=level, process_group=encoder)
+        held = [p.grad.to_local().clone() for p in encoder.parameters()]
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            funcgrad.backward(losses, through=features, level=level, weighting=UPGrad(),
+                              process_group=encoder)  # fmt: skip
+        for p, before in zip(encoder.parameters(), held):
+            torch.testing.assert_close(p.grad.to_local(), before, rtol=0, atol=0)
+        for p in encoder.parameters():
+            p.grad = None
+        _step_and_compare(encoder, heads, ref_encoder, ref_heads, x, y, rank, level, level)
+    # FSDP's composable checkpoint cannot run k backwards on one graph: a clear error at the
+    # params level (then FSDP usable again); the features level is exact.
+    for level in ("params", "features"):
+        encoder, heads = _model()
+        ref_encoder, ref_heads = copy.deepcopy(encoder), copy.deepcopy(heads)
+        for layer in (encoder[0], encoder[2]):
+            composable_checkpoint(layer)
+        _shard(encoder, "layers", mesh)
+        if level == "params":
+            features, losses = _losses(encoder, heads, x[shard], y[shard])
+            with pytest.raises(RuntimeError, match="several backwards on one graph"):
+                funcgrad.backward(losses, through=features, weighting=UPGrad(),
+                                  process_group=encoder)  # fmt: skip
+            level = "features"
+        _step_and_compare(encoder, heads, ref_encoder, ref_heads, x, y, rank, level, level)
+    # A parameter the forward never uses: exact, and its .grad stays None (as plain FSDP).
+    for level in ("params", "features"):
+        pooled, heads = _WithPooler(), _model()[1]
+        reference = copy.deepcopy(pooled), copy.deepcopy(heads)
+        fully_shard(pooled.encoder[0], mesh=mesh)
+        fully_shard(pooled, mesh=mesh)
+        _step_and_compare(pooled, heads, *reference, x, y, rank, level, f"pooler {level}")
 
 
 def _mixed_precision(rank, mesh):
@@ -267,6 +390,7 @@ def _worker(rank, store):
         _agreement(rank, mesh)
         _errors(rank, mesh)
         _communication(rank, mesh)
+        _misuses(rank, mesh)
         torch.set_default_dtype(torch.float32)
         _mixed_precision(rank, mesh)
 
