@@ -94,9 +94,11 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
     return None
 
 
-# A loop must beat vmap by this factor to be chosen: below it, the difference is within the
-# noise of one timed call, and vmap (fewer calls) is kept.
+# A loop must beat vmap by this factor, and save this much a direction, to be chosen: below
+# either, the difference is within the noise of a timed call or the per-call overheads the
+# timing of f's pullback leaves out (a loop makes k calls), and vmap (one call) is kept.
 LOOP_MARGIN = 0.9
+LOOP_MIN_SAVING_S = 2.5e-4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +112,8 @@ class Timing:
 
     @property
     def unbatched_faster(self) -> bool:
-        return self.single < LOOP_MARGIN * self.batched
+        saving = self.batched - self.single
+        return self.single < LOOP_MARGIN * self.batched and saving > LOOP_MIN_SAVING_S
 
     def merged(self, other: Timing) -> Timing:
         """Each side's fastest over both calls (the first vmapped call also pays vmap's
