@@ -2,7 +2,8 @@
 
 Every method runs the whole job (f's forward included) and must agree with the naive
 loop first. Then the methods are timed in interleaved rounds (the order rotates every
-round), so that a slow moment of a shared machine hits all of them alike; figures are
+round), so that a slow moment of a shared machine hits all of them alike; each sample
+repeats the call until it lasts about 25 ms (as timeit's autorange does); figures are
 medians and ratios within one run. Peak memory is measured per method in a fresh
 subprocess: RSS high-water above the baseline on the CPU, ``torch.cuda.max_memory_allocated``
 above the baseline with ``--device cuda``.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -116,9 +118,24 @@ def _finish() -> None:
         torch.cuda.synchronize()
 
 
+# A sample repeats a call until it lasts about this long (as timeit's autorange does): a
+# single call of a few ms is at the mercy of the scheduler on a shared machine.
+SAMPLE_S = 0.025
+
+
+def _calls_per_sample(call: Any) -> int:
+    start = time.perf_counter()
+    call()
+    _finish()
+    return max(1, math.ceil(SAMPLE_S / max(time.perf_counter() - start, 1e-6)))
+
+
 def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
+    """Seconds a call, per method and round (each sample the mean of enough calls to last
+    about ``SAMPLE_S``), the methods interleaved in an order that rotates every round."""
     names = [name for name in case.methods if name not in case.untimed]
     samples: dict[str, list[float]] = {name: [] for name in names}
+    number = {name: _calls_per_sample(case.methods[name]) for name in names}
     with tqdm(
         total=rounds * len(names), desc=f"timing {case.label}", leave=False, disable=None
     ) as bar:
@@ -126,9 +143,10 @@ def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 start = time.perf_counter()
-                case.methods[name]()
+                for _ in range(number[name]):
+                    case.methods[name]()
                 _finish()
-                samples[name].append(time.perf_counter() - start)
+                samples[name].append((time.perf_counter() - start) / number[name])
                 bar.update()
     return samples
 
@@ -287,6 +305,13 @@ def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 m: t for m, t in times.items() if m.startswith("funcgrad ") and m != "funcgrad auto"
             }
             best = min(fixed, key=fixed.__getitem__)
+            twin = next((m for m in times if m.startswith("twin: ")), None)
+            same = twin and f"funcgrad {twin.removeprefix('twin: ')}"
+            noise = (
+                max(times[twin] / times[same], times[same] / times[twin])
+                if twin and same in times
+                else None
+            )
             cells.append(
                 {
                     "case": label,
@@ -300,6 +325,8 @@ def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "regret": times["funcgrad auto"] / fixed[best],
                     # The same on each method's fastest round: what a quiet machine would see.
                     "regret_min": fastest["funcgrad auto"] / min(fastest[m] for m in fixed),
+                    # Two identical runs of one strategy differ by this factor here.
+                    "noise": noise,
                     "auto_first_call_s": entry["methods"]["funcgrad auto"]["first_call"],
                     "first_call": entry["plans"]["funcgrad auto (first call)"],
                     "plan": entry["plans"]["funcgrad auto"],
@@ -322,8 +349,17 @@ def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
             )
     regrets = [cell["regret"] for cell in cells]
     regrets_min = [cell["regret_min"] for cell in cells]
+    noises = [cell["noise"] for cell in cells if cell["noise"] is not None]
     return {
         "cells": cells,
+        "max_noise": max(noises, default=None),
+        "median_noise": statistics.median(noises) if noises else None,
+        # Cells where auto loses by more than 1.2 and more than the run's own noise there.
+        "beyond_noise": [
+            f"{cell['function']} k={cell['k']}"
+            for cell in cells
+            if cell["regret"] > max(1.2, cell["noise"] or 1.0)
+        ],
         "max_regret": max(regrets, default=None),
         "median_regret": statistics.median(regrets) if regrets else None,
         "max_regret_min": max(regrets_min, default=None),
@@ -397,7 +433,8 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# funcgrad benchmarks ({'quick' if report['quick'] else 'full'} run)",
         "",
         f"{report['machine']}; torch {report['versions']['torch']}, {report['threads']} threads; "
-        f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round), medians. "
+        f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round), each "
+        "sample the mean of enough calls to last ~25 ms, medians. "
         "Ratios (x base) are against the case's baseline in the same run: `naive` "
         "(k x `torch.autograd.grad(..., retain_graph=True)`)"
         + "".join(
@@ -480,12 +517,14 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
         "Per cell, median ms of `compose_heads(..., strategy=...)` (warm-up call first: under "
         "`auto` it measures vmap against one unbatched call and fixes the plan); regret = "
         "auto / the best fixed strategy (regret (min): the same on each method's fastest round);"
+        " noise: how much two separate instances of auto's planned strategy differ in the same "
+        "run (max of their two ratios);"
         " `—`: not run (too many passes through f, or it falls back to another way: see the "
         "JSON's `skipped`); auto's 1st call: the warm-up call, ms.",
         "",
         "| function | k | m | n | auto | vjp | jacrev | jacfwd | loop | regret | regret (min) "
-        "| auto's 1st call | auto's plan (after the first call) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| noise | auto's 1st call | auto's plan (after the first call) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for cell in summary["cells"]:
         fixed = [
@@ -507,7 +546,9 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
             f"| {cell['function']} | {cell['k']} | {cell['m']} | {cell['n']} | "
             f"{cell['auto_s'] * 1e3:.2f} | "
             + " | ".join(fixed)
-            + f" | {regret} | {cell['regret_min']:.2f} | {cell['auto_first_call_s'] * 1e3:.1f}"
+            + f" | {regret} | {cell['regret_min']:.2f}"
+            + (f" | {cell['noise']:.2f}" if cell["noise"] is not None else " | —")
+            + f" | {cell['auto_first_call_s'] * 1e3:.1f}"
             + f" | {shown} |"
         )
     if summary["cells"]:
@@ -519,6 +560,14 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
             f"on each method's fastest round: max {summary['max_regret_min']:.2f}, median "
             f"{summary['median_regret_min']:.2f}.",
         ]
+        if summary["max_noise"] is not None:
+            beyond = summary["beyond_noise"]
+            lines += [
+                "",
+                f"Noise (two instances of one strategy): max {summary['max_noise']:.2f}, "
+                f"median {summary['median_noise']:.2f}. Cells where auto loses by more than "
+                f"1.2 and more than that cell's noise: {', '.join(beyond) or 'none'}.",
+            ]
     if summary.get("auto_not_run"):
         lines += ["", f"Auto did not run as asked in: {', '.join(summary['auto_not_run'])}."]
     if summary.get("plan_cost"):
