@@ -434,7 +434,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"{report['machine']}; torch {report['versions']['torch']}, {report['threads']} threads; "
         f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round), each "
-        "sample the mean of enough calls to last ~25 ms, medians. "
+        "sample the mean of enough calls to last ~25 ms (ddp: one step a sample), medians. "
         "Ratios (x base) are against the case's baseline in the same run: `naive` "
         "(k x `torch.autograd.grad(..., retain_graph=True)`)"
         + "".join(
