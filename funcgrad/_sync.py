@@ -520,23 +520,22 @@ def check_fsdp_leaves(
     found = _unsharded_params([m for m in list(_module_state_mapping) if _is_fsdp(m)]) or {}
     if not found:
         return
-    if not isinstance(sync, FSDPSync):
-        names = [found[id(x)] for x in shared if id(x) in found]
-        if names:
-            raise ValueError(
-                f"{sync.call}: the shared leaves include parameters of an FSDP2 module "
-                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); their "
-                "gradients must come from FSDP's own backward, which shards them. Pass "
-                "process_group=<the fully_shard-ed shared encoder>."
-            )
-    for i, leaves in enumerate(own):
+    shared_fix = (
+        "their gradients must come from FSDP's own backward, which shards them. Pass "
+        "process_group=<the fully_shard-ed shared encoder>."
+    )
+    heads_fix = (
+        "funcgrad computes the heads' gradients itself and cannot write them into FSDP's "
+        "shards. Keep the task heads out of fully_shard (replicated on every rank)."
+    )
+    checks = [] if isinstance(sync, FSDPSync) else [("the shared leaves", shared, shared_fix)]
+    checks += [(f"the task-specific leaves of loss {i}", x, heads_fix) for i, x in enumerate(own)]
+    for what, leaves, fix in checks:
         names = [found[id(x)] for x in leaves if id(x) in found]
         if names:
+            listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             raise ValueError(
-                f"{sync.call}: the task-specific leaves of loss {i} include parameters of "
-                f"an FSDP2 module ({', '.join(names[:3])}): funcgrad computes the heads' "
-                "gradients itself and cannot write them into FSDP's shards. Keep the task "
-                "heads out of fully_shard (replicated on every rank)."
+                f"{sync.call}: {what} include parameters of an FSDP2 module ({listed}); {fix}"
             )
 
 

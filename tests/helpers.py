@@ -64,3 +64,14 @@ def assert_rows_close(got, expected, rtol):
     """Row by row, each against its own scale: a small head is not judged by a big one."""
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * float(e.abs().max()))
+
+
+def task_losses(encoder, heads, x, y):
+    """(features, one mean squared error per head): the multi-task step of the
+    distributed tests."""
+    features = encoder(x)
+    losses = [
+        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
+        for i, head in enumerate(heads)
+    ]
+    return features, losses

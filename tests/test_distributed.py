@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import task_losses
 from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
 
 import funcgrad
@@ -137,15 +138,6 @@ def _mismatch(rank):
     assert all(p.grad is None for p in encoder.parameters())
 
 
-def _losses(encoder, heads, x, y):
-    features = encoder(x)
-    losses = [
-        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
-        for i, head in enumerate(heads)
-    ]
-    return features, losses
-
-
 def _setting(rank, wrap):
     encoder, heads = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(encoder) if wrap == "ddp" else None
@@ -175,7 +167,7 @@ def _random_weights(rank):
         encoder, heads, run, group = _setting(rank, wrap)
         reference = copy.deepcopy((encoder, heads))
         weighting = Random() if name == "aggregator" else (lambda g: torch.rand(g.shape[0]))
-        features, losses = _losses(run, heads, x[shard], y[shard])
+        features, losses = task_losses(run, heads, x[shard], y[shard])
         weights = funcgrad.backward(
             losses, through=features, weighting=weighting, level=level, process_group=group
         )
@@ -183,7 +175,7 @@ def _random_weights(rank):
         for other in _gathered(weights):
             torch.testing.assert_close(other, weights, msg=message)
         # One process on the whole batch, with the weights every rank applied.
-        features, losses = _losses(*reference, x, y)
+        features, losses = task_losses(*reference, x, y)
         funcgrad.backward(losses, through=features, weighting=lambda g, w=weights: w, level=level)
         params = [*encoder.parameters(), *heads.parameters()]
         ref_params = [*reference[0].parameters(), *reference[1].parameters()]
@@ -217,7 +209,7 @@ def _disagreements(rank):
     for wrap in ("plain", "ddp"):
         # Loss dicts whose keys come in another order on rank 1: an error on every rank.
         encoder, heads, run, group = _setting(rank, wrap)
-        features, losses = _losses(run, heads, x[shard], y[shard])
+        features, losses = task_losses(run, heads, x[shard], y[shard])
         named = {"a": losses[0], "b": losses[1]}
         if rank == 1:
             named = {"b": losses[1], "a": losses[0]}
@@ -227,7 +219,7 @@ def _disagreements(rank):
 
         # One rank fails a local check: its own error there, a clear one on the other rank.
         encoder, heads, run, group = _setting(rank, wrap)
-        features, losses = _losses(run, heads, x[shard], y[shard])
+        features, losses = task_losses(run, heads, x[shard], y[shard])
         if rank == 1:
             losses[2] = x[shard].sum() * torch.ones((), requires_grad=True)
         expected = (
@@ -242,7 +234,7 @@ def _disagreements(rank):
         # A weighting that fails (NaN weights) on every rank: nothing written anywhere.
         for level in ("params", "features"):
             encoder, heads, run, group = _setting(rank, wrap)
-            features, losses = _losses(run, heads, x[shard], y[shard])
+            features, losses = task_losses(run, heads, x[shard], y[shard])
             with pytest.raises(ValueError, match="non-finite weights"):
                 funcgrad.backward(
                     losses,

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import task_losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchjd.aggregation import GradDrop, MGDAWeighting, UPGrad, UPGradWeighting
@@ -48,15 +49,6 @@ def _data(dtype=torch.float64):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(8, 5, generator=generator, dtype=dtype)
     return x, torch.randn(8, 3, generator=generator, dtype=dtype)
-
-
-def _losses(encoder, heads, x, y):
-    features = encoder(x)
-    losses = [
-        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
-        for i, head in enumerate(heads)
-    ]
-    return features, losses
 
 
 def _shard(encoder, wrap, mesh, **options):
@@ -92,7 +84,7 @@ def _agreement(rank, mesh):
                 optimizer = torch.optim.SGD(params, lr=0.1)
                 ref_optimizer = torch.optim.SGD(ref_params, lr=0.1)
                 for step in range(2):  # the second step accumulates into the first's .grad
-                    features, losses = _losses(encoder, heads, x[shard], y[shard])
+                    features, losses = task_losses(encoder, heads, x[shard], y[shard])
                     weights = funcgrad.backward(
                         losses,
                         through=features,
@@ -100,7 +92,7 @@ def _agreement(rank, mesh):
                         level=level,
                         process_group=encoder,
                     )
-                    features, losses = _losses(ref_encoder, ref_heads, x, y)
+                    features, losses = task_losses(ref_encoder, ref_heads, x, y)
                     want = funcgrad.backward(
                         losses, through=features, weighting=WEIGHTINGS[name](), level=level
                     )
@@ -134,7 +126,7 @@ def _errors(rank, mesh):
     _shard(encoder, "layers", mesh)
     params = list(encoder.parameters())
     # One step first, so that every sharded parameter holds a .grad to leave unchanged.
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), process_group=encoder)
     held = [p.grad.to_local().clone() for p in params]
 
@@ -143,7 +135,7 @@ def _errors(rank, mesh):
             torch.testing.assert_close(p.grad.to_local(), before, rtol=0, atol=0)
 
     # Another number of losses on one rank: the same clear error on both, before any backward.
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     with pytest.raises(ValueError, match=r"ranks of `process_group` disagree \(number of"):
         funcgrad.backward(
             losses[: 3 - rank], through=features, weighting=UPGrad(), process_group=encoder
@@ -151,14 +143,14 @@ def _errors(rank, mesh):
     unchanged()
     # A loss that is NaN on one rank: the summed Gramian is NaN on both, after the k
     # backwards; every rank raises, and .grad is put back.
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     if rank == 1:
         losses[2] = losses[2] * float("nan")
     with pytest.raises(ValueError, match="Gramian of the task gradients"):
         funcgrad.backward(losses, through=features, weighting=UPGrad(), process_group=encoder)
     unchanged()
     # A weighting that reads the whole Jacobian, `inputs`, heads inside the wrap: refused.
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     with pytest.raises(ValueError, match="reads the whole Jacobian"):
         funcgrad.backward(losses, through=features, weighting=GradDrop(), process_group=encoder)
     with pytest.raises(ValueError, match="`inputs` must be None"):
@@ -203,11 +195,11 @@ class _Checkpointed(torch.nn.Module):
 def _step_and_compare(encoder, heads, ref_encoder, ref_heads, x, y, rank, level, label):
     """One step each, then every rank's gathered .grad against the one process's."""
     shard = slice(rank * 4, rank * 4 + 4)
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     funcgrad.backward(
         losses, through=features, weighting=UPGradWeighting(), level=level, process_group=encoder
     )
-    features, losses = _losses(ref_encoder, ref_heads, x, y)
+    features, losses = task_losses(ref_encoder, ref_heads, x, y)
     funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), level=level)
     for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
         if q.grad is None:
@@ -232,21 +224,21 @@ def _misuses(rank, mesh):
     # The DDP habit: an FSDP encoder with the ProcessGroup (or none); heads sharded too.
     encoder, heads, *_ = fresh()
     for group in (dist.group.WORLD, None):
-        features, losses = _losses(encoder, heads, x[shard], y[shard])
+        features, losses = task_losses(encoder, heads, x[shard], y[shard])
         with pytest.raises(ValueError, match="shared leaves include parameters of an FSDP2"):
             funcgrad.backward(losses, through=features, process_group=group)
     for head in heads:
         fully_shard(head, mesh=mesh)
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     with pytest.raises(ValueError, match="task-specific leaves of loss 0 include parameters"):
         funcgrad.backward(losses, through=features, process_group=encoder)
     # `through` from another model of the same shapes (an unsharded copy), on every rank and
     # on one rank only: the same clear error on both ranks.
     encoder, heads, copy_encoder, _ = fresh()
     for ranks in ((0, 1), (1,)):
-        features, losses = _losses(encoder, heads, x[shard], y[shard])  # (collective)
+        features, losses = task_losses(encoder, heads, x[shard], y[shard])  # (collective)
         if rank in ranks:
-            features, losses = _losses(copy_encoder, heads, x[shard], y[shard])
+            features, losses = task_losses(copy_encoder, heads, x[shard], y[shard])
         error = "not parameters of this FSDP module" if rank in ranks else "rank 1 of"
         with pytest.raises((ValueError, RuntimeError), match=error):
             funcgrad.backward(losses, through=features, process_group=encoder)
@@ -261,14 +253,14 @@ def _misuses(rank, mesh):
     # Gradient accumulation without synchronisation: refused at the params level.
     encoder, heads, *_ = fresh()
     encoder.set_requires_gradient_sync(False)
-    features, losses = _losses(encoder, heads, x[shard], y[shard])
+    features, losses = task_losses(encoder, heads, x[shard], y[shard])
     with pytest.raises(ValueError, match=r"set_requires_gradient_sync\(False\)"):
         funcgrad.backward(losses, through=features, weighting=UPGrad(), process_group=encoder)
     # A second call on one forward without retain_graph: torch's error on every rank, then
     # FSDP is usable again (its next step exact).
     for level in ("features", "params"):
         encoder, heads, ref_encoder, ref_heads = fresh(last=torch.nn.Identity)
-        features, losses = _losses(encoder, heads, x[shard], y[shard])
+        features, losses = task_losses(encoder, heads, x[shard], y[shard])
         funcgrad.backward(losses, through=features, level=level, process_group=encoder)
         held = [p.grad.to_local().clone() for p in encoder.parameters()]
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
@@ -288,7 +280,7 @@ def _misuses(rank, mesh):
             composable_checkpoint(layer)
         _shard(encoder, "layers", mesh)
         if level == "params":
-            features, losses = _losses(encoder, heads, x[shard], y[shard])
+            features, losses = task_losses(encoder, heads, x[shard], y[shard])
             with pytest.raises(RuntimeError, match="several backwards on one graph"):
                 funcgrad.backward(losses, through=features, weighting=UPGrad(),
                                   process_group=encoder)  # fmt: skip
@@ -323,7 +315,7 @@ def _mixed_precision(rank, mesh):
             losses, through=features, weighting=UPGradWeighting(), level=level,
             process_group=encoder,
         )  # fmt: skip
-        features, losses = _losses(ref_encoder, ref_heads, x, y)
+        features, losses = task_losses(ref_encoder, ref_heads, x, y)
         want = funcgrad.backward(losses, through=features, weighting=UPGradWeighting(), level=level)
         torch.testing.assert_close(weights.float(), want, rtol=0.05, atol=0.02)
         for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
@@ -365,7 +357,7 @@ def _communication(rank, mesh):
     counted = {}
     for method in ("plain", "features", "params", "plain"):
         with _counting_collectives() as counts:
-            features, losses = _losses(encoder, heads, x[shard], y[shard])
+            features, losses = task_losses(encoder, heads, x[shard], y[shard])
             forward = dict(counts)
             if method == "plain":
                 torch.stack(losses).sum().backward()
