@@ -326,42 +326,46 @@ class FSDPSync(GroupSync):
                 for module, setting in settings[1].items():
                     module.set_reshard_after_backward(setting, recurse=False)
 
+    def _trained(self) -> list[Any]:
+        """The sharded parameters that get gradients."""
+        return [p for p in _sharded_params(self.module) if p.requires_grad]
+
     @contextlib.contextmanager
-    def reducing_backward(self) -> Iterator[None]:
-        """Around the one backward through FSDP (features level): the ``.grad`` held before
-        is set aside and added back after it, so that a backward that raises half-way
-        (after some layers' reduce-scatter) leaves every ``.grad`` as it was."""
-        params = [p for p in _sharded_params(self.module) if p.requires_grad]
+    def _grads_set_aside(self) -> Iterator[list[Any]]:
+        """FSDP accumulates into ``.grad``: the ``.grad`` held before the body is set aside,
+        and added to whatever ``.grad`` the body leaves. If the body raises (possibly after
+        some layers' reduce-scatter), FSDP is reset and every ``.grad`` is as it was."""
+        params = self._trained()
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
         try:
-            yield
+            yield params
         except BaseException:
             self._reset()
             for p, grad in zip(params, held):
                 p.grad = grad
             raise
         for p, grad in zip(params, held):
-            if grad is not None and p.grad is not None:
-                p.grad = grad.add_(p.grad)
-            elif grad is not None:
-                p.grad = grad
+            if grad is not None:
+                p.grad = grad if p.grad is None else grad.add_(p.grad)
+
+    @contextlib.contextmanager
+    def reducing_backward(self) -> Iterator[None]:
+        """Around the one backward through FSDP (features level)."""
+        with self._grads_set_aside():
+            yield
 
     def task_gradients(self, outputs: Tensors, cotangents: Tensors, retain_graph: bool) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
         (k, *shard shape): one backward through FSDP per task (each all-gathers the
         parameters and reduce-scatters the gradients, as a plain FSDP backward does; FSDP
-        offers no batched backward). FSDP accumulates into ``.grad``, so the ``.grad`` held
-        before is set aside, and put back whatever happens."""
-        params = [p for p in _sharded_params(self.module) if p.requires_grad]
-        held = [p.grad for p in params]
+        offers no batched backward). Each one's ``.grad`` is read and cleared, so the
+        ``.grad`` held before ends as it was."""
         k = cotangents[0].shape[0]
-        rows: list[list[torch.Tensor]] = [[] for _ in params]
-        self._reached = [False] * len(params)
-        try:
-            for p in params:
-                p.grad = None
+        with self._grads_set_aside() as params:
+            rows: list[list[torch.Tensor]] = [[] for _ in params]
+            self._reached = [False] * len(params)
             for i in range(k):
                 retain = retain_graph or i < k - 1
                 try:
@@ -369,7 +373,6 @@ class FSDPSync(GroupSync):
                         outputs, [c[i] for c in cotangents], retain_graph=retain
                     )
                 except Exception as error:
-                    self._reset()
                     if i == 0:
                         raise
                     raise RuntimeError(
@@ -386,9 +389,6 @@ class FSDPSync(GroupSync):
                     local = _local(p if p.grad is None else p.grad)
                     row.append(local.clone() if p.grad is not None else torch.zeros_like(local))
                     p.grad = None
-        finally:
-            for p, grad in zip(params, held):
-                p.grad = grad
         return tuple(torch.stack(row) for row in rows)
 
     def sum_over_shards(self, gramian: torch.Tensor) -> torch.Tensor:
@@ -399,8 +399,7 @@ class FSDPSync(GroupSync):
         order of :meth:`task_gradients`)."""
         from torch.distributed.tensor import DTensor
 
-        params = [p for p in _sharded_params(self.module) if p.requires_grad]
-        for p, local, reached in zip(params, update, self._reached):
+        for p, local, reached in zip(self._trained(), update, self._reached):
             if not reached:  # unused by the forward: its .grad stays, as with plain FSDP
                 continue
             spec: Any = p
