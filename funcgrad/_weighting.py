@@ -54,6 +54,30 @@ def _weighting_input(weighting: Any) -> str:
     return _weighting_input(inner) if inner is not None else "gramian"
 
 
+# TorchJD weightings whose input is A = J_1 J_2^T, from the task Jacobians of two independent
+# mini-batches (their docs): neither the Jacobian nor the Gramian of the one batch a call has.
+_CROSS_BATCH = ("MoDoWeighting", "SDMGradWeighting")
+
+
+def _check_not_cross_batch(weighting: Any, call: str) -> None:
+    """A clear error, before any pass, for a weighting (or an aggregator around one) that
+    reads two mini-batches' product: given one batch's matrix it fails inside TorchJD (a
+    size mismatch on the Jacobian) or, on the Gramian, loses its convergence guarantee."""
+    inner = weighting
+    while inner is not None:
+        name = type(inner).__name__
+        if name in _CROSS_BATCH and _torchjd_bases(inner):
+            raise ValueError(
+                f"{call}: `weighting` {type(weighting).__name__} "
+                + (f"(around {name}) " if inner is not weighting else "")
+                + "reads A = J_1 J_2^T, the product of the task Jacobians of two "
+                "independent mini-batches (see its TorchJD docs), but one call has one "
+                "batch. Compute A from two batches as TorchJD's example does, take "
+                "weights = weighting(A), and pass weighting=lambda gramian: weights."
+            )
+        inner = getattr(inner, "weighting", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """How weights (or the update) come out of the task gradients.
@@ -96,6 +120,7 @@ def resolve(weighting: Any, level: object, call: str, *, distributed: bool = Fal
             f"Pass {weighting.__name__}() (with its arguments, if it takes any)."
         )
     bases = _torchjd_bases(weighting)
+    _check_not_cross_batch(weighting, call)
     if "Aggregator" in bases:
         if "GramianWeightedAggregator" in bases and not (
             _has_hooks(weighting) or _has_hooks(weighting.weighting)

@@ -61,9 +61,9 @@ OBJECTS = {
 }
 # Aggregators that map the Jacobian to an update without weights: params level only.
 WITHOUT_WEIGHTS = {"ConFIG", "GradDrop", "TrimmedMean"}
-# These read a Jacobian of another form (stochastic pairs of task gradients), and raise on
-# TorchJD's own jac_to_grad: funcgrad raises the same error, naming the weighting.
-RAISE_IN_TORCHJD = {"MoDoWeighting", "SDMGradWeighting"}
+# These read A = J_1 J_2^T from two independent mini-batches (TorchJD's jac_to_grad fails
+# inside them with a size mismatch): funcgrad refuses them before any pass, with the recipe.
+CROSS_BATCH = {"MoDoWeighting", "SDMGradWeighting"}
 # The solvers behind these are iterative (cvxpy, quadprog): agreement to their tolerance.
 LOOSE = {"CAGrad", "CAGradWeighting", "NashMTL", "FairGrad", "FairGradWeighting"}
 
@@ -115,15 +115,15 @@ def test_params_level_equals_jac_to_grad(name):
     features, task_losses = losses()
     mtl_backward(task_losses, features)
     torch.manual_seed(1)  # the same draws for the random ones
-    if name in RAISE_IN_TORCHJD:
-        with pytest.raises(RuntimeError) as expected:
+    if name in CROSS_BATCH:
+        with pytest.raises(RuntimeError, match="size mismatch"):
             jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
         encoder, heads, losses = _model()
         features, task_losses = losses()
-        with pytest.raises(RuntimeError, match=str(expected.value)[:20]) as got:
-            funcgrad.backward(task_losses, through=features, weighting=OBJECTS[name]())
-        assert f"raised by the weighting {name}" in "".join(got.value.__notes__)
-        assert all(p.grad is None for p in encoder.parameters())
+        for weighting in (OBJECTS[name](), _as_aggregator(OBJECTS[name]())):
+            with pytest.raises(ValueError, match=f"{name}.*two independent mini-batches"):
+                funcgrad.backward(task_losses, through=features, weighting=weighting)
+            assert all(p.grad is None for p in encoder.parameters())
         return
     jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
     want = _grads(encoder, heads)
@@ -145,12 +145,12 @@ def test_params_level_equals_jac_to_grad(name):
 def test_features_level_is_the_weighting_on_the_feature_gradients(name):
     encoder, heads, losses = _model()
     features, task_losses = losses()
-    if name in RAISE_IN_TORCHJD:
-        with pytest.raises(RuntimeError, match="size mismatch") as got:
+    if name in CROSS_BATCH:
+        with pytest.raises(ValueError, match="weighting=lambda gramian: weights"):
             funcgrad.backward(
                 task_losses, through=features, weighting=OBJECTS[name](), level="features"
             )
-        assert f"raised by the weighting {name}" in "".join(got.value.__notes__)
+        assert all(p.grad is None for p in encoder.parameters())
         return
     if name in WITHOUT_WEIGHTS:
         with pytest.raises(ValueError, match=r"Aggregator without weights.*level='params'"):
@@ -218,3 +218,42 @@ def test_a_weighting_class_instead_of_an_instance_is_a_clear_error():
     features, task_losses = losses()
     with pytest.raises(TypeError, match=r"got the class UPGradWeighting. Pass UPGradWeighting\(\)"):
         funcgrad.backward(task_losses, through=features, weighting=tjd.UPGradWeighting)
+
+
+@pytest.mark.parametrize("name", sorted(CROSS_BATCH))
+def test_cross_batch_weighting_by_the_recipe_in_its_error(name):
+    """The recipe the error gives (weights from A = J_1 J_2^T of two batches, then a
+    constant weighting) equals TorchJD's own example: losses.backward(weights)."""
+
+    def two_batches():
+        torch.manual_seed(0)
+        encoder = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh())
+        head = torch.nn.Linear(4, K)
+        batches = [(torch.randn(6, 5), torch.randn(6, K)) for _ in range(3)]
+        return encoder, head, batches
+
+    def task_losses(encoder, head, x, y):
+        features = encoder(x)
+        return features, ((head(features) - y) ** 2).mean(dim=0)
+
+    def weights_from_two_batches(encoder, head, batches):
+        params = list(encoder.parameters())
+        jacobians = []
+        for x, y in batches[:2]:
+            _, losses = task_losses(encoder, head, x, y)
+            rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+            jacobians.append(torch.stack([torch.cat([g.flatten() for g in r]) for r in rows]))
+        return OBJECTS[name]()(jacobians[0] @ jacobians[1].T)
+
+    encoder, head, batches = two_batches()
+    weights = weights_from_two_batches(encoder, head, batches)
+    _, losses = task_losses(encoder, head, *batches[2])
+    losses.backward(weights)
+    want = [p.grad.clone() for p in encoder.parameters()]
+
+    encoder, head, batches = two_batches()
+    weights = weights_from_two_batches(encoder, head, batches)
+    features, losses = task_losses(encoder, head, *batches[2])
+    funcgrad.backward(list(losses), through=features, weighting=lambda gramian: weights)
+    for p, expected in zip(encoder.parameters(), want):
+        torch.testing.assert_close(p.grad, expected)
