@@ -9,6 +9,7 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -176,6 +177,27 @@ def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
 # -- apply ---------------------------------------------------------------------------------
 
 
+# `through` tensors whose graph a params-level call kept (its batched pulls retain it) where
+# the user let it go (retain_graph=False), by id: a later call on them raises as torch would.
+_RELEASED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+class _SecondBackward(RuntimeError):
+    pass
+
+
+def _check_not_released(through: Tensors) -> None:
+    for j, y in enumerate(through):
+        if _RELEASED.get(id(y)) is y:
+            raise _SecondBackward(
+                f"{_CALL}: through[{j}] was already used by an earlier call with "
+                "retain_graph=False, so its graph is spent: torch refuses a second backward "
+                "through it ('Trying to backward through the graph a second time'), and so "
+                "does funcgrad. Pass retain_graph=True to the earlier call, or run the "
+                "forward again."
+            )
+
+
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """``leaf.grad += grad``, as autograd accumulates (``grad`` is a fresh tensor, kept as
     the first ``.grad`` without a copy)."""
@@ -262,8 +284,11 @@ def backward(
         graph is walked once) and, with a process group, agree across ranks; collect (V and
         the task-specific gradients); weigh (the Gramian and the weights); apply. Nothing
         is written before the apply stage, so an error anywhere before it leaves every
-        ``.grad`` unchanged. At level ``"params"`` the graph of the shared
-        part is retained during the call, whatever ``retain_graph``.
+        ``.grad`` unchanged. At level ``"params"`` (without DDP or FSDP) the batched
+        backward keeps the graph of the shared part whatever ``retain_graph``: its saved
+        tensors go when ``through`` and the losses go (``del`` them before the next forward
+        to keep peak memory at one graph). With ``retain_graph=False`` a second call
+        through the same ``through`` raises, as torch does.
     """
     # Validate, then agree: every rank's checks travel in one collective, before any backward.
     sync = _sync.policy(process_group, _CALL)
@@ -274,6 +299,7 @@ def backward(
         if isinstance(sync, _sync.FSDPSync):
             sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
+        _check_not_released(task.through)
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
         if isinstance(sync, _sync.DDPSync):
             sync.configure(task.shared, task.level)
@@ -294,7 +320,7 @@ def backward(
                 "w @ V). Use a weighted aggregator, or pass the process group itself and a "
                 "plain encoder."
             )
-    except (TypeError, ValueError) as caught:
+    except (TypeError, ValueError, _SecondBackward) as caught:
         error = caught
     facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
     sync.agree(facts, error)
@@ -325,6 +351,9 @@ def backward(
         weights, update = weigh_params(
             task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
         )
+        if not retain_graph and not sync.reduces_backward:
+            for y in task.through:
+                _RELEASED[id(y)] = y
         if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 

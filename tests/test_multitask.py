@@ -505,3 +505,27 @@ def test_errors_on_arguments():
         funcgrad.combine_heads(torch.sin, [torch.sum], level="both")
     with pytest.raises(ValueError, match=r"combine_heads\(f, heads\): `weighting` must return"):
         funcgrad.combine_heads(torch.sin, [torch.sum, torch.sum], lambda g: g.sum())(torch.ones(2))
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
+    """retain_graph=False: a second backward through the same forward is refused (torch's
+    contract), .grad unchanged; retain_graph=True lets it accumulate again, as torch does."""
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    weighting = tjd.UPGradWeighting()
+    funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    once = _grads(model)
+    with pytest.raises(RuntimeError, match="second time"):
+        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    assert_tree_close(_grads(model), once)
+
+    model.zero_grad()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    for _ in range(2):
+        funcgrad.backward(
+            losses, through=features, weighting=weighting, level=level, retain_graph=True
+        )
+    assert_tree_close(_grads(model), {name: 2 * g for name, g in once.items()})
