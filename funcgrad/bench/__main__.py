@@ -214,6 +214,18 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
     return peaks
 
 
+# A warm-up round over SLOW_ROUND_S gets 3 timed rounds; in a full run, one under
+# CHEAP_ROUND_S gets 3x the rounds: a median of 21 cheap samples is not moved by the few
+# samples that a shared machine's stalls make several times slower.
+SLOW_ROUND_S, CHEAP_ROUND_S = 10.0, 2.0
+
+
+def _rounds_for(warm_up_s: float, rounds: int, quick: bool) -> int:
+    if warm_up_s > SLOW_ROUND_S:
+        return 3
+    return 3 * rounds if warm_up_s < CHEAP_ROUND_S and not quick else rounds
+
+
 def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[str, Any]) -> Any:
     """Warm up and check agreement (every method once), read the plans, time, and measure
     peak memory: the case's report entry."""
@@ -234,8 +246,7 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
         if fallbacks:  # it did not run as asked: not timed
             del case.methods[method], results[method], first_call[method]
             case.skipped[method] = f"does not run as asked: {fallbacks[0].message}"
-    # Slow cases (a round over 10 s) get 3 rounds, unless --rounds says otherwise.
-    case_rounds = args.rounds or (3 if time.perf_counter() - start > 10 else rounds)
+    case_rounds = args.rounds or _rounds_for(time.perf_counter() - start, rounds, args.quick)
     agreement = _agreement(case, results)
     report["disagreements"] += [
         f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
@@ -327,6 +338,7 @@ def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "regret_min": fastest["funcgrad auto"] / min(fastest[m] for m in fixed),
                     # Two identical runs of one strategy differ by this factor here.
                     "noise": noise,
+                    "rounds": entry["rounds"],
                     "auto_first_call_s": entry["methods"]["funcgrad auto"]["first_call"],
                     "first_call": entry["plans"]["funcgrad auto (first call)"],
                     "plan": entry["plans"]["funcgrad auto"],
@@ -433,7 +445,8 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# funcgrad benchmarks ({'quick' if report['quick'] else 'full'} run)",
         "",
         f"{report['machine']}; torch {report['versions']['torch']}, {report['threads']} threads; "
-        f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round), each "
+        f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round; in a full "
+        "run 3x as many for cases under 2 s a round: see each case's `rounds`), each "
         "sample the mean of enough calls to last ~25 ms (ddp: one step a sample), medians. "
         "Ratios (x base) are against the case's baseline in the same run: `naive` "
         "(k x `torch.autograd.grad(..., retain_graph=True)`)"
@@ -523,8 +536,8 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
         "JSON's `skipped`); auto's 1st call: the warm-up call, ms.",
         "",
         "| function | k | m | n | auto | vjp | jacrev | jacfwd | loop | regret | regret (min) "
-        "| noise | auto's 1st call | auto's plan (after the first call) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| noise | rounds | auto's 1st call | auto's plan (after the first call) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for cell in summary["cells"]:
         fixed = [
@@ -548,6 +561,7 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
             + " | ".join(fixed)
             + f" | {regret} | {cell['regret_min']:.2f}"
             + (f" | {cell['noise']:.2f}" if cell["noise"] is not None else " | —")
+            + f" | {cell['rounds']}"
             + f" | {cell['auto_first_call_s'] * 1e3:.1f}"
             + f" | {shown} |"
         )
