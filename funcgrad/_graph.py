@@ -200,3 +200,74 @@ def split_leaves(
                 )
         per_task.append(own)
     return shared, leaf_names, per_task
+
+
+def executed_nodes(outputs: Tensors, inputs: Tensors) -> list[Any]:
+    """The nodes that a backward from ``outputs`` to ``inputs`` runs: those below
+    ``outputs`` from which an input's gradient edge is reached (as the engine prunes)."""
+    starts = [edge(t) for t in outputs]
+    into: dict[Any, list[Any]] = {}  # node -> the nodes that pass gradients into it
+    seen, todo = set(starts), list(starts)
+    while todo:
+        e = todo.pop()
+        for parent in _parents(e):
+            into.setdefault(parent[0], []).append(e[0])
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    targets = {edge(x)[0] for x in inputs}
+    found, todo_nodes = set(targets), list(targets)
+    while todo_nodes:
+        for node in into.get(todo_nodes.pop(), ()):
+            if node not in found:
+                found.add(node)
+                todo_nodes.append(node)
+    below = {e[0] for e in starts} | {node for node in into}
+    return [node for node in found if node in below and not hasattr(node, "variable")]
+
+
+# Per node type: whether it saves tensors for backward (those a backward frees, and torch
+# refuses to run twice); an add saves none, a matmul or tanh does.
+_SAVES: dict[type, bool] = {}
+
+
+def _saves_tensors(node: Any) -> bool:
+    kind = type(node)
+    if kind not in _SAVES:
+        _SAVES[kind] = any(
+            name.startswith("_raw_saved") or name == "saved_tensors" for name in dir(node)
+        )
+    return _SAVES[kind]
+
+
+_SPENT = "funcgrad: spent"
+
+
+def spent(nodes: Sequence[Any]) -> bool:
+    """Whether a call with ``retain_graph=False`` marked any of ``nodes`` (see :func:`spend`)."""
+    return any(_SPENT in node.metadata for node in nodes if _saves_tensors(node))
+
+
+def spend(nodes: Sequence[Any], call: str, *, refuse_backward: bool) -> None:
+    """Mark the nodes that save tensors as spent by a backward with ``retain_graph=False``,
+    so that a later call through them raises before any pass (on every rank: see
+    :func:`spent`). ``refuse_backward``: funcgrad kept the graph alive (its batched pulls
+    retain it), so any later backward through them, the user's own included, raises as
+    torch's would on the freed graph."""
+
+    def refuse(_: Any) -> None:
+        raise RuntimeError(SECOND_BACKWARD.format(call=call))
+
+    for node in nodes:
+        if _saves_tensors(node) and _SPENT not in node.metadata:
+            node.metadata[_SPENT] = True
+            if refuse_backward:
+                node.register_prehook(refuse)
+
+
+SECOND_BACKWARD = (
+    "Trying to backward through the graph a second time: {call} already ran the backward "
+    "of this graph with retain_graph=False, which frees it (at level='params' funcgrad "
+    "keeps its tensors for its batched pulls, but treats it as freed, as torch would). Pass "
+    "retain_graph=True to the first call, or run the forward again."
+)

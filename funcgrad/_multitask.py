@@ -9,7 +9,6 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -177,25 +176,9 @@ def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
 # -- apply ---------------------------------------------------------------------------------
 
 
-# `through` tensors whose graph a params-level call kept (its batched pulls retain it) where
-# the user let it go (retain_graph=False), by id: a later call on them raises as torch would.
-_RELEASED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-class _SecondBackward(RuntimeError):
-    pass
-
-
-def _check_not_released(through: Tensors) -> None:
-    for j, y in enumerate(through):
-        if _RELEASED.get(id(y)) is y:
-            raise _SecondBackward(
-                f"{_CALL}: through[{j}] was already used by an earlier call with "
-                "retain_graph=False, so its graph is spent: torch refuses a second backward "
-                "through it ('Trying to backward through the graph a second time'), and so "
-                "does funcgrad. Pass retain_graph=True to the earlier call, or run the "
-                "forward again."
-            )
+class SecondBackwardError(RuntimeError):
+    """A backward through a graph that an earlier call spent (torch's error, raised before
+    any pass so that every rank raises it)."""
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
@@ -294,12 +277,16 @@ def backward(
     sync = _sync.policy(process_group, _CALL)
     mode = resolve_check(check, _CALL)
     task: _Task | None = None
+    nodes: list[Any] = []  # what the backward through the shared part runs
+    kept_graph = False  # whether funcgrad kept a graph that torch would have freed
     error: Exception | None = None
     try:
         if isinstance(sync, _sync.FSDPSync):
             sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
-        _check_not_released(task.through)
+        nodes = _graph.executed_nodes(task.through, task.shared)
+        if _graph.spent(nodes):
+            raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=_CALL))
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
         if isinstance(sync, _sync.DDPSync):
             sync.configure(task.shared, task.level)
@@ -320,7 +307,7 @@ def backward(
                 "w @ V). Use a weighted aggregator, or pass the process group itself and a "
                 "plain encoder."
             )
-    except (TypeError, ValueError, _SecondBackward) as caught:
+    except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught
     facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
     sync.agree(facts, error)
@@ -351,9 +338,7 @@ def backward(
         weights, update = weigh_params(
             task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
         )
-        if not retain_graph and not sync.reduces_backward:
-            for y in task.through:
-                _RELEASED[id(y)] = y
+        kept_graph = not sync.reduces_backward  # its batched pulls retained the graph
         if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 
@@ -370,6 +355,8 @@ def backward(
     for own, grads in zip(task.own, own_grads):
         for leaf, grad in zip(own, grads):
             _accumulate(leaf, grad)
+    if not retain_graph:  # a later call through these nodes raises before any pass
+        _graph.spend(nodes, _CALL, refuse_backward=kept_graph)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

@@ -510,16 +510,25 @@ def test_errors_on_arguments():
 @pytest.mark.parametrize("level", ["params", "features"])
 def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
     """retain_graph=False: a second backward through the same forward is refused (torch's
-    contract), .grad unchanged; retain_graph=True lets it accumulate again, as torch does."""
+    contract), .grad unchanged, through the same features, a view of them, or an earlier
+    layer's output, and so is the user's own backward; retain_graph=True lets it accumulate
+    again, as torch does."""
     model, x, targets = _setup()
     features = model.features(x)
     losses = model.losses(features, targets)
     weighting = tjd.UPGradWeighting()
     funcgrad.backward(losses, through=features, weighting=weighting, level=level)
     once = _grads(model)
-    with pytest.raises(RuntimeError, match="second time"):
-        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
-    assert_tree_close(_grads(model), once)
+    view = features[0].view_as(features[0])
+    for through, outs in [
+        (features, losses),
+        ((view,), model.losses((view,), targets)),
+    ]:
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            funcgrad.backward(outs, through=through, weighting=weighting, level=level)
+        assert_tree_close(_grads(model), once)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
 
     model.zero_grad()
     features = model.features(x)
@@ -529,3 +538,36 @@ def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
             losses, through=features, weighting=weighting, level=level, retain_graph=True
         )
     assert_tree_close(_grads(model), {name: 2 * g for name, g in once.items()})
+
+
+def test_an_earlier_layers_output_of_a_spent_graph_is_refused():
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    hidden = layers[:2](torch.randn(6, 4))
+    features = layers[2](hidden)
+    losses = [features[:, i].pow(2).mean() for i in range(3)]
+    funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+    grads = [p.grad.clone() for p in layers.parameters()]
+    with pytest.raises(RuntimeError, match="second time"):
+        funcgrad.backward([hidden.sum(), hidden.pow(2).sum()], through=hidden)
+    for p, g in zip(layers.parameters(), grads):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_graphs_that_free_nothing_run_again_as_in_torch():
+    """A leaf `through` (precomputed features, an embedding table) or one that only adds
+    leaves saves no tensor: torch runs its backward again, and so does funcgrad (a second
+    call on the same tensors accumulates the same update again)."""
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(6, 4))
+    bias = torch.nn.Parameter(torch.randn(4))
+    heads = torch.randn(3, 4)
+    for through in (table, table + bias):
+        torch.autograd.backward(through, torch.ones_like(through))  # torch: no error
+        torch.autograd.backward(through, torch.ones_like(through))
+        table.grad = bias.grad = None
+        losses = [(through @ h).sin().sum() for h in heads]
+        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
+        once = table.grad.clone()
+        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
+        torch.testing.assert_close(table.grad, 2 * once)
