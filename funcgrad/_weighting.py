@@ -65,15 +65,17 @@ def _check_not_cross_batch(weighting: Any, call: str) -> None:
     size mismatch on the Jacobian) or, on the Gramian, loses its convergence guarantee."""
     inner = weighting
     while inner is not None:
-        name = type(inner).__name__
-        if name in _CROSS_BATCH and _torchjd_bases(inner):
+        found = sorted(set(_CROSS_BATCH) & _torchjd_bases(inner))
+        if found:
+            name, kind = type(inner).__name__, found[0]
+            around = f" (around a {name})" if inner is not weighting else ""
             raise ValueError(
-                f"{call}: `weighting` {type(weighting).__name__} "
-                + (f"(around {name}) " if inner is not weighting else "")
-                + "reads A = J_1 J_2^T, the product of the task Jacobians of two "
-                "independent mini-batches (see its TorchJD docs), but one call has one "
-                "batch. Compute A from two batches as TorchJD's example does, take "
-                "weights = weighting(A), and pass weighting=lambda gramian: weights."
+                f"{call}: `weighting` {type(weighting).__name__}{around} reads A = "
+                f"J_1 J_2^T, the product of the task Jacobians of two independent "
+                f"mini-batches ({kind}'s TorchJD docs), but one call has one batch. Compute "
+                f"A from two batches as TorchJD's example does, take weights = w(A) with w your "
+                f"{name} instance (not an aggregator around it, which returns an update), "
+                "and pass weighting=lambda gramian: weights."
             )
         inner = getattr(inner, "weighting", None)
 

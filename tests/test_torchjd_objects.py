@@ -120,9 +120,12 @@ def test_params_level_equals_jac_to_grad(name):
             jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
         encoder, heads, losses = _model()
         features, task_losses = losses()
-        for weighting in (OBJECTS[name](), _as_aggregator(OBJECTS[name]())):
-            with pytest.raises(ValueError, match=f"{name}.*two independent mini-batches"):
+        subclass = type("Mine", (OBJECTS[name],), {})  # a user's subclass is refused too
+        for weighting in (OBJECTS[name](), _as_aggregator(OBJECTS[name]()), subclass()):
+            with pytest.raises(ValueError, match="two independent mini-batches") as error:
                 funcgrad.backward(task_losses, through=features, weighting=weighting)
+            inner = getattr(weighting, "weighting", weighting)
+            assert f"w your {type(inner).__name__} instance" in str(error.value)
             assert all(p.grad is None for p in encoder.parameters())
         return
     jac_to_grad(list(encoder.parameters()), _as_aggregator(OBJECTS[name]()))
