@@ -445,8 +445,15 @@ def _markdown(report: dict[str, Any]) -> str:
         f"# funcgrad benchmarks ({'quick' if report['quick'] else 'full'} run)",
         "",
         f"{report['machine']}; torch {report['versions']['torch']}, {report['threads']} threads; "
-        f"{report['rounds']} interleaved rounds (3 for cases slower than 10 s a round; in a full "
-        "run 3x as many for cases under 2 s a round: see each case's `rounds`), each "
+        f"{report['rounds']} interleaved rounds"
+        + (
+            ""
+            if report.get("rounds_fixed")
+            else " (3 for cases slower than 10 s a round"
+            + ("" if report["quick"] else "; 3x as many for cases under 2 s a round")
+            + ": see each case's `rounds`)"
+        )
+        + ", each "
         "sample the mean of enough calls to last ~25 ms (ddp: one step a sample), medians. "
         "Ratios (x base) are against the case's baseline in the same run: `naive` "
         "(k x `torch.autograd.grad(..., retain_graph=True)`)"
@@ -692,7 +699,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--plot", action="store_true", help="draw time against k (matplotlib)")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="timed rounds (default 7, quick 3)"
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds for every case (default: 7, 21 for cases under 2 s a round, 3 for "
+        "cases over 10 s; quick: 3)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
@@ -714,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "quick": args.quick,
         "rounds": rounds,
+        "rounds_fixed": args.rounds is not None,
         "threads": torch.get_num_threads(),
         "device": args.device,
         "machine": f"{platform.machine()} CPU{_cpu_model()}, {os.cpu_count()} cores"
