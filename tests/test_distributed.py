@@ -231,6 +231,36 @@ def _disagreements(rank):
             funcgrad.backward(losses, through=features, level="features", process_group=group)
         assert all(p.grad is None for p in [*encoder.parameters(), *heads.parameters()])
 
+        # Rank 0 alone runs a second call through the graph it spent (retain_graph=False):
+        # torch's error there, a clear one on rank 1 (which ran a new forward), no hang.
+        # (Not under DDP, whose forward itself must run as often on every rank.)
+        for level in ("params", "features") if wrap == "plain" else ():
+            encoder, heads, run, group = _setting(rank, wrap)
+            features, losses = task_losses(run, heads, x[shard], y[shard])
+            funcgrad.backward(losses, through=features, level=level, process_group=group)
+            before = [p.grad.clone() for p in encoder.parameters()]
+            if rank == 1:
+                features, losses = task_losses(run, heads, x[shard], y[shard])
+            expected = (
+                (RuntimeError, "backward through the graph a second time")
+                if rank == 0
+                else (RuntimeError, r"rank 0 of `process_group` failed its checks")
+            )
+            with pytest.raises(expected[0], match=expected[1]):
+                funcgrad.backward(losses, through=features, level=level, process_group=group)
+            for p, b in zip(encoder.parameters(), before):
+                assert torch.equal(p.grad, b)
+        # Under DDP every rank repeats the call: torch's error on each, before any collective.
+        for level in ("params", "features") if wrap == "ddp" else ():
+            encoder, heads, run, group = _setting(rank, wrap)
+            features, losses = task_losses(run, heads, x[shard], y[shard])
+            funcgrad.backward(losses, through=features, level=level, process_group=group)
+            before = [p.grad.clone() for p in encoder.parameters()]
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                funcgrad.backward(losses, through=features, level=level, process_group=group)
+            for p, b in zip(encoder.parameters(), before):
+                assert torch.equal(p.grad, b)
+
         # A weighting that fails (NaN weights) on every rank: nothing written anywhere.
         for level in ("params", "features"):
             encoder, heads, run, group = _setting(rank, wrap)
