@@ -130,10 +130,12 @@ def _calls_per_sample(call: Any) -> int:
     return max(1, math.ceil(SAMPLE_S / max(time.perf_counter() - start, 1e-6)))
 
 
-def _time_case(case: Case, rounds: int) -> dict[str, list[float]]:
+def _time_case(case: Case, rounds: int, only: list[str] | None = None) -> dict[str, list[float]]:
     """Seconds a call, per method and round (each sample the mean of enough calls to last
-    about ``SAMPLE_S``), the methods interleaved in an order that rotates every round."""
+    about ``SAMPLE_S``), the methods (those of ``only``, if given) interleaved in an order
+    that rotates every round."""
     names = [name for name in case.methods if name not in case.untimed]
+    names = names if only is None else [name for name in names if name in only]
     samples: dict[str, list[float]] = {name: [] for name in names}
     number = {name: _calls_per_sample(case.methods[name]) for name in names}
     with tqdm(
@@ -214,16 +216,17 @@ def _peak_memory(case: Case, quick: bool, threads: int, device: str) -> dict[str
     return peaks
 
 
-# A warm-up round over SLOW_ROUND_S gets 3 timed rounds; in a full run, one under
-# CHEAP_ROUND_S gets 3x the rounds: a median of 21 cheap samples is not moved by the few
-# samples that a shared machine's stalls make several times slower.
-SLOW_ROUND_S, CHEAP_ROUND_S = 10.0, 2.0
+# A warm-up round over SLOW_ROUND_S gets 3 timed rounds. In a full run, the contenders (each
+# method within CONTENDER_RATIO of the fastest median) then get MORE_ROUNDS x as many more: a
+# median of 21 samples is not moved by the few that a stall of a shared machine makes several
+# times slower, and a method several times slower than the fastest changes no ratio to it.
+SLOW_ROUND_S, CONTENDER_RATIO, MORE_ROUNDS = 10.0, 2.0, 2
 
 
-def _rounds_for(warm_up_s: float, rounds: int, quick: bool) -> int:
-    if warm_up_s > SLOW_ROUND_S:
-        return 3
-    return 3 * rounds if warm_up_s < CHEAP_ROUND_S and not quick else rounds
+def _contenders(samples: dict[str, list[float]]) -> list[str]:
+    medians = {name: statistics.median(times) for name, times in samples.items()}
+    fastest = min(medians.values(), default=0.0)
+    return [name for name, median in medians.items() if median <= CONTENDER_RATIO * fastest]
 
 
 def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[str, Any]) -> Any:
@@ -246,13 +249,19 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
         if fallbacks:  # it did not run as asked: not timed
             del case.methods[method], results[method], first_call[method]
             case.skipped[method] = f"does not run as asked: {fallbacks[0].message}"
-    case_rounds = args.rounds or _rounds_for(time.perf_counter() - start, rounds, args.quick)
+    slow = time.perf_counter() - start > SLOW_ROUND_S
+    case_rounds = args.rounds or (3 if slow else rounds)
     agreement = _agreement(case, results)
     report["disagreements"] += [
         f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
     ]
     plans = {method: _plan_record(plan()) for method, plan in case.plans.items()}
     samples = _time_case(case, case_rounds)
+    contenders = [] if args.quick or args.rounds else _contenders(samples)
+    more_rounds = MORE_ROUNDS * case_rounds if len(contenders) > 1 else 0
+    if more_rounds:
+        for name, times in _time_case(case, more_rounds, contenders).items():
+            samples[name] += times
     entry = {
         "name": case.name,
         "variant": case.variant,
@@ -266,6 +275,7 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
             for m, s in samples.items()
         },
         "rounds": case_rounds,
+        "more_rounds": {"rounds": more_rounds, "methods": contenders} if more_rounds else None,
         "agreement": agreement,
         "skipped": case.skipped,
         "untimed": list(case.untimed),
@@ -338,7 +348,9 @@ def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
                     "regret_min": fastest["funcgrad auto"] / min(fastest[m] for m in fixed),
                     # Two identical runs of one strategy differ by this factor here.
                     "noise": noise,
-                    "rounds": entry["rounds"],
+                    # The rounds, and those added for the contenders (auto among them).
+                    "rounds": f"{entry['rounds']}"
+                    + (f"+{more['rounds']}" if (more := entry.get("more_rounds")) else ""),
                     "auto_first_call_s": entry["methods"]["funcgrad auto"]["first_call"],
                     "first_call": entry["plans"]["funcgrad auto (first call)"],
                     "plan": entry["plans"]["funcgrad auto"],
@@ -450,8 +462,12 @@ def _markdown(report: dict[str, Any]) -> str:
             ""
             if report.get("rounds_fixed")
             else " (3 for cases slower than 10 s a round"
-            + ("" if report["quick"] else "; 3x as many for cases under 2 s a round")
-            + ": see each case's `rounds`)"
+            + (
+                ""
+                if report["quick"]
+                else "; then twice as many more for the methods within 2x of the fastest median"
+            )
+            + ")"
         )
         + ", each "
         "sample the mean of enough calls to last ~25 ms (ddp: one step a sample), medians. "
@@ -540,7 +556,9 @@ def _planner_markdown(summary: dict[str, Any]) -> list[str]:
         " noise: how much two separate instances of auto's planned strategy differ in the same "
         "run (max of their two ratios);"
         " `—`: not run (too many passes through f, or it falls back to another way: see the "
-        "JSON's `skipped`); auto's 1st call: the warm-up call, ms.",
+        "JSON's `skipped`); rounds: every method's timed rounds, + those then added for the "
+        "methods within 2x of the fastest (see the JSON's `more_rounds`); auto's 1st call: the "
+        "warm-up call, ms.",
         "",
         "| function | k | m | n | auto | vjp | jacrev | jacfwd | loop | regret | regret (min) "
         "| noise | rounds | auto's 1st call | auto's plan (after the first call) |",
@@ -702,8 +720,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds for every case (default: 7, 21 for cases under 2 s a round, 3 for "
-        "cases over 10 s; quick: 3)",
+        help="timed rounds for every method (default: 7, 3 for cases over 10 s a round, then "
+        "twice as many more for the methods within 2x of the fastest; quick: 3)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument(
