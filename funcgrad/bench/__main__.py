@@ -3,8 +3,9 @@
 Every method runs the whole job (f's forward included) and must agree with the naive
 loop first. Then the methods are timed in interleaved rounds (the order rotates every
 round), so that a slow moment of a shared machine hits all of them alike; each sample
-repeats the call until it lasts about 25 ms (as timeit's autorange does); figures are
-medians and ratios within one run. Peak memory is measured per method in a fresh
+repeats the call until it lasts about 25 ms (as timeit's autorange does); in a full run the
+methods within 2x of the fastest then get twice as many more rounds; figures are medians and
+ratios within one run. Peak memory is measured per method in a fresh
 subprocess: RSS high-water above the baseline on the CPU, ``torch.cuda.max_memory_allocated``
 above the baseline with ``--device cuda``.
 """
