@@ -202,9 +202,10 @@ def split_leaves(
     return shared, leaf_names, per_task
 
 
-def executed_nodes(outputs: Tensors, inputs: Tensors) -> list[Any]:
-    """The nodes that a backward from ``outputs`` to ``inputs`` runs: those below
-    ``outputs`` from which an input's gradient edge is reached (as the engine prunes)."""
+def freed_nodes(outputs: Tensors, inputs: Tensors) -> list[Any]:
+    """The nodes that a backward from ``outputs`` to ``inputs`` frees (without
+    ``retain_graph``): those it runs (below ``outputs``, reaching an input's gradient edge,
+    as the engine prunes) that save tensors."""
     starts = [edge(t) for t in outputs]
     into: dict[Any, list[Any]] = {}  # node -> the nodes that pass gradients into it
     seen, todo = set(starts), list(starts)
@@ -222,8 +223,8 @@ def executed_nodes(outputs: Tensors, inputs: Tensors) -> list[Any]:
             if node not in found:
                 found.add(node)
                 todo_nodes.append(node)
-    below = {e[0] for e in starts} | {node for node in into}
-    return [node for node in found if node in below and not hasattr(node, "variable")]
+    below = {e[0] for e in starts} | into.keys()
+    return [node for node in found if node in below and _saves_tensors(node)]
 
 
 # Per node type: whether it saves tensors for backward (those a backward frees, and torch
@@ -234,7 +235,7 @@ _SAVES: dict[type, bool] = {}
 def _saves_tensors(node: Any) -> bool:
     kind = type(node)
     if kind not in _SAVES:
-        _SAVES[kind] = any(
+        _SAVES[kind] = not hasattr(node, "variable") and any(  # (AccumulateGrad: a leaf)
             name.startswith("_raw_saved") or name == "saved_tensors" for name in dir(node)
         )
     return _SAVES[kind]
@@ -245,21 +246,21 @@ _SPENT = "funcgrad: spent"
 
 def spent(nodes: Sequence[Any]) -> bool:
     """Whether a call with ``retain_graph=False`` marked any of ``nodes`` (see :func:`spend`)."""
-    return any(_SPENT in node.metadata for node in nodes if _saves_tensors(node))
+    return any(_SPENT in node.metadata for node in nodes)
 
 
 def spend(nodes: Sequence[Any], call: str, *, refuse_backward: bool) -> None:
-    """Mark the nodes that save tensors as spent by a backward with ``retain_graph=False``,
-    so that a later call through them raises before any pass (on every rank: see
-    :func:`spent`). ``refuse_backward``: funcgrad kept the graph alive (its batched pulls
-    retain it), so any later backward through them, the user's own included, raises as
-    torch's would on the freed graph."""
+    """Mark ``nodes`` (see :func:`freed_nodes`) as spent by a backward with
+    ``retain_graph=False``, so that a later call through them raises before any pass (on
+    every rank: see :func:`spent`). ``refuse_backward``: funcgrad kept the graph alive
+    (its batched pulls retain it), so any later backward through them, the user's own
+    included, raises as torch's would on the freed graph."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
 
     for node in nodes:
-        if _saves_tensors(node) and _SPENT not in node.metadata:
+        if _SPENT not in node.metadata:
             node.metadata[_SPENT] = True
             if refuse_backward:
                 node.register_prehook(refuse)

@@ -277,14 +277,14 @@ def backward(
     sync = _sync.policy(process_group, _CALL)
     mode = resolve_check(check, _CALL)
     task: _Task | None = None
-    nodes: list[Any] = []  # what the backward through the shared part runs
+    nodes: list[Any] = []  # what the backward through the shared part frees
     kept_graph = False  # whether funcgrad kept a graph that torch would have freed
     error: Exception | None = None
     try:
         if isinstance(sync, _sync.FSDPSync):
             sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
-        nodes = _graph.executed_nodes(task.through, task.shared)
+        nodes = _graph.freed_nodes(task.through, task.shared)
         if _graph.spent(nodes):
             raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=_CALL))
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
