@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
-from . import _engine, _linearize, _sync, _weighting
+from . import _engine, _linearize, _sync, _tree, _weighting
 from ._config import CheckMode
+from ._function import result_graph
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
 from ._types import ChunkSize, Level, Strategy
+from ._validate import check_flag
 
 _CALL = "combine_heads(f, heads)"
 
@@ -38,8 +40,10 @@ class CombinedHeads:
         weighting: Any,
         level: Level,
         process_group: Any,
+        create_graph: bool = False,
     ) -> None:
         self._composition = composition
+        self._create_graph = create_graph
         distributed = process_group is not None
         self.rule = _weighting.resolve(weighting, level, _CALL, distributed=distributed)
         self.level = level
@@ -64,6 +68,11 @@ class CombinedHeads:
         return c.plan(c.flat(args), weighted=self._one_pullback)
 
     def __call__(self, *args: Any) -> Any:
+        leaves = [leaf for leaf in _tree.flatten(list(args))[0] if isinstance(leaf, torch.Tensor)]
+        with result_graph(self._create_graph, leaves):
+            return self._call(*args)
+
+    def _call(self, *args: Any) -> Any:
         c = self._composition
         sync = _sync.policy(self.process_group, _CALL, allow_modules=False)
         flat = c.flat(args)
@@ -123,6 +132,7 @@ def combine_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     process_group: Any = None,
+    create_graph: bool = False,
 ) -> CombinedHeads:
     """The heads' values and ONE weighted gradient, ``sum_i w_i grads_i``, with f run once.
 
@@ -152,6 +162,8 @@ def combine_heads(
             mode): each rank calls the function on its equal shard, and every rank gets the
             values (averaged), ``grad`` and weights of one call on the whole batch (heads
             are means over the shard, as in DDP). None: nothing is communicated.
+        create_graph: build the graph of ``grad`` (and aux), as for :func:`compose_heads`;
+            by default none is built.
 
     Returns:
         A function of f's arguments returning ``(values, grad, weights)`` (and aux with
@@ -177,5 +189,6 @@ def combine_heads(
         solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call
         numpy and cannot run inside ``torch.compile(fullgraph=True)``.
     """
+    check_flag(create_graph, "create_graph", _CALL)
     composition = Composition(f, heads, argnums, has_aux, strategy, chunk_size, check, _CALL)
-    return CombinedHeads(composition, weighting, level, process_group)
+    return CombinedHeads(composition, weighting, level, process_group, create_graph)

@@ -6,6 +6,7 @@ check on them is made here so that the user gets one clear message, not autograd
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +15,19 @@ import torch
 from . import _tree
 from ._errors import describe
 from ._types import Tensors
-from ._validate import check_primal_leaves
+from ._validate import check_primal_leaves, outside_transforms
+
+
+def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
+    """The context the entry points compute their results in: ``torch.no_grad()``, so that no
+    graph of the results is built (``torch.autograd.grad``'s ``create_graph=False``), unless
+    ``create_graph`` or a torch.func transform is active around the call (``torch.func.grad``
+    differentiates through the results; its levels need their graph). torch.func's own
+    transforms inside ignore the outer ``no_grad``: f and the heads are still differentiated,
+    and f sees grad mode enabled inside ``vjp``."""
+    if create_graph or (not torch.compiler.is_compiling() and not outside_transforms(leaves)):
+        return contextlib.nullcontext()
+    return torch.no_grad()
 
 
 class FlatFunction:

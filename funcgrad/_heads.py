@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
-from ._function import FlatFunction
+from ._function import FlatFunction, result_graph
 from ._linearize import RandomState
 from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
 from ._types import ChunkSize, Strategy, Tensors
@@ -23,6 +23,7 @@ from ._validate import (
     check_argnums_type,
     check_callable,
     check_chunk_size,
+    check_flag,
     check_strategy,
     normalize_argnums,
     values_readable,
@@ -593,8 +594,9 @@ class ComposedHeads(Generic[R]):
                 [1., 0., 0.]])
     """
 
-    def __init__(self, composition: Composition) -> None:
+    def __init__(self, composition: Composition, create_graph: bool = False) -> None:
         self._composition = composition
+        self._create_graph = create_graph
         functools.update_wrapper(self, composition.f, updated=())
 
     @property
@@ -616,7 +618,8 @@ class ComposedHeads(Generic[R]):
     def __call__(self, *args: Any) -> R:
         c = self._composition
         flat = c.flat(args)
-        values, grads, aux = c.per_head(flat, c.resolved_check())
+        with result_graph(self._create_graph, flat.leaves):
+            values, grads, aux = c.per_head(flat, c.resolved_check())
         grad_tree = c.grad_tree(flat, grads)
         if c.keys is not None:
             grad_out: Any = {key: _tree_index(grad_tree, i) for i, key in enumerate(c.keys)}
@@ -647,6 +650,7 @@ def compose_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
+    create_graph: bool = False,
 ) -> ComposedHeads[tuple[Any, Any]]: ...
 @overload
 def compose_heads(
@@ -660,6 +664,7 @@ def compose_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
+    create_graph: bool = False,
 ) -> ComposedHeads[tuple[Any, Any, Any]]: ...
 def compose_heads(
     f: Callable[..., Any],
@@ -670,6 +675,7 @@ def compose_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
+    create_graph: bool = False,
 ) -> Any:
     """Values and gradients of many cheap heads on one slow f, with f run once.
 
@@ -704,6 +710,11 @@ def compose_heads(
             1: a loop), as torch.func's. Bounds memory at the price of more passes.
         check: compare batched results with unbatched ones on a sample (see
             :func:`funcgrad.set_check`); None uses the global setting.
+        create_graph: build the graph of the results (grads and aux), for a backward
+            through them, as ``torch.autograd.grad``'s. By default (False) no graph is
+            built, so the results hold no memory of f and ``chunk_size`` bounds the peak.
+            Inside ``torch.func`` transforms the graph is always built (they differentiate
+            through it).
 
     Returns:
         A function of f's arguments returning ``(values, grads)`` or ``(values, grads, aux)``.
@@ -735,4 +746,6 @@ def compose_heads(
         use ``strategy="vjp"`` there.
     """
     call = "compose_heads(f, heads)"
-    return ComposedHeads(Composition(f, heads, argnums, has_aux, strategy, chunk_size, check, call))
+    check_flag(create_graph, "create_graph", call)
+    composition = Composition(f, heads, argnums, has_aux, strategy, chunk_size, check, call)
+    return ComposedHeads(composition, create_graph)

@@ -12,10 +12,10 @@ import torch
 from . import _coords, _engine, _linearize, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
-from ._function import FlatFunction
+from ._function import FlatFunction, result_graph
 from ._linearize import Linearization
 from ._types import ChunkSize, Tensors
-from ._validate import check_callable, check_chunk_size, values_readable
+from ._validate import check_callable, check_chunk_size, check_flag, values_readable
 
 
 @dataclasses.dataclass
@@ -77,22 +77,32 @@ class Pullback:
         self._basis.clear()
         self.stats.kept, self.stats.kept_bytes = 0, 0
 
-    def __call__(self, cotangent: Any) -> tuple[Any, ...]:
+    def __call__(self, cotangent: Any, *, create_graph: bool = False) -> tuple[Any, ...]:
         """``J_f(x)^T cotangent``: one tree per primal, as ``torch.func.vjp``'s ``vjp_fn``.
 
         Args:
             cotangent: a pytree with the structure, shapes and dtypes of f's output.
+            create_graph: build the graph of the result, for a backward through it (as
+                ``torch.autograd.grad``'s); by default none is built. Such a call pulls its
+                cotangent through f (the kept directions carry no graph).
 
         Returns:
             A tuple with one entry per primal, each with that primal's structure.
         """
-        leaves = self._check_cotangent(cotangent, "pb(cotangent)", batched=False)
+        call = "pb(cotangent)"
+        check_flag(create_graph, "create_graph", call)
+        leaves = self._check_cotangent(cotangent, call, batched=False)
         # One cotangent is one unbatched call: nothing for `check` to compare.
-        grads = self._apply(tuple(leaf.unsqueeze(0) for leaf in leaves), None, False)
+        grads = self._apply(tuple(leaf.unsqueeze(0) for leaf in leaves), None, False, create_graph)
         return tuple(self._flat.split_inputs([g[0] for g in grads]))
 
     def many(
-        self, cotangents: Any, *, chunk_size: ChunkSize = None, check: CheckMode | None = None
+        self,
+        cotangents: Any,
+        *,
+        chunk_size: ChunkSize = None,
+        check: CheckMode | None = None,
+        create_graph: bool = False,
     ) -> tuple[Any, ...]:
         """Pull back k cotangents at once: every leaf carries a leading batch dimension k.
 
@@ -105,15 +115,18 @@ class Pullback:
             chunk_size: at most this many directions per vmapped backward; 1 means a loop.
             check: compare the batched pullback with unbatched calls (see
                 :func:`funcgrad.set_check`); ``None`` uses the global setting.
+            create_graph: as for ``pb(cotangent)``.
 
         Returns:
             One tree per primal, each leaf with a leading k.
         """
         call = "Pullback.many(cotangents)"
         check_chunk_size(chunk_size, call)
+        check_flag(create_graph, "create_graph", call)
         mode = resolve_check(check, call)
         leaves = self._check_cotangent(cotangents, call, batched=True)
-        return tuple(self._flat.split_inputs(self._apply(leaves, chunk_size, mode)))
+        grads = self._apply(leaves, chunk_size, mode, create_graph)
+        return tuple(self._flat.split_inputs(grads))
 
     # -- internals ---------------------------------------------------------------------
 
@@ -164,16 +177,28 @@ class Pullback:
             batch = shape[0] if batched else 1
         return tuple(leaves)
 
-    def _apply(self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode) -> Tensors:
+    def _apply(
+        self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
+    ) -> Tensors:
         assert self._lin is not None  # checked by _check_cotangent
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
         with contextlib.ExitStack() as stack:
+            stack.enter_context(result_graph(create_graph, self._flat.leaves))
             if chunk_size == "auto" and not torch.compiler.is_compiling():
                 stack.enter_context(_engine.remembering_chunks(self._fits))
-            grads, pulled = _engine.by_linearity(
-                self._lin, cotangents, self._basis, keep=True, chunk_size=chunk_size, check=check
-            )
+            if create_graph:  # the kept images carry no graph: pull the cotangents themselves
+                grads = _engine.pull(self._lin, cotangents, chunk_size, check)
+                pulled = cotangents[0].shape[0]
+            else:
+                grads, pulled = _engine.by_linearity(
+                    self._lin,
+                    cotangents,
+                    self._basis,
+                    keep=True,
+                    chunk_size=chunk_size,
+                    check=check,
+                )
         self.stats.vjps += pulled
         self.stats.kept, self.stats.kept_bytes = self._basis.rank, self._basis.nbytes
         return grads

@@ -29,6 +29,11 @@ def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
     return not torch.compiler.is_compiling() and outside_transforms(leaves)
 
 
+def check_flag(value: object, name: str, call: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{call}: `{name}` must be True or False, got {describe(value)}.")
+
+
 def check_callable(f: object, name: str, call: str) -> None:
     if not callable(f):
         raise TypeError(f"{call}: `{name}` must be callable, got {describe(f)}.")

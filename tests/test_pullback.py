@@ -235,14 +235,16 @@ def test_pullback_inside_transforms_is_plain_vjp():
 
 @pytest.mark.parametrize("warm", [False, True], ids=["fresh", "after-reuse"])
 def test_second_order_through_an_eager_pullback(warm):
-    """Cotangents that depend on x (as a head's gradient does) must be differentiated too."""
+    """Cotangents that depend on x (as a head's gradient does) must be differentiated too,
+    with create_graph=True (as torch.autograd.grad)."""
     w = torch.randn(3, 3)
     x = torch.randn(3, requires_grad=True)
     y, pb = funcgrad.pullback(lambda x: torch.sin(w @ x), x)
     if warm:
         pb(torch.randn(3).detach())  # one kept direction: a partial basis
     v = 2 * y  # the cotangent of the head (y**2).sum()
-    (g,) = pb(v)
+    assert not pb(v)[0].requires_grad  # no graph unless asked
+    (g,) = pb(v, create_graph=True)
     (got,) = torch.autograd.grad(g.sum(), x)
     xr = x.detach().requires_grad_()
     (gr,) = torch.autograd.grad((torch.sin(w @ xr) ** 2).sum(), xr, create_graph=True)
