@@ -47,7 +47,7 @@ class CannotBatch(Exception):
 
 
 # torch's warning when vmap has no batching rule for an op and loops over the batch inside.
-_SLOW_PATH = ".*There is a performance drop because we have not yet implemented the batching rule"
+SLOW_PATH = ".*There is a performance drop because we have not yet implemented the batching rule"
 
 
 def _loop(fn: Callable[..., Tensors], args: Sequence[torch.Tensor]) -> Tensors:
@@ -71,7 +71,7 @@ def _vmap(
     if torch.compiler.is_compiling():  # (dynamo cannot trace the warnings filters)
         return mapped(*args)
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SLOW_PATH)
+        warnings.filterwarnings("ignore", message=SLOW_PATH)
         return mapped(*args)
 
 

@@ -128,9 +128,15 @@ class Linearization:
 
 
 def autograd_grad(
-    outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool, create_graph: bool = False
+    outputs: Any,
+    inputs: Tensors,
+    cotangents: Any,
+    retain_graph: bool,
+    create_graph: bool = False,
+    is_grads_batched: bool = False,
 ) -> Tensors:
-    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach."""
+    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach
+    (with a leading batch dim where the cotangents are batched)."""
     grads = torch.autograd.grad(
         outputs,
         inputs,
@@ -138,8 +144,12 @@ def autograd_grad(
         retain_graph=retain_graph,
         create_graph=create_graph,
         allow_unused=True,
+        is_grads_batched=is_grads_batched,
     )
-    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+    if not is_grads_batched:
+        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+    k = cotangents.shape[0] if isinstance(cotangents, torch.Tensor) else cotangents[0].shape[0]
+    return tuple(x.new_zeros((k, *x.shape)) if g is None else g for g, x in zip(grads, inputs))
 
 
 def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool) -> Tensors:
