@@ -30,9 +30,9 @@ def grads(
     Same values as ``torch.stack([torch.autograd.grad(z, inputs, retain_graph=True)[j] for z
     in outputs])`` for each input j, when every output depends on the inputs only through
     ``through`` (the seed's ``y = slow_fun(x)``). The cheap part, outputs -> ``through``, is
-    differentiated output by output; the slow part, ``through`` -> inputs, only along the
-    independent directions of those cotangents: one pass for a scalar ``through``, at most
-    ``min(k, numel(through))`` in general.
+    differentiated output by output; the slow part, ``through`` -> inputs, along
+    ``min(k, numel(through))`` directions in one batched backward: one pass for a scalar
+    ``through``, whatever k.
 
     Args:
         outputs: k scalar tensors (z_i = g_i(y)), or one.
@@ -63,10 +63,12 @@ def grads(
 
     Notes:
         Cost: one backward of each output to ``through`` (cheap), then the backward from
-        ``through`` to the inputs along the independent directions only, batched in one
+        ``through`` to the inputs along the k cotangents, or, where k > numel(through),
+        along ``through``'s unit directions combined by a product: batched in one
         ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
-        Rank detection is invariant to each output's scale; non-finite cotangents or
-        images are pulled back as they are, so NaN/inf come out as in autograd.
+        No rank is detected (it reads values; :func:`funcgrad.pullback` does, across
+        calls); a non-finite product is pulled back as the cotangents themselves, so
+        NaN/inf come out as in autograd.
         Validation walks the graph's gradient edges once beforehand, so a wrong
         ``through`` (missed paths, dependent or repeated entries) is an error before any
         slow backward runs. The graph is retained during the call; with
@@ -88,7 +90,7 @@ def grads(
     ]
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
-    # Through -> inputs (slow): only the independent directions of those cotangents.
+    # Through -> inputs (slow): min(k, numel(through)) directions.
     lin = _linearize.of_graph(mids, ins, create_graph=create_graph)
     basis = _engine.Basis(_coords.real_size(lin.out))
     result, _ = _engine.by_linearity(

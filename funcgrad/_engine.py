@@ -644,6 +644,11 @@ def by_linearity(
     their derivative), a basis over budget, or (``keep=False``) as many new directions as
     cotangents. Then the cotangents themselves go through f. Returns the answer and the
     number of directions pulled through f.
+
+    A one-shot call (``keep=False``: ``grads``, ``backward``) detects no rank: that reads
+    values (a QR, host reads) and pays off only where the shapes say so. With more
+    cotangents than y has coordinates (k > m) it pulls y's m unit directions and combines
+    them, with one read to check the product is finite; else the k cotangents themselves.
     """
     k, m = cotangents[0].shape[0], basis.m
     out_like, x_like = lin.out, lin.x_like
@@ -655,6 +660,15 @@ def by_linearity(
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
         return pull(lin, cotangents, chunk_size, check), pulled + k
+
+    if not keep:
+        if k <= m:
+            return direct()
+        images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check)
+        result = _coords.combine(coords, images)
+        # A non-finite cotangent or image, or an overflow, shows in the product (0 * inf):
+        # the cotangents themselves then go through f, as autograd would.
+        return (result, m) if all_finite(result) else direct(m)
 
     if not basis.enabled or not bool(torch.isfinite(coords).all()):
         # NaN/inf cotangents go through f as they are, so they propagate as in autograd.

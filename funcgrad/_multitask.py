@@ -261,8 +261,8 @@ def backward(
     Notes:
         Cost: one backward of each loss to ``through`` (cheap, head by head), then through
         the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
-        (along ``w @ V``), and at ``level="params"`` one batched backward along the
-        independent directions of the k cotangents (at most ``min(k, numel(through))``),
+        (along ``w @ V``), and at ``level="params"`` one batched backward along the k
+        cotangents (``through``'s unit directions where k > ``numel(through)``),
         after which the update needs no further pass. It runs in stages: validate (the
         graph is walked once) and, with a process group, agree across ranks; collect (V and
         the task-specific gradients); weigh (the Gramian and the weights); apply. Nothing
