@@ -17,6 +17,7 @@ from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackErr
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._memory import memory_budget
 from ._multitask import backward
+from ._per_example import PerExample, per_example, per_example_gramian
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
 
@@ -34,12 +35,16 @@ __all__ = [
     # multi-task weighting
     "backward",
     "combine_heads",
+    # per-example heads
+    "per_example",
+    "per_example_gramian",
     # their objects
     "Pullback",
     "PullbackStats",
     "ComposedHeads",
     "CombinedHeads",
     "StackedHeads",
+    "PerExample",
     "Plan",
     "PassCounter",
     # settings, errors and warnings

@@ -194,7 +194,7 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
     *,
-    through: Sequence[torch.Tensor] | torch.Tensor,
+    through: Sequence[torch.Tensor] | torch.Tensor | None = None,
     weighting: Any = None,
     level: Level = "params",
     inputs: Any = None,
@@ -202,6 +202,7 @@ def backward(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     process_group: Any = None,
+    batch_dim: int | None = None,
 ) -> Any:
     """One weighted update from k task losses, accumulated into ``.grad``, as
     ``torch.autograd.backward`` does for one loss.
@@ -242,6 +243,9 @@ def backward(
             ``.grad`` of one process on the concatenated batch (losses are means over equal
             local shards, the global loss their average, as in DDP); task-specific leaves
             are averaged too. None: nothing is communicated. See the README, "Scaling out".
+        batch_dim: 0 for per-example losses: ``losses`` is then a 1-D tensor (one loss per
+            example) from a forward under :func:`funcgrad.per_example`, and there is no
+            ``through`` (see there).
 
     Returns:
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a
@@ -273,6 +277,14 @@ def backward(
         to keep peak memory at one graph). With ``retain_graph=False`` a second call
         through the same ``through`` raises, as torch does.
     """
+    if batch_dim is not None or through is None:  # per-example losses: _per_example.py
+        from ._per_example import backward_from_losses
+
+        return backward_from_losses(
+            losses, through=through, batch_dim=batch_dim, weighting=weighting, level=level,
+            inputs=inputs, retain_graph=retain_graph, chunk_size=chunk_size, check=check,
+            process_group=process_group,
+        )  # fmt: skip
     # Validate, then agree: every rank's checks travel in one collective, before any backward.
     sync = _sync.policy(process_group, _CALL)
     mode = resolve_check(check, _CALL)

@@ -1,0 +1,1166 @@
+"""Per-example heads: the Gramian of the per-example gradients of a batch's losses, and the
+weighted update, from ONE backward of ``losses.sum()`` (ghost products).
+
+Loss b reads only example b, so one backward of the losses, along all ones, gives every
+example's output gradient at every layer: row b of the layer's output gradient, ``Δ_b``.
+With the layer's input rows ``A_b`` (recorded by a forward hook), the per-example gradient
+of a Linear weight is ``Δ_bᵀ A_b``, so the Gramian is ``(A Aᵀ) ∘ (Δ Δᵀ)`` layer by layer and
+the weighted update ``Aᵀ (w ⊙ Δ)``: one matmul, as a plain backward's weight gradient.
+
+It reads top to bottom as its stages: record (module hooks, during the user's forward) ->
+validate (the losses, the weighting, the recorded layers; before any pass) -> collect (the
+one backward, to every recorded layer's output) -> layers (each layer's rule: its Gramian
+block and its update) -> weigh -> apply (``.grad`` written in one place, at the end).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree
+
+from . import _weighting
+from ._errors import describe
+from ._types import Tensors
+from ._validate import named_inputs
+
+_BACKWARD = "funcgrad.backward(losses, batch_dim=0)"
+_GRAMIAN = "funcgrad.per_example_gramian(losses)"
+_MARK = "funcgrad.per_example(model)"
+# Bound on the elements of one transient block (ghost T x T products, unfolded inputs).
+_BLOCK = 1 << 22
+
+
+# -- record --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Use:
+    """One call of a hooked module during a recorded forward."""
+
+    module: nn.Module
+    args: tuple[Any, ...]  # detached tensors (the storage autograd saves anyway)
+    kwargs: dict[str, Any]
+    edges: list[Any]  # gradient edges of the outputs that require grad, taken at the call
+    outputs: list[tuple[int, torch.Size, torch.dtype]]  # (position in the flat output, ...)
+    nested: list[_Use]  # uses of hooked modules inside this call
+    upstream: list[Any]  # gradient edges of the inputs that require grad
+    deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+
+    def walk(self) -> Iterator[_Use]:
+        yield self
+        for use in self.nested:
+            yield from use.walk()
+
+
+def _direct(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _batch_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm normalises with the batch's statistics (training mode, or no
+    running statistics): they mix the examples."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        module.training or not module.track_running_stats or module.running_mean is None
+    )
+
+
+def _refuse_batch_statistics(name: str, module: nn.Module, call: str) -> None:
+    raise ValueError(
+        f"{call}: module {name!r} ({type(module).__name__}) normalises with the batch's "
+        "statistics (training mode, or track_running_stats=False), which mix the examples: "
+        "loss b then depends on every example, and there are no per-example gradients. "
+        "Call model.eval() on it (running statistics), or replace it by GroupNorm / "
+        "LayerNorm / InstanceNorm."
+    )
+
+
+class PerExample:
+    """The modules of ``model`` hooked to record each layer's input during the forward, so
+    that per-example Gramians and weighted updates cost about one backward.
+
+    Made by :func:`funcgrad.per_example`; see there. Hooks stay until :meth:`remove` (or
+    the end of a ``with`` block). Each call of :meth:`gramian` or :meth:`backward` consumes
+    what the forward recorded; records of forwards that no call consumed are dropped at the
+    next call. Nothing is recorded while grad is disabled.
+    """
+
+    def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{_MARK}: `model` must be an nn.Module, got {describe(model)}.")
+        if batch_dim != 0 or isinstance(batch_dim, bool):
+            raise ValueError(
+                f"{_MARK}: `batch_dim` must be 0 (every hooked module's inputs and outputs "
+                f"batched along their first dimension), got {batch_dim!r}. For batch_first="
+                "False transformers or RNNs, build them with batch_first=True."
+            )
+        if isinstance(model, nn.parallel.DistributedDataParallel) or any(
+            type(p).__name__ == "DTensor" for p in model.parameters()
+        ):
+            raise ValueError(_distributed_refusal(_MARK))
+        self.model = model
+        self.batch_dim = batch_dim
+        self.plan: PerExamplePlan | None = None
+        self._names = {module: name or "<model>" for name, module in model.named_modules()}
+        for name, module in model.named_modules():
+            if _batch_statistics(module):
+                _refuse_batch_statistics(name or "<model>", module, _MARK)
+        self._uses: list[_Use] = []
+        self._frames: list[tuple[nn.Module, list[_Use] | None]] = []
+        self._recording = True
+        self._handles = []
+        for module in model.modules():
+            if _direct(module) or isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+        _RECORDERS.add(self)
+
+    # Hooks ---------------------------------------------------------------------------
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._recording:
+            return
+        if _batch_statistics(module):  # before its forward runs
+            _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
+        hooked = torch.is_grad_enabled() and any(p.requires_grad for p in _direct(module))
+        self._frames.append((module, [] if hooked else None))
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._recording or not self._frames:
+            return
+        frame = self._frames.pop()
+        while frame[0] is not module and self._frames:  # a call that raised left its frame
+            frame = self._frames.pop()
+        if frame[0] is not module or frame[1] is None:
+            return
+        flat, _ = _pytree.tree_flatten(output)
+        outputs, edges = [], []
+        for i, out in enumerate(flat):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                outputs.append((i, out.shape, out.dtype))
+                edges.append(get_gradient_edge(out))
+        if not edges:
+            return
+        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+        upstream = [
+            get_gradient_edge(x)
+            for x in _pytree.tree_leaves((args, kwargs))
+            if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        use = _Use(
+            module,
+            _pytree.tree_map(detach, tuple(args)),
+            _pytree.tree_map(detach, dict(kwargs)),
+            edges,
+            outputs,
+            frame[1],
+            upstream,
+        )
+        parent = next((f[1] for f in reversed(self._frames) if f[1] is not None), None)
+        (parent if parent is not None else self._uses).append(use)
+
+    # Public --------------------------------------------------------------------------
+
+    def gramian(
+        self, losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+    ) -> torch.Tensor:
+        """The (B, B) Gramian ``G[b, b'] = <grad_b, grad_b'>`` of the per-example gradients
+        of the selected parameters; no ``.grad`` is written. See
+        :func:`funcgrad.per_example_gramian`."""
+        run = _Run(self, losses, inputs, None, _GRAMIAN)
+        return run.execute(retain_graph, write=False)[0]
+
+    def backward(
+        self,
+        losses: torch.Tensor,
+        *,
+        weighting: Any = None,
+        inputs: Any = None,
+        retain_graph: bool = False,
+    ) -> torch.Tensor:
+        """``.grad += sum_b w_b grad_b`` with ``w = weighting(G)``; returns ``w``. See
+        :func:`funcgrad.per_example`."""
+        run = _Run(self, losses, inputs, weighting, _BACKWARD)
+        return run.execute(retain_graph, write=True)[1]
+
+    def clear(self) -> None:
+        """Drop what the forwards recorded (no call consumed it)."""
+        self._uses, self._frames = [], []
+
+    def remove(self) -> None:
+        """Remove the hooks and the records."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.clear()
+        _RECORDERS.discard(self)
+
+    def __enter__(self) -> PerExample:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"PerExample({type(self.model).__name__}, batch_dim={self.batch_dim})"
+
+
+_RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
+
+
+def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
+    """Hook ``model`` for per-example heads: Jacobian descent over the examples of a batch
+    (instance-wise risk minimisation), per-example gradient norms and similarities, at
+    about the cost of one backward.
+
+    Per-example losses ``losses = criterion(model(x), y)`` (``reduction="none"``, shape
+    (B,)) are B heads on one expensive function. Their Gramian ``G[b, b'] = <grad_b,
+    grad_b'>`` (gradients with respect to the parameters) comes from ONE backward of the
+    losses, layer by layer: for a Linear layer with inputs A and output gradients Δ it is
+    ``(A Aᵀ) ∘ (Δ Δᵀ)`` and the weighted update is ``Aᵀ (w ⊙ Δ)``. The hooks record each
+    layer's input A during the forward, so the model must be hooked before it (as TorchJD's
+    ``autogram.Engine(model, batch_dim=0)``).
+
+    Args:
+        model: the module whose parameters get per-example gradients. Every module of it
+            with parameters is hooked; a module with parameters must take and return tensors
+            batched along dim 0 and treat the examples independently (no BatchNorm in
+            training mode: refused here and at its forward, before any backward).
+        batch_dim: 0, the batch dimension of every module's inputs and outputs.
+
+    Returns:
+        A :class:`PerExample`, also a context manager that removes the hooks at its end. Its
+        ``backward(losses, weighting=..., inputs=...)`` writes ``.grad += w @ grads`` with
+        ``w = weighting(G)`` and returns ``w`` (the same as
+        ``funcgrad.backward(losses, batch_dim=0, ...)``); its ``gramian(losses)`` returns G
+        without writing ``.grad`` (as :func:`funcgrad.per_example_gramian`); ``print(pe.plan)``
+        shows the rule each layer took in the last call.
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(),
+        ...                             torch.nn.Linear(8, 1))
+        >>> x, y = torch.randn(16, 3), torch.randn(16, 1)
+        >>> with funcgrad.per_example(model) as pe:
+        ...     losses = (model(x) - y).pow(2).squeeze(1)           # (16,): one per example
+        ...     weights = pe.backward(losses, weighting=lambda g: 1 / g.diagonal().sqrt())
+        >>> weights.shape, model[0].weight.grad.shape
+        (torch.Size([16]), torch.Size([8, 3]))
+        >>> print(pe.plan)  # doctest: +NORMALIZE_WHITESPACE
+        per-example plan, B=16 (flops of the Gramian per layer: ghost / materialised)
+          0  Linear  (16, 3)  ghost (A Aᵀ)∘(Δ Δᵀ)  ...
+          2  Linear  (16, 8)  materialised A_bᵀ Δ_b T=1  ...
+
+    Notes:
+        Cost: the forward, ONE backward of the losses to every layer's output (without the
+        weight-gradient products), then per layer the Gramian block and the update
+        ``Aᵀ (w ⊙ Δ)`` (one matmul). Rules, chosen per layer and input shape by flops:
+        Linear on (B, d) inputs: ``(A Aᵀ)∘(Δ Δᵀ)``, B²(d+p); on (B, T, d): ghost
+        ``<A_b A_b'ᵀ, Δ_b Δ_b'ᵀ>`` (B²T²(d+p)) or the materialised ``A_bᵀ Δ_b`` and their
+        Gram (B·T·d·p + B²·d·p); Conv1d/Conv2d: the same on unfolded inputs; Embedding: the
+        Gram of one-hot rows is index equality; LayerNorm/GroupNorm/BatchNorm (eval) affine
+        parameters: their (B, C) per-example gradients; every other module with parameters
+        (nn.MultiheadAttention, custom modules, Linear subclasses with their own forward):
+        its per-example gradients materialised exactly by ``torch.func.vmap`` over a
+        functional call of that module alone (a loop where vmap cannot), never skipped. A
+        parameter shared by several modules (tied weights) has its per-example gradients
+        summed over its uses before their Gram, so the cross terms are exact; a module
+        called twice is one layer with the calls' rows concatenated. A parameter that
+        reaches the losses outside any hooked module's forward (``F.linear(h, emb.weight)``)
+        is refused with a clear error, before the backward. ``model.eval()`` modules with
+        dropout are fine; random draws inside a module with parameters are refused (its
+        per-example gradients would need the same draws). No process group: the
+        cross-rank blocks of G need every rank's per-layer A and Δ (see the README).
+    """
+    return PerExample(model, batch_dim=batch_dim)
+
+
+def per_example_gramian(
+    losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+) -> torch.Tensor:
+    """The (B, B) Gramian of the per-example gradients, ``G[b, b'] = <grad_b, grad_b'>``,
+    for per-example losses computed under :func:`funcgrad.per_example`; no ``.grad`` is
+    written.
+
+    Same values as ``J @ J.T`` with ``J`` the (B, P) Jacobian of ``losses`` with respect to
+    the parameters (the rows of ``torch.autograd.grad(losses[b], params)``, flattened), at
+    the cost of one backward. Its diagonal holds the squared per-example gradient norms
+    (Opacus's ghost norms); its rows the gradient similarities of data attribution
+    (TracIn-style scores, In-Run Data Shapley's ghost dot-products).
+
+    Args:
+        losses: a 1-D tensor of B per-example losses, from a forward of a model hooked by
+            :func:`funcgrad.per_example` (the hooks that saw that forward are found).
+        inputs: the parameters whose gradients count (tensors, a Module, a mapping or
+            ``named_parameters()`` pairs); None: every parameter of the hooked model that
+            requires grad.
+        retain_graph: keep the graph after the backward.
+
+    Returns:
+        G, shape (B, B), detached (float32 for half-precision parameters).
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> model = torch.nn.Linear(3, 1)
+        >>> x = torch.randn(4, 3)
+        >>> with funcgrad.per_example(model):
+        ...     gram = funcgrad.per_example_gramian(model(x).squeeze(1))
+        >>> rows = torch.stack([torch.cat([x[b], torch.ones(1)]) for b in range(4)])
+        >>> torch.allclose(gram, rows @ rows.T)  # d loss_b / d(W, b) = (x_b, 1)
+        True
+    """
+    recorder = _recorder_of(losses, _GRAMIAN)
+    return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph)
+
+
+def backward_from_losses(
+    losses: Any,
+    *,
+    through: Any,
+    batch_dim: Any,
+    weighting: Any,
+    level: Any,
+    inputs: Any,
+    retain_graph: bool,
+    chunk_size: Any,
+    check: Any,
+    process_group: Any,
+) -> torch.Tensor:
+    """``funcgrad.backward(losses, batch_dim=0, ...)``: the per-example path, or a clear error
+    for a call that gave neither ``through`` nor ``batch_dim``."""
+    if batch_dim is None:
+        raise TypeError(
+            "funcgrad.backward(losses, through=...): `through` is missing. Pass the shared "
+            "features that the k task losses are computed from, or, for per-example losses "
+            "(a 1-D tensor, one loss per example), batch_dim=0 under funcgrad.per_example(model)."
+        )
+    if through is not None:
+        raise ValueError(
+            f"{_BACKWARD}: `through` is not used with `batch_dim` (every hooked layer is the "
+            "shared part); remove it, or remove batch_dim for k task losses on shared features."
+        )
+    if batch_dim != 0 or isinstance(batch_dim, bool):
+        raise ValueError(f"{_BACKWARD}: `batch_dim` must be 0, got {batch_dim!r}.")
+    if level != "params":
+        raise ValueError(
+            f"{_BACKWARD}: `level` must be 'params' for per-example losses (the Gramian of "
+            f"the per-example parameter gradients), got {level!r}: there is no `through`."
+        )
+    for name, value in (("chunk_size", chunk_size), ("check", check)):
+        if value is not None:
+            raise ValueError(
+                f"{_BACKWARD}: `{name}` does not apply to per-example losses (one backward, "
+                f"no batched pullback); got {value!r}, remove it."
+            )
+    if process_group is not None:
+        raise NotImplementedError(_distributed_refusal(_BACKWARD))
+    recorder = _recorder_of(losses, _BACKWARD)
+    return recorder.backward(losses, weighting=weighting, inputs=inputs, retain_graph=retain_graph)
+
+
+def _distributed_refusal(call: str) -> str:
+    return (
+        f"{call}: per-example Gramians with a process group are not supported. The "
+        "cross-rank blocks of G need every rank's per-layer inputs A and output gradients Δ: "
+        "R ranks of B_r examples would all-gather sum over layers of B_r·T·(d+p) numbers per "
+        "rank (for a 2-layer MLP 784-1024-10 at B_r=128, about 0.5M numbers each, so R x 2 MiB "
+        "in float32 per step, against the P = 0.8M of DDP's all-reduce), and each rank would "
+        "then form the whole (R·B_r)² Gramian. Run it on one process (or on each rank's local "
+        "batch without a process group, which gives the local Gramian), or use "
+        "funcgrad.backward(losses_per_task, through=...) for task losses."
+    )
+
+
+def _recorder_of(losses: Any, call: str) -> PerExample:
+    """The live PerExample whose hooks recorded the forward of ``losses``."""
+    live = [r for r in list(_RECORDERS) if r._uses]
+    if isinstance(losses, torch.Tensor) and losses.grad_fn is not None and len(live) > 1:
+        mine = _reachable_edges(losses)
+        live = [r for r in live if any(e in mine for u in r._uses for e in _keys(u))]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        raise ValueError(
+            f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
+            "per-example Gramians need each layer's input, recorded during the forward. "
+            "Hook the model before the forward: `with funcgrad.per_example(model) as pe: "
+            "losses = criterion(model(x), y); pe.backward(losses, weighting=...)`."
+        )
+    raise ValueError(
+        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses; "
+        "call .backward / .gramian on the one you mean."
+    )
+
+
+def _keys(use: _Use) -> list[tuple[Any, int]]:
+    return [(e.node, e.output_nr) for e in use.edges]
+
+
+def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
+    found: set[tuple[Any, int]] = set()
+    stack, seen = [losses.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, nr in node.next_functions:
+            if nxt is not None:
+                found.add((nxt, nr))
+                stack.append(nxt)
+    return found
+
+
+# -- layers: one rule each -------------------------------------------------------------------
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _ghost(a: torch.Tensor, d: torch.Tensor, equal: bool = False) -> torch.Tensor:
+    """``G[b, c] = sum_{t,s} K(a_bt, a_cs) <d_bt, d_cs>`` with K the dot product (or index
+    equality for ``equal``), for a (B, T, ·) and d (B, T, p), in blocks of examples."""
+    batch, rows = a.shape[:2]
+    if rows == 1 and not equal:
+        return (a[:, 0] @ a[:, 0].T) * (d[:, 0] @ d[:, 0].T)
+    flat_a = a.reshape(batch * rows, -1)
+    flat_d = d.reshape(batch * rows, -1)
+    step = max(1, _BLOCK // max(1, batch * rows * rows))
+    blocks = []
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        part_a, part_d = flat_a[start * rows : stop * rows], flat_d[start * rows : stop * rows]
+        kernel = (part_a == flat_a.T).to(d.dtype) if equal else part_a @ flat_a.T
+        prod = kernel * (part_d @ flat_d.T)  # (n T, B T)
+        blocks.append(prod.view(stop - start, rows, batch, rows).sum(dim=(1, 3)))
+    return torch.cat(blocks)
+
+
+def _gram(grads: torch.Tensor) -> torch.Tensor:
+    flat = grads.reshape(grads.shape[0], -1)
+    return flat @ flat.T
+
+
+@dataclasses.dataclass
+class _LayerPlan:
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    rule: str
+    ghost_flops: float | None
+    materialised_flops: float | None
+    params: list[str]
+
+    def line(self) -> str:
+        costs = "/".join(
+            "-" if c is None else f"{c / 1e6:.3g}M"
+            for c in (self.ghost_flops, self.materialised_flops)
+        )
+        params = ", ".join(self.params)
+        return f"  {self.name}  {self.kind}  {self.shape}  {self.rule}  [{costs}]  {params}"
+
+
+@dataclasses.dataclass
+class PerExamplePlan:
+    """The rule each layer took in the last per-example call, and its cost estimates
+    (flops of its Gramian block, ghost / materialised)."""
+
+    batch: int
+    layers: list[_LayerPlan]
+
+    def __str__(self) -> str:
+        head = (
+            f"per-example plan, B={self.batch} (flops of the Gramian per layer: ghost / "
+            "materialised)"
+        )
+        return "\n".join([head, *(layer.line() for layer in self.layers)])
+
+
+class _Layer:
+    """A hooked module and its recorded calls in one graph; its parameters ``params`` (name
+    -> the selected parameter)."""
+
+    kind = "generic"
+
+    def __init__(self, run: _Run, module: nn.Module, uses: list[_Use], params: dict[str, Any]):
+        self.run, self.module, self.uses, self.params = run, module, uses, params
+        self.name = run.recorder._names.get(module, type(module).__name__)
+        self.batch = run.batch
+        self.rule = ""
+        self.ghost_flops: float | None = None
+        self.materialised_flops: float | None = None
+
+    def fail(self, what: str, got: Any) -> None:
+        raise ValueError(
+            f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {what} "
+            f"{got}, but the losses have B = {self.batch} entries: per-example Gramians need "
+            "every hooked module's inputs and outputs batched along dim 0 (batch_first=True "
+            "for nn.MultiheadAttention / nn.Transformer*; no reshape of the batch into other "
+            "dimensions, no output shared by the whole batch such as positional embeddings "
+            "of shape (T, d): expand them to (B, T, d) first). Fix the module, or leave its "
+            "parameters out with inputs=."
+        )
+
+    def input(self, use: _Use) -> torch.Tensor:
+        """The call's first argument (the layer's input A), checked to be batched."""
+        x = use.args[0] if use.args else next(iter(use.kwargs.values()), None)
+        if not isinstance(x, torch.Tensor):
+            self.fail("has an input that", f"is {describe(x)}")
+        assert isinstance(x, torch.Tensor)
+        self.check_batched(x, "has an input that")
+        return x
+
+    def check_batched(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.ndim == 0 or tensor.shape[0] != self.batch:
+            self.fail(what, f"has shape {tuple(tensor.shape)}")
+
+    def precheck(self) -> None:
+        """The batch dimension of every recorded input and output, before the backward."""
+        for use in self.uses:
+            for _, shape, _ in use.outputs:
+                if len(shape) == 0 or shape[0] != self.batch:
+                    self.fail("has an output that", f"has shape {tuple(shape)}")
+            if self.kind != "generic":
+                self.input(use)
+
+    def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
+        d = use.deltas[i]
+        if d is None:
+            _, shape, dtype = use.outputs[i]
+            d = torch.zeros(shape, dtype=dtype, device=self.run.device)
+        self.check_batched(d, "has an output gradient that")
+        return d
+
+    def gramian(self) -> torch.Tensor:
+        """This layer's block of G (its parameters alone)."""
+        self.rule = "materialised"
+        return sum((_gram(g) for g in self.per_example().values()), self.zero())
+
+    def zero(self) -> torch.Tensor:
+        return torch.zeros(self.batch, self.batch, dtype=self.run.dtype, device=self.run.device)
+
+    def per_example(self) -> dict[str, torch.Tensor]:  # name -> (B, *shape)
+        raise NotImplementedError
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def plan(self) -> _LayerPlan:
+        shape: tuple[int, ...] = ()
+        first = self.uses[0].args[0] if self.uses[0].args else None
+        if isinstance(first, torch.Tensor):
+            shape = tuple(first.shape)
+        return _LayerPlan(
+            self.name,
+            type(self.module).__name__,
+            shape,
+            self.rule,
+            self.ghost_flops,
+            self.materialised_flops,
+            list(self.params),
+        )
+
+
+class _Dense(_Layer):
+    """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
+
+    kind = "linear"
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        a_parts, d_parts = [], []
+        for use in self.uses:
+            a, d = self.unfold(use)
+            a_parts.append(a)
+            d_parts.append(d)
+        return _cat_rows(a_parts), _cat_rows(d_parts)
+
+    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.input(use)
+        if a.ndim < 2:
+            self.fail("has an input that", describe(a))
+        d = self.delta(use)
+        return a.reshape(self.batch, -1, a.shape[-1]), d.reshape(self.batch, -1, d.shape[-1])
+
+    def gramian(self) -> torch.Tensor:
+        a, d = self.rows()
+        batch, rows, width = a.shape
+        out = d.shape[-1]
+        dtype = self.run.dtype
+        a, d = a.to(dtype), d.to(dtype)
+        g = self.zero()
+        if "bias" in self.params:
+            bias = d.sum(1)
+            g += bias @ bias.T
+        if "weight" not in self.params:
+            self.rule = "bias only"
+            return g
+        self.ghost_flops = float(batch * batch * rows * rows * (width + out + 1))
+        self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
+        if self.ghost_flops <= self.materialised_flops:
+            self.rule = (
+                "ghost (A Aᵀ)∘(Δ Δᵀ)" if rows == 1 else f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
+            )
+            return g + _ghost(a, d)
+        self.rule = f"materialised A_bᵀ Δ_b T={rows}"
+        return g + _gram(self.weight_per_example(a, d))
+
+    def weight_per_example(self, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """(B, p, d) in blocks of examples (bounded transient memory)."""
+        batch, rows, width = a.shape
+        step = max(1, _BLOCK // max(1, rows * width))
+        return torch.cat(
+            [
+                torch.bmm(d[s : s + step].transpose(1, 2), a[s : s + step])
+                for s in range(0, batch, step)
+            ]
+        )
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        a, d = self.rows()
+        found = {}
+        if "weight" in self.params:
+            found["weight"] = self.weight_per_example(a, d).reshape(
+                self.batch, *self.params["weight"].shape
+            )
+        if "bias" in self.params:
+            found["bias"] = d.sum(1)
+        return found
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        for use in self.uses:
+            a, d = self.unfold(use)
+            wd = d * weights.to(d.dtype)[:, None, None]
+            if "weight" in self.params:
+                w = wd.reshape(-1, wd.shape[-1]).T @ a.reshape(-1, a.shape[-1]).to(wd.dtype)
+                _add(found, "weight", w)
+            if "bias" in self.params:
+                _add(found, "bias", wd.sum(dim=(0, 1)))
+        return found
+
+
+class _Conv(_Dense):
+    """Conv1d/Conv2d (zeros padding, groups=1): a Linear on the unfolded input."""
+
+    kind = "conv"
+
+    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+        module = self.module
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        x = self.input(use)
+        dims = 1 if isinstance(module, nn.Conv1d) else 2
+        if x.ndim != dims + 2:
+            self.fail("has an input that", describe(x))
+        d = self.delta(use)
+        padding = _padding(module)
+        if dims == 1:  # as a Conv2d of height 1
+            x = x.unsqueeze(2)
+            kernel, dilation = (1, *module.kernel_size), (1, *module.dilation)
+            padding, stride = (0, *padding), (1, *module.stride)
+        else:
+            kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+        a = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        return a.transpose(1, 2), d.reshape(self.batch, d.shape[1], -1).transpose(1, 2)
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """torch's own weight-gradient kernel along ``w ⊙ Δ`` (no unfolded copy)."""
+        module = self.module
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        found: dict[str, torch.Tensor] = {}
+        dims = 1 if isinstance(module, nn.Conv1d) else 2
+        padding = list(_padding(module))
+        for use in self.uses:
+            x = self.input(use)
+            d = self.delta(use)
+            wd = d * weights.to(d.dtype).view(-1, *([1] * (d.ndim - 1)))
+            _, grad_w, grad_b = torch.ops.aten.convolution_backward(
+                wd,
+                x,
+                module.weight,
+                [module.out_channels] if "bias" in self.params else None,
+                list(module.stride),
+                padding,
+                list(module.dilation),
+                False,
+                [0] * dims,
+                1,
+                [False, "weight" in self.params, "bias" in self.params],
+            )
+            if "weight" in self.params:
+                _add(found, "weight", grad_w)
+            if "bias" in self.params:
+                _add(found, "bias", grad_b)
+        return found
+
+
+class _Embedding(_Layer):
+    """Embedding: the Gram of one-hot rows is index equality."""
+
+    kind = "embedding"
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        index_parts, d_parts = [], []
+        module = self.module
+        assert isinstance(module, nn.Embedding)
+        for use in self.uses:
+            index = self.input(use)
+            d = self.delta(use).reshape(self.batch, -1, module.embedding_dim)
+            index = index.reshape(self.batch, -1)
+            if module.padding_idx is not None:  # its row gets no gradient
+                d = d * (index != module.padding_idx).unsqueeze(-1).to(d.dtype)
+            index_parts.append(index)
+            d_parts.append(d)
+        return _cat_rows(index_parts), _cat_rows(d_parts)
+
+    def gramian(self) -> torch.Tensor:
+        index, d = self.rows()
+        batch, rows, width = d.shape
+        vocab = self.params["weight"].shape[0]
+        self.ghost_flops = float(batch * batch * rows * rows * (width + 2))
+        self.materialised_flops = float(batch * rows * width + batch * batch * vocab * width)
+        d = d.to(self.run.dtype)
+        if self.ghost_flops <= self.materialised_flops:
+            self.rule = f"ghost [i_bt = i_b't']·<Δ, Δ> T={rows}"
+            return _ghost(index.unsqueeze(-1), d, equal=True)
+        self.rule = f"materialised one-hot T={rows}"
+        return _gram(self.per_example()["weight"].to(self.run.dtype))
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        index, d = self.rows()
+        batch, _, width = d.shape
+        vocab = self.params["weight"].shape[0]
+        offsets = torch.arange(batch, device=index.device).unsqueeze(1) * vocab
+        flat = d.new_zeros(batch * vocab, width)
+        flat.index_add_(0, (index + offsets).flatten(), d.reshape(-1, width))
+        return {"weight": flat.view(batch, vocab, width)}
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        index, d = self.rows()
+        weight = self.params["weight"]
+        wd = d * weights.to(d.dtype)[:, None, None]
+        grad = torch.zeros(weight.shape, dtype=d.dtype, device=d.device)
+        grad.index_add_(0, index.flatten(), wd.reshape(-1, d.shape[-1]))
+        return {"weight": grad}
+
+
+class _Norm(_Layer):
+    """LayerNorm / GroupNorm / BatchNorm (eval) affine parameters: (B, C) per-example
+    gradients of the scale (``Δ ⊙ x̂`` summed over positions) and the shift (``Δ`` summed)."""
+
+    kind = "norm"
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        module = self.module
+        found: dict[str, torch.Tensor] = {}
+        for use in self.uses:
+            x = self.input(use)
+            d = self.delta(use)
+            if isinstance(module, nn.LayerNorm):
+                normed = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+                keep = len(module.normalized_shape)
+                dims = tuple(range(1, x.ndim - keep))
+            else:
+                if isinstance(module, nn.GroupNorm):
+                    normed = F.group_norm(x, module.num_groups, eps=module.eps)
+                else:
+                    assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+                    shape = (1, -1, *([1] * (x.ndim - 2)))
+                    mean, var = module.running_mean, module.running_var
+                    assert mean is not None and var is not None
+                    normed = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + module.eps)
+                dims = tuple(range(2, x.ndim))
+            if "weight" in self.params:
+                _add(found, "weight", (d * normed).sum(dim=dims) if dims else d * normed)
+            if "bias" in self.params:
+                _add(found, "bias", d.sum(dim=dims) if dims else d)
+        self.rule = "materialised (B, C) affine"
+        return found
+
+    def gramian(self) -> torch.Tensor:
+        self.grads = self.per_example()
+        self.rule = "materialised (B, C) affine"
+        return sum((_gram(g.to(self.run.dtype)) for g in self.grads.values()), self.zero())
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = getattr(self, "grads", None) or self.per_example()
+        return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in grads.items()}
+
+
+class _Generic(_Layer):
+    """Any other module with parameters: its per-example gradients, by torch.func.vmap over
+    a functional call of the module alone along each example's output gradient (a loop of
+    unbatched calls where vmap cannot), kept for the update."""
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        cached = getattr(self, "grads", None)
+        if cached is not None:
+            return cached
+        found: dict[str, torch.Tensor] = {}
+        for use in self.uses:
+            for key, g in self.one_use(use).items():
+                _add(found, key, g)
+        self.grads = found
+        return found
+
+    def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        batched = [
+            i
+            for i, x in enumerate(leaves)
+            if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch
+        ]
+        if not batched:
+            self.fail("has no input batched along dim 0; its inputs are", describe(leaves))
+        deltas = [self.delta(use, i) for i in range(len(use.outputs))]
+        positions = [i for i, _, _ in use.outputs]
+        module, params = self.module, dict(self.params)
+
+        def one(values: list[torch.Tensor], cotangents: list[torch.Tensor]) -> Any:
+            def call(p: dict[str, torch.Tensor]) -> Tensors:
+                filled = list(leaves)
+                for i, v in zip(batched, values):
+                    filled[i] = v.unsqueeze(0)
+                args, kwargs = _pytree.tree_unflatten(filled, spec)
+                flat, _ = _pytree.tree_flatten(torch.func.functional_call(module, p, args, kwargs))
+                return tuple(flat[i] for i in positions)
+
+            pull = torch.func.vjp(call, params)[1]
+            return pull(tuple(c.unsqueeze(0) for c in cotangents))[0]
+
+        values = [leaves[i] for i in batched]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                grads = torch.func.vmap(one)(values, deltas)
+            slow = any("performance drop" in str(w.message) for w in caught)
+            self.rule = "materialised, vmap" + (" (torch's per-example fallback)" if slow else "")
+        except RuntimeError as error:
+            if "random" in str(error):
+                raise ValueError(
+                    f"{self.run.call}: module {self.name!r} ({type(module).__name__}) draws "
+                    "random numbers in its forward (dropout?): its per-example gradients, "
+                    "computed from a second call of it, would need the same draws. Set its "
+                    "dropout to 0, or call .eval() on it."
+                ) from error
+            self.rule = "materialised, loop"
+            rows = [one([v[b] for v in values], [c[b] for c in deltas]) for b in range(self.batch)]
+            grads = {k: torch.stack([r[k] for r in rows]) for k in params}
+        return dict(grads)
+
+    def gramian(self) -> torch.Tensor:
+        g = super().gramian()
+        self.rule = self.rule or "materialised"
+        return g
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            k: torch.tensordot(weights.to(g.dtype), g, dims=1)
+            for k, g in self.per_example().items()
+        }
+
+
+def _add(found: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    found[key] = found[key] + value if key in found else value
+
+
+def _padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
+    """A convolution's padding as numbers ("valid" is none; "same" is never given here)."""
+    if isinstance(module.padding, str):
+        return (0,) * len(module.kernel_size)
+    return tuple(module.padding)
+
+
+def _overrides(module: nn.Module, base: type) -> bool:
+    return getattr(type(module), "forward", None) is not getattr(base, "forward", None)
+
+
+def _layer_class(module: nn.Module) -> type[_Layer]:
+    """The rule of a module, by its class: only torch's own forward (a subclass with its
+    own forward, such as a LoRA Linear, is materialised as any other module)."""
+    if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
+        return _Dense
+    if (
+        type(module) in (nn.Conv1d, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and (not isinstance(module.padding, str) or module.padding == "valid")
+    ):
+        return _Conv
+    if type(module) is nn.Embedding:
+        return _Embedding
+    if type(module) in (nn.LayerNorm, nn.GroupNorm) or (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    ):
+        return _Norm
+    return _Generic
+
+
+# -- one call --------------------------------------------------------------------------------
+
+
+class _Run:
+    """One call of ``gramian`` / ``backward``: validated at construction, before any pass."""
+
+    def __init__(
+        self, recorder: PerExample, losses: Any, inputs: Any, weighting: Any, call: str
+    ) -> None:
+        self.recorder, self.call = recorder, call
+        self.rule = _weighting.resolve(weighting, "params", call)
+        if self.rule.needs_jacobian:
+            raise ValueError(
+                f"{call}: `weighting` {type(weighting).__name__} reads the (B, P) Jacobian of "
+                "the per-example gradients, which the per-example path never forms (it works "
+                "from the Gramian). Pass a Gramian weighting (UPGradWeighting(), "
+                "MGDAWeighting(), UPGrad(), a callable Gramian -> weights)."
+            )
+        if not isinstance(losses, torch.Tensor) or losses.ndim != 1:
+            raise ValueError(
+                f"{call}: `losses` must be a 1-D tensor of per-example losses (one per example, "
+                f"e.g. criterion(model(x), y) with reduction='none'), got {describe(losses)}. "
+                "For a (B, k) tensor of k losses per example, pass losses.sum(1) or one task "
+                "at a time."
+            )
+        if not losses.requires_grad or losses.grad_fn is None:
+            raise ValueError(
+                f"{call}: `losses` does not require grad: compute it from the hooked model's "
+                "forward with grad enabled."
+            )
+        if losses.is_complex() or not losses.is_floating_point():
+            raise TypeError(f"{call}: `losses` must be real floating point, got {losses.dtype}.")
+        self.losses = losses
+        self.batch = losses.shape[0]
+        self.device = losses.device
+        self.selected = self._select(inputs)
+        self._inputs_given = inputs is not None
+        first = next(iter(self.selected), None)
+        self.dtype = _weighting.work_dtype(first.dtype if first is not None else losses.dtype)
+
+    def _select(self, inputs: Any) -> dict[torch.Tensor, str]:
+        """Parameter -> its name, for the parameters whose gradients count."""
+        model = self.recorder.model
+        names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+        if inputs is None:
+            return {p: n for p, n in names.items() if p.requires_grad}
+        selected = {}
+        for label, x in named_inputs(inputs, self.call):
+            if x not in names:
+                raise ValueError(
+                    f"{self.call}: {label} is not a parameter of the hooked model "
+                    f"({type(model).__name__}); per-example gradients exist only for the "
+                    "parameters of the model given to funcgrad.per_example."
+                )
+            selected[x] = names[x]
+        return selected
+
+    # Validate the recorded graph, then collect -----------------------------------------
+
+    def _uses(self) -> list[_Use]:
+        """Every recorded call on the graph of the losses (nested calls included), after a
+        walk that refuses a selected parameter reaching the losses outside them."""
+        by_edge: dict[tuple[Any, int], _Use] = {}
+        for top in self.recorder._uses:
+            for key in _keys(top):
+                by_edge[key] = top
+        reached: dict[int, _Use] = {}
+        # Edges to visit; a recorded call is stepped over, from its outputs to its inputs.
+        stack: list[tuple[Any, int]] = [(self.losses.grad_fn, -1)]
+        seen: set[Any] = set()
+        while stack:
+            node, nr = stack.pop()
+            use = by_edge.get((node, nr))
+            if use is not None:
+                if id(use) not in reached:
+                    reached[id(use)] = use
+                    stack.extend((e.node, e.output_nr) for e in use.upstream)
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if isinstance(leaf, torch.Tensor):
+                self._check_leaf(leaf)
+            stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
+        if not reached:
+            raise ValueError(
+                f"{self.call}: the losses depend on no module call that funcgrad.per_example "
+                "recorded: hook the model before its forward, and compute the losses from "
+                "that forward."
+            )
+        return [use for top in self.recorder._uses if id(top) in reached for use in top.walk()]
+
+    def _check_leaf(self, leaf: torch.Tensor) -> None:
+        name = self.selected.get(leaf)
+        if name is not None:
+            raise ValueError(
+                f"{self.call}: parameter {name!r} reaches the losses outside the forward of "
+                "the module that holds it (a functional use such as F.linear(h, "
+                "emb.weight), or a parent module reading a child's parameter): the hooks "
+                "cannot see its input there. Call it through a module (e.g. an nn.Linear "
+                "whose weight is tied to it: head.weight = emb.weight), or leave it out with "
+                "inputs=."
+            )
+        if isinstance(leaf, nn.Parameter) and leaf.requires_grad and self._all_selected:
+            raise ValueError(
+                f"{self.call}: a parameter of shape {tuple(leaf.shape)} outside the hooked "
+                f"model ({type(self.recorder.model).__name__}) reaches the losses. Hook the "
+                "module that holds it too (funcgrad.per_example(a module containing both)), "
+                "or pass inputs= to update only the hooked model's parameters."
+            )
+
+    @property
+    def _all_selected(self) -> bool:
+        return not self._inputs_given
+
+    def _layers(self, uses: list[_Use]) -> list[list[_Layer]]:
+        """The layers (a module and its calls), grouped into blocks of layers that share a
+        parameter: a block's parameters have their per-example gradients summed over its
+        layers before their Gram."""
+        by_module: dict[nn.Module, list[_Use]] = {}
+        for use in uses:
+            by_module.setdefault(use.module, []).append(use)
+        covered: set[torch.Tensor] = set()
+        direct: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        for module in by_module:
+            direct[module] = {
+                n: p for n, p in module.named_parameters(recurse=False) if p in self.selected
+            }
+            covered.update(direct[module].values())
+        layers: list[_Layer] = []
+        for module, calls in by_module.items():
+            params = dict(direct[module])
+            cls = _layer_class(module)
+            if cls is _Generic:  # also the parameters of submodules that no call covers
+                for n, p in module.named_parameters():
+                    if p in self.selected and p not in covered:
+                        params[n] = p
+            if params:
+                if isinstance(module, nn.Embedding) and (
+                    module.scale_grad_by_freq or module.sparse
+                ):
+                    raise ValueError(
+                        f"{self.call}: module {self.recorder._names[module]!r} (Embedding) has "
+                        "scale_grad_by_freq=True or sparse=True: its gradient is scaled by "
+                        "counts over the whole batch (or sparse), which per-example gradients "
+                        "do not sum to. Build it without those options."
+                    )
+                layers.append(cls(self, module, calls, params))
+        # Union of layers sharing a parameter.
+        owner: dict[int, int] = {}
+        parent = list(range(len(layers)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        for i, layer in enumerate(layers):
+            for p in layer.params.values():
+                if id(p) in owner:
+                    parent[find(i)] = find(owner[id(p)])
+                else:
+                    owner[id(p)] = i
+        blocks: dict[int, list[_Layer]] = {}
+        for i, layer in enumerate(layers):
+            blocks.setdefault(find(i), []).append(layer)
+        return list(blocks.values())
+
+    def _collect(self, uses: list[_Use], retain_graph: bool) -> None:
+        """The ONE backward: every recorded call's output gradients Δ (no weight products)."""
+        edges = [e for use in uses for e in use.edges]
+        self.recorder._recording = False
+        try:
+            deltas = torch.autograd.grad(
+                self.losses,
+                edges,
+                grad_outputs=torch.ones_like(self.losses),
+                retain_graph=retain_graph,
+                allow_unused=True,
+            )
+        finally:
+            self.recorder._recording = True
+        start = 0
+        for use in uses:
+            use.deltas = list(deltas[start : start + len(use.edges)])
+            start += len(use.edges)
+
+    # Execute ---------------------------------------------------------------------------
+
+    def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        recorder = self.recorder
+        try:
+            uses = self._uses()
+            blocks = self._layers(uses)
+            for block in blocks:
+                for layer in block:
+                    layer.precheck()
+            self._collect(uses, retain_graph)
+            recorder._recording = False  # functional calls of modules record nothing
+            gram, weights, update = self._weigh(
+                blocks, need_gramian=not write or self.rule.kind != "sum", write=write
+            )
+        finally:
+            recorder._recording = True
+            recorder.clear()  # consumed (and older forwards dropped)
+        if write:  # Apply: the one place that writes .grad.
+            from ._multitask import _accumulate
+
+            for param, grad in update:
+                _accumulate(param, grad.to(param.dtype))
+        return gram, weights
+
+    def _weigh(
+        self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
+        plans: list[_LayerPlan] = []
+        if need_gramian:
+            for block in blocks:
+                if len(block) == 1:
+                    gram = gram + block[0].gramian()
+                else:  # shared parameters: per-example gradients summed over the layers
+                    summed: dict[int, torch.Tensor] = {}
+                    for layer in block:
+                        for name, g in layer.per_example().items():
+                            key = id(layer.params[name])
+                            summed[key] = summed[key] + g if key in summed else g
+                        layer.rule = "materialised, shares a parameter with " + ", ".join(
+                            other.name for other in block if other is not layer
+                        )
+                    for g in summed.values():
+                        gram = gram + _gram(g.to(self.dtype))
+        for block in blocks:
+            plans.extend(layer.plan() for layer in block)
+        self.recorder.plan = PerExamplePlan(self.batch, plans)
+        if need_gramian and not bool(torch.isfinite(gram).all()):
+            bad = (~torch.isfinite(gram.diagonal())).nonzero().flatten().tolist()
+            raise ValueError(
+                f"{self.call}: the Gramian of the per-example gradients is not finite"
+                + (f": example(s) {bad} have NaN or inf gradients" if bad else " (overflow)")
+                + ", so no weighting can be computed from it. Check those losses, or scale "
+                "them down."
+            )
+        if self.rule.kind == "sum" or not write:
+            weights = torch.ones(self.batch, dtype=self.dtype, device=self.device)
+        else:
+            weights = _weighting.weights_from_gramian(self.rule, gram, self.call)
+            weights = _weighting.check_finite(
+                weights, f"the {tuple(gram.shape)} Gramian", self.call
+            )
+        update: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if write:
+            for block in blocks:
+                for layer in block:
+                    for name, grad in layer.update(weights).items():
+                        update.append((layer.params[name], grad))
+        return gram.detach(), weights.detach(), update
