@@ -16,6 +16,7 @@ block and its update) -> weigh -> apply (``.grad`` written in one place, at the 
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -114,12 +115,20 @@ class PerExample:
             if _batch_statistics(module):
                 _refuse_batch_statistics(name or "<model>", module, _MARK)
         self._uses: list[_Use] = []
-        self._frames: list[tuple[nn.Module, list[_Use] | None]] = []
+        self._frames: list[tuple[nn.Module, list[_Use]]] = []
         self._recording = True
         self._handles = []
-        for module in model.modules():
-            if _direct(module) or isinstance(module, nn.modules.batchnorm._BatchNorm):
+        self._direct = {module: tuple(_direct(module)) for module in model.modules()}
+        self._batchnorms = {
+            m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
+        # A module with children gets a frame (its pre-hook) that collects the calls nested
+        # in it; a leaf module needs only its forward hook.
+        self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
+        for module, params in self._direct.items():
+            if (params and module in self._parents) or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            if params:
                 self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
         _RECORDERS.add(self)
 
@@ -128,20 +137,23 @@ class PerExample:
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._recording:
             return
-        if _batch_statistics(module):  # before its forward runs
+        if module in self._batchnorms and _batch_statistics(module):  # before its forward
             _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
-        hooked = torch.is_grad_enabled() and any(p.requires_grad for p in _direct(module))
-        self._frames.append((module, [] if hooked else None))
+        if module in self._parents and self._direct[module]:
+            self._frames.append((module, []))
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not self._recording or not self._frames:
+        if not self._recording:
             return
-        frame = self._frames.pop()
-        while frame[0] is not module and self._frames:  # a call that raised left its frame
-            frame = self._frames.pop()
-        if frame[0] is not module or frame[1] is None:
+        nested: list[_Use] = []
+        if module in self._parents:
+            frame = self._frames.pop() if self._frames else (module, [])
+            while frame[0] is not module and self._frames:  # a call that raised left its frame
+                frame = self._frames.pop()
+            nested = frame[1] if frame[0] is module else []
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
             return
-        flat, _ = _pytree.tree_flatten(output)
+        flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
         outputs, edges = [], []
         for i, out in enumerate(flat):
             if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -149,23 +161,19 @@ class PerExample:
                 edges.append(get_gradient_edge(out))
         if not edges:
             return
-        detach = lambda x: x.detach() if isinstance(x, torch.Tensor) else x  # noqa: E731
+        if kwargs or not all(isinstance(x, torch.Tensor) for x in args):
+            leaves, spec = _pytree.tree_flatten((tuple(args), dict(kwargs)))
+        else:  # the common case: tensors only
+            leaves, spec = list(args), None
         upstream = [
-            get_gradient_edge(x)
-            for x in _pytree.tree_leaves((args, kwargs))
-            if isinstance(x, torch.Tensor) and x.requires_grad
+            get_gradient_edge(x) for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad
         ]
-        use = _Use(
-            module,
-            _pytree.tree_map(detach, tuple(args)),
-            _pytree.tree_map(detach, dict(kwargs)),
-            edges,
-            outputs,
-            frame[1],
-            upstream,
+        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+        saved_args, saved_kwargs = (
+            (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
-        parent = next((f[1] for f in reversed(self._frames) if f[1] is not None), None)
-        (parent if parent is not None else self._uses).append(use)
+        use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
+        (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
 
@@ -574,6 +582,7 @@ class _Dense(_Layer):
     """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
 
     kind = "linear"
+    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         a_parts, d_parts = [], []
@@ -590,115 +599,174 @@ class _Dense(_Layer):
         d = self.delta(use)
         return a.reshape(self.batch, -1, a.shape[-1]), d.reshape(self.batch, -1, d.shape[-1])
 
+    def dims(self) -> tuple[int, int, int]:
+        """(T rows per example over all calls, d, p), from shapes alone."""
+        weight = self.params.get("weight", self.module.weight)
+        width = weight[0].numel()
+        rows = sum(self.input(use).numel() // (self.batch * width) for use in self.uses)
+        return rows, width, weight.shape[0]
+
+    def bias_rows(self) -> torch.Tensor:
+        """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
+        found = [self.delta(use) for use in self.uses]
+        sums = [d.reshape(self.batch, -1, d.shape[-1]).sum(1) for d in found]
+        return sum(sums[1:], sums[0])
+
     def gramian(self) -> torch.Tensor:
-        a, d = self.rows()
-        batch, rows, width = a.shape
-        out = d.shape[-1]
         dtype = self.run.dtype
-        a, d = a.to(dtype), d.to(dtype)
-        g = self.zero()
-        if "bias" in self.params:
-            bias = d.sum(1)
-            g += bias @ bias.T
+        bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         if "weight" not in self.params:
             self.rule = "bias only"
-            return g
+            assert bias is not None
+            return bias @ bias.T
+        batch = self.batch
+        rows, width, out = self.dims()
         self.ghost_flops = float(batch * batch * rows * rows * (width + out + 1))
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
         if self.ghost_flops <= self.materialised_flops:
-            self.rule = (
-                "ghost (A Aᵀ)∘(Δ Δᵀ)" if rows == 1 else f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
-            )
-            return g + _ghost(a, d)
-        self.rule = f"materialised A_bᵀ Δ_b T={rows}"
-        return g + _gram(self.weight_per_example(a, d))
+            a, d = self.rows()
+            a, d = a.to(dtype), d.to(dtype)
+            if rows == 1:
+                self.rule = "ghost (A Aᵀ)∘(Δ Δᵀ)"
+                kernel = a[:, 0] @ a[:, 0].T
+                if bias is not None:  # the bias's rows are Δ: (A Aᵀ + 1)∘(Δ Δᵀ)
+                    kernel += 1
+                return kernel.mul_(d[:, 0] @ d[:, 0].T)
+            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
+            g = _ghost(a, d)
+        else:
+            self.rule = f"materialised A_bᵀ Δ_b T={rows}"
+            grads = self.weight_per_example()
+            if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+                self.kept = grads
+            g = _gram(grads.to(dtype))
+        return g if bias is None else g + bias @ bias.T
 
-    def weight_per_example(self, a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        """(B, p, d) in blocks of examples (bounded transient memory)."""
+    def weight_per_example(self) -> torch.Tensor:
+        """(B, p, d): ``A_bᵀ Δ_b`` in blocks of examples (bounded transient memory)."""
+        a, d = self.rows()
         batch, rows, width = a.shape
         step = max(1, _BLOCK // max(1, rows * width))
         return torch.cat(
             [
-                torch.bmm(d[s : s + step].transpose(1, 2), a[s : s + step])
+                torch.bmm(d[s : s + step].transpose(1, 2), a[s : s + step].to(d.dtype))
                 for s in range(0, batch, step)
             ]
         )
 
     def per_example(self) -> dict[str, torch.Tensor]:
-        a, d = self.rows()
         found = {}
         if "weight" in self.params:
-            found["weight"] = self.weight_per_example(a, d).reshape(
+            found["weight"] = self.weight_per_example().reshape(
                 self.batch, *self.params["weight"].shape
             )
         if "bias" in self.params:
-            found["bias"] = d.sum(1)
+            found["bias"] = self.bias_rows()
         return found
 
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         found: dict[str, torch.Tensor] = {}
-        for use in self.uses:
-            a, d = self.unfold(use)
-            wd = d * weights.to(d.dtype)[:, None, None]
-            if "weight" in self.params:
-                w = wd.reshape(-1, wd.shape[-1]).T @ a.reshape(-1, a.shape[-1]).to(wd.dtype)
-                _add(found, "weight", w)
+        if self.kept is not None:  # w @ the per-example gradients: B·d·p
+            kept = self.kept
+            found["weight"] = torch.tensordot(weights.to(kept.dtype), kept, dims=1).view_as(
+                self.params["weight"]
+            )
             if "bias" in self.params:
-                _add(found, "bias", wd.sum(dim=(0, 1)))
+                bias = self.bias_rows()
+                found["bias"] = bias.T @ weights.to(bias.dtype)
+            return found
+        for use in self.uses:
+            for key, value in self.weighted(use, weights).items():
+                _add(found, key, value)
+        return found
+
+    def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
+        a, d = self.unfold(use)
+        w = weights.to(d.dtype)
+        a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
+        if a.shape[0] > w.shape[0]:  # rows (b, t): each example's weight on its T rows
+            w = w.repeat_interleave(a.shape[0] // w.shape[0])
+        found = {}
+        if "weight" in self.params:  # w scales the narrower of Δ and A
+            if d.shape[1] <= a.shape[1]:
+                found["weight"] = (d * w[:, None]).T @ a
+            else:
+                found["weight"] = d.T @ (a * w[:, None])
+        if "bias" in self.params:
+            found["bias"] = d.T @ w
         return found
 
 
 class _Conv(_Dense):
-    """Conv1d/Conv2d (zeros padding, groups=1): a Linear on the unfolded input."""
+    """Conv1d/Conv2d (zeros padding, groups=1): a Linear on the unfolded input for the
+    ghost products; torch's own weight-gradient kernel otherwise (the per-example
+    gradients as one convolution with the examples as groups, and the update along
+    ``w ⊙ Δ``), with no unfolded copy."""
 
     kind = "conv"
 
-    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+    def geometry(self) -> tuple[int, list[int], list[int], list[int]]:
         module = self.module
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        return (
+            len(module.kernel_size),
+            list(module.stride),
+            list(_padding(module)),
+            list(module.dilation),
+        )
+
+    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+        dims, stride, padding, dilation = self.geometry()
         x = self.input(use)
-        dims = 1 if isinstance(module, nn.Conv1d) else 2
         if x.ndim != dims + 2:
             self.fail("has an input that", describe(x))
         d = self.delta(use)
-        padding = _padding(module)
+        kernel = list(self.module.weight.shape[2:])
         if dims == 1:  # as a Conv2d of height 1
             x = x.unsqueeze(2)
-            kernel, dilation = (1, *module.kernel_size), (1, *module.dilation)
-            padding, stride = (0, *padding), (1, *module.stride)
-        else:
-            kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+            kernel, dilation = [1, *kernel], [1, *dilation]
+            padding, stride = [0, *padding], [1, *stride]
         a = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
         return a.transpose(1, 2), d.reshape(self.batch, d.shape[1], -1).transpose(1, 2)
 
-    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """torch's own weight-gradient kernel along ``w ⊙ Δ`` (no unfolded copy)."""
-        module = self.module
-        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
-        found: dict[str, torch.Tensor] = {}
-        dims = 1 if isinstance(module, nn.Conv1d) else 2
-        padding = list(_padding(module))
-        for use in self.uses:
-            x = self.input(use)
-            d = self.delta(use)
-            wd = d * weights.to(d.dtype).view(-1, *([1] * (d.ndim - 1)))
-            _, grad_w, grad_b = torch.ops.aten.convolution_backward(
-                wd,
-                x,
-                module.weight,
-                [module.out_channels] if "bias" in self.params else None,
-                list(module.stride),
-                padding,
-                list(module.dilation),
-                False,
-                [0] * dims,
-                1,
-                [False, "weight" in self.params, "bias" in self.params],
+    def dims(self) -> tuple[int, int, int]:
+        weight = self.module.weight
+        rows = sum(math.prod(use.outputs[0][1][2:]) for use in self.uses)
+        return rows, weight[0].numel(), weight.shape[0]
+
+    def bias_rows(self) -> torch.Tensor:
+        sums = [self.delta(use).flatten(2).sum(2) for use in self.uses]
+        return sum(sums[1:], sums[0])
+
+    def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
+        dims, stride, padding, dilation = self.geometry()
+        weight = self.module.weight
+        if groups > 1:
+            weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
+        return torch.ops.aten.convolution_backward(
+            d, x, weight, None, stride, padding, dilation, False, [0] * dims, groups,
+            [False, True, False],
+        )[1]  # fmt: skip
+
+    def weight_per_example(self) -> torch.Tensor:
+        found = []
+        for use in self.uses:  # the examples as the groups of one convolution
+            x, d = self.input(use), self.delta(use)
+            grads = self.backward_weight(
+                d.reshape(1, -1, *d.shape[2:]), x.reshape(1, -1, *x.shape[2:]), self.batch
             )
-            if "weight" in self.params:
-                _add(found, "weight", grad_w)
-            if "bias" in self.params:
-                _add(found, "bias", grad_b)
+            found.append(grads.view(self.batch, -1))
+        return sum(found[1:], found[0]).view(self.batch, self.module.weight.shape[0], -1)
+
+    def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, d = self.input(use), self.delta(use)
+        wd = d * weights.to(d.dtype).view(-1, *([1] * (d.ndim - 1)))
+        found = {}
+        if "weight" in self.params:
+            found["weight"] = self.backward_weight(wd, x, 1)
+        if "bias" in self.params:
+            found["bias"] = wd.flatten(2).sum((0, 2))
         return found
 
 
@@ -724,24 +792,28 @@ class _Embedding(_Layer):
     def gramian(self) -> torch.Tensor:
         index, d = self.rows()
         batch, rows, width = d.shape
-        vocab = self.params["weight"].shape[0]
+        used = min(self.params["weight"].shape[0], batch * rows)  # at most B·T rows are hit
         self.ghost_flops = float(batch * batch * rows * rows * (width + 2))
-        self.materialised_flops = float(batch * rows * width + batch * batch * vocab * width)
+        self.materialised_flops = float(batch * rows * width + batch * batch * used * width)
         d = d.to(self.run.dtype)
         if self.ghost_flops <= self.materialised_flops:
             self.rule = f"ghost [i_bt = i_b't']·<Δ, Δ> T={rows}"
             return _ghost(index.unsqueeze(-1), d, equal=True)
-        self.rule = f"materialised one-hot T={rows}"
-        return _gram(self.per_example()["weight"].to(self.run.dtype))
+        self.rule = f"materialised on the rows used T={rows}"
+        unique, inverse = torch.unique(index, return_inverse=True)
+        return _gram(self.scatter(inverse, d, unique.shape[0]))
 
-    def per_example(self) -> dict[str, torch.Tensor]:
-        index, d = self.rows()
+    def scatter(self, index: torch.Tensor, d: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(B, vocab, width): each example's rows of Δ added at its indices."""
         batch, _, width = d.shape
-        vocab = self.params["weight"].shape[0]
         offsets = torch.arange(batch, device=index.device).unsqueeze(1) * vocab
         flat = d.new_zeros(batch * vocab, width)
         flat.index_add_(0, (index + offsets).flatten(), d.reshape(-1, width))
-        return {"weight": flat.view(batch, vocab, width)}
+        return flat.view(batch, vocab, width)
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        index, d = self.rows()
+        return {"weight": self.scatter(index, d, self.params["weight"].shape[0])}
 
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         index, d = self.rows()

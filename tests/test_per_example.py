@@ -454,3 +454,95 @@ def test_nothing_recorded_without_grad_and_hooks_removed():
     pe.remove()
     losses_fn(model)
     assert not pe._uses
+
+
+# -- every rule, forced by shapes, against the loop ------------------------------------------
+
+
+class Nested(nn.Module):
+    """A module with a direct parameter and a child Linear called inside its forward, and a
+    child whose parameter it reads without calling it (as nn.MultiheadAttention's
+    out_proj): the child called gets its own rule, the other joins the parent's."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(4))
+        self.inner = nn.Linear(4, 4)
+        self.unused_call = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x * self.gain))
+        return nn.functional.linear(h, self.unused_call.weight, self.unused_call.bias)
+
+
+def rule_cases():
+    seq, tokens = torch.randn(B, 2, 20), torch.randint(5000, (B, 3))
+    tokens_long, image, x3, x4 = (
+        torch.randint(50, (B, 30)),
+        torch.randn(B, 2, 3, 3),
+        torch.randn(B, 3),
+        torch.randn(B, 4),
+    )
+    return {
+        # (model, losses_fn, a substring of the plan)
+        "linear 3-D ghost": (
+            nn.Sequential(nn.Linear(20, 20), nn.Tanh(), nn.Linear(20, 1)),
+            lambda m: m(seq).sum((1, 2)),
+            "ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T=2",
+        ),
+        "embedding ghost": (
+            nn.Sequential(nn.Embedding(5000, 3), nn.Linear(3, 1)),
+            lambda m: m(tokens).pow(2).sum((1, 2)),
+            "ghost [i_bt = i_b't']",
+        ),
+        "embedding on the rows used": (
+            nn.Sequential(nn.Embedding(50, 3, padding_idx=1), nn.Linear(3, 1)),
+            lambda m: m(tokens_long).pow(2).sum((1, 2)),
+            "materialised on the rows used",
+        ),
+        "conv ghost": (
+            nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3, 1)),
+            lambda m: m(image).squeeze(1).exp(),
+            "ghost (A Aᵀ)∘(Δ Δᵀ)",
+        ),
+        "batchnorm1d eval, 2-D": (
+            nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).eval(),
+            lambda m: m(x3).squeeze(1).exp(),
+            "materialised (B, C) affine",
+        ),
+        "nested generic": (
+            Nested(),
+            lambda m: m(x4).pow(2).sum(1),
+            "materialised, vmap",
+        ),
+        "a Linear subclass with its own forward": (
+            nn.Sequential(LoRALinear(3, 4), nn.Tanh(), nn.Linear(4, 1)),
+            lambda m: m(x3).squeeze(1).exp(),
+            "0  LoRALinear",
+        ),
+    }
+
+
+class LoRALinear(nn.Linear):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.down = nn.Parameter(torch.randn(2, self.in_features))
+        self.up = nn.Parameter(torch.randn(self.out_features, 2))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.down.T @ self.up.T
+
+
+@pytest.mark.parametrize("name", list(rule_cases()))
+def test_each_rule_matches_the_loop(name):
+    model, losses_fn, rule = rule_cases()[name]
+    reference = copy.deepcopy(model)
+    jac = loop_jacobian(reference, losses_fn)
+    weights = native_weighting(jac @ jac.T)
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(losses_fn(model))
+        assert rule in str(pe.plan), str(pe.plan)
+        got = pe.backward(losses_fn(model), weighting=native_weighting)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(got, weights)
+    assert_grads(grads_of(model), from_rows(reference, weights @ jac))

@@ -36,6 +36,10 @@ from ._cases import BUILDERS as STANDARD_BUILDERS
 from ._cases import HEAD_COUNTS, Case, SkipCase
 from ._ddp import NOTE as DDP_NOTE
 from ._ddp import ddp_entry
+from ._per_example import CELLS as PER_EXAMPLE_CELLS
+from ._per_example import MEMORY_TARGETS as PER_EXAMPLE_MEMORY_TARGETS
+from ._per_example import TARGETS as PER_EXAMPLE_TARGETS
+from ._per_example import per_example_case
 from ._planner import cells as planner_cells
 from ._planner import planner_case
 from ._real_model import real_model_case
@@ -46,6 +50,7 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     **STANDARD_BUILDERS,
     "real-model": real_model_case,
     "planner": planner_case,
+    "per-example": per_example_case,
 }
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
@@ -63,10 +68,12 @@ TARGETS = [
     ("mtl-weighting k=8", "funcgrad backward features", "torchjd mtl_backward+jac_to_grad", 0.3),
     ("mtl-weighting k=8", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.85),
     ("mtl-weighting k=32", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.5),
+    *PER_EXAMPLE_TARGETS,
 ]
 # Peak-memory targets: (case label, method, baseline, limit).
 MEMORY_TARGETS = [
     ("mtl-weighting k=8", "funcgrad backward features", "sum(losses) fwd+bwd", 1.2),
+    *PER_EXAMPLE_MEMORY_TARGETS,
 ]
 
 
@@ -76,6 +83,8 @@ def _cells(name: str, mode: str) -> list[tuple[str, int]]:
         return planner_cells(mode)
     if name == "real-model":
         return REAL_MODEL_CELLS[mode]
+    if name == "per-example":
+        return PER_EXAMPLE_CELLS[mode]
     return [("", k) for k in HEAD_COUNTS[name][mode]]
 
 
@@ -705,8 +714,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cases",
         nargs="+",
         choices=[*BUILDERS, "ddp"],
-        default=[name for name in BUILDERS if name != "planner"] + ["ddp"],
-        help="default: all but planner (funcgrad's auto against its own fixed strategies)",
+        default=[name for name in BUILDERS if name not in ("planner", "per-example")] + ["ddp"],
+        help="default: all but planner (funcgrad's auto against its own fixed strategies) "
+        "and per-example (IWRM, B = 32/128/512: minutes)",
     )
     parser.add_argument(
         "--variants",
