@@ -706,6 +706,12 @@ class _Conv(_Dense):
 
     kind = "conv"
 
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.module.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
     def geometry(self) -> tuple[int, list[int], list[int], list[int]]:
         module = self.module
         assert isinstance(module, (nn.Conv1d, nn.Conv2d))
@@ -722,18 +728,20 @@ class _Conv(_Dense):
         if x.ndim != dims + 2:
             self.fail("has an input that", describe(x))
         d = self.delta(use)
-        kernel = list(self.module.weight.shape[2:])
+        kernel = list(self.weight.shape[2:])
         if dims == 1:  # as a Conv2d of height 1
             x = x.unsqueeze(2)
             kernel, dilation = [1, *kernel], [1, *dilation]
             padding, stride = [0, *padding], [1, *stride]
-        a = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        a = F.unfold(
+            x, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride)
+        )
         return a.transpose(1, 2), d.reshape(self.batch, d.shape[1], -1).transpose(1, 2)
 
     def dims(self) -> tuple[int, int, int]:
-        weight = self.module.weight
+        weight = self.weight
         rows = sum(math.prod(use.outputs[0][1][2:]) for use in self.uses)
-        return rows, weight[0].numel(), weight.shape[0]
+        return rows, weight[0].numel(), int(weight.shape[0])
 
     def bias_rows(self) -> torch.Tensor:
         sums = [self.delta(use).flatten(2).sum(2) for use in self.uses]
@@ -741,7 +749,7 @@ class _Conv(_Dense):
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
-        weight = self.module.weight
+        weight = self.weight
         if groups > 1:
             weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
         return torch.ops.aten.convolution_backward(
@@ -757,7 +765,7 @@ class _Conv(_Dense):
                 d.reshape(1, -1, *d.shape[2:]), x.reshape(1, -1, *x.shape[2:]), self.batch
             )
             found.append(grads.view(self.batch, -1))
-        return sum(found[1:], found[0]).view(self.batch, self.module.weight.shape[0], -1)
+        return sum(found[1:], found[0]).view(self.batch, self.weight.shape[0], -1)
 
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         x, d = self.input(use), self.delta(use)

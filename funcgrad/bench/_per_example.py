@@ -98,11 +98,13 @@ def _model(variant: str, batch: int, quick: bool) -> tuple[nn.Module, tuple[Any,
         return model, (torch.randn(batch, 3, side, side), targets)
     assert variant == "transformer"
     length = 8 if quick else 32
-    model = Transformer(vocab=1000, width=32 if quick else 64, layers=1 if quick else 2).eval()
+    transformer = Transformer(
+        vocab=1000, width=32 if quick else 64, layers=1 if quick else 2
+    ).eval()
     tokens = torch.randint(1, 1000, (batch, length))
     lengths = torch.randint(length // 2, length + 1, (batch,))
     tokens[torch.arange(length) >= lengths[:, None]] = 0  # padded sequences
-    return model, (tokens, targets)
+    return transformer, (tokens, targets)
 
 
 def per_example_case(batch: int, quick: bool, variant: str) -> Case:
@@ -123,7 +125,7 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
     def losses_of(m: nn.Module) -> torch.Tensor:
         return criterion(m(inputs), targets)
 
-    def update(run: Callable[[], None], m: nn.Module = model) -> dict[str, torch.Tensor]:
+    def update(run: Callable[[], None], m: nn.Module = model) -> dict[str, torch.Tensor | None]:
         """Run an imperative method from zeroed grads; the update it wrote into .grad."""
         for p in m.parameters():
             p.grad = None
@@ -143,11 +145,12 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
 
     def autojac() -> None:  # TorchJD's Jacobian (.jac), then the same weighting on J J^T
         autojac_backward(losses_of(model), inputs=params)
-        jacobians = [p.jac.flatten(1) for p in params]  # type: ignore[attr-defined]
-        weights = inverse_norms(sum(j @ j.T for j in jacobians))  # type: ignore[arg-type]
-        for p in params:
-            p.grad = torch.tensordot(weights, p.jac, dims=1)  # type: ignore[attr-defined]
-            del p.jac  # type: ignore[attr-defined]
+        jacobians: list[torch.Tensor] = [getattr(p, "jac") for p in params]  # noqa: B009
+        rows = [j.flatten(1) for j in jacobians]
+        weights = inverse_norms(sum((r @ r.T for r in rows[1:]), rows[0] @ rows[0].T))
+        for p, jac in zip(params, jacobians):
+            p.grad = torch.tensordot(weights, jac, dims=1)
+            delattr(p, "jac")
 
     # autogram and per_example hook the modules for good: each on its own copy, so that
     # the other methods run plain.
