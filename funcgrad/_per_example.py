@@ -31,7 +31,7 @@ from torch.utils import _pytree
 from . import _weighting
 from ._errors import describe
 from ._types import Tensors
-from ._validate import named_inputs
+from ._validate import named_inputs, outside_transforms
 
 _BACKWARD = "funcgrad.backward(losses, batch_dim=0)"
 _GRAMIAN = "funcgrad.per_example_gramian(losses)"
@@ -154,6 +154,8 @@ class PerExample:
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
             return
         flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
+        if not outside_transforms([x for x in flat if isinstance(x, torch.Tensor)]):
+            return  # a call inside torch.func transforms: not a per-example forward
         outputs, edges = [], []
         for i, out in enumerate(flat):
             if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -948,6 +950,11 @@ class _Generic(_Layer):
         }
 
 
+def _nested_params(use: _Use) -> set[torch.Tensor]:
+    """The parameters that the calls nested in ``use`` handle (each its module's subtree)."""
+    return {p for n in use.nested for p in n.module.parameters()}
+
+
 def _add(found: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
     found[key] = found[key] + value if key in found else value
 
@@ -1108,21 +1115,15 @@ class _Run:
         by_module: dict[nn.Module, list[_Use]] = {}
         for use in uses:
             by_module.setdefault(use.module, []).append(use)
-        covered: set[torch.Tensor] = set()
-        direct: dict[nn.Module, dict[str, torch.Tensor]] = {}
-        for module in by_module:
-            direct[module] = {
-                n: p for n, p in module.named_parameters(recurse=False) if p in self.selected
-            }
-            covered.update(direct[module].values())
         layers: list[_Layer] = []
         for module, calls in by_module.items():
-            params = dict(direct[module])
             cls = _layer_class(module)
-            if cls is _Generic:  # also the parameters of submodules that no call covers
-                for n, p in module.named_parameters():
-                    if p in self.selected and p not in covered:
-                        params[n] = p
+            recurse = cls is _Generic  # its submodules' parameters that no nested call covers
+            params = {
+                n: p
+                for n, p in module.named_parameters(recurse=recurse)
+                if p in self.selected and not any(p in _nested_params(use) for use in calls)
+            }
             if params:
                 if isinstance(module, nn.Embedding) and (
                     module.scale_grad_by_freq or module.sparse
@@ -1191,7 +1192,8 @@ class _Run:
             )
         finally:
             recorder._recording = True
-            recorder.clear()  # consumed (and older forwards dropped)
+            if not retain_graph:  # consumed (and older forwards dropped)
+                recorder.clear()
         if write:  # Apply: the one place that writes .grad.
             from ._multitask import _accumulate
 

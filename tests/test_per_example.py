@@ -327,6 +327,38 @@ def test_ghost_and_materialised_rules_are_both_exercised():
     assert "materialised" in rules
 
 
+def test_retain_graph_keeps_the_forward_for_a_second_call():
+    """The Gramian for attribution, then the update, from one forward."""
+    model, losses_fn = mlp()
+    jac = loop_jacobian(copy.deepcopy(model), losses_fn)
+    with funcgrad.per_example(model) as pe:
+        losses = losses_fn(model)
+        gram = pe.gramian(losses, retain_graph=True)
+        pe.backward(losses, weighting=native_weighting)
+    torch.testing.assert_close(gram, jac @ jac.T)
+    assert_grads(grads_of(model), from_rows(model, native_weighting(jac @ jac.T) @ jac))
+
+
+def test_child_called_outside_a_parent_that_reads_its_parameter():
+    """Nested reads unused_call's parameters without calling it; the model also calls
+    unused_call itself: one parameter in two layers, its per-example gradients summed."""
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.nested = Nested()
+
+        def forward(self, x):
+            return (self.nested(x) * self.nested.unused_call(torch.cos(x))).sum(1)
+
+    model, x = Outer(), torch.randn(B, 4)
+    jac = loop_jacobian(copy.deepcopy(model), lambda m: m(x))
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(model(x))
+    torch.testing.assert_close(gram, jac @ jac.T)
+    assert "shares a parameter" in str(pe.plan)
+
+
 def test_inplace_activation_after_a_layer():
     """An in-place ReLU on a Linear's output: Δ is taken at the Linear's own output."""
     model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 1))
