@@ -381,8 +381,8 @@ def _distributed_refusal(call: str) -> str:
         f"{call}: per-example Gramians with a process group are not supported. The "
         "cross-rank blocks of G need every rank's per-layer inputs A and output gradients Δ: "
         "R ranks of B_r examples would all-gather sum over layers of B_r·T·(d+p) numbers per "
-        "rank (for a 2-layer MLP 784-1024-10 at B_r=128, about 0.5M numbers each, so R x 2 MiB "
-        "in float32 per step, against the P = 0.8M of DDP's all-reduce), and each rank would "
+        "rank (for an MLP 784-1024-10 at B_r=128, 0.36M numbers, so R x 1.4 MiB in float32 "
+        "per step, against the P = 0.8M numbers of DDP's all-reduce), and each rank would "
         "then form the whole (R·B_r)² Gramian. Run it on one process (or on each rank's local "
         "batch without a process group, which gives the local Gramian), or use "
         "funcgrad.backward(losses_per_task, through=...) for task losses."
@@ -923,9 +923,14 @@ class _Generic(_Layer):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 grads = torch.func.vmap(one)(values, deltas)
-            slow = any("performance drop" in str(w.message) for w in caught)
+            slow = [w for w in caught if "performance drop" in str(w.message)]
+            for other in caught:  # the rest as they would have been
+                if other not in slow:
+                    warnings.warn_explicit(
+                        other.message, other.category, other.filename, other.lineno
+                    )
             self.rule = "materialised, vmap" + (" (torch's per-example fallback)" if slow else "")
-        except RuntimeError as error:
+        except Exception as error:  # vmap cannot run it: a loop, or the module's own error
             if "random" in str(error):
                 raise ValueError(
                     f"{self.run.call}: module {self.name!r} ({type(module).__name__}) draws "
@@ -934,9 +939,29 @@ class _Generic(_Layer):
                     "dropout to 0, or call .eval() on it."
                 ) from error
             self.rule = "materialised, loop"
-            rows = [one([v[b] for v in values], [c[b] for c in deltas]) for b in range(self.batch)]
+            rows = [self.eager(use, b) for b in range(self.batch)]
             grads = {k: torch.stack([r[k] for r in rows]) for k in params}
         return dict(grads)
+
+    def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
+        """Example b's gradients by plain autograd on a call of the module on that example
+        (no torch.func: also for what its transforms refuse, e.g. an autograd.Function
+        without setup_context)."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch:
+                leaves[i] = x[b : b + 1]
+        args, kwargs = _pytree.tree_unflatten(leaves, spec)
+        with torch.enable_grad():
+            flat = _pytree.tree_leaves(self.module(*args, **kwargs))
+            outs = [flat[i] for i, _, _ in use.outputs]
+            cotangents = [self.delta(use, i)[b : b + 1] for i in range(len(outs))]
+            params = list(self.params.values())
+            grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
+        return {
+            k: torch.zeros_like(p) if g is None else g
+            for (k, p), g in zip(self.params.items(), grads)
+        }
 
     def gramian(self) -> torch.Tensor:
         g = super().gramian()

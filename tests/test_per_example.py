@@ -578,3 +578,37 @@ def test_each_rule_matches_the_loop(name):
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(got, weights)
     assert_grads(grads_of(model), from_rows(reference, weights @ jac))
+
+
+class _Scale(torch.autograd.Function):
+    """Old-style (no setup_context): torch.func refuses it, plain autograd runs it."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x, scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, scale = ctx.saved_tensors
+        return grad * scale, (grad * x).sum(0)
+
+
+class OldStyle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return _Scale.apply(x, self.scale)
+
+
+def test_a_module_torch_func_cannot_run_is_looped_with_autograd():
+    model = nn.Sequential(OldStyle(), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(B, 3)
+    losses_fn = lambda m: m(x).squeeze(1).exp()  # noqa: E731
+    jac = loop_jacobian(copy.deepcopy(model), losses_fn)
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(losses_fn(model))
+    assert "0  OldStyle  (6, 3)  materialised, loop" in str(pe.plan)
+    torch.testing.assert_close(gram, jac @ jac.T)
