@@ -275,12 +275,16 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         ``Aᵀ (w ⊙ Δ)`` (one matmul). Rules, chosen per layer and input shape by flops:
         Linear on (B, d) inputs: ``(A Aᵀ)∘(Δ Δᵀ)``, B²(d+p); on (B, T, d): ghost
         ``<A_b A_b'ᵀ, Δ_b Δ_b'ᵀ>`` (B²T²(d+p)) or the materialised ``A_bᵀ Δ_b`` and their
-        Gram (B·T·d·p + B²·d·p); Conv1d/Conv2d: the same on unfolded inputs; Embedding: the
-        Gram of one-hot rows is index equality; LayerNorm/GroupNorm/BatchNorm (eval) affine
+        Gram (B·T·d·p + B²·d·p); Conv1d/Conv2d: the same with T the output positions (the
+        ghost products on unfolded inputs, the per-example gradients as one convolution
+        backward with the examples as groups); Embedding: the Gram of one-hot rows is index
+        equality (or the per-example gradients on the rows used); LayerNorm/GroupNorm/
+        BatchNorm (eval) affine
         parameters: their (B, C) per-example gradients; every other module with parameters
         (nn.MultiheadAttention, custom modules, Linear subclasses with their own forward):
         its per-example gradients materialised exactly by ``torch.func.vmap`` over a
-        functional call of that module alone (a loop where vmap cannot), never skipped. A
+        functional call of that module alone (a loop of plain autograd calls where torch.func
+        cannot run it), never skipped. A
         parameter shared by several modules (tied weights) has its per-example gradients
         summed over its uses before their Gram, so the cross terms are exact; a module
         called twice is one layer with the calls' rows concatenated. A parameter that

@@ -190,6 +190,16 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
         baseline="one fwd+bwd",
     )
     case.reference_only = ("one fwd+bwd", "UPGrad QP alone (on G)")
+    if batch >= 512 and variant != "mlp" and not quick:  # too slow or too big here
+        case.skipped["naive"] = (
+            f"B = {batch} full-batch backward passes: about a minute a call on 2 CPU cores"
+        )
+        case.skipped["torchjd autojac"] = (
+            "its backward vmapped over B cotangents holds B copies of the activations' "
+            "gradients: over the 23 GiB of this machine (the first full run was killed for it)"
+        )
+        del case.methods["naive"], case.methods["torchjd autojac"]
+        case.reference_for = {"funcgrad per_example": "torchjd autogram"}
     # The QP's Gramian, and the plan: from one call of funcgrad's method.
     losses = losses_of(hooked)
     gramian = recorder.gramian(losses).detach()
