@@ -267,7 +267,7 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         >>> print(pe.plan)  # doctest: +NORMALIZE_WHITESPACE
         per-example plan, B=16 (flops of the Gramian per layer: ghost / materialised)
           0  Linear  (16, 3)  ghost (A Aᵀ)∘(Δ Δᵀ)  ...
-          2  Linear  (16, 8)  materialised A_bᵀ Δ_b T=1  ...
+          2  Linear  (16, 8)  ghost (A Aᵀ)∘(Δ Δᵀ)  ...
 
     Notes:
         Cost: the forward, ONE backward of the losses to every layer's output (without the
@@ -618,8 +618,32 @@ class _Dense(_Layer):
         sums = [d.reshape(self.batch, -1, d.shape[-1]).sum(1) for d in found]
         return sum(sums[1:], sums[0])
 
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, Δ) as (B, d) and (B, p) for one call on 2-D inputs (the MLP case: the
+        fewest ops, as each costs microseconds of overhead at small B), else None."""
+        if type(self) is not _Dense or len(self.uses) != 1:
+            return None
+        use = self.uses[0]
+        a = use.args[0] if use.args else None
+        if not isinstance(a, torch.Tensor) or a.ndim != 2 or use.deltas[0] is None:
+            return None
+        return a, use.deltas[0]
+
     def gramian(self) -> torch.Tensor:
         dtype = self.run.dtype
+        flat = self.flat()
+        if flat is not None and "weight" in self.params:  # ghost, T = 1
+            a, d = flat
+            if a.dtype != dtype or d.dtype != dtype:
+                a, d = a.to(dtype), d.to(dtype)
+            batch, width, out = a.shape[0], a.shape[1], d.shape[1]
+            self.ghost_flops = float(batch * batch * (width + out + 1))
+            self.materialised_flops = float(batch * width * out * (1 + batch))
+            self.rule = "ghost (A Aᵀ)∘(Δ Δᵀ)"
+            kernel = a @ a.T
+            if "bias" in self.params:  # the bias's rows are Δ: (A Aᵀ + 1)∘(Δ Δᵀ)
+                kernel += 1
+            return kernel.mul_(d @ d.T)
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         if "weight" not in self.params:
             self.rule = "bias only"
@@ -672,6 +696,15 @@ class _Dense(_Layer):
 
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         found: dict[str, torch.Tensor] = {}
+        flat = self.flat()
+        if flat is not None:  # one call on 2-D inputs: (w ⊙ Δ)ᵀ A and its column sums
+            a, d = flat
+            wd = d * weights.to(d.dtype).unsqueeze(1)
+            if "weight" in self.params:
+                found["weight"] = wd.T @ (a if a.dtype == d.dtype else a.to(d.dtype))
+            if "bias" in self.params:
+                found["bias"] = wd.sum(0)
+            return found
         if self.kept is not None:  # w @ the per-example gradients: B·d·p
             kept = self.kept
             found["weight"] = torch.tensordot(weights.to(kept.dtype), kept, dims=1).view_as(
