@@ -67,3 +67,19 @@ def test_real_model_and_planner_cases_run_and_agree(tmp_path):
     assert [cost["function"] for cost in planner["plan_cost"]] == ["ode n=2 plan cost"]
     markdown = (tmp_path / "results.md").read_text()
     assert "## Planner regret" in markdown and "fn.plan(*args) against one eager" in markdown
+
+
+def test_per_example_case_runs_and_agrees(tmp_path):
+    """IWRM on the three small models (one round): every method's update agrees with the
+    per-example loop, and each cell reports funcgrad's per-layer plan."""
+    pytest.importorskip("torchjd")
+    done = _bench(
+        "--cases", "per-example", "--rounds", "1", "--no-memory", "--out", str(tmp_path)
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["disagreements"] == []
+    assert {e["variant"] for e in report["cases"].values()} == {"mlp", "cnn", "transformer"}
+    for entry in report["cases"].values():
+        assert entry["agreement"]["funcgrad per_example"] == "ok"
+        assert "per-example plan, B=" in entry["per_example_plan"]
