@@ -176,6 +176,26 @@ def test_torch_compile_fullgraph_matches_eager(strategy):
     torch.testing.assert_close(grads, eager_grads)
 
 
+@pytest.mark.slow  # inductor compiles
+def test_compiled_steady_state_on_a_module_matches_eager():
+    """The README's recipe: compile the whole compose_heads call of an nn.Module with list
+    heads (fullgraph=True); it equals eager, builds no graph of its results, and later calls
+    on the same shapes reuse the compiled graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    w = torch.randn(6, 8)
+    heads = [lambda y, i=i: (y @ w[i]).tanh().mean() for i in range(6)]
+    fn = funcgrad.compose_heads(mlp, heads, strategy="vjp")
+    compiled = torch.compile(fn, fullgraph=True)
+    for x in (torch.randn(4, 8), torch.randn(4, 8)):
+        values, grads = compiled(x)
+        eager_values, eager_grads = fn(x)
+        torch.testing.assert_close(values, eager_values)
+        torch.testing.assert_close(grads, eager_grads)
+        assert not grads.requires_grad
+
+
 def test_a_pullback_does_not_cross_a_compile_boundary():
     """Documented limit of torch 2.13: compile the whole transform, not a pullback object."""
     torch._dynamo.reset()
