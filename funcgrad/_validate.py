@@ -24,9 +24,14 @@ def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
 
 def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether data-dependent Python (``bool(t)``, ``.item()``) may look at these tensors:
-    eager mode, outside torch.func transforms and outside a compiled region."""
+    eager mode, outside torch.func transforms and outside a compiled region, on a device
+    that holds values (not ``meta``: a dry run of shapes)."""
     # is_compiling first: dynamo cannot trace is_functorch_wrapped_tensor.
-    return not torch.compiler.is_compiling() and outside_transforms(leaves)
+    return (
+        not torch.compiler.is_compiling()
+        and outside_transforms(leaves)
+        and not any(t.is_meta for t in leaves)
+    )
 
 
 def check_flag(value: object, name: str, call: str) -> None:
