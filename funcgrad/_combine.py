@@ -96,7 +96,9 @@ class CombinedHeads:
         )
         check = c.resolved_check()
         if self._one_pullback:
-            lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+            lin = c.watching(
+                flat, lambda: _linearize.of_function(flat, _linearize.RandomState(flat))
+            )
             values, cotangents = c.cotangents_of(flat)(lin.out)
             what = "with respect to f's output"
             weights: torch.Tensor | None = weigh_features(self.rule, cotangents, sync, what, _CALL)

@@ -487,13 +487,13 @@ def per_head(
     mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
     again in reverse mode with the same random draws.
     """
-    rng = RandomState(flat.leaves)
+    rng = RandomState(flat)
     instead_of_forward = False
     if forward_first:
         columns = forward_columns(flat, check, rng)
         if columns is not None:
             out, aux, tangents = columns
-            plan = planner(_coords.real_size(out), True)
+            plan = planner(_coords.real_size(out), False)  # the plan that ran: jacfwd
             values, cotangents = cotangents_of(out)
             grads = by_columns(cotangents, tangents, out, flat.leaves)
             if grads is not None:

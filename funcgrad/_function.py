@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import _tree
 from ._errors import describe
@@ -28,6 +29,22 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
     if create_graph or (not torch.compiler.is_compiling() and not outside_transforms(leaves)):
         return contextlib.nullcontext()
     return torch.no_grad()
+
+
+class _Draws(TorchFunctionMode):
+    """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
+    in every torch random op) the first time it is seen, with its state before that draw."""
+
+    def __init__(self, seen: dict[torch.Generator, torch.Tensor]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator) and generator not in self.seen:
+            self.seen[generator] = generator.get_state()
+        return func(*args, **kwargs)
 
 
 class FlatFunction:
@@ -62,6 +79,12 @@ class FlatFunction:
         self.out_def: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
+        # The explicit generators f drew from in this call, with their state before its first
+        # draw (RandomState restores them before a re-run of f), recorded while ``watch``
+        # (a TorchFunctionMode costs ~1-2 us an op, so a caller that knows f draws from none
+        # turns it off). Not in compiled code, where generators' states cannot be read.
+        self.watch = True
+        self.generators: dict[torch.Generator, torch.Tensor] = {}
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
@@ -75,8 +98,10 @@ class FlatFunction:
         args = list(self.args)
         for a, tree in zip(self.argnums, self.split_inputs(leaves)):
             args[a] = tree
+        watching = self.watch and not torch.compiler.is_compiling()
         try:
-            result = self.f(*args)
+            with _Draws(self.generators) if watching else contextlib.nullcontext():
+                result = self.f(*args)
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")
             if isinstance(self.f, torch.nn.Module) and isinstance(error, TypeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import warnings
@@ -322,12 +323,14 @@ class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | None:
-    """m = real numel of f's output without running f for real: f on fake tensors (shapes
-    only, no data, no side effects: torch.func refuses in-place updates of captured buffers),
-    for at most ``limit`` ops. None where that cannot tell (data-dependent Python in f, a long
-    Python loop, ...). Eager mode only."""
+    """m = real numel of f's output without running f's ops for real: f on fake tensors
+    (shapes only, no data; no tensor written, since torch.func refuses in-place updates of
+    captured buffers, and no generator advanced), for at most ``limit`` ops. f's Python body
+    does run (up to the limit): Python state it changes changes. None where that cannot
+    tell (data-dependent Python in f, a long Python loop, ...). Eager mode only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    watch, flat.watch = flat.watch, False  # fake draws: nothing for RandomState to restore
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [mode.from_tensor(leaf) for leaf in flat.leaves]
@@ -338,17 +341,20 @@ def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | 
         return _coords.real_size(out)
     except Exception:  # any failure only means the shape is not known in advance
         return None
+    finally:
+        flat.watch = watch
 
 
 def _forward_size(flat: FlatFunction) -> int:
     """m from one real forward of f that leaves no trace, the random number generators
-    restored. First in inference mode inside a ``torch.func.vjp`` of nothing: the transform
-    refuses, before anything is mutated, to write into a tensor f captured (a buffer, a
-    counter), and inference mode records no graph, so it costs ~1.5 eager forwards against
-    ~2.5 for a vjp of f. Where f needs gradients inside, the vjp of f; else, without
+    restored (the default ones and every ``torch.Generator`` f draws from). First in
+    inference mode inside a ``torch.func.vjp`` of nothing: the transform refuses, before
+    anything is mutated, to write into a tensor f captured (a buffer, a counter), and
+    inference mode records no graph, so it costs ~1.5 eager forwards against ~2.5 for a vjp
+    of f. Where f needs gradients inside, the vjp of f; else, without
     gradients, every such write made on a copy (BatchNorm's running statistics in training
     mode) at ~4 eager forwards."""
-    rng = RandomState(flat.leaves)
+    rng = RandomState(flat)
     nothing = torch.zeros(())
 
     def output(*leaves: torch.Tensor) -> Any:
@@ -417,6 +423,9 @@ class Composition:
         # Per shapes where auto chose forward mode: None where it measured faster than
         # reverse mode on the first call, else why reverse mode was (then planned).
         self._forward_timed: dict[Any, str | None] = {}
+        # Per argument shapes, whether f drew from an explicit torch.Generator on the first
+        # call: later calls watch f's ops for one (for RandomState) only where it did.
+        self._draws: dict[Any, bool] = {}
 
     @property
     def k(self) -> int:
@@ -499,7 +508,7 @@ class Composition:
 
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
         """The plan that a call on these arguments runs, from shapes only."""
-        _forward, m_before = self.before_f(flat)
+        forward, m_before = self.before_f(flat)
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
             # (remembered for plan() alone: the call still plans as without it)
@@ -512,7 +521,18 @@ class Composition:
         plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
-        return plan
+        return dataclasses.replace(plan, f_runs=self.f_runs(flat, forward, plan.n))
+
+    def f_runs(self, flat: FlatFunction, forward: bool, n: int) -> int:
+        """How many times a call on these arguments runs f's Python body, as planned (a
+        fallback runs it once more): once, or once per mode on the first call that times
+        forward against reverse mode, plus ``check``'s unbatched JVP calls in forward mode
+        (they run f). The shape-only run on fake tensors is not counted: ``plan()`` has just
+        made it (once per shapes), so the call after it does not."""
+        key = self._measure_key(flat)
+        timed = forward and key is not None and key not in self._forward_timed
+        check = forward and values_readable(flat.leaves) and self.resolved_check()
+        return 1 + timed + (len({0, n // 2, n - 1}) if check else 0)
 
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
         return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
@@ -521,6 +541,25 @@ class Composition:
         self, flat: FlatFunction, check: CheckMode
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """(values (k,), per-head gradient leaves (k, ...), aux tensors), by the plan."""
+        return self.watching(flat, lambda: self._per_head(flat, check))
+
+    def watching(self, flat: FlatFunction, run: Callable[[], R]) -> R:
+        """``run()``, with f's ops watched for explicit ``torch.Generator`` draws (so that
+        RandomState restores them before a re-run of f) on the first call on these shapes,
+        and on later calls only where f drew from one then: the watch costs ~1-2 us an op."""
+        shapes = None if torch.compiler.is_compiling() else _shape_key(flat.args)
+        if shapes is not None:
+            flat.watch = self._draws.get(shapes, True)
+        result = run()
+        if shapes is not None and shapes not in self._draws:
+            if len(self._draws) >= 64:
+                self._draws.clear()
+            self._draws[shapes] = bool(flat.generators)
+        return result
+
+    def _per_head(
+        self, flat: FlatFunction, check: CheckMode
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         key = self._measure_key(flat)
@@ -545,14 +584,21 @@ class Composition:
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """The first call on new shapes where auto chose forward mode: forward mode, then
         the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
-        the generators end where one forward leaves them). The faster one's answer is
-        returned, and later calls on these shapes plan it (``Plan.measured`` says why)."""
+        every generator ends where one forward leaves it, and buffers are written by one run
+        alone: torch.func refuses in-place updates, so only an eager fallback writes them).
+        The faster one's answer is returned, and later calls on these shapes plan it
+        (``Plan.measured`` says why). Where forward mode could not run f (its fallback has
+        run reverse mode), that answer is returned without a second run."""
         cotangents_of = self.cotangents_of(flat)
-        before = RandomState(flat.leaves)
+        before = RandomState(flat)
         start = time.perf_counter()
         forward_result = _engine.per_head(flat, planner, True, cotangents_of, check)
         forward_s = time.perf_counter() - start
-        after = RandomState(flat.leaves)
+        if forward_result[0].strategy != "jacfwd":  # forward mode fell back to reverse mode
+            self._forward_timed[key] = "forward mode could not run f on the first call"
+            _, values, grads, aux = forward_result
+            return values, grads, aux
+        after = RandomState(flat)
         before.restore()
         with _engine.measuring() as log:
             start = time.perf_counter()
@@ -660,10 +706,12 @@ class ComposedHeads(Generic[R]):
     def plan(self, *args: Any) -> Plan:
         """The plan that ``fn(*args)`` runs, from shapes only.
 
-        Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
-        which takes about a second to initialise), only where forward mode could win
-        (``2 n < k``); else, and where that cannot tell y's shape (data-dependent Python in
-        f), f runs once for real, without gradients.
+        Costs f on fake tensors, once per new shapes (shapes, no data: a few ms after the
+        first use in a process, which takes about a second to initialise); where that cannot
+        tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
+        without gradients as well. Neither writes a buffer or advances a generator, but f's
+        Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
+        after it makes.
         """
         composition = self._composition
         return composition.plan(composition.flat(args))
@@ -791,6 +839,14 @@ def compose_heads(
         for stacked heads), then ``Plan.directions`` passes through f, batched with vmap.
         The returned function composes with ``torch.func.vmap`` (per-sample gradients),
         ``torch.func.grad`` (second order) and ``torch.compile``.
+
+        Side effects: buffers are written and random numbers drawn (from the default
+        generators and every ``torch.Generator`` f passes to a random op) as in one eager
+        forward per call, whatever re-runs f. f's Python body runs ``fn.plan(*args).f_runs``
+        times: once, twice on the first call on new shapes where ``"auto"`` chose forward
+        mode (it times both modes), plus ``check``'s unbatched JVP calls in forward mode, and
+        once more per fallback; that first call also runs it once on fake tensors (for y's
+        size) unless ``plan()`` did already. Python state it changes changes that often.
 
         NaN/inf come out as autograd's in eager mode: where ``V @ J`` went non-finite, the
         cotangents themselves are pulled back. That recompute reads values, so inside

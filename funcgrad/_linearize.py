@@ -7,15 +7,16 @@
 
 Every re-run of f (the eager fallback after a failed torch.func attempt, reverse mode after
 forward mode, ``check``'s unbatched calls) replays the random draws of the first run
-(:class:`RandomState`), so dropout masks, running statistics and the generator's final state
-are those of one eager forward.
+(:class:`RandomState`: the default generators and every ``torch.Generator`` f passes to a
+random op), so dropout masks, running statistics and every generator's final state are those
+of one eager forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,20 +75,29 @@ def is_torch_func_limit(error: BaseException) -> bool:
 
 
 class RandomState:
-    """The random number generators f may draw from (the CPU one and those of the CUDA
-    devices of its inputs), saved before f first runs; :meth:`restore` before a re-run
-    makes it draw the same numbers. Inert in compiled code, where the state cannot be read."""
+    """The random number generators f draws from, saved before f (first) runs; :meth:`restore`
+    before a re-run makes it draw the same numbers, and after the last run leaves them where
+    one eager forward leaves them. The default ones (the CPU one, those of the CUDA devices
+    of f's inputs) are saved now; every ``torch.Generator`` f passes to a random op
+    (``generator=``) as ``flat`` records it when f first draws from it (its state before that
+    draw, which is its state now if f has not run yet). Inert in compiled code, where the
+    state cannot be read."""
 
-    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+    def __init__(self, flat: FlatFunction) -> None:
         self.active = not torch.compiler.is_compiling()
-        self.devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
+        self.devices = sorted({t.device.index or 0 for t in flat.leaves if t.device.type == "cuda"})
+        self.drawn = flat.generators  # filled as f runs
         if self.active:
             self.cpu = torch.get_rng_state()
             self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+            self.now = {generator: generator.get_state() for generator in self.drawn}
 
     def restore(self) -> None:
         if not self.active:
             return
+        # Explicit generators first: an explicit default generator ends as saved below.
+        for generator, first in self.drawn.items():
+            generator.set_state(self.now.get(generator, first))
         torch.set_rng_state(self.cpu)
         for device, state in zip(self.devices, self.cuda):
             torch.cuda.set_rng_state(state, device)

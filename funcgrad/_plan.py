@@ -63,6 +63,12 @@ class Plan:
             unbatched calls faster: each side's fastest of the two decides): one direction
             more through f, in ``passes``; the result decides how later calls on these
             shapes run.
+        f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
+            first call on new shapes where ``"auto"`` chose forward mode (it times forward
+            against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
+            to 3). A fallback that runs f again adds one. ``plan()`` itself runs f's body
+            (see :meth:`funcgrad.ComposedHeads.plan`); the call after it then needs no run on
+            fake tensors. Shown in the repr when not 1.
 
     Examples:
         >>> import torch, funcgrad
@@ -84,6 +90,7 @@ class Plan:
     fallbacks: tuple[str, ...] = ()
     measured: str | None = None
     measure: bool = False
+    f_runs: int = 1
 
     @property
     def directions(self) -> int:
@@ -126,7 +133,8 @@ class Plan:
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
         measuring = "; times vmap against one unbatched call (this call)" * self.measure
-        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring})"
+        runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
+        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
 
 
 def make_plan(

@@ -288,7 +288,7 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
-    lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+    lin = _linearize.of_function(flat, _linearize.RandomState(flat))
     pb = Pullback(flat, lin, reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)
