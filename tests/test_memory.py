@@ -5,6 +5,7 @@ funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET or free memory."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -155,10 +156,10 @@ def test_memory_budget_nests_and_restores(monkeypatch):
 def test_bad_budgets_and_chunk_sizes_are_clear_errors(monkeypatch):
     with pytest.raises(ValueError, match=r"memory_budget\(nbytes\) must be a positive number"):
         funcgrad.memory_budget(0).__enter__()
-    with pytest.raises(ValueError, match="is not understood; give bytes"):
+    with pytest.raises(ValueError, match=r"'lots' is not a number of bytes\. Give a positive int"):
         funcgrad.memory_budget("lots").__enter__()
     monkeypatch.setenv("FUNCGRAD_MEMORY_BUDGET", "much")
-    with pytest.raises(ValueError, match="FUNCGRAD_MEMORY_BUDGET='much' is not understood"):
+    with pytest.raises(ValueError, match="FUNCGRAD_MEMORY_BUDGET: 'much' is not a number of"):
         _memory.budget(torch.device("cpu"))
     with pytest.raises(ValueError, match="or 'auto' \\(the most that fit the memory budget\\)"):
         funcgrad.compose_heads(torch.sin, [lambda y: y.sum()], chunk_size="some")
@@ -170,3 +171,53 @@ def test_a_budget_below_one_direction_warns_and_runs_one_at_a_time():
     with funcgrad.memory_budget(1), pytest.warns(funcgrad.FuncgradWarning, match="one direction"):
         fn(torch.randn(6))
     assert fn.plan(torch.randn(6)).chunk_size == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("1.2.3MiB", "is not a number of bytes"),
+        ("e", "is not a number of bytes"),
+        (".", "is not a number of bytes"),
+        ("1e", "is not a number of bytes"),
+        ("-5", "is not a number of bytes"),
+        ("5 iB", "is not a number of bytes"),
+        ("2KiBB", "is not a number of bytes"),
+        ("inf", "is not a number of bytes"),
+        ("1e400", "is too large"),
+        ("1e300T", "is too large"),
+        ("0.4", "is below one byte"),
+        ("0KiB", "is below one byte"),
+    ],
+)
+def test_the_budget_grammar_is_strict(monkeypatch, text, why):
+    forms = r"Give a positive int of bytes, or a string: a number, then optionally K, M, G or T"
+    with pytest.raises(
+        ValueError, match=rf"memory_budget\(nbytes\): {re.escape(repr(text))} {why}\. {forms}"
+    ):
+        funcgrad.memory_budget(text).__enter__()
+    monkeypatch.setenv("FUNCGRAD_MEMORY_BUDGET", text)
+    with pytest.raises(
+        ValueError, match=rf"variable FUNCGRAD_MEMORY_BUDGET: {re.escape(repr(text))} {why}"
+    ):
+        _memory.budget(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("text", "nbytes"),
+    [
+        ("536870912", 2**29),
+        ("1e9", 10**9),
+        ("512MiB", 2**29),
+        ("2GB", 2**31),
+        ("1.5K", 1536),
+        (" 64 kib ", 2**16),
+        (".5M", 2**19),
+        ("7b", 7),
+        ("3T", 3 * 2**40),
+        ("1Mi", 2**20),
+    ],
+)
+def test_the_budget_grammar_reads_numbers_with_units(text, nbytes):
+    with funcgrad.memory_budget(text):
+        assert _memory.budget(torch.device("cpu")) == nbytes
