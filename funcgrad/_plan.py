@@ -47,9 +47,13 @@ class Plan:
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
         n: real dimension of the differentiated inputs.
-        chunk_size: at most this many directions per batched call (None: all at once);
-            ``"auto"`` until a first call has measured the chunk that fits the memory budget
-            (then ``passes`` is a lower bound: 1 and 2 directions measured, then the rest).
+        chunk_size: at most this many directions per batched call (None: all at once).
+            Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
+            from what one direction through f was measured to cost on these argument
+            shapes (by the first call); ``"auto"`` where that is not known
+            yet: the call then measures on directions 0, then 1 and 2, and runs the rest in
+            chunks of the size found, so ``passes`` is a lower bound (the rest counted as
+            one chunk), exact with 3 directions or fewer.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.

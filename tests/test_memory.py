@@ -117,7 +117,7 @@ def test_auto_chunks_agree_on_combine_pullback_grads_and_backward():
             torch.testing.assert_close(p.grad, expected)
 
 
-def test_the_fitted_chunk_is_measured_once_per_shapes(monkeypatch):
+def test_the_fitted_chunk_is_measured_once_per_signature(monkeypatch):
     measured = []
     original = _memory.peak_of
     monkeypatch.setattr(
@@ -125,7 +125,6 @@ def test_the_fitted_chunk_is_measured_once_per_shapes(monkeypatch):
     )
     f, heads = _small_budget_case()
     fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
-    assert fn.plan(torch.randn(6)).chunk_size == "auto"
     with funcgrad.memory_budget(2000):
         fn(torch.randn(6))
         assert len(measured) == 2  # one direction, then two
@@ -133,7 +132,7 @@ def test_the_fitted_chunk_is_measured_once_per_shapes(monkeypatch):
         assert len(measured) == 2  # remembered
         chunk = fn.plan(torch.randn(6)).chunk_size
         assert isinstance(chunk, int) and 1 <= chunk < 9
-        fn(torch.randn(7)[:6].clone())  # same shapes: still remembered
+        fn(torch.randn(7)[:6].clone())  # same signature: still remembered
         assert len(measured) == 2
 
 
@@ -170,7 +169,8 @@ def test_a_budget_below_one_direction_warns_and_runs_one_at_a_time():
     fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
     with funcgrad.memory_budget(1), pytest.warns(funcgrad.FuncgradWarning, match="one direction"):
         fn(torch.randn(6))
-    assert fn.plan(torch.randn(6)).chunk_size == 1
+    with funcgrad.memory_budget(1):
+        assert fn.plan(torch.randn(6)).chunk_size == 1
 
 
 @pytest.mark.parametrize(
@@ -221,3 +221,90 @@ def test_the_budget_grammar_is_strict(monkeypatch, text, why):
 def test_the_budget_grammar_reads_numbers_with_units(text, nbytes):
     with funcgrad.memory_budget(text):
         assert _memory.budget(torch.device("cpu")) == nbytes
+
+
+def _wide_case(counter=None):
+    """The issue's case: f(x) = tanh(x @ W).sum(0), W (32, 64), 64 heads y[i]; x (b, 32), so
+    one direction through f costs b x 64 floats, and a chunk fitted at a small b is far too
+    large at a big one."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    count = counter if counter is not None else (lambda x: x)
+
+    def f(x):
+        return torch.tanh(count(x) @ w.to(x.dtype)).sum(0)
+
+    return f, [lambda y, i=i: y[i] for i in range(64)]
+
+
+def _peak_and_passes(fn, x):
+    counter = fn.counter
+    counter.reset()
+    (values, grads), peak = _memory.peak_of(lambda: fn(x), torch.device("cpu"))
+    return values, grads, peak, counter.backward
+
+
+def _wide_fn(**options):
+    counter = funcgrad.PassCounter()
+    f, heads = _wide_case(counter)
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto", **options)
+    fn.counter = counter
+    return fn, f, heads
+
+
+def test_a_fitted_chunk_is_not_reused_at_another_input_shape_or_dtype():
+    small, large = (
+        torch.randn(4, 32, dtype=torch.float32),
+        torch.randn(2048, 32, dtype=torch.float32),
+    )
+    reused, f, heads = _wide_fn()
+    fresh, _, _ = _wide_fn()
+    with funcgrad.memory_budget("9MiB"):
+        reused(small)  # fits a chunk for x of shape (4, 32)
+        values, grads, peak, passes = _peak_and_passes(reused, large)
+        _, _, fresh_peak, fresh_passes = _peak_and_passes(fresh, large)
+        assert passes == fresh_passes > 3 and peak <= fresh_peak + 2**20
+        assert reused.plan(large) == fresh.plan(large)
+        assert isinstance(reused.plan(large).chunk_size, int)
+        assert reused.plan(large).chunk_size < reused.plan(small).chunk_size
+        # another dtype is another signature too
+        double = small.double()
+        assert reused.plan(double) == fresh.plan(double)
+    want_values, want_grads = autograd_reference(f, heads, (large,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+def test_a_smaller_budget_gives_a_smaller_chunk_at_once():
+    x = torch.randn(2048, 32)
+    fn, f, heads = _wide_fn()
+    fresh, _, _ = _wide_fn()
+    with funcgrad.memory_budget("1GiB"):
+        fn(x)
+        assert fn.plan(x).chunk_size >= 64
+    with funcgrad.memory_budget(1):
+        with pytest.warns(funcgrad.FuncgradWarning, match="more than the memory budget"):
+            values, grads, peak, passes = _peak_and_passes(fn, x)
+        with pytest.warns(funcgrad.FuncgradWarning, match="more than the memory budget"):
+            _, _, fresh_peak, fresh_passes = _peak_and_passes(fresh, x)
+        assert fn.plan(x).chunk_size == 1 and passes == 64  # one at a time
+        assert fresh_passes == 1 + 1 + 61  # measured on 1, then 2 directions; then one at a time
+        assert peak <= fresh_peak + 2**20
+    with funcgrad.memory_budget("1GiB"):  # and back, without measuring again
+        assert fn.plan(x).chunk_size >= 64
+        assert _peak_and_passes(fn, x)[3] == 1
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+@pytest.mark.slow  # inductor compiles (about 8 s)
+def test_auto_chunks_compile_with_fullgraph():
+    torch._dynamo.reset()
+    f, heads = _small_budget_case()
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    x = torch.randn(6)
+    values, grads = torch.compile(fn, fullgraph=True)(x)
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
