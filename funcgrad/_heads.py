@@ -462,6 +462,43 @@ class Composition:
         fit = self._fits.get(_shape_key(flat.args))
         return fit.chunk() if fit is not None and fit.measured else "auto"
 
+    def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
+        """For plan(): measure the chunk as the call would (f's pullback of directions 0,
+        then 1-2), so that the plan reports the passes the call runs. f runs once more, its
+        random draws replayed (the generators end where they were). False where that cannot
+        be done without side effects (torch.func refuses f): the call measures then."""
+        if plan.chunk_size != "auto" or plan.strategy not in ("vjp", "jacrev"):
+            return False
+        if plan.directions <= _engine.FIT_RANGES[-1][1]:
+            return False
+        rng = RandomState(flat.leaves)
+        try:
+            out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
+            # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
+            made = (
+                _coords.unit_rows(out, 0, _engine.FIT_RANGES[-1][1])
+                if plan.strategy == "vjp"
+                else None
+            )
+
+            def run(start: int, stop: int) -> Tensors:
+                return _engine.batched(
+                    lambda *row: pull(row),
+                    _coords.unit_rows(out, start, stop)
+                    if made is None
+                    else tuple(row[start:stop] for row in made),
+                    chunk_size=None,
+                    check=False,
+                    what="f's pullback",
+                )
+
+            _engine.measure_fit(self._fit(flat), run, out[0].device)
+        except Exception:  # any failure only means the call measures instead
+            return False
+        finally:
+            rng.restore()
+        return True
+
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
         """The plan that a call on these arguments runs, from shapes only."""
         _forward, m_before = self.before_f(flat)
@@ -475,6 +512,8 @@ class Composition:
                 self._forward_sizes[key] = _forward_size(flat)
             m = self._forward_sizes[key]
         plan = self.planner(flat, m_before)(m, False)
+        if not weighted and self._measure_fit(flat, plan):
+            plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
         return plan
@@ -624,7 +663,10 @@ class ComposedHeads(Generic[R]):
         Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
         which takes about a second to initialise), only where forward mode could win
         (``2 n < k``); else, and where that cannot tell y's shape (data-dependent Python in
-        f), f runs once for real, without gradients.
+        f), f runs once for real, without gradients. With ``chunk_size="auto"``, where these
+        argument shapes were never measured, f and its pullback of three directions run
+        once (random draws restored) to measure the chunk, as the first call would; the
+        call then uses that measurement, so ``passes`` is its count.
         """
         composition = self._composition
         return composition.plan(composition.flat(args))

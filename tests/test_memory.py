@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -134,6 +135,13 @@ def test_the_fitted_chunk_is_measured_once_per_signature(monkeypatch):
         assert isinstance(chunk, int) and 1 <= chunk < 9
         fn(torch.randn(7)[:6].clone())  # same signature: still remembered
         assert len(measured) == 2
+    # plan() measures as the call would, and the call then uses that measurement
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    with funcgrad.memory_budget(2000):
+        assert fn.plan(torch.randn(6)).chunk_size == chunk
+        assert len(measured) == 4
+        fn(torch.randn(6))
+        assert len(measured) == 4
 
 
 def test_memory_budget_nests_and_restores(monkeypatch):
@@ -264,7 +272,7 @@ def test_a_fitted_chunk_is_not_reused_at_another_input_shape_or_dtype():
         values, grads, peak, passes = _peak_and_passes(reused, large)
         _, _, fresh_peak, fresh_passes = _peak_and_passes(fresh, large)
         assert passes == fresh_passes > 3 and peak <= fresh_peak + 2**20
-        assert reused.plan(large) == fresh.plan(large)
+        assert reused.plan(large) == fresh.plan(large) and reused.plan(large).exact
         assert isinstance(reused.plan(large).chunk_size, int)
         assert reused.plan(large).chunk_size < reused.plan(small).chunk_size
         # another dtype is another signature too
@@ -296,6 +304,58 @@ def test_a_smaller_budget_gives_a_smaller_chunk_at_once():
     want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+@pytest.mark.parametrize("budget", ["3KiB", 1, "1GiB"])
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "auto"])
+def test_plan_passes_are_the_passes_the_call_runs(budget, strategy):
+    counter = funcgrad.PassCounter()
+    torch.manual_seed(0)
+    w = torch.randn(40, 6)
+
+    def f(x):
+        return torch.tanh(w @ counter(x))
+
+    heads = [lambda y, i=i: (y[i] * y).sum() for i in range(12)]
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy, chunk_size="auto")
+    x = torch.randn(6)
+    with funcgrad.memory_budget(budget), warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # budget 1: one at a time
+        for call in range(3):  # before the first call, after it, and after the second
+            plan = fn.plan(x)
+            counter.reset()
+            _, grads = fn(x)
+            assert plan.exact and "at least" not in repr(plan)
+            assert plan.passes == counter.backward, (call, plan)
+    torch.testing.assert_close(
+        grads, torch.stack([torch.func.grad(lambda x, h=h: h(f(x)))(x) for h in heads])
+    )
+
+
+def test_a_plan_that_could_not_measure_says_its_passes_are_a_lower_bound():
+    """plan() does not measure where torch.func refuses f (BatchNorm updating its statistics
+    in training mode): the call then measures, and plan() says so."""
+    counter = funcgrad.PassCounter()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8))
+
+    def f(x):
+        return net(counter(x)).sum(0)
+
+    fn = funcgrad.compose_heads(
+        f, [lambda y, i=i: y[i] for i in range(8)], strategy="vjp", chunk_size="auto"
+    )
+    x = torch.randn(5, 3)
+    with funcgrad.memory_budget(1), warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        plan = fn.plan(x)
+        assert plan.chunk_size == "auto" and not plan.exact
+        assert "in at least 3 passes" in repr(plan)
+        counter.reset()
+        fn(x)
+        assert counter.backward >= plan.passes
+        plan = fn.plan(x)
+        assert plan.exact and plan.chunk_size == 1
 
 
 @pytest.mark.slow  # inductor compiles (about 8 s)
