@@ -19,10 +19,12 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import os
+import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -168,63 +170,117 @@ def _vmap_measured(
     return result
 
 
-# chunk_size="auto": the chunk that the first call measured, per directions' shapes, for
-# the object whose call is running (set by `remembering_chunks`); None: measure every call.
-_fitted: contextvars.ContextVar[dict[Any, int] | None] = contextvars.ContextVar(
+@dataclasses.dataclass
+class ChunkFit:
+    """``chunk_size="auto"`` for one call signature (or one :class:`~funcgrad.Pullback`):
+    what pulling directions through f's linearisation costs, once measured, and the chunk
+    that this cost gives under the memory budget in force at each call (a smaller budget
+    gives a smaller chunk at once, with no new measurement).
+
+    Every direction through one linearisation costs the same, so one record serves every
+    chunked map of a signature (``jacrev``'s unit rows, ``vjp``'s cotangents, the
+    non-finite recompute). It holds no tensor.
+    """
+
+    fixed: int | None = None  # bytes whatever the chunk; None: not measured yet
+    per_direction: int = 1  # bytes for each direction in a chunk
+    device: torch.device | None = None
+    warned: int | None = None  # the budget last warned about (below one direction)
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed is not None
+
+    def chunk(self, what: str = "f's pullback", *, warn: bool = True) -> int:
+        """The most directions a chunk may hold under the budget in force, at least 1: below
+        one direction, one at a time, with one warning per budget (``warn``)."""
+        assert self.fixed is not None and self.device is not None, "measure first"
+        budget = _memory.budget(self.device)
+        fit = (budget - self.fixed) // self.per_direction
+        if fit >= 1:
+            return int(fit)
+        if warn and self.warned != budget:
+            self.warned = budget
+            warnings.warn(
+                f"funcgrad: chunk_size='auto': one direction through {what} needs about "
+                f"{(self.fixed + self.per_direction) / 2**20:.3g} MiB, more than the memory "
+                f"budget of {budget / 2**20:.3g} MiB; running one direction at a time. Raise "
+                "the budget (funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
+                FuncgradWarning,
+                stacklevel=_outside_funcgrad(),
+            )
+        return 1
+
+
+def _outside_funcgrad() -> int:
+    """The ``stacklevel`` that points its caller's warning at the first frame outside
+    funcgrad (the user's call), whichever entry point led there."""
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+# chunk_size="auto": the record of the object whose call is running (set by
+# `remembering_chunks`); None: measure on every call.
+_fitted: contextvars.ContextVar[ChunkFit | None] = contextvars.ContextVar(
     "funcgrad_fitted_chunks", default=None
 )
 
 
 @contextlib.contextmanager
-def remembering_chunks(store: dict[Any, int]) -> Iterator[None]:
-    """Inside the block, ``chunk_size="auto"`` reads and fills ``store``."""
-    token = _fitted.set(store)
+def remembering_chunks(record: ChunkFit) -> Iterator[None]:
+    """Inside the block, ``chunk_size="auto"`` reads and fills ``record`` (eager mode only:
+    never enter it in compiled code, where dynamo cannot trace a context variable)."""
+    token = _fitted.set(record)
     try:
         yield
     finally:
         _fitted.reset(token)
 
 
-def _fit_key(what: str, like: Sequence[torch.Tensor]) -> Any:
-    return what, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in like)
+# The directions run to measure a fit: direction 0, then directions 1 and 2.
+FIT_RANGES = ((0, 1), (1, 3))
 
 
 def fit_chunk(
     run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
 ) -> tuple[list[Tensors], int | None]:
     """``chunk_size="auto"``: (the results of the directions run to measure, the chunk for
-    the rest). Directions 0 and 1-2 run as two chunks, each under a peak-memory measurement
-    (their results are kept: no direction is pulled twice); their difference is what one
-    more direction costs, and the chunk is the most directions that fit the budget. None
-    where nothing needs fitting (3 directions or fewer, or values cannot be read: compiled
-    code, inside transforms, where it runs unchunked). Remembered per shapes where an object
-    keeps it (see :func:`remembering_chunks`)."""
-    store = _fitted.get()
-    key = _fit_key(what, like)
-    if store is not None and key in store:
-        return [], store[key]
-    if total <= 3 or not values_readable(like):
+    the rest). Where the running object's :class:`ChunkFit` has measured, its chunk under
+    the budget in force, nothing run. Else directions 0 and 1-2 run as two chunks
+    (:data:`FIT_RANGES`), each under a peak-memory measurement (their results are kept: no
+    direction is pulled twice); their difference is what one more direction costs, and the
+    chunk is the most directions that fit the budget. None where nothing is fitted: values
+    cannot be read (compiled code, inside transforms: unchunked), or 3 directions or fewer
+    and nothing measured yet (measuring would run them all anyway)."""
+    # Values first: inside compiled code, dynamo cannot trace the context variable.
+    if not values_readable(like):
         return [], None
-    device = like[0].device
-    first, one = _memory.peak_of(lambda: run(0, 1), device)
-    second, three = _memory.peak_of(lambda: run(1, 3), device)
-    per_direction = max((three - one) // 1, 1)
-    fixed = max(one - per_direction, 0)
-    budget = _memory.budget(device)
-    fit = (budget - fixed) // per_direction
-    if fit < 1:
-        warnings.warn(
-            f"funcgrad: chunk_size='auto': one direction through {what} needs about "
-            f"{(fixed + per_direction) / 2**20:.3g} MiB, more than the memory budget of "
-            f"{budget / 2**20:.3g} MiB; running one direction at a time. Raise the budget "
-            "(funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
-            FuncgradWarning,
-            stacklevel=5,
-        )
-        fit = 1
-    if store is not None:
-        store[key] = int(fit)
-    return [first, second], int(fit)
+    record = _fitted.get()
+    if record is not None and record.measured:
+        return [], record.chunk(what)
+    if total <= 3:
+        return [], None
+    record = record if record is not None else ChunkFit()
+    return measure_fit(record, run, like[0].device), record.chunk(what)
+
+
+def measure_fit(
+    record: ChunkFit, run: Callable[[int, int], Tensors], device: torch.device
+) -> list[Tensors]:
+    """Fill ``record`` from the peak memory of ``run`` on :data:`FIT_RANGES`; their results."""
+    (start, stop), (start2, stop2) = FIT_RANGES
+    first, one = _memory.peak_of(lambda: run(start, stop), device)
+    second, two = _memory.peak_of(lambda: run(start2, stop2), device)
+    record.per_direction = max(two - one, 1)
+    record.fixed = max(one - record.per_direction, 0)
+    record.device = device
+    return [first, second]
 
 
 def batched(
@@ -256,7 +312,7 @@ def batched(
 
             parts, fit = fit_chunk(run, args, batch, what)
             if parts:
-                rest = [arg[3:] for arg in args]
+                rest = [arg[FIT_RANGES[-1][1] :] for arg in args]
                 parts.append(
                     batched(fn, rest, chunk_size=fit, check=check, what=what, can_vmap=can_vmap)
                 )
@@ -402,9 +458,9 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
             m,
             lin.what,
         )
-        for (start, stop), rows in zip([(0, 1), (1, 3)], measured):
+        for (start, stop), rows in zip(FIT_RANGES, measured):
             add(start, stop, rows)
-        first = 3 if measured else 0
+        first = FIT_RANGES[-1][1] if measured else 0
     for start, stop in chunks(m - first, chunk):
         rows = pull(lin, _coords.unit_rows(out, first + start, first + stop), chunk, check)
         add(first + start, first + stop, rows)

@@ -417,9 +417,9 @@ class Composition:
         # Per argument shapes, a first call's timing where unbatched calls looked faster:
         # the next call is timed too before deciding.
         self._tentative: dict[Any, _engine.Timing] = {}
-        # chunk_size="auto": the engine's fitted chunks, and the one each shape got.
-        self._fits: dict[Any, int] = {}
-        self._chunks: dict[Any, int] = {}
+        # chunk_size="auto": per call signature, what a direction through f costs (the
+        # chunk then follows the budget in force at each call).
+        self._fits: dict[Any, _engine.ChunkFit] = {}
         # Per shapes where auto chose forward mode: None where it measured faster than
         # reverse mode on the first call, else why reverse mode was (then planned).
         self._forward_timed: dict[Any, str | None] = {}
@@ -479,9 +479,7 @@ class Composition:
         n = _coords.real_size(flat.leaves)
         unbatched = self._measured.get(_shape_key(flat.args)) if self._measured else None
         measure = self._measure_key(flat) is not None
-        chunk = self.chunk_size
-        if chunk == "auto" and self._chunks:
-            chunk = self._chunks.get(_shape_key(flat.args), "auto")
+        chunk = self._chunk(flat)
 
         not_forward = (
             self._forward_timed.get(_shape_key(flat.args)) if self._forward_timed else None
@@ -506,6 +504,64 @@ class Composition:
 
         return plan
 
+    def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
+        """chunk_size="auto": the record of this call signature (every input's tree, shape,
+        dtype and device)."""
+        key = _shape_key(flat.args)
+        if key not in self._fits:
+            if len(self._fits) >= 64:
+                self._fits.clear()
+            self._fits[key] = _engine.ChunkFit()
+        return self._fits[key]
+
+    def _chunk(self, flat: FlatFunction) -> ChunkSize:
+        """The chunk size a call on these arguments runs: for "auto", the fitted chunk under
+        the budget in force; None where values cannot be read (compiled code, transforms:
+        the engine runs unchunked there); "auto" while not measured (the call measures)."""
+        if self.chunk_size != "auto":
+            return self.chunk_size
+        if not values_readable(flat.leaves):  # before any dict: dynamo may be tracing
+            return None
+        fit = self._fits.get(_shape_key(flat.args))
+        return fit.chunk() if fit is not None and fit.measured else "auto"
+
+    def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
+        """For plan(): measure the chunk as the call would (f's pullback of directions 0,
+        then 1-2), so that the plan reports the passes the call runs. f runs once more, its
+        random draws replayed (the generators end where they were). False where that cannot
+        be done without side effects (torch.func refuses f): the call measures then."""
+        if plan.chunk_size != "auto" or plan.strategy not in ("vjp", "jacrev"):
+            return False
+        if plan.directions <= _engine.FIT_RANGES[-1][1]:
+            return False
+        rng = RandomState(flat)
+        try:
+            out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
+            # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
+            made = (
+                _coords.unit_rows(out, 0, _engine.FIT_RANGES[-1][1])
+                if plan.strategy == "vjp"
+                else None
+            )
+
+            def run(start: int, stop: int) -> Tensors:
+                return _engine.batched(
+                    lambda *row: pull(row),
+                    _coords.unit_rows(out, start, stop)
+                    if made is None
+                    else tuple(row[start:stop] for row in made),
+                    chunk_size=None,
+                    check=False,
+                    what="f's pullback",
+                )
+
+            _engine.measure_fit(self._fit(flat), run, out[0].device)
+        except Exception:  # any failure only means the call measures instead
+            return False
+        finally:
+            rng.restore()
+        return True
+
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
         """The plan that a call on these arguments runs, from shapes only."""
         forward, m_before = self.before_f(flat)
@@ -519,6 +575,8 @@ class Composition:
                 self._forward_sizes[key] = _forward_size(flat)
             m = self._forward_sizes[key]
         plan = self.planner(flat, m_before)(m, False)
+        if not weighted and self._measure_fit(flat, plan):
+            plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
         return dataclasses.replace(plan, f_runs=self.f_runs(flat, forward, plan.n))
@@ -563,20 +621,17 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         key = self._measure_key(flat)
-        if forward and key is not None and key not in self._forward_timed:
-            return self._forward_against_reverse(flat, planner, key, check)
-        fitted = len(self._fits)
         with contextlib.ExitStack() as stack:
+            if self.chunk_size == "auto" and values_readable(flat.leaves):
+                stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
+            if forward and key is not None and key not in self._forward_timed:
+                return self._forward_against_reverse(flat, planner, key, check)
             log = stack.enter_context(_engine.measuring()) if key is not None else None
-            if self.chunk_size == "auto" and not torch.compiler.is_compiling():
-                stack.enter_context(_engine.remembering_chunks(self._fits))
             _, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check
             )
         if log and key is not None:  # a batched call was measured
             self._remember(key, log[0])
-        if len(self._fits) > fitted:  # chunk_size="auto" fitted a chunk for these shapes
-            self._chunks[_shape_key(flat.args)] = list(self._fits.values())[-1]
         return values, grads, aux
 
     def _forward_against_reverse(
@@ -711,7 +766,10 @@ class ComposedHeads(Generic[R]):
         tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
         without gradients as well. Neither writes a buffer or advances a generator, but f's
         Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
-        after it makes.
+        after it makes. With ``chunk_size="auto"``, where these argument shapes were never
+        measured, f and its pullback of three directions run once (random draws restored)
+        to measure the chunk, as the first call would; the call then uses that
+        measurement, so ``passes`` is its count.
         """
         composition = self._composition
         return composition.plan(composition.flat(args))

@@ -47,9 +47,13 @@ class Plan:
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
         n: real dimension of the differentiated inputs.
-        chunk_size: at most this many directions per batched call (None: all at once);
-            ``"auto"`` until a first call has measured the chunk that fits the memory budget
-            (then ``passes`` is a lower bound: 1 and 2 directions measured, then the rest).
+        chunk_size: at most this many directions per batched call (None: all at once).
+            Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
+            from what one direction through f was measured to cost on these argument
+            shapes (by ``plan()`` or the first call); ``"auto"`` where that is not known
+            yet: the call then measures on directions 0, then 1 and 2, and runs the rest in
+            chunks of the size found, so ``passes`` is a lower bound (the rest counted as
+            one chunk), exact with 3 directions or fewer.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
@@ -106,7 +110,8 @@ class Plan:
     @property
     def passes(self) -> int:
         """How many calls of f's backward (a vmapped call counts once) or, for ``jacfwd``,
-        of its batched forward-mode pass: ``directions`` split by ``chunk_size``."""
+        of its batched forward-mode pass: ``directions`` split by ``chunk_size``. A lower
+        bound where :attr:`exact` is False (``chunk_size="auto"`` not measured yet)."""
         if not self.directions:
             return 0
         if self.strategy == "loop":
@@ -117,9 +122,19 @@ class Plan:
             return (1 if self.directions <= 3 else 3) + self.measure
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
 
+    @property
+    def exact(self) -> bool:
+        """Whether :attr:`passes` is the count the call runs; False only where
+        ``chunk_size="auto"`` has not measured yet and more than 3 directions batch: the
+        call measures, then runs the rest in chunks of a size not known before."""
+        return not (
+            self.chunk_size == "auto" and self.strategy in ("vjp", "jacrev") and self.directions > 3
+        )
+
     def __repr__(self) -> str:
         d, p = self.directions, self.passes
-        what = f"{d} direction{'s' * (d != 1)} through f in {p} pass{'es' * (p != 1)}"
+        at_least = "" if self.exact else "at least "
+        what = f"{d} direction{'s' * (d != 1)} through f in {at_least}{p} pass{'es' * (p != 1)}"
         shapes = f"k={self.k}, m={self.m}, n={self.n}"
         if self.chunk_size is not None:
             shapes += f", chunk_size={self.chunk_size}"

@@ -60,7 +60,9 @@ class Pullback:
         if not (reuse and values_readable(lin.out)):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
-        self._fits: dict[Any, int] = {}  # chunk_size="auto": the chunk measured per shapes
+        # chunk_size="auto": what a direction through f costs here (measured once; the
+        # chunk follows the budget in force at each call).
+        self._fit = _engine.ChunkFit()
 
     @property
     def rank(self) -> int:
@@ -185,8 +187,8 @@ class Pullback:
         self.stats.cotangents += cotangents[0].shape[0]
         with contextlib.ExitStack() as stack:
             stack.enter_context(result_graph(create_graph, self._flat.leaves))
-            if chunk_size == "auto" and not torch.compiler.is_compiling():
-                stack.enter_context(_engine.remembering_chunks(self._fits))
+            if chunk_size == "auto" and values_readable(cotangents):
+                stack.enter_context(_engine.remembering_chunks(self._fit))
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 grads = _engine.pull(self._lin, cotangents, chunk_size, check)
                 pulled = cotangents[0].shape[0]
