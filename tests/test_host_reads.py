@@ -3,6 +3,8 @@ funcgrad.HostReadCounter: the counter itself, then every entry point's steady st
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import funcgrad
@@ -118,8 +120,7 @@ def _calls() -> dict[str, tuple[object, object]]:
 
     heads = [lambda y, i=i: torch.sin(y * (i + 1)) for i in range(8)]
     for strategy in ("vjp", "jacrev", "jacfwd", "loop"):
-        fn = funcgrad.compose_heads(f_scalar, heads, strategy=strategy)
-        call = (lambda fn: lambda: fn(x))(fn)
+        call = functools.partial(funcgrad.compose_heads(f_scalar, heads, strategy=strategy), x)
         calls[f"compose_heads, scalar y, {strategy}"] = (call, call)
     return calls
 
