@@ -28,6 +28,8 @@ import torch
 
 import funcgrad
 
+from ._cases import Case, device
+
 K = 8  # heads (tasks)
 DTYPE = torch.float32
 
@@ -50,7 +52,9 @@ class EntryPoint:
 
 
 def _linear(d_in: int, d_out: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return (torch.randn(d_out, d_in, generator=gen, dtype=DTYPE) / d_in**0.5).to(device)
+    return (torch.randn(d_out, d_in, generator=gen, dtype=DTYPE, device="cpu") / d_in**0.5).to(
+        device
+    )
 
 
 def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, EntryPoint]:
@@ -62,8 +66,8 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
 
     # A function-style problem: x (16) -> y (8) through two tanh layers; k scalar heads.
     w1, w2 = _linear(16, 32, gen, device), _linear(32, 8, gen, device)
-    x = torch.randn(16, generator=gen, dtype=DTYPE).to(device)
-    head_w = torch.randn(k, 8, generator=gen, dtype=DTYPE).to(device)
+    x = torch.randn(16, generator=gen, dtype=DTYPE, device="cpu").to(device)
+    head_w = torch.randn(k, 8, generator=gen, dtype=DTYPE, device="cpu").to(device)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(w2 @ torch.tanh(w1 @ x))
@@ -113,8 +117,8 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
 
     # Stacked heads: k linear probes (softplus) sharing one function.
     probe_params = {
-        "w": torch.randn(k, 8, generator=gen, dtype=DTYPE).to(device),
-        "b": torch.randn(k, generator=gen, dtype=DTYPE).to(device),
+        "w": torch.randn(k, 8, generator=gen, dtype=DTYPE, device="cpu").to(device),
+        "b": torch.randn(k, generator=gen, dtype=DTYPE, device="cpu").to(device),
     }
 
     def probe(p: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
@@ -133,8 +137,8 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
     )
 
     # pullback: build it and pull back one cotangent, or k at once.
-    v1 = torch.randn(8, generator=gen, dtype=DTYPE).to(device)
-    vk = torch.randn(k, 8, generator=gen, dtype=DTYPE).to(device)
+    v1 = torch.randn(8, generator=gen, dtype=DTYPE, device="cpu").to(device)
+    vk = torch.randn(k, 8, generator=gen, dtype=DTYPE, device="cpu").to(device)
 
     def pullback_one() -> tuple[torch.Tensor, ...]:
         y, pb = funcgrad.pullback(f, x)
@@ -216,14 +220,15 @@ def _backward_points(
     """backward at both levels: a 16-32-8 MLP encoder with its own parameters, k task heads
     (nn.Linear + MSE) with theirs; the update written into every .grad."""
     torch.manual_seed(0)
-    encoder = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
-    ).to(device=device, dtype=DTYPE)
-    task_heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(k)).to(
-        device=device, dtype=DTYPE
-    )
-    inputs = torch.randn(4, 16, generator=gen, dtype=DTYPE).to(device)
-    targets = torch.randn(k, 4, 1, generator=gen, dtype=DTYPE).to(device)
+    with torch.device("cpu"):
+        encoder = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
+        ).to(device=device, dtype=DTYPE)
+        task_heads = torch.nn.ModuleList(torch.nn.Linear(8, 1) for _ in range(k)).to(
+            device=device, dtype=DTYPE
+        )
+    inputs = torch.randn(4, 16, generator=gen, dtype=DTYPE, device="cpu").to(device)
+    targets = torch.randn(k, 4, 1, generator=gen, dtype=DTYPE, device="cpu").to(device)
     shared = list(encoder.parameters())
     leaves = shared + list(task_heads.parameters())
 
@@ -289,3 +294,23 @@ def _backward_points(
             "autograd.grad(is_grads_batched=True) for V and for the Jacobian, w @ P",
         ),
     }
+
+
+def names() -> list[str]:
+    """The entry points, in the report's order."""
+    return list(entry_points("cpu", k=2))
+
+
+def overhead_case(k: int, quick: bool, variant: str) -> Case:
+    """One entry point (``variant``) on its tiny problem: funcgrad against the recipe,
+    timed on one thread, with the host reads of one steady-state call counted."""
+    point = entry_points(device(), k)[variant]
+    case = Case("overhead", k, 0, 0, {"funcgrad": point.funcgrad, "recipe": point.recipe})
+    case.variant = variant
+    case.baseline = "recipe"
+    case.reference_for = {"funcgrad": "recipe"}
+    case.memory = False
+    case.count_reads = True
+    case.threads = 1
+    case.extra = {"overhead": {"recipe": point.what}}
+    return case
