@@ -135,7 +135,7 @@ class HostRead:
 
 class _HostReadMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, counter: HostReadCounter) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.counter = counter
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -205,13 +205,13 @@ class HostReadCounter:
         if self._mode is not None:
             raise RuntimeError("HostReadCounter: this counter is already counting a block.")
         self._mode = _HostReadMode(self)
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._mode is not None
         mode, self._mode = self._mode, None
-        mode.__exit__(*exc)
+        mode.__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def __repr__(self) -> str:
         return f"HostReadCounter(count={self.count})"

@@ -55,6 +55,12 @@ def built(make: Callable[[], T]) -> T:
         return on(make())
 
 
+def vjp(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
+    """``torch.func.vjp`` without aux: ``(out, vjp_fn)``."""
+    out, vjp_fn = torch.func.vjp(f, *primals)[:2]
+    return out, vjp_fn
+
+
 def generator() -> torch.Generator:
     """A seeded CPU generator: draw with it, then place the tensor with ``on``."""
     return torch.Generator().manual_seed(0)
@@ -522,7 +528,7 @@ def chunk_memory_case(k: int, quick: bool) -> Case:
             return auto(x)[1]
 
     def raw() -> torch.Tensor:
-        y, vjp_fn = torch.func.vjp(encoder, x)
+        y, vjp_fn = vjp(encoder, x)
         cotangents = torch.func.vmap(torch.func.grad(probe, argnums=1), in_dims=(0, None))(
             params, y
         )

@@ -28,7 +28,7 @@ import torch
 
 import funcgrad
 
-from ._cases import Case, device
+from ._cases import Case, device, vjp
 
 K = 8  # heads (tasks)
 DTYPE = torch.float32
@@ -85,7 +85,7 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
     composed = funcgrad.compose_heads(f, heads)
 
     def compose_recipe() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         v, values = cotangents_of(y)
         return values, torch.func.vmap(vjp_fn)(v)[0]
 
@@ -105,7 +105,7 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
         return values, values
 
     def compose_scalar_recipe() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f_scalar, x)
+        y, vjp_fn = vjp(f_scalar, x)
         v, values = torch.func.jacrev(scalar_stacked, has_aux=True)(y)
         return values, torch.func.vmap(vjp_fn)(v)[0]
 
@@ -128,7 +128,7 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
     probe_grad = torch.func.vmap(torch.func.grad_and_value(probe, argnums=1), in_dims=(0, None))
 
     def stacked_recipe() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         v, values = probe_grad(probe_params, y)
         return values, torch.func.vmap(vjp_fn)(v)[0]
 
@@ -145,7 +145,7 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
         return y, pb(v1)[0]
 
     def vjp_one() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         return y, vjp_fn(v1)[0]
 
     def pullback_many() -> tuple[torch.Tensor, ...]:
@@ -153,7 +153,7 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
         return y, pb.many(vk)[0]
 
     def vjp_many() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         return y, torch.func.vmap(vjp_fn)(vk)[0]
 
     points["pullback + pb(v)"] = EntryPoint(pullback_one, vjp_one, "vjp + vjp_fn(v)")
@@ -199,13 +199,13 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
 
 def _combine_recipe(f: Any, x: torch.Tensor, cotangents_of: Any, level: str) -> Any:
     def features() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         v, values = cotangents_of(y)
         weights = weighting(v @ v.T)
         return values, vjp_fn(weights @ v)[0], weights
 
     def params() -> tuple[torch.Tensor, ...]:
-        y, vjp_fn = torch.func.vjp(f, x)
+        y, vjp_fn = vjp(f, x)
         v, values = cotangents_of(y)
         rows = torch.func.vmap(vjp_fn)(v)[0]
         weights = weighting(rows @ rows.T)

@@ -124,12 +124,15 @@ def transformer(k: int, quick: bool) -> Function:
     """A 2-layer nn.TransformerEncoder, mean-pooled, gradients w.r.t. its parameters."""
     torch.manual_seed(0)
     d_model, batch, seq = (32, 4, 16) if quick else (64, 8, 32)
-    layer = built(
-        lambda: torch.nn.TransformerEncoderLayer(
-            d_model, 4, 2 * d_model, dropout=0.0, batch_first=True
+    module = built(
+        lambda: torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(
+                d_model, 4, 2 * d_model, dropout=0.0, batch_first=True
+            ),
+            2,
+            enable_nested_tensor=False,
         )
     )
-    module = built(lambda: torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
     src = on(torch.randn(batch, seq, d_model, device="cpu"))
 
     def f(p):

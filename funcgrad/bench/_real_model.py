@@ -9,6 +9,7 @@ per-task gradients of the encoder's parameters (``funcgrad.compose_heads`` on
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +60,9 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
     for i in range(batch):  # padded sequences of different lengths
         mask[i, SEQ - i % (SEQ // 2) :] = 0
     mask = on(mask)
-    heads = [built(lambda t=t: torch.nn.Linear(hidden, 1 if t % 2 == 0 else 5)) for t in range(k)]
+    heads = [
+        built(functools.partial(torch.nn.Linear, hidden, 1 if t % 2 == 0 else 5)) for t in range(k)
+    ]
     targets = [
         on(
             torch.randn(batch, 1, device="cpu")
