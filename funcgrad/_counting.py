@@ -187,6 +187,8 @@ class HostReadCounter:
         Reads that bypass the dispatcher are not seen: ``t.tolist()``, ``t.numpy()`` and
         ``t.cpu()`` of a CPU tensor (on a GPU, ``.cpu()`` and ``.tolist()`` copy, and stall).
         Under ``torch.compile`` the mode sees the compiled graph's ops, not the Python.
+        A few ops validate their input on the host on the CPU only (``one_hot`` reads the
+        index's min and max there, not on CUDA), so a CPU count can exceed the GPU's.
     """
 
     def __init__(self) -> None:
