@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
 from ._config import checking, set_check
-from ._counting import PassCounter
+from ._counting import HostReadCounter, PassCounter
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._memory import memory_budget
@@ -42,6 +42,7 @@ __all__ = [
     "StackedHeads",
     "Plan",
     "PassCounter",
+    "HostReadCounter",
     # settings, errors and warnings
     "set_check",
     "checking",
