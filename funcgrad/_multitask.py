@@ -53,12 +53,16 @@ def weigh_params(
     call: str,
     weighed: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor | None, Tensors]:
-    """(weights, update) from the global per-task gradient leaves (k, ...): the update is
-    ``weights @ P`` (an aggregator's vector for one without weights); the first rank's on
-    every rank, for weightings that draw random numbers. Only the leaves marked in
-    ``weighed`` (default: all) shape the weights; every leaf gets ``weights @ P``."""
+    """(weights, update) from the global per-task gradient leaves (k, ...), as TorchJD's
+    ``jac_to_grad`` computes them: ``weights @ P`` for a weighting; for an aggregator, its
+    output on the Jacobian (its hooks included); the first rank's on every rank, for
+    weightings that draw random numbers. Only the leaves marked in ``weighed`` (default:
+    all) shape the weights and are the aggregator's Jacobian; the other leaves get
+    ``weights @`` their per-task gradients."""
     k = task_grads[0].shape[0]
-    shaping = [g for g, w in zip(task_grads, weighed or [True] * len(task_grads)) if w]
+    if weighed is None or rule.kind == "vector":  # one without weights: every leaf's Jacobian
+        weighed = [True] * len(task_grads)
+    shaping = [g for g, w in zip(task_grads, weighed) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
         g = sync.sum_over_shards(_weighting.gramian(blocks))
@@ -66,17 +70,29 @@ def weigh_params(
         weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
         weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
         return weights, _weighting.weighted_sum(weights, task_grads)
-    # An aggregator without weights maps the whole Jacobian to the update.
-    rows = _coords.to_coords(task_grads if rule.kind == "vector" else shaping, k)
+    rows = _coords.to_coords(shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)
+    weights = None
     if found is not None:
         weights = sync.from_first_rank(found)
         weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
-        return weights, _weighting.weighted_sum(weights, task_grads)
+        if vector is None:  # a Jacobian weighting: weights only
+            return weights, _weighting.weighted_sum(weights, task_grads)
     assert vector is not None  # a Jacobian rule gives weights or an update
+    if weights is None and not all(weighed):
+        raise ValueError(
+            f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
+            "shared leaves that are not parameters get no update from it. Pass inputs= "
+            "with every shared leaf to update."
+        )
+    # The aggregator's output (with its hooks' effect) is the update of the leaves it saw,
+    # as jac_to_grad writes it.
     vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
-    like = tuple(g[0] for g in task_grads)
-    return None, tuple(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    like = tuple(g[0] for g in shaping)
+    written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    unseen = [g for g, w in zip(task_grads, weighed) if not w]
+    others = iter(_weighting.weighted_sum(weights, unseen) if weights is not None else ())
+    return weights, tuple(next(written) if w else next(others) for w in weighed)
 
 
 # -- validate ------------------------------------------------------------------------------
@@ -300,12 +316,13 @@ def backward(
                 "reducer would see one backward per direction. Checkpoint with "
                 "use_reentrant=False."
             )
-        if ddp and task.rule.kind == "vector" and level == "params":
+        if ddp and not task.rule.update_is_weighted and level == "params":
             raise ValueError(
-                f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
-                "but a DDP-wrapped encoder needs weights (its reducer averages the backward of "
-                "w @ V). Use a weighted aggregator, or pass the process group itself and a "
-                "plain encoder."
+                f"{_CALL}: {type(task.rule.fn).__name__} returns an update that is not w @ P "
+                "(it has no weights, or forward hooks of its own), but a DDP-wrapped encoder "
+                "needs one (its reducer averages the backward of w @ V). Use a weighted "
+                "aggregator without hooks on itself (hooks on its weighting are fine), or pass "
+                "the process group itself and a plain encoder."
             )
     except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught

@@ -109,6 +109,13 @@ class Rule:
     def needs_jacobian(self) -> bool:
         return self.kind in ("jacobian", "matrix", "vector")
 
+    @property
+    def update_is_weighted(self) -> bool:
+        """Whether the update is known to be ``weights @ P``, so that one pull of
+        ``weights @ V`` gives it: not for an aggregator without weights, nor for one with
+        forward (pre-)hooks of its own, which may change its input or its output."""
+        return self.kind != "vector" and not (self.kind == "matrix" and _has_hooks(self.fn))
+
 
 def resolve(weighting: Any, level: object, call: str, *, distributed: bool = False) -> Rule:
     """The rule for ``weighting`` at ``level``, or a clear error (before any pass)."""
@@ -227,32 +234,38 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
     return weights
 
 
+def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
+    """``rule.fn(stat)`` on a detached ``stat``."""
+    with torch.no_grad(), _naming(rule, given, call):
+        return rule.fn(stat.detach())
+
+
 def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
-    with torch.no_grad(), _naming(rule, f"the {tuple(g.shape)} Gramian", call):
-        weights = rule.fn(g)
-    return checked_shape(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
+    given = f"the {tuple(g.shape)} Gramian"
+    return checked_shape(_call(rule, g, given, call), g.shape[0], given, call)
 
 
 def aggregate(
     rule: Rule, rows: torch.Tensor, call: str
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weights or None, update or None) from the k x n Jacobian: a TorchJD aggregator run
-    on it, its hooks included (a weighted one's weights are read as its weighting returns
-    them, as TorchJD's ``jac_to_grad`` reads them), or a Jacobian weighting (weights only)."""
+    """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
+    ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
+    included, and its output is the update (a weighted one's weights are read as its
+    weighting returns them, after that weighting's own hooks); a Jacobian weighting gives
+    weights only."""
     k, n = rows.shape
+    given = f"the ({k}, {n}) Jacobian"
+    work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
-            weights = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
-        return checked_shape(weights, k, f"the ({k}, {n}) Jacobian", call), None
+        return checked_shape(_call(rule, work, given, call), k, given, call), None
     captured: list[Any] = []
     hook = None
-    if rule.kind == "matrix":
+    if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
         hook = rule.fn.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
-            vector = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
+        vector = _call(rule, work, given, call)
     finally:
         if hook is not None:
             hook.remove()
@@ -262,9 +275,8 @@ def aggregate(
             f"{call}: the aggregator {name} must map the ({k}, {n}) Jacobian to a vector of "
             f"shape ({n},), got {describe(vector)}."
         )
-    if not captured:
-        return None, vector
-    return checked_shape(captured[-1], k, f"the ({k}, {n}) Jacobian", call), vector
+    weights = checked_shape(captured[-1], k, given, call) if captured else None
+    return weights, vector.detach()
 
 
 def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
