@@ -90,9 +90,14 @@ class CombinedHeads:
             lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
             values, cotangents = c.cotangents_of(flat)(lin.out)
             what = "with respect to f's output"
-            weights: torch.Tensor | None = weigh_features(self.rule, cotangents, sync, what, _CALL)
-            assert weights is not None
-            grads = sync.average(_engine.weighted(lin, weights, cotangents))
+            # f ran under the caller's autocast, if any; w @ V is formed and pulled outside
+            # it, as autograd's backward of that forward would run.
+            with _weighting.exact(cotangents[0].device):
+                weights: torch.Tensor | None = weigh_features(
+                    self.rule, cotangents, sync, what, _CALL
+                )
+                assert weights is not None
+                grads = sync.average(_engine.weighted(lin, weights, cotangents))
             aux = lin.aux
         else:
             values, per_head, aux = c.per_head(flat, check)

@@ -8,9 +8,11 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -20,6 +22,8 @@ from ._types import ChunkSize, Level, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 # -- weigh: shared with combine_heads ------------------------------------------------------
@@ -72,14 +76,13 @@ def weigh_params(
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)
-    weights = None
     if found is not None:
-        weights = sync.from_first_rank(found)
-        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        found = sync.from_first_rank(found)
+        found = _weighting.check_finite(found, f"the ({k}, {rows.shape[1]}) Jacobian", call)
         if vector is None:  # a Jacobian weighting: weights only
-            return weights, _weighting.weighted_sum(weights, task_grads)
+            return found, _weighting.weighted_sum(found, task_grads)
     assert vector is not None  # a Jacobian rule gives weights or an update
-    if weights is None and not all(weighed):
+    if found is None and not all(weighed):
         raise ValueError(
             f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
             "shared leaves that are not parameters get no update from it. Pass inputs= "
@@ -91,8 +94,8 @@ def weigh_params(
     like = tuple(g[0] for g in shaping)
     written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
     unseen = [g for g, w in zip(task_grads, weighed) if not w]
-    others = iter(_weighting.weighted_sum(weights, unseen) if weights is not None else ())
-    return weights, tuple(next(written) if w else next(others) for w in weighed)
+    others = iter(_weighting.weighted_sum(found, unseen) if found is not None else ())
+    return found, tuple(next(written) if w else next(others) for w in weighed)
 
 
 # -- validate ------------------------------------------------------------------------------
@@ -207,6 +210,26 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         leaf.grad.add_(grad)
 
 
+def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``backward`` with autocast off on ``through``'s devices. It runs none of the user's
+    forward (autograd's backward ignores autocast, and a checkpoint's recomputation restores
+    its forward's autocast), so a caller's autocast would only downcast funcgrad's own
+    products: the Gramian, ``w @ V``, the per-task gradients ``C @ J``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        through = kwargs.get("through")
+        mids = through if isinstance(through, (list, tuple)) else [through]
+        devices = {t.device for t in mids if isinstance(t, torch.Tensor)}
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(_weighting.exact(device))
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
     *,

@@ -179,11 +179,25 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@contextlib.contextmanager
+def exact(device: torch.device) -> Iterator[None]:
+    """Autocast off on ``device``: a caller's ``torch.autocast`` region is for its forward,
+    and under it the Gramian ``b @ b.T``, a weighting's own products and ``w @ P`` would run
+    in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy)."""
+    if torch.amp.is_autocast_available(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:  # a device without autocast (meta, ...): nothing to turn off
+        yield
+
+
 def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached), block
-    by block, so that the k x n Jacobian is never concatenated."""
+    by block, so that the k x n Jacobian is never concatenated; in float32 or wider, also
+    under autocast."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
-    return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
+    with exact(work[0].device):
+        return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
 
 
 def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, call: str) -> None:
@@ -235,8 +249,8 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
 
 
 def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
-    """``rule.fn(stat)`` on a detached ``stat``."""
-    with torch.no_grad(), _naming(rule, given, call):
+    """``rule.fn(stat)`` on a detached ``stat``, outside autocast."""
+    with torch.no_grad(), exact(stat.device), _naming(rule, given, call):
         return rule.fn(stat.detach())
 
 
@@ -288,5 +302,7 @@ def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
 
 
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
-    """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...)."""
-    return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
+    """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
+    dtype (also under autocast)."""
+    with exact(weights.device):
+        return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
