@@ -249,8 +249,10 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
 
 
 def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
-    """``rule.fn(stat)`` on a detached ``stat``, outside autocast."""
-    with torch.no_grad(), exact(stat.device), _naming(rule, given, call):
+    """``rule.fn(stat)`` on a detached ``stat``, outside autocast, in the caller's grad mode
+    (a weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``;
+    its result is detached by the caller)."""
+    with exact(stat.device), _naming(rule, given, call):
         return rule.fn(stat.detach())
 
 
