@@ -93,11 +93,11 @@ class CombinedHeads:
             # f ran under the caller's autocast, if any; w @ V is formed and pulled outside
             # it, as autograd's backward of that forward would run.
             with _weighting.exact(cotangents[0].device):
-                weights: torch.Tensor | None = weigh_features(
+                weights: torch.Tensor | None
+                weights, coefficients, rows = weigh_features(
                     self.rule, cotangents, sync, what, _CALL
                 )
-                assert weights is not None
-                grads = sync.average(_engine.weighted(lin, weights, cotangents))
+                grads = sync.average(_engine.weighted(lin, coefficients, rows))
             aux = lin.aux
         else:
             values, per_head, aux = c.per_head(flat, check)

@@ -31,22 +31,33 @@ _R = TypeVar("_R")
 
 def weigh_features(
     rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
-) -> torch.Tensor:
-    """The weights of the one-pullback path: all ones without a weighting, else
-    ``weighting(V V^T)`` of the global V (or, for a weighting that reads the Jacobian, of V
-    itself: one process only), the first rank's weights on every rank."""
+) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
+    """(weights, c, R) for the one-pullback path, whose update is the pull of ``c @ R``.
+    The weights are all ones without a weighting, else ``weighting(V V^T)`` of the global
+    V (or, for a weighting that reads the Jacobian, of V itself: one process only), the
+    first rank's on every rank; then ``c @ R = weights @ V``. A TorchJD aggregator maps V
+    to the direction itself, its hooks included (LibMTL's ``rep_grad`` recipe): then R is
+    that one row and c = [1]."""
     k = cotangents[0].shape[0]
     rows = _coords.to_coords(cotangents, k)
     if rule.kind == "sum":
-        return torch.ones(k, dtype=rows.dtype, device=rows.device)
+        ones = torch.ones(k, dtype=rows.dtype, device=rows.device)
+        return ones, ones, cotangents
     if rule.needs_jacobian:  # resolve() refused this with a process group
-        weights, _ = _weighting.aggregate(rule, rows, call)
+        weights, vector = _weighting.aggregate(rule, rows, call)
         assert weights is not None  # "vector" rules are refused at this level
-        return _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        if vector is None:  # a weighting of V
+            return weights, weights, cotangents
+        vector = _weighting.check_update(vector, rule, call)
+        like = tuple(v[0] for v in cotangents)
+        one = torch.ones(1, dtype=rows.dtype, device=rows.device)
+        return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
     g = sync.features_gramian(_weighting.gramian([rows]))
     _weighting.check_gramian(g, [rows], what, call)
     weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-    return _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    return weights, weights, cotangents
 
 
 def weigh_params(
@@ -339,7 +350,7 @@ def backward(
                 "reducer would see one backward per direction. Checkpoint with "
                 "use_reentrant=False."
             )
-        if ddp and not task.rule.update_is_weighted and level == "params":
+        if ddp and not task.rule.update_is_weighted:
             raise ValueError(
                 f"{_CALL}: {type(task.rule.fn).__name__} returns an update that is not w @ P "
                 "(it has no weights, or forward hooks of its own), but a DDP-wrapped encoder "
@@ -361,10 +372,10 @@ def backward(
     update: Tensors | None = None
     if task.rule.kind == "sum" or level == "features":
         what = "with respect to `through`"
-        weights: torch.Tensor | None = weigh_features(task.rule, cotangents, sync, what, _CALL)
-        assert weights is not None
+        weights: torch.Tensor | None
+        weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
         if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
-            update = sync.average(_engine.weighted(lin, weights, cotangents))
+            update = sync.average(_engine.weighted(lin, coefficients, rows))
     elif isinstance(sync, _sync.FSDPSync):  # FSDP: each rank's shards of the k per-task gradients
         task_grads = sync.task_gradients(task.through, cotangents, retain_graph)
         what = "with respect to the shared parameters"

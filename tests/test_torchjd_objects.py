@@ -331,6 +331,45 @@ def test_combine_heads_runs_an_aggregators_hooks_as_jac_to_grad(name):
     torch.testing.assert_close(grad, leaf.grad)
 
 
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_features_level_pulls_the_hooked_aggregators_output(name):
+    """At level='features' an aggregator maps V (the task gradients on `through`) to the
+    direction pulled through the encoder, hooks included (LibMTL's rep_grad recipe): by
+    hand, the aggregator on V, then one backward of `through` along its output."""
+    encoder, _heads, losses = _model()
+    features, task_losses = losses()
+    rows = torch.stack(
+        [
+            torch.autograd.grad(loss, features, retain_graph=True)[0].flatten()
+            for loss in task_losses
+        ]
+    )
+    captured = []
+    aggregator = HOOKED[name]()
+    aggregator.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    direction = aggregator(rows).reshape(features.shape)
+    want = torch.autograd.grad(features, list(encoder.parameters()), direction)
+
+    encoder, _heads, losses = _model()
+    features, task_losses = losses()
+    weights = funcgrad.backward(
+        task_losses, through=features, weighting=HOOKED[name](), level="features"
+    )
+    torch.testing.assert_close(weights, captured[-1])
+    for p, expected in zip(encoder.parameters(), want):
+        torch.testing.assert_close(p.grad, expected)
+
+    # combine_heads at the features level: the same pull of the aggregator's output on V.
+    x = torch.randn(4, 5)
+    head_fns = [lambda y, i=i: y[:, i].sin().sum() * (i + 1) for i in range(K)]
+    leaf = x.clone().requires_grad_()
+    y = encoder(leaf)
+    v = torch.stack([torch.autograd.grad(h(y), y, retain_graph=True)[0] for h in head_fns])
+    (want_grad,) = torch.autograd.grad(y, leaf, HOOKED[name]()(v.flatten(1)).reshape(y.shape))
+    _, grad, _ = funcgrad.combine_heads(encoder, head_fns, HOOKED[name](), level="features")(x)
+    torch.testing.assert_close(grad, want_grad)
+
+
 _DDP_SCRIPT = """
 import sys, torch, funcgrad
 from torchjd import aggregation as tjd
