@@ -331,6 +331,24 @@ def test_combine_heads_runs_an_aggregators_hooks_as_jac_to_grad(name):
     torch.testing.assert_close(grad, leaf.grad)
 
 
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_sees_a_hook_registered_after_it_was_built(level):
+    """jac_to_grad looks for hooks at each call; so does the function combine_heads returns
+    (it chose UPGrad's Gramian shortcut once, at construction, and dropped later hooks)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    encoder = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh())
+    head_fns = [lambda y, i=i: y[:, i].sin().sum() * (i + 1) for i in range(K)]
+    aggregator = tjd.UPGrad()
+    fn = funcgrad.combine_heads(encoder, head_fns, aggregator, level=level)
+    _, plain, _ = fn(x)
+    handle = aggregator.register_forward_hook(lambda _m, _i, out: out * 0.5)
+    _, halved, _ = fn(x)
+    torch.testing.assert_close(halved, plain * 0.5)
+    handle.remove()
+    torch.testing.assert_close(fn(x)[1], plain)
+
+
 @pytest.mark.parametrize("name", list(HOOKED))
 def test_features_level_pulls_the_hooked_aggregators_output(name):
     """At level='features' an aggregator maps V (the task gradients on `through`) to the
