@@ -100,7 +100,7 @@ class CombinedHeads:
             what = "with respect to f's output"
             # f ran under the caller's autocast, if any; w @ V is formed and pulled outside
             # it, as autograd's backward of that forward would run.
-            with _weighting.exact(cotangents[0].device):
+            with _weighting.no_autocast(cotangents[0].device):
                 weights: torch.Tensor | None
                 weights, coefficients, rows = weigh_features(rule, cotangents, sync, what, _CALL)
                 grads = sync.average(_engine.weighted(lin, coefficients, rows))

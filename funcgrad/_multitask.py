@@ -234,7 +234,7 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         devices = {t.device for t in mids if isinstance(t, torch.Tensor)}
         with contextlib.ExitStack() as stack:
             for device in devices:
-                stack.enter_context(_weighting.exact(device))
+                stack.enter_context(_weighting.no_autocast(device))
             return fn(*args, **kwargs)
 
     return wrapper

@@ -4,14 +4,16 @@ these steps).
 
 A weighting is any callable Gramian (k x k) -> weights (k,), TorchJD's ``*Weighting``
 objects included. TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
-their class, without importing TorchJD: a Gramian-weighted one (UPGrad, MGDA, ...) is run
-through its Gramian weighting, which needs only the Gramian; a weighted one (NashMTL,
-Mean, ...) through its matrix weighting; any other (GradDrop, ConFIG, TrimmedMean) as it
-is, on the Jacobian, and then has no weights to report.
+their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them: a
+Gramian-weighted one (UPGrad, MGDA, ...) without forward hooks through its Gramian
+weighting, which needs only the Gramian; any other (NashMTL, Mean, a hooked UPGrad,
+GradDrop, ...) is called on the Jacobian, hooks included, and its output is the update
+(its weights, where it has a weighting, are read from that weighting).
 
 With G the Gramian of the rows of a Jacobian P (k x n) and w = weighting(G), the update is
 ``w @ P``. When P = V J (V the head cotangents on y, J f's Jacobian), ``w @ P = (w @ V) J``:
-one pullback of f, once w is known.
+one pullback of f, once w is known. None of this runs under a caller's autocast: the
+Gramian, the weighting and ``w @ P`` are in the task gradients' dtype, float32 or wider.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def exact(device: torch.device) -> Iterator[None]:
+def no_autocast(device: torch.device) -> Iterator[None]:
     """Autocast off on ``device``: a caller's ``torch.autocast`` region is for its forward,
     and under it the Gramian ``b @ b.T``, a weighting's own products and ``w @ P`` would run
     in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy)."""
@@ -196,7 +198,7 @@ def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
     by block, so that the k x n Jacobian is never concatenated; in float32 or wider, also
     under autocast."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
-    with exact(work[0].device):
+    with no_autocast(work[0].device):
         return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
 
 
@@ -252,7 +254,7 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
     """``rule.fn(stat)`` on a detached ``stat``, outside autocast, in the caller's grad mode
     (a weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``;
     its result is detached by the caller)."""
-    with exact(stat.device), _naming(rule, given, call):
+    with no_autocast(stat.device), _naming(rule, given, call):
         return rule.fn(stat.detach())
 
 
@@ -306,5 +308,5 @@ def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
     """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
     dtype (also under autocast)."""
-    with exact(weights.device):
+    with no_autocast(weights.device):
         return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
