@@ -44,9 +44,10 @@ class CombinedHeads:
     ) -> None:
         self._composition = composition
         self._create_graph = create_graph
-        distributed = process_group is not None
-        self.rule = _weighting.resolve(weighting, level, _CALL, distributed=distributed)
+        self._weighting = weighting
         self.level = level
+        distributed = process_group is not None
+        _weighting.resolve(weighting, level, _CALL, distributed=distributed)  # a clear error now
         if isinstance(process_group, torch.nn.Module):  # DDP or FSDP: a clear error, at once
             _sync.policy(process_group, _CALL, allow_modules=False)
         self.process_group = process_group
@@ -57,15 +58,21 @@ class CombinedHeads:
         return self._composition.k
 
     @property
-    def _one_pullback(self) -> bool:
-        return self.rule.kind == "sum" or self.level == "features"
+    def rule(self) -> _weighting.Rule:
+        """How the weighting is run, decided at each call as ``jac_to_grad`` decides it: a
+        hook registered on a TorchJD aggregator after ``combine_heads`` runs too."""
+        distributed = self.process_group is not None
+        return _weighting.resolve(self._weighting, self.level, _CALL, distributed=distributed)
+
+    def _one_pullback(self, rule: _weighting.Rule) -> bool:
+        return rule.kind == "sum" or self.level == "features"
 
     def plan(self, *args: Any) -> Plan:
         """The plan that ``fn(*args)`` runs, from shapes only: ``"weighted"`` (one pullback of
         ``w @ V``) at level ``"features"`` or without a weighting, else the per-head plan of
         :func:`compose_heads` (see :meth:`ComposedHeads.plan` for what it costs)."""
         c = self._composition
-        return c.plan(c.flat(args), weighted=self._one_pullback)
+        return c.plan(c.flat(args), weighted=self._one_pullback(self.rule))
 
     def __call__(self, *args: Any) -> Any:
         leaves = [leaf for leaf in _tree.flatten(list(args))[0] if isinstance(leaf, torch.Tensor)]
@@ -95,27 +102,31 @@ class CombinedHeads:
             error,
         )
         check = c.resolved_check()
-        if self._one_pullback:
+        rule = self.rule
+        if self._one_pullback(rule):
             lin = c.watching(
                 flat, lambda: _linearize.of_function(flat, _linearize.RandomState(flat))
             )
             values, cotangents = c.cotangents_of(flat)(lin.out)
             what = "with respect to f's output"
-            weights: torch.Tensor | None = weigh_features(self.rule, cotangents, sync, what, _CALL)
-            assert weights is not None
-            grads = sync.average(_engine.weighted(lin, weights, cotangents))
+            # f ran under the caller's autocast, if any; w @ V is formed and pulled outside
+            # it, as autograd's backward of that forward would run.
+            with _weighting.no_autocast(cotangents[0].device):
+                weights: torch.Tensor | None
+                weights, coefficients, rows = weigh_features(rule, cotangents, sync, what, _CALL)
+                grads = sync.average(_engine.weighted(lin, coefficients, rows))
             aux = lin.aux
         else:
             values, per_head, aux = c.per_head(flat, check)
             what = "with respect to the differentiated arguments"
             # The global per-head gradients: one k x n all-reduce.
-            weights, grads = weigh_params(self.rule, sync.average(per_head), sync, what, _CALL)
+            weights, grads = weigh_params(rule, sync.average(per_head), sync, what, _CALL)
         (values,) = sync.average([values.detach()])  # the global head values
         result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
         return (*result, flat.rebuild_aux(aux)) if c.has_aux else result
 
     def __repr__(self) -> str:
-        weighting = "None" if self.rule.fn is None else type(self.rule.fn).__name__
+        weighting = "None" if self._weighting is None else type(self._weighting).__name__
         text = self._composition.describe("combine_heads")
         return text[:-1] + f", weighting={weighting}, level={self.level!r})"
 

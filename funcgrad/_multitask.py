@@ -8,9 +8,11 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -20,6 +22,8 @@ from ._types import ChunkSize, Level, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 # -- weigh: shared with combine_heads ------------------------------------------------------
@@ -27,22 +31,33 @@ _CALL = "funcgrad.backward(losses, through=...)"
 
 def weigh_features(
     rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
-) -> torch.Tensor:
-    """The weights of the one-pullback path: all ones without a weighting, else
-    ``weighting(V V^T)`` of the global V (or, for a weighting that reads the Jacobian, of V
-    itself: one process only), the first rank's weights on every rank."""
+) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
+    """(weights, c, R) for the one-pullback path, whose update is the pull of ``c @ R``.
+    The weights are all ones without a weighting, else ``weighting(V V^T)`` of the global
+    V (or, for a weighting that reads the Jacobian, of V itself: one process only), the
+    first rank's on every rank; then ``c @ R = weights @ V``. A TorchJD aggregator maps V
+    to the direction itself, its hooks included (LibMTL's ``rep_grad`` recipe): then R is
+    that one row and c = [1]."""
     k = cotangents[0].shape[0]
     rows = _coords.to_coords(cotangents, k)
     if rule.kind == "sum":
-        return torch.ones(k, dtype=rows.dtype, device=rows.device)
+        ones = torch.ones(k, dtype=rows.dtype, device=rows.device)
+        return ones, ones, cotangents
     if rule.needs_jacobian:  # resolve() refused this with a process group
-        weights, _ = _weighting.aggregate(rule, rows, call)
+        weights, vector = _weighting.aggregate(rule, rows, call)
         assert weights is not None  # "vector" rules are refused at this level
-        return _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        if vector is None:  # a weighting of V
+            return weights, weights, cotangents
+        vector = _weighting.check_update(vector, rule, call)
+        like = tuple(v[0] for v in cotangents)
+        one = torch.ones(1, dtype=rows.dtype, device=rows.device)
+        return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
     g = sync.features_gramian(_weighting.gramian([rows]))
     _weighting.check_gramian(g, [rows], what, call)
     weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-    return _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    return weights, weights, cotangents
 
 
 def weigh_params(
@@ -53,12 +68,16 @@ def weigh_params(
     call: str,
     weighed: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor | None, Tensors]:
-    """(weights, update) from the global per-task gradient leaves (k, ...): the update is
-    ``weights @ P`` (an aggregator's vector for one without weights); the first rank's on
-    every rank, for weightings that draw random numbers. Only the leaves marked in
-    ``weighed`` (default: all) shape the weights; every leaf gets ``weights @ P``."""
+    """(weights, update) from the global per-task gradient leaves (k, ...), as TorchJD's
+    ``jac_to_grad`` computes them: ``weights @ P`` for a weighting; for an aggregator, its
+    output on the Jacobian (its hooks included); the first rank's on every rank, for
+    weightings that draw random numbers. Only the leaves marked in ``weighed`` (default:
+    all) shape the weights and are the aggregator's Jacobian; the other leaves get
+    ``weights @`` their per-task gradients."""
     k = task_grads[0].shape[0]
-    shaping = [g for g, w in zip(task_grads, weighed or [True] * len(task_grads)) if w]
+    if weighed is None or rule.kind == "vector":  # one without weights: every leaf's Jacobian
+        weighed = [True] * len(task_grads)
+    shaping = [g for g, w in zip(task_grads, weighed) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
         g = sync.sum_over_shards(_weighting.gramian(blocks))
@@ -66,17 +85,28 @@ def weigh_params(
         weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
         weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
         return weights, _weighting.weighted_sum(weights, task_grads)
-    # An aggregator without weights maps the whole Jacobian to the update.
-    rows = _coords.to_coords(task_grads if rule.kind == "vector" else shaping, k)
+    rows = _coords.to_coords(shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)
     if found is not None:
-        weights = sync.from_first_rank(found)
-        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
-        return weights, _weighting.weighted_sum(weights, task_grads)
+        found = sync.from_first_rank(found)
+        found = _weighting.check_finite(found, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        if vector is None:  # a Jacobian weighting: weights only
+            return found, _weighting.weighted_sum(found, task_grads)
     assert vector is not None  # a Jacobian rule gives weights or an update
+    if found is None and not all(weighed):
+        raise ValueError(
+            f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
+            "shared leaves that are not parameters get no update from it. Pass inputs= "
+            "with every shared leaf to update."
+        )
+    # The aggregator's output (with its hooks' effect) is the update of the leaves it saw,
+    # as jac_to_grad writes it.
     vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
-    like = tuple(g[0] for g in task_grads)
-    return None, tuple(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    like = tuple(g[0] for g in shaping)
+    written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    unseen = [g for g, w in zip(task_grads, weighed) if not w]
+    others = iter(_weighting.weighted_sum(found, unseen) if found is not None else ())
+    return found, tuple(next(written) if w else next(others) for w in weighed)
 
 
 # -- validate ------------------------------------------------------------------------------
@@ -191,6 +221,26 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         leaf.grad.add_(grad)
 
 
+def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``backward`` with autocast off on ``through``'s devices. It runs none of the user's
+    forward (autograd's backward ignores autocast, and a checkpoint's recomputation restores
+    its forward's autocast), so a caller's autocast would only downcast funcgrad's own
+    products: the Gramian, ``w @ V``, the per-task gradients ``C @ J``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        through = kwargs.get("through")
+        mids = through if isinstance(through, (list, tuple)) else [through]
+        devices = {t.device for t in mids if isinstance(t, torch.Tensor)}
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(_weighting.no_autocast(device))
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
     *,
@@ -300,12 +350,13 @@ def backward(
                 "reducer would see one backward per direction. Checkpoint with "
                 "use_reentrant=False."
             )
-        if ddp and task.rule.kind == "vector" and level == "params":
+        if ddp and not task.rule.update_is_weighted:
             raise ValueError(
-                f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
-                "but a DDP-wrapped encoder needs weights (its reducer averages the backward of "
-                "w @ V). Use a weighted aggregator, or pass the process group itself and a "
-                "plain encoder."
+                f"{_CALL}: {type(task.rule.fn).__name__} returns an update that is not w @ P "
+                "(it has no weights, or forward hooks of its own), but a DDP-wrapped encoder "
+                "needs one (its reducer averages the backward of w @ V). Use a weighted "
+                "aggregator without hooks on itself (hooks on its weighting are fine), or pass "
+                "the process group itself and a plain encoder."
             )
     except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught
@@ -321,10 +372,10 @@ def backward(
     update: Tensors | None = None
     if task.rule.kind == "sum" or level == "features":
         what = "with respect to `through`"
-        weights: torch.Tensor | None = weigh_features(task.rule, cotangents, sync, what, _CALL)
-        assert weights is not None
+        weights: torch.Tensor | None
+        weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
         if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
-            update = sync.average(_engine.weighted(lin, weights, cotangents))
+            update = sync.average(_engine.weighted(lin, coefficients, rows))
     elif isinstance(sync, _sync.FSDPSync):  # FSDP: each rank's shards of the k per-task gradients
         task_grads = sync.task_gradients(task.through, cotangents, retain_graph)
         what = "with respect to the shared parameters"

@@ -571,3 +571,52 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         once = table.grad.clone()
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         torch.testing.assert_close(table.grad, 2 * once)
+
+
+def _descended(gramian):
+    """A weighting that differentiates inside itself: a few gradient steps on w^T G w from
+    the mean, then a projection onto the simplex's sum."""
+    w = torch.full((gramian.shape[0],), 1.0 / gramian.shape[0], dtype=gramian.dtype)
+    for _ in range(3):
+        w = w.detach().requires_grad_()
+        (step,) = torch.autograd.grad(w @ gramian @ w, w)
+        w = w - 0.1 * step / step.norm()
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_weighting_may_differentiate_inside_itself(level):
+    """It is called in the caller's grad mode (under torch.no_grad its autograd.grad
+    raised), and its result is detached: against the same weighting on the Gramian by hand."""
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    (z,) = features
+    wrt = model.shared() if level == "params" else [z]
+    rows = torch.stack(
+        [
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, wrt, retain_graph=True)])
+            for loss in losses
+        ]
+    )
+    want_weights = _descended(rows @ rows.T).detach()
+    want = torch.autograd.grad(
+        sum(w * loss for w, loss in zip(want_weights, losses)),
+        model.shared(),
+        retain_graph=True,
+    )
+
+    weights = funcgrad.backward(losses, through=features, weighting=_descended, level=level)
+    assert not weights.requires_grad
+    torch.testing.assert_close(weights, want_weights)
+    for p, expected in zip(model.shared(), want):
+        torch.testing.assert_close(p.grad, expected)
+
+    fn = funcgrad.combine_heads(
+        lambda x, a: torch.tanh(x @ a),
+        [lambda y: y.sum(), lambda y: y.pow(2).mean()],
+        _descended,
+        level=level,
+    )
+    _, _, weights = fn(x, torch.randn(5, 4))
+    assert weights.shape == (2,) and not weights.requires_grad
