@@ -54,9 +54,7 @@ def weigh_features(
         one = torch.ones(1, dtype=rows.dtype, device=rows.device)
         return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
     g = sync.features_gramian(_weighting.gramian([rows]))
-    _weighting.check_gramian(g, [rows], what, call)
-    weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-    weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    weights = _weighting.checked_weights(rule, g, [rows], what, call, sync.from_first_rank)
     return weights, weights, cotangents
 
 
@@ -81,9 +79,7 @@ def weigh_params(
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
         g = sync.sum_over_shards(_weighting.gramian(blocks))
-        _weighting.check_gramian(g, blocks, what, call)
-        weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-        weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+        weights = _weighting.checked_weights(rule, g, blocks, what, call, sync.from_first_rank)
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)

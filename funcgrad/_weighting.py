@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -247,6 +247,29 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
             f"{call}: `weighting` returned non-finite weights {weights.tolist()} from {source}; "
             "the update would be NaN. Check the weighting (a solver that failed to converge?)."
         )
+    return weights
+
+
+def checked_weights(
+    rule: Rule,
+    g: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    what: str,
+    call: str,
+    share: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``share(weighting(G))`` (``share``: the first rank's weights on every rank), with G
+    and the weights checked for NaN/inf in ONE read of a device value (eager mode): a clear
+    error naming the non-finite tasks, or the weighting that returned non-finite weights.
+    Where the weighting raises, a non-finite G is the error to see."""
+    try:
+        weights = share(weights_from_gramian(rule, g, call))
+    except Exception:
+        check_gramian(g, blocks, what, call)
+        raise
+    if values_readable([g]) and not bool(torch.isfinite(g).all() & torch.isfinite(weights).all()):
+        check_gramian(g, blocks, what, call)
+        check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
     return weights
 
 
