@@ -85,6 +85,8 @@ class FlatFunction:
         # turns it off). Not in compiled code, where generators' states cannot be read.
         self.watch = True
         self.generators: dict[torch.Generator, torch.Tensor] = {}
+        # The caller's record of this call's signature, once looked up (see _heads).
+        self.signature: Any = None
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""

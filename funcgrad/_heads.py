@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -245,13 +246,13 @@ def _head_cotangents(
 
 
 def _shape_key(args: Sequence[Any]) -> Any:
-    """What y's shape may depend on: the tree, and every leaf's shape, dtype and device (or
-    its value, for a hashable non-tensor leaf)."""
+    """A call signature: the tree, and every leaf's shape, dtype, device and requires_grad
+    (or its value, for a hashable non-tensor leaf)."""
     leaves, treedef = _tree.flatten(list(args))
 
     def of(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return (tuple(leaf.shape), leaf.dtype, leaf.device)
+            return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
         try:
             hash(leaf)
         except TypeError:
@@ -381,6 +382,52 @@ def _forward_size(flat: FlatFunction) -> int:
     return _coords.real_size(out)
 
 
+@dataclasses.dataclass
+class Signature:
+    """What a :class:`Composition` has learnt of one call signature (every argument's tree,
+    shapes, dtypes, devices and requires_grad: :func:`_shape_key`), from calls and
+    ``plan()``: read by every later call with that signature. It holds no tensor."""
+
+    fake_tried: bool = False
+    fake_size: int | None = None  # y's size from f on fake tensors (None: not told that way)
+    forward_size: int | None = None  # y's size from one real forward, for plan() alone
+    # auto's first-call timing of a batched call against an unbatched one: measured, and
+    # None where vmap was faster (or nothing was batched), else why unbatched calls were.
+    measured: bool = False
+    unbatched: str | None = None
+    tentative: _engine.Timing | None = None  # unbatched looked faster once: time again
+    # Where auto chose forward mode: timed against reverse mode on the first call, and None
+    # where forward mode was faster, else why reverse mode was (then planned).
+    forward_timed: bool = False
+    not_forward: str | None = None
+    fit: _engine.ChunkFit | None = None  # chunk_size="auto": a direction's measured cost
+    # Whether f drew from an explicit torch.Generator on the first call (None: no call yet):
+    # later calls watch f's ops for one (for RandomState) only where it did.
+    draws: bool | None = None
+
+
+class Signatures:
+    """The :class:`Signature` records of one Composition, least recently used dropped past
+    ``size`` (a jit cache's bound: a loop over ever new shapes keeps at most this many)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._records: collections.OrderedDict[Any, Signature] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __call__(self, key: Any) -> Signature:
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = Signature()
+            if len(self._records) > self.size:
+                self._records.popitem(last=False)
+        else:
+            self._records.move_to_end(key)
+        return record
+
+
 class Composition:
     """f and its heads, as one call of :func:`compose_heads` or :func:`combine_heads` needs
     them: validation, the plan, the per-head pass through the engine, and packaging."""
@@ -406,26 +453,10 @@ class Composition:
         self.strategy: Strategy = strategy
         self.chunk_size: ChunkSize = chunk_size
         self.check = resolve_check(check, call) if check is not None else None
-        # y's size by the arguments' shapes, so that auto pays the fake run of f once per
-        # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
-        # size picks a strategy, and every strategy computes on the real output.
-        self._sizes: dict[Any, int | None] = {}
-        self._forward_sizes: dict[Any, int] = {}  # y's size from a real forward, for plan()
-        # Per argument shapes, what the first call measured: None where vmap was faster
-        # (or nothing was batched), else why unbatched calls were (then planned unbatched).
-        self._measured: dict[Any, str | None] = {}
-        # Per argument shapes, a first call's timing where unbatched calls looked faster:
-        # the next call is timed too before deciding.
-        self._tentative: dict[Any, _engine.Timing] = {}
-        # chunk_size="auto": per call signature, what a direction through f costs (the
-        # chunk then follows the budget in force at each call).
-        self._fits: dict[Any, _engine.ChunkFit] = {}
-        # Per shapes where auto chose forward mode: None where it measured faster than
-        # reverse mode on the first call, else why reverse mode was (then planned).
-        self._forward_timed: dict[Any, str | None] = {}
-        # Per argument shapes, whether f drew from an explicit torch.Generator on the first
-        # call: later calls watch f's ops for one (for RandomState) only where it did.
-        self._draws: dict[Any, bool] = {}
+        # What calls and plan() learnt, one record per call signature. A stale y size (f's
+        # shapes changed by outside state) only costs speed: the size picks a strategy, and
+        # every strategy computes on the real output.
+        self._signatures = Signatures()
 
     @property
     def k(self) -> int:
@@ -435,20 +466,26 @@ class Composition:
         argnums = normalize_argnums(self.argnums, len(args), self.call)
         return FlatFunction(self.f, args, argnums, self.has_aux, self.call)
 
+    def signature(self, flat: FlatFunction) -> Signature | None:
+        """The record of this call's signature (its key computed once per call); None
+        inside transforms and compiled code, which plan from shapes alone."""
+        if flat.signature is None and values_readable(flat.leaves):
+            flat.signature = self._signatures(_shape_key(flat.args))
+        record: Signature | None = flat.signature
+        return record
+
     def resolved_check(self) -> CheckMode:
         return resolve_check(self.check, self.call)
 
     def output_size(self, flat: FlatFunction) -> int | None:
         """y's size from f on fake tensors, remembered per argument shapes; None inside
         transforms and compiled code (no fake run there)."""
-        if not values_readable(flat.leaves):
+        record = self.signature(flat)
+        if record is None:
             return None
-        key = _shape_key(flat.args)
-        if key not in self._sizes:
-            if len(self._sizes) >= 64:
-                self._sizes.clear()
-            self._sizes[key] = _output_size(flat)
-        return self._sizes[key]
+        if not record.fake_tried:
+            record.fake_size, record.fake_tried = _output_size(flat), True
+        return record.fake_size
 
     def before_f(self, flat: FlatFunction) -> tuple[bool, int | None]:
         """(forward mode first?, y's size where it had to be known before f runs).
@@ -466,7 +503,8 @@ class Composition:
         one_batch = chunk is None or chunk == "auto" or chunk >= n
         if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return False, None
-        if self._forward_timed.get(_shape_key(flat.args)):  # reverse mode measured faster
+        record = self.signature(flat)
+        if record is not None and record.not_forward:  # reverse mode measured faster
             return False, None
         m = self.output_size(flat)
         if m is None:
@@ -477,13 +515,11 @@ class Composition:
         """The plan for y's real size; forward mode is a candidate only where y's size was
         known before f ran (or jacfwd was requested)."""
         n = _coords.real_size(flat.leaves)
-        unbatched = self._measured.get(_shape_key(flat.args)) if self._measured else None
-        measure = self._measure_key(flat) is not None
+        record = self.signature(flat)
+        unbatched = record.unbatched if record is not None else None
+        measure = self._measured_here(flat)
         chunk = self._chunk(flat)
-
-        not_forward = (
-            self._forward_timed.get(_shape_key(flat.args)) if self._forward_timed else None
-        )
+        not_forward = record.not_forward if record is not None else None
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
@@ -507,12 +543,11 @@ class Composition:
     def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
         """chunk_size="auto": the record of this call signature (every input's tree, shape,
         dtype and device)."""
-        key = _shape_key(flat.args)
-        if key not in self._fits:
-            if len(self._fits) >= 64:
-                self._fits.clear()
-            self._fits[key] = _engine.ChunkFit()
-        return self._fits[key]
+        record = self.signature(flat)
+        assert record is not None  # the callers check that values can be read
+        if record.fit is None:
+            record.fit = _engine.ChunkFit()
+        return record.fit
 
     def _chunk(self, flat: FlatFunction) -> ChunkSize:
         """The chunk size a call on these arguments runs: for "auto", the fitted chunk under
@@ -520,9 +555,10 @@ class Composition:
         the engine runs unchunked there); "auto" while not measured (the call measures)."""
         if self.chunk_size != "auto":
             return self.chunk_size
-        if not values_readable(flat.leaves):  # before any dict: dynamo may be tracing
+        record = self.signature(flat)  # None where dynamo may be tracing
+        if record is None:
             return None
-        fit = self._fits.get(_shape_key(flat.args))
+        fit = record.fit
         return fit.chunk() if fit is not None and fit.measured else "auto"
 
     def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
@@ -568,12 +604,13 @@ class Composition:
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
             # (remembered for plan() alone: the call still plans as without it)
-            key = _shape_key(flat.args)
-            if key not in self._forward_sizes:
-                if len(self._forward_sizes) >= 64:
-                    self._forward_sizes.clear()
-                self._forward_sizes[key] = _forward_size(flat)
-            m = self._forward_sizes[key]
+            record = self.signature(flat)
+            if record is None:
+                m = _forward_size(flat)
+            else:
+                if record.forward_size is None:
+                    record.forward_size = _forward_size(flat)
+                m = record.forward_size
         plan = self.planner(flat, m_before)(m, False)
         if not weighted and self._measure_fit(flat, plan):
             plan = self.planner(flat, m_before)(m, False)
@@ -587,8 +624,8 @@ class Composition:
         forward against reverse mode, plus ``check``'s unbatched JVP calls in forward mode
         (they run f). The shape-only run on fake tensors is not counted: ``plan()`` has just
         made it (once per shapes), so the call after it does not."""
-        key = self._measure_key(flat)
-        timed = forward and key is not None and key not in self._forward_timed
+        record = self.signature(flat)
+        timed = forward and self._measured_here(flat) and not (record and record.forward_timed)
         check = forward and values_readable(flat.leaves) and self.resolved_check()
         return 1 + timed + (len({0, n // 2, n - 1}) if check else 0)
 
@@ -605,14 +642,12 @@ class Composition:
         """``run()``, with f's ops watched for explicit ``torch.Generator`` draws (so that
         RandomState restores them before a re-run of f) on the first call on these shapes,
         and on later calls only where f drew from one then: the watch costs ~1-2 us an op."""
-        shapes = None if torch.compiler.is_compiling() else _shape_key(flat.args)
-        if shapes is not None:
-            flat.watch = self._draws.get(shapes, True)
+        record = self.signature(flat)  # None inside transforms: always watched there
+        if record is not None and record.draws is not None:
+            flat.watch = record.draws
         result = run()
-        if shapes is not None and shapes not in self._draws:
-            if len(self._draws) >= 64:
-                self._draws.clear()
-            self._draws[shapes] = bool(flat.generators)
+        if record is not None and record.draws is None:
+            record.draws = bool(flat.generators)
         return result
 
     def _per_head(
@@ -620,22 +655,22 @@ class Composition:
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
-        key = self._measure_key(flat)
+        record = self.signature(flat) if self._measured_here(flat) else None
         with contextlib.ExitStack() as stack:
             if self.chunk_size == "auto" and values_readable(flat.leaves):
                 stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
-            if forward and key is not None and key not in self._forward_timed:
-                return self._forward_against_reverse(flat, planner, key, check)
-            log = stack.enter_context(_engine.measuring()) if key is not None else None
+            if forward and record is not None and not record.forward_timed:
+                return self._forward_against_reverse(flat, planner, record, check)
+            log = stack.enter_context(_engine.measuring()) if record is not None else None
             _, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check
             )
-        if log and key is not None:  # a batched call was measured
-            self._remember(key, log[0])
+        if log and record is not None:  # a batched call was measured
+            self._remember(record, log[0])
         return values, grads, aux
 
     def _forward_against_reverse(
-        self, flat: FlatFunction, planner: _engine.Planner, key: Any, check: CheckMode
+        self, flat: FlatFunction, planner: _engine.Planner, record: Signature, check: CheckMode
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """The first call on new shapes where auto chose forward mode: forward mode, then
         the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
@@ -650,7 +685,8 @@ class Composition:
         forward_result = _engine.per_head(flat, planner, True, cotangents_of, check)
         forward_s = time.perf_counter() - start
         if forward_result[0].strategy != "jacfwd":  # forward mode fell back to reverse mode
-            self._forward_timed[key] = "forward mode could not run f on the first call"
+            record.forward_timed = True
+            record.not_forward = "forward mode could not run f on the first call"
             _, values, grads, aux = forward_result
             return values, grads, aux
         after = RandomState(flat)
@@ -663,42 +699,40 @@ class Composition:
             reverse_s = time.perf_counter() - start
         after.restore()
         faster = reverse_s < _engine.LOOP_MARGIN * forward_s
-        self._forward_timed[key] = (
+        record.forward_timed = True
+        record.not_forward = (
             f"reverse mode ({reverse_result[0].strategy}) {1e3 * reverse_s:.2g} ms, forward mode "
             f"{1e3 * forward_s:.2g} ms on the first call"
             if faster
             else None
         )
         if log and faster:
-            self._remember(key, log[0])
+            self._remember(record, log[0])
         else:
-            self._measured[key] = None
+            record.measured, record.unbatched = True, None
         _, values, grads, aux = reverse_result if faster else forward_result
         return values, grads, aux
 
-    def _remember(self, key: Any, timing: _engine.Timing) -> None:
+    def _remember(self, record: Signature, timing: _engine.Timing) -> None:
         """Decide from a call's timing, or time the next call too: where unbatched calls
         looked faster on one call, the next call (warm) is timed as well, and each side's
         fastest decides."""
-        if key in self._tentative:
-            timing = timing.merged(self._tentative.pop(key))
+        if record.tentative is not None:
+            timing, record.tentative = timing.merged(record.tentative), None
         elif timing.unbatched_faster:
-            if len(self._tentative) >= 64:
-                self._tentative.clear()
-            self._tentative[key] = timing
+            record.tentative = timing
             return
-        if len(self._measured) >= 64:
-            self._measured.clear()
-        self._measured[key] = timing.why() if timing.unbatched_faster else None
+        record.measured = True
+        record.unbatched = timing.why() if timing.unbatched_faster else None
 
-    def _measure_key(self, flat: FlatFunction) -> Any:
-        """The shapes' key where this call is timed under auto (the first call on these
-        shapes, and the second where the first found unbatched calls faster: it times its
-        first batched call against one unbatched call), else None."""
-        if self.strategy != "auto" or not values_readable(flat.leaves):
-            return None
-        key = _shape_key(flat.args)
-        return None if key in self._measured else key
+    def _measured_here(self, flat: FlatFunction) -> bool:
+        """Whether this call is timed under auto (the first call on these shapes, and the
+        second where the first found unbatched calls faster: it times its first batched
+        call against one unbatched call)."""
+        if self.strategy != "auto":
+            return False
+        record = self.signature(flat)
+        return record is not None and not record.measured
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""

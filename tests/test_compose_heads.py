@@ -236,3 +236,30 @@ def test_second_order_matches_double_backward(strategy):
         total = total + (g * weights[i]).sum()
     (expected,) = torch.autograd.grad(total, xr)
     torch.testing.assert_close(got, expected)
+
+
+def test_one_record_per_call_signature_bounded_and_holding_no_tensor():
+    """What calls learn (y's size, timings, the chunk fit, generator use) is one record per
+    call signature, in an LRU of 64; it keeps no argument alive."""
+    import gc
+    import weakref
+
+    fn = funcgrad.compose_heads(torch.tanh, [lambda y: y.sum(), lambda y: y[0]])
+    for n in range(1, 71):
+        fn(torch.randn(n))
+    signatures = fn._composition._signatures
+    assert len(signatures) == 64
+    x = torch.randn(3, requires_grad=True)
+    _, grads = fn(x)
+    alive = weakref.ref(x)
+    del x, grads
+    gc.collect()
+    assert alive() is None
+    # requires_grad is part of the signature, as dtype and shape are
+    before = len(signatures)
+    fn(torch.randn(3, dtype=torch.float32))
+    fn(torch.randn(3, dtype=torch.float32, requires_grad=True))
+    assert len(signatures) == before  # the LRU is full: both new, both kept, two dropped
+    last, new = list(signatures._records)[-2:]
+    assert last[1][0][1:] == (torch.float32, torch.device("cpu"), False)
+    assert new[1][0][1:] == (torch.float32, torch.device("cpu"), True)
