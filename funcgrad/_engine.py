@@ -416,7 +416,7 @@ def pull(
             can_vmap=lin.can_vmap and not loop,
         )
     except RuntimeError as error:
-        if "donated buffers" not in str(error):
+        if _linearize.torch_limit(error) != "donated buffers":
             raise
         raise RuntimeError(
             f"funcgrad: {lin.what} runs a torch.compile'd backward, which may run only once "

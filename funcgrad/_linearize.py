@@ -27,51 +27,69 @@ from ._function import FlatFunction
 from ._types import Tensors
 from ._validate import outside_transforms
 
-# Messages of torch.func failures on graphs that plain autograd can still differentiate.
-_TORCH_FUNC_LIMITS = (
-    "In order to use an autograd.Function with functorch transforms",
-    "Cannot access data pointer of Tensor that doesn't have storage",
-    "Cannot access storage of TensorWrapper",
-    # Non-reentrant torch.utils.checkpoint (saved-tensor hooks, which torch.func disables).
-    "don't yet support saved tensor hooks",
-    # A forward hook calling requires_grad_() (transformers' gradient checkpointing).
-    "You are attempting to call Tensor.requires_grad_()",
-)
-# Those of them that an unbatched loop hits as well (not vmap's own).
-_EAGER_ONLY = (
-    _TORCH_FUNC_LIMITS[0],
-    *_TORCH_FUNC_LIMITS[3:],
-    "would mutate a captured Tensor",
-)
-# f updates a captured tensor in place (BatchNorm's running statistics in training mode):
-# torch.func refuses it at the first in-place op, before anything is mutated.
-_MUTATES_CAPTURED = "would mutate a captured Tensor"
 
-# Messages of forward-mode AD that cannot differentiate an op that reverse mode can.
-_FORWARD_MODE_LIMITS = (
-    "forward AD",
-    "forward mode AD",
-    "jvp function for custom autograd.Function",
-    "jvp is not implemented",
-    "the derivative for",
-    _MUTATES_CAPTURED,
-    *_TORCH_FUNC_LIMITS,
-)
+@dataclasses.dataclass(frozen=True)
+class TorchLimit:
+    """A failure of torch.func, vmap or forward mode on something plain autograd (or an
+    unbatched call, or reverse mode) still differentiates. torch raises a plain
+    RuntimeError/NotImplementedError for each, so the only way to tell them is a piece of
+    the message: every such piece lives in :data:`TORCH_LIMITS`, and
+    tests/test_torch_limits.py triggers each one on the installed torch, so that a reworded
+    message in a later torch fails loudly instead of silently changing the path."""
+
+    pattern: str
+    eager: bool = False  # plain autograd differentiates f (of_function's fallback)
+    loop: bool = False  # only vmap failed: an unbatched call works
+    reverse: bool = True  # only forward mode failed: reverse mode may work
+
+
+TORCH_LIMITS: dict[str, TorchLimit] = {
+    # An autograd.Function without setup_context (nn.functional.linear_cross_entropy's).
+    "function without setup_context": TorchLimit(
+        "In order to use an autograd.Function with functorch transforms", eager=True
+    ),
+    # Backward code that leaves PyTorch under vmap (tensor_split, _pdist_backward).
+    "no storage": TorchLimit(
+        "Cannot access data pointer of Tensor that doesn't have storage", eager=True, loop=True
+    ),
+    "wrapper storage": TorchLimit("Cannot access storage of TensorWrapper", eager=True, loop=True),
+    # Non-reentrant torch.utils.checkpoint (saved-tensor hooks, which torch.func disables).
+    "saved tensor hooks": TorchLimit("don't yet support saved tensor hooks", eager=True),
+    # A forward hook calling requires_grad_() (transformers' gradient checkpointing).
+    "requires_grad_": TorchLimit("You are attempting to call Tensor.requires_grad_()", eager=True),
+    # f updates a captured tensor in place (BatchNorm's running statistics in training
+    # mode): torch.func refuses it at the first in-place op, before anything is mutated.
+    "mutates a captured tensor": TorchLimit("would mutate a captured Tensor", eager=True),
+    # Forward-mode AD that cannot differentiate an op that reverse mode can.
+    "no forward AD formula": TorchLimit("forward AD"),
+    "custom Function without jvp": TorchLimit("forward mode AD"),
+    "custom Function jvp": TorchLimit("jvp function for custom autograd.Function"),
+    "C++ custom Function jvp": TorchLimit("jvp is not implemented"),
+    "derivative not implemented": TorchLimit("the derivative for"),
+    # A torch.compile'd backward that donates its buffers runs once (not a torch.func limit).
+    "donated buffers": TorchLimit("donated buffers", reverse=False),
+}
+
+
+def torch_limit(error: BaseException) -> str | None:
+    """The name in :data:`TORCH_LIMITS` of the limit ``error`` reports, or None (the user's
+    own error, or one funcgrad has no other way around)."""
+    if not isinstance(error, (RuntimeError, NotImplementedError)):
+        return None
+    message = str(error)
+    return next((name for name, limit in TORCH_LIMITS.items() if limit.pattern in message), None)
 
 
 def is_forward_mode_limit(error: BaseException) -> bool:
     """Whether forward mode (not the user's code) failed, so that reverse mode may succeed."""
-    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
-        limit in str(error) for limit in _FORWARD_MODE_LIMITS
-    )
+    name = torch_limit(error)
+    return name is not None and TORCH_LIMITS[name].reverse
 
 
 def is_torch_func_limit(error: BaseException) -> bool:
     """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
-    message = str(error)
-    return _MUTATES_CAPTURED in message or any(
-        limit in message for limit in _TORCH_FUNC_LIMITS[:1] + _TORCH_FUNC_LIMITS[3:]
-    )
+    name = torch_limit(error)
+    return name is not None and TORCH_LIMITS[name].eager and not TORCH_LIMITS[name].loop
 
 
 class RandomState:
@@ -249,10 +267,10 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     try:
         result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
-        mutates = _MUTATES_CAPTURED in str(error)
-        limit = mutates or any(limit in str(error) for limit in _TORCH_FUNC_LIMITS)
-        if not limit or not outside_transforms(flat.leaves):
+        name = torch_limit(error)
+        if name is None or not TORCH_LIMITS[name].eager or not outside_transforms(flat.leaves):
             raise
+        mutates = name == "mutates a captured tensor"
         rng.restore()  # the failed attempt may have drawn random numbers (dropout)
         out, vjp, aux = _eager(flat)
         if mutates:
