@@ -19,8 +19,10 @@ Edge = tuple[Any, int]
 
 
 def edge(t: torch.Tensor) -> Edge:
-    """The gradient edge into ``t``: (node, output index)."""
-    e = torch.autograd.graph.get_gradient_edge(t)
+    """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
+    a view, which inference mode would leave without a graph: the view is made outside it.)"""
+    with torch.inference_mode(False):
+        e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
 
 

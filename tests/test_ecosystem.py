@@ -78,6 +78,23 @@ def test_grads_keeps_the_graph_during_the_call_whatever_retain_graph():
         torch.testing.assert_close(g[0], later)
 
 
+def _head_graph():
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)  # a head's parameter, not differentiated
+    y = torch.exp(x)
+    return x, w, y, [(w * y).sum(), (y**2).sum() + w.sum()]
+
+
+def test_grads_in_inference_mode_as_torch():
+    """A graph built outside inference mode, differentiated inside it, as torch allows."""
+    x, _, y, zs = _head_graph()
+    with torch.inference_mode():
+        want = [torch.autograd.grad(z, x, retain_graph=True)[0] for z in zs]
+        (g,) = funcgrad.grads(zs, x, through=y)
+    torch.testing.assert_close(g, torch.stack(want))
+
+
 def test_grads_allow_unused_and_errors():
     x, unused = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
     y = torch.sin(x)

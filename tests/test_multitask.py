@@ -571,3 +571,23 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         once = table.grad.clone()
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         torch.testing.assert_close(table.grad, 2 * once)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_backward_in_inference_mode_as_torch(level):
+    """A graph built outside inference mode, backward inside it: torch.autograd.backward
+    works there (its .grad are inference tensors), and so does funcgrad, with the same
+    .grad."""
+    model, x, targets = _setup()
+    losses = model.losses(model.features(x), targets)
+    with torch.inference_mode():
+        torch.autograd.backward(losses)
+    want = _grads(model)
+    model.zero_grad()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    with torch.inference_mode():
+        funcgrad.backward(losses, through=features, level=level, retain_graph=True)
+        funcgrad.backward(losses, through=features, level=level, weighting=lambda g: g.new_ones(3))
+    assert_tree_close(_grads(model), {name: 2 * g for name, g in want.items()}, rtol=1e-6)
+    assert all(torch.is_inference(p.grad) for p in model.parameters())
