@@ -511,8 +511,8 @@ def test_errors_on_arguments():
 def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
     """retain_graph=False: a second backward through the same forward is refused (torch's
     contract), .grad unchanged, through the same features, a view of them, or an earlier
-    layer's output, and so is the user's own backward; retain_graph=True lets it accumulate
-    again, as torch does."""
+    layer's output, and so is the user's own backward, before it writes anything;
+    retain_graph=True lets it accumulate again, as torch does."""
     model, x, targets = _setup()
     features = model.features(x)
     losses = model.losses(features, targets)
@@ -529,6 +529,7 @@ def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
         assert_tree_close(_grads(model), once)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(losses).backward()
+    assert_tree_close(_grads(model), once)  # the heads' .grad too
 
     model.zero_grad()
     features = model.features(x)
@@ -554,10 +555,83 @@ def test_an_earlier_layers_output_of_a_spent_graph_is_refused():
         torch.testing.assert_close(p.grad, g)
 
 
+def _leaves(*tensors):
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def _same_grads(tensors, before):
+    return all(
+        (t.grad is None and b is None)
+        or (t.grad is not None and b is not None and torch.equal(t.grad, b))
+        for t, b in zip(tensors, before)
+    )
+
+
+def _cheap_graphs(kind):
+    """(through, losses, every leaf) of a forward whose part below `through` saves no
+    tensor (an add, a leaf: torch frees nothing there) while the heads' part does."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 1)
+    c = torch.randn(4)
+    if kind == "add":
+        p = torch.randn(4, requires_grad=True)
+        through = p + 1
+        leaves = [p, *head.parameters()]
+    else:  # precomputed features, detached from the encoder that made them
+        encoder = torch.nn.Linear(3, 4)
+        through = encoder(torch.randn(5, 3)).detach().requires_grad_()
+        leaves = [through, *head.parameters()]
+    return through, [(through * c).sum(), (through * through).sum(), head(through).sum()], leaves
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("kind", ["add", "leaf"])
+def test_a_second_call_through_heads_that_save_tensors_raises_as_torch_does(kind, level):
+    """The part below `through` frees nothing, but the heads' part does: torch refuses a
+    second sum(losses).backward(), and so does funcgrad, before writing anything."""
+    through, losses, leaves = _cheap_graphs(kind)
+    sum(losses).backward()
+    once = _leaves(*leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()  # torch's answer
+
+    through, losses, leaves = _cheap_graphs(kind)
+    funcgrad.backward(losses, through=through, level=level)
+    assert all(torch.allclose(t.grad, g) for t, g in zip(leaves, once))
+    before = _leaves(*leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        funcgrad.backward(losses, through=through, level=level)
+    assert _same_grads(leaves, before)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
+    assert _same_grads(leaves, before)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_the_users_backward_after_a_call_writes_nothing(level):
+    """A loss with a parameter added to it (uncertainty weighting's log-variance): torch
+    itself, on a freed graph, accumulates into that parameter before it reaches a freed node
+    and raises; after funcgrad's call the user's backward raises before any .grad moves."""
+    model, x, targets = _setup()
+    log_vars = torch.nn.Parameter(torch.zeros(3))
+    features = model.features(x)
+    losses = [loss + log_var for loss, log_var in zip(model.losses(features, targets), log_vars)]
+    funcgrad.backward(losses, through=features, level=level)
+    tensors = [*model.parameters(), log_vars]
+    before = _leaves(*tensors)
+    for again in (lambda: sum(losses).backward(), lambda: losses[1].backward()):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            again()
+        assert _same_grads(tensors, before)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        features[0].sum().backward()  # the shared part alone
+    assert _same_grads(tensors, before)
+
+
 def test_graphs_that_free_nothing_run_again_as_in_torch():
     """A leaf `through` (precomputed features, an embedding table) or one that only adds
     leaves saves no tensor: torch runs its backward again, and so does funcgrad (a second
-    call on the same tensors accumulates the same update again)."""
+    call with a new forward of the heads accumulates the same update again)."""
     torch.manual_seed(0)
     table = torch.nn.Parameter(torch.randn(6, 4))
     bias = torch.nn.Parameter(torch.randn(4))
@@ -569,6 +643,7 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         losses = [(through @ h).sin().sum() for h in heads]
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         once = table.grad.clone()
+        losses = [(through @ h).sin().sum() for h in heads]
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         torch.testing.assert_close(table.grad, 2 * once)
 
