@@ -92,7 +92,7 @@ def grads(
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
     # Through -> inputs (slow): only the independent directions of those cotangents.
-    lin = _linearize.of_graph(mids, ins, create_graph=create_graph)
+    lin = _linearize.of_graph(mids, ins, create_graph=create_graph, by_backward=graph.checkpoint)
     basis = _engine.Basis(_coords.real_size(lin.out))
     result, _ = _engine.by_linearity(
         lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode

@@ -319,7 +319,9 @@ def backward(
 
     # Collect: V on `through`, and each loss's own gradients.
     cotangents, own_grads = _collect(task, sync)
-    lin = _linearize.of_graph(task.through, task.shared, retain_graph=retain_graph)
+    lin = _linearize.of_graph(
+        task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
+    )
 
     # Weigh, and compute what the shared leaves get (nothing is written yet).
     update: Tensors | None = None
