@@ -11,7 +11,7 @@ edge's output index tells them apart, so the walk reasons in edges, not nodes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -268,20 +268,40 @@ class Graph:
         freed = [node for node in runs if _saves_tensors(node)]
         return cls(freed, bool(checkpoints), into, upper)
 
-    def refusing(self) -> list[Any]:
-        """Where a later backward must refuse, so that it raises before it writes anything:
-        the freed nodes (where torch raises), and the nodes above ``through`` (the losses'
-        own nodes included) and ``through``'s own nodes from which one of them is reached.
-        A backward from the outputs runs those first, before it reaches any leaf; torch
+    def refusing(self) -> dict[Any, list[Any] | None]:
+        """Where a later backward must refuse, so that it raises before it writes anything,
+        and when: at a freed node always (None: torch raises there); at a node above
+        ``through`` (the losses' own included) or ``through``'s own node from which freed
+        ones are reached, when the backward will run one of the first freed nodes below it
+        (listed; as the engine prunes, ``torch.autograd.grad(loss, log_var)`` may avoid
+        them). A backward from the outputs runs those nodes first, before any leaf; torch
         would raise only at the freed node, after accumulating into a leaf that a path
-        saving nothing reaches first (a loss plus a parameter)."""
-        doomed, todo = set(self.freed), list(self.freed)
+        saving nothing reaches first (a parameter added to a loss)."""
+        freed = set(self.freed)
+        doomed, todo = set(freed), list(freed)  # the nodes from which a freed one is reached
         while todo:
             for node in self.into.get(todo.pop(), ()):
                 if node not in doomed:
                     doomed.add(node)
                     todo.append(node)
-        return self.freed + [n for n in doomed - set(self.freed) if n in self.upper]
+        refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
+        first: dict[Any, set[Any]] = {}  # a doomed node -> the first freed nodes below it
+        for start in (self.upper & doomed) - freed:
+            stack = [start]
+            while stack:
+                node = stack[-1]
+                if node in first:
+                    stack.pop()
+                    continue
+                parents = [p for p, _ in node.next_functions if p in doomed]
+                pending = [p for p in parents if p not in freed and p not in first]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                stack.pop()
+                first[node] = set().union(*({p} if p in freed else first[p] for p in parents))
+            refusing[start] = list(first[start])
+        return refusing
 
 
 # Per node type: whether it saves tensors for backward (those a backward frees, and torch
@@ -320,12 +340,20 @@ def spend(graph: Graph, call: str) -> None:
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
 
+    def refuse_before(freed: list[Any]) -> Callable[[Any], None]:
+        # (It holds nodes below its own only, as the graph's edges do: no reference cycle.)
+        def hook(_: Any) -> None:
+            if any(torch._C._will_engine_execute_node(node) for node in freed):
+                refuse(None)
+
+        return hook
+
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
-    for node in graph.refusing():
+    for node, below in graph.refusing().items():
         if _REFUSES not in node.metadata:
             node.metadata[_REFUSES] = True
-            node.register_prehook(refuse)
+            node.register_prehook(refuse if below is None else refuse_before(below))
 
 
 SECOND_BACKWARD = (

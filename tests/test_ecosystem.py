@@ -96,6 +96,7 @@ def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_
     (want,) = torch.autograd.grad(zs, x, **kwargs)
     torch_raises = _raises(lambda: torch.autograd.grad(zs, x))
     assert torch_raises == (not (create_graph if retain_graph is None else retain_graph))
+    (only_w,) = torch.autograd.grad(zs[1], w)  # runs no freed node: torch answers
 
     x, w, y, zs = _head_graph()
     (g,) = funcgrad.grads(zs, x, through=y, **kwargs)
@@ -106,6 +107,7 @@ def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_
         assert x.grad is None and w.grad is None  # torch itself writes w.grad before raising
     else:
         torch.testing.assert_close(x.grad, want)
+    torch.testing.assert_close(torch.autograd.grad(zs[1], w)[0], only_w)
 
 
 def test_grads_in_inference_mode_as_torch():

@@ -3,6 +3,9 @@ MGDA-UB recipe written out by hand, and plain autograd per task, in float64."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import assert_tree_close, autograd_reference
@@ -611,11 +614,21 @@ def test_a_second_call_through_heads_that_save_tensors_raises_as_torch_does(kind
 def test_the_users_backward_after_a_call_writes_nothing(level):
     """A loss with a parameter added to it (uncertainty weighting's log-variance): torch
     itself, on a freed graph, accumulates into that parameter before it reaches a freed node
-    and raises; after funcgrad's call the user's backward raises before any .grad moves."""
-    model, x, targets = _setup()
-    log_vars = torch.nn.Parameter(torch.zeros(3))
-    features = model.features(x)
-    losses = [loss + log_var for loss, log_var in zip(model.losses(features, targets), log_vars)]
+    and raises; after funcgrad's call the user's backward raises before any .grad moves. A
+    backward that runs no freed node (the engine prunes the rest) works, as in torch."""
+
+    def forward():
+        model, x, targets = _setup()
+        log_vars = torch.nn.Parameter(torch.zeros(3))
+        features = model.features(x)
+        losses = model.losses(features, targets)
+        return model, log_vars, features, [loss + v for loss, v in zip(losses, log_vars)]
+
+    model, log_vars, features, losses = forward()
+    sum(losses).backward()
+    (want,) = torch.autograd.grad(losses[1], log_vars)  # torch: runs no freed node
+
+    model, log_vars, features, losses = forward()
     funcgrad.backward(losses, through=features, level=level)
     tensors = [*model.parameters(), log_vars]
     before = _leaves(*tensors)
@@ -626,6 +639,35 @@ def test_the_users_backward_after_a_call_writes_nothing(level):
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         features[0].sum().backward()  # the shared part alone
     assert _same_grads(tensors, before)
+    (got,) = torch.autograd.grad(losses[1], log_vars)
+    torch.testing.assert_close(got, want)
+
+
+class _Box:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_spent_graph_goes_when_dropped(level):
+    """The refusing hooks hold no reference cycle: every tensor the graph saved is freed
+    when the user drops the losses and features, as after torch's own backward."""
+    saved = []
+
+    def pack(tensor):
+        box = _Box(tensor.detach())  # (not the tensor: its own grad_fn may save it)
+        saved.append(weakref.ref(box))  # the graph holds the only reference
+        return box
+
+    model, x, targets = _setup()
+    log_vars = torch.nn.Parameter(torch.zeros(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        features = model.features(x)
+        losses = [loss + v for loss, v in zip(model.losses(features, targets), log_vars)]
+    funcgrad.backward(losses, through=features, level=level)
+    del features, losses
+    gc.collect()
+    assert saved and all(ref() is None for ref in saved)
 
 
 def test_graphs_that_free_nothing_run_again_as_in_torch():
