@@ -310,6 +310,11 @@ _SAVES: dict[type, bool] = {}
 
 
 def _saves_tensors(node: Any) -> bool:
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function:
+        try:  # what this call saved (a gradient reversal saves nothing)
+            return len(node._raw_saved_tensors) > 0
+        except RuntimeError:  # already freed by a backward
+            return True
     kind = type(node)
     if kind not in _SAVES:
         _SAVES[kind] = not hasattr(node, "variable") and any(  # (AccumulateGrad: a leaf)

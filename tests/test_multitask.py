@@ -690,6 +690,38 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         torch.testing.assert_close(table.grad, 2 * once)
 
 
+class _ReverseGradient(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): it saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_heads_whose_custom_functions_save_nothing_run_again_as_in_torch(level):
+    """A custom Function that saved no tensor frees nothing: torch runs its backward again,
+    and so does funcgrad."""
+
+    def forward():
+        torch.manual_seed(0)
+        p = torch.randn(4, requires_grad=True)
+        through = p + 1
+        return p, through, [_ReverseGradient.apply(through).sum(), through.sum()]
+
+    p, through, losses = forward()
+    sum(losses).backward()
+    sum(losses).backward()  # torch: no error
+    p_, through, losses = forward()
+    for _ in range(2):
+        funcgrad.backward(losses, through=through, level=level)
+    torch.testing.assert_close(p_.grad, p.grad)
+
+
 @pytest.mark.parametrize("level", ["params", "features"])
 def test_backward_in_inference_mode_as_torch(level):
     """A graph built outside inference mode, backward inside it: torch.autograd.backward
