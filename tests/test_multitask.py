@@ -670,26 +670,6 @@ def test_a_spent_graph_goes_when_dropped(level):
     assert saved and all(ref() is None for ref in saved)
 
 
-def test_graphs_that_free_nothing_run_again_as_in_torch():
-    """A leaf `through` (precomputed features, an embedding table) or one that only adds
-    leaves saves no tensor: torch runs its backward again, and so does funcgrad (a second
-    call with a new forward of the heads accumulates the same update again)."""
-    torch.manual_seed(0)
-    table = torch.nn.Parameter(torch.randn(6, 4))
-    bias = torch.nn.Parameter(torch.randn(4))
-    heads = torch.randn(3, 4)
-    for through in (table, table + bias):
-        torch.autograd.backward(through, torch.ones_like(through))  # torch: no error
-        torch.autograd.backward(through, torch.ones_like(through))
-        table.grad = bias.grad = None
-        losses = [(through @ h).sin().sum() for h in heads]
-        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
-        once = table.grad.clone()
-        losses = [(through @ h).sin().sum() for h in heads]
-        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
-        torch.testing.assert_close(table.grad, 2 * once)
-
-
 class _ReverseGradient(torch.autograd.Function):
     """A gradient reversal layer (domain adaptation): it saves no tensor."""
 
@@ -740,3 +720,23 @@ def test_backward_in_inference_mode_as_torch(level):
         funcgrad.backward(losses, through=features, level=level, weighting=lambda g: g.new_ones(3))
     assert_tree_close(_grads(model), {name: 2 * g for name, g in want.items()}, rtol=1e-6)
     assert all(torch.is_inference(p.grad) for p in model.parameters())
+
+
+def test_graphs_that_free_nothing_run_again_as_in_torch():
+    """A leaf `through` (precomputed features, an embedding table) or one that only adds
+    leaves saves no tensor: torch runs its backward again, and so does funcgrad (a second
+    call with a new forward of the heads accumulates the same update again)."""
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(6, 4))
+    bias = torch.nn.Parameter(torch.randn(4))
+    heads = torch.randn(3, 4)
+    for through in (table, table + bias):
+        torch.autograd.backward(through, torch.ones_like(through))  # torch: no error
+        torch.autograd.backward(through, torch.ones_like(through))
+        table.grad = bias.grad = None
+        losses = [(through @ h).sin().sum() for h in heads]
+        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
+        once = table.grad.clone()
+        losses = [(through @ h).sin().sum() for h in heads]
+        funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
+        torch.testing.assert_close(table.grad, 2 * once)
