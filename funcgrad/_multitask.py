@@ -120,6 +120,7 @@ class _Task:
     shared: Tensors  # the shared leaves
     weighed: list[bool]  # which of them shape the weights (params level)
     own: list[Tensors]  # each loss's task-specific leaves
+    graph: _graph.Graph  # what the backward of the losses frees (without retain_graph)
 
     def facts(self) -> dict[str, Any]:
         """What must match across ranks."""
@@ -156,7 +157,7 @@ def _validate(
     check_scalar_outputs(outs, _CALL, names)
     mids = as_tensors(through, "through", _CALL)
     named = None if inputs is None else named_inputs(inputs, _CALL)
-    shared, _, per_task = _graph.split_leaves(outs, names, mids, named, _CALL)
+    shared, _, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]
     leaves = tuple(shared.values())
     # By default only parameters shape the weights, as jac_to_grad(model.parameters(), ...)
@@ -172,6 +173,7 @@ def _validate(
         leaves,
         weighed if any(weighed) else [True] * len(leaves),
         own,
+        graph,
     )
 
 
@@ -275,7 +277,8 @@ def backward(
             ``nn.Parameter`` leaves shape the weights at level ``"params"`` (as TorchJD's
             ``jac_to_grad(model.parameters(), ...)``): another leaf that requires grad, such
             as an input, gets ``w @`` its per-task gradients without changing ``w``.
-        retain_graph: keep the graph of the shared part after the last backward.
+        retain_graph: keep the graph after the call, as ``torch.autograd.backward`` does.
+            Without it the graph counts as freed from the losses down (see Notes).
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
@@ -316,30 +319,31 @@ def backward(
         ``.grad`` unchanged. At level ``"params"`` (without DDP or FSDP) the batched
         backward keeps the graph of the shared part whatever ``retain_graph``: its saved
         tensors go when ``through`` and the losses go (``del`` them before the next forward
-        to keep peak memory at one graph). With ``retain_graph=False`` a second call
-        through the same ``through`` raises, as torch does.
+        to keep peak memory at one graph). With ``retain_graph=False`` the graph counts as
+        freed where ``sum(losses).backward()`` would free it, the heads' part (which
+        funcgrad keeps for each loss's gradient on ``through``) included: a second call
+        through it, or the user's own ``.backward()``, raises torch's error before any
+        ``.grad`` is written.
     """
     # Validate, then agree: every rank's checks travel in one collective, before any backward.
     sync = _sync.policy(process_group, _CALL)
     mode = resolve_check(check, _CALL)
     task: _Task | None = None
-    nodes: list[Any] = []  # what the backward through the shared part frees
-    kept_graph = False  # whether funcgrad kept a graph that torch would have freed
     error: Exception | None = None
     try:
         if isinstance(sync, _sync.FSDPSync):
             sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
-        nodes = _graph.freed_nodes(task.through, task.shared)
-        if _graph.spent(nodes):
-            raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=_CALL))
+        spender = _graph.spent(task.graph)
+        if spender is not None:
+            raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=spender))
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
         if isinstance(sync, _sync.DDPSync):
             sync.configure(task.shared, task.level)
         if isinstance(sync, _sync.FSDPSync):
             sync.configure(task.shared, task.level, task.rule.needs_jacobian)
         ddp = isinstance(sync, _sync.DDPSync) and sync.reduces_backward
-        if ddp and _graph.has_reentrant_checkpoint(task.through):
+        if ddp and task.graph.checkpoint:
             raise ValueError(
                 f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
                 "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
@@ -362,7 +366,9 @@ def backward(
 
     # Collect: V on `through`, and each loss's own gradients.
     cotangents, own_grads = _collect(task, sync)
-    lin = _linearize.of_graph(task.through, task.shared, retain_graph=retain_graph)
+    lin = _linearize.of_graph(
+        task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
+    )
 
     # Weigh, and compute what the shared leaves get (nothing is written yet).
     update: Tensors | None = None
@@ -385,7 +391,6 @@ def backward(
         weights, update = weigh_params(
             task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
         )
-        kept_graph = not sync.reduces_backward  # its batched pulls retained the graph
         if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 
@@ -402,8 +407,8 @@ def backward(
     for own, grads in zip(task.own, own_grads):
         for leaf, grad in zip(own, grads):
             _accumulate(leaf, grad)
-    if not retain_graph:  # a later call through these nodes raises before any pass
-        _graph.spend(nodes, _CALL, refuse_backward=kept_graph)
+    if not retain_graph:  # a later backward through the graph raises before it writes
+        _graph.spend(task.graph, _CALL)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

@@ -346,7 +346,7 @@ def test_bridge_repeated_inputs_like_autograd():
     x = torch.randn(3, requires_grad=True)
     y = x.sin()
     zs = [y.sum(), (y * y).sum()]
-    got = funcgrad.grads(zs, [x, x], through=y)
+    got = funcgrad.grads(zs, [x, x], through=y, retain_graph=True)
     expected = per_head_autograd(zs, (x, x))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)

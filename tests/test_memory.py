@@ -103,7 +103,7 @@ def test_auto_chunks_agree_on_combine_pullback_grads_and_backward():
         xr = x.clone().requires_grad_()
         y = f(xr)
         outputs = [head(y) for head in heads]
-        (got,) = funcgrad.grads(outputs, xr, through=y, chunk_size="auto")
+        (got,) = funcgrad.grads(outputs, xr, through=y, chunk_size="auto", retain_graph=True)
         want = torch.stack([torch.autograd.grad(z, xr, retain_graph=True)[0] for z in outputs])
         torch.testing.assert_close(got, want)
 
