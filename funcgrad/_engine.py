@@ -380,9 +380,13 @@ def nothing_to_pull(k: int, out_like: Tensors, x_like: Tensors) -> bool:
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
-    # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
-    # needless, still correct, recomputation).
-    return all(bool(torch.isfinite(leaf.sum())) for leaf in leaves if leaf.numel())
+    """Whether every entry is finite, in ONE read of a device value: NaN and inf survive a
+    sum (an overflow to inf only costs a needless, still correct, recomputation)."""
+    sums = [torch.isfinite(leaf.sum()) for leaf in leaves if leaf.numel()]
+    if not sums:
+        return True
+    device = sums[0].device
+    return bool(torch.stack([s.to(device) for s in sums]).all())
 
 
 def went_non_finite(grads: Tensors, out: Tensors) -> bool:
@@ -752,3 +756,49 @@ def by_linearity(
     if not all_finite(result):  # an overflow in the product that autograd may not have
         return direct(pulled)
     return result, pulled
+
+
+# -- the cheap side: gradients of k scalar outputs (heads, task losses) --------------------
+
+
+def _batched_on(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+# Whether k outputs' gradients take one batched backward (else one call per output); a module
+# attribute so that tests run both paths on the CPU.
+BATCH_OUTPUTS: Callable[[torch.device], bool] = _batched_on
+
+
+def output_grads(outputs: Sequence[torch.Tensor], inputs: Tensors) -> Tensors:
+    """The gradients of each of k scalar ``outputs`` w.r.t. ``inputs``, stacked: leaves
+    ``(k, *input.shape)``, zeros where an output does not reach an input, as k calls of
+    ``torch.autograd.grad(output, inputs)`` give them (the graph is retained).
+
+    On CUDA, where each autograd call costs its host time, one batched backward
+    (``is_grads_batched``) checked for non-finite entries with one read: an infinite
+    derivative on one output's path meets the other rows' zero cotangents (0 * inf = NaN)
+    where the per-output call gives a finite entry, and then the k calls run. On the CPU the
+    k calls, which measure cheapest there (the batched backward is the legacy vmap, with
+    slow fallbacks for tanh and friends)."""
+    k = len(outputs)
+    if not any(o.requires_grad for o in outputs):  # no output depends on the inputs
+        return tuple(x.new_zeros((k, *x.shape)) for x in inputs)
+    # (not in inference mode, where the stack could join no graph)
+    if BATCH_OUTPUTS(outputs[0].device) and not torch.is_inference_mode_enabled():
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=SLOW_PATH)
+            stacked = torch.stack([o.reshape(()) for o in outputs])
+            eye = torch.eye(k, dtype=stacked.dtype, device=stacked.device)
+            grads = _linearize.autograd_grad(
+                stacked, inputs, eye, retain_graph=True, is_grads_batched=True
+            )
+        if not values_readable(grads) or all_finite(grads):
+            return grads
+    rows = [
+        _linearize.autograd_grad(o, inputs, None, retain_graph=True)
+        if o.requires_grad
+        else tuple(torch.zeros_like(x) for x in inputs)
+        for o in outputs
+    ]
+    return tuple(torch.stack([row[j] for row in rows]) for j in range(len(inputs)))

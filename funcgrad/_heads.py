@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -15,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _coords, _engine, _linearize, _tree
+from . import _coords, _engine, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
@@ -162,11 +161,10 @@ def _heads_eager(
     heads: list[Any], keys: list[Any] | None, out_def: Any, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
     """Every head's value and gradient w.r.t. y on plain autograd, for a call that builds no
-    graph of its results: the heads run once on a detached y, then one batched backward of
-    the k values (``is_grads_batched``) on CUDA, where each autograd call costs its host
-    time, or one ``torch.autograd.grad`` per head on the CPU, where that is the cheapest
-    (about 3x fewer µs a head than ``torch.func.grad``). The batched backward is checked
-    for non-finite entries (one read of a device value) and redone head by head if any."""
+    graph of its results: the heads run once on a detached y, then
+    :func:`~funcgrad._engine.output_grads` (one batched backward on CUDA; one
+    ``torch.autograd.grad`` per head on the CPU, about 3x fewer µs a head than
+    ``torch.func.grad``)."""
     y = tuple(leaf.detach().requires_grad_() for leaf in out)
     with torch.enable_grad():
         values = []
@@ -174,36 +172,8 @@ def _heads_eager(
             where = f"head {index}" if keys is None else f"head {keys[index]!r}"
             with _naming(where, call):
                 values.append(_scalar(head(_tree.unflatten(out_def, y)), where, call))
-        k, stacked = len(values), torch.stack(values)
-        if not stacked.requires_grad:  # no head depends on y
-            return stacked, tuple(leaf.new_zeros((k, *leaf.shape)) for leaf in y)
-        if _BATCHED_HEADS(out):
-            eye = torch.eye(k, dtype=stacked.dtype, device=stacked.device)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_engine.SLOW_PATH)
-                grads = _linearize.autograd_grad(
-                    stacked, y, eye, retain_graph=True, is_grads_batched=True
-                )
-            # A head's infinite derivative (sqrt at 0) meets the other rows' zero cotangents:
-            # 0 * inf = NaN where autograd, head by head, gives a finite entry. One read.
-            if _engine.all_finite(grads):
-                return stacked.detach(), grads
-        rows = [
-            _linearize.autograd_grad(value, y, None, retain_graph=index < k - 1)
-            if value.requires_grad
-            else tuple(torch.zeros_like(leaf) for leaf in y)
-            for index, value in enumerate(values)
-        ]
-    return stacked.detach(), tuple(torch.stack([row[j] for row in rows]) for j in range(len(y)))
-
-
-def _batched_heads_on(out: Tensors) -> bool:
-    return out[0].device.type == "cuda"
-
-
-# Whether the heads' cotangents take one batched backward (else one per head); a module
-# attribute so that tests run both paths on the CPU.
-_BATCHED_HEADS = _batched_heads_on
+        grads = _engine.output_grads(values, y)
+    return torch.stack(values).detach(), grads
 
 
 def _head_cotangents(

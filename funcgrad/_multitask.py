@@ -182,17 +182,17 @@ def _validate(
 
 def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
     """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
-    ranks): the cheap backward of each loss, head by head. V is written in place, row by
-    row: it is the one k x m buffer that the features level holds."""
-    k, mids = len(task.losses), task.through
-    cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
-    own_grads = []
+    ranks): the cheap backward of the losses, by :func:`~funcgrad._engine.output_grads`
+    (one batched backward on CUDA, one per loss on the CPU)."""
+    mids = task.through
+    owned = [leaf for own in task.own for leaf in own]
     with sync.collecting():
-        for i, (loss, own) in enumerate(zip(task.losses, task.own)):
-            grads = _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
-            for row, grad in zip(cotangents, grads):
-                row[i] = grad
-            own_grads.append(grads[len(mids) :])
+        grads = _engine.output_grads(task.losses, mids + tuple(owned))
+    cotangents = grads[: len(mids)]
+    own_grads, start = [], len(mids)
+    for i, own in enumerate(task.own):  # each loss's own leaves: row i of theirs
+        own_grads.append([g[i] for g in grads[start : start + len(own)]])
+        start += len(own)
     flat = sync.average([g for grads in own_grads for g in grads])
     averaged, start = [], 0
     for own in task.own:

@@ -10,13 +10,13 @@ import torch
 from helpers import autograd_reference
 
 import funcgrad
-from funcgrad import _heads
+from funcgrad import _engine
 
 
 @pytest.fixture(params=["per-head", "batched"])
 def path(request, monkeypatch):
     if request.param == "batched":
-        monkeypatch.setattr(_heads, "_BATCHED_HEADS", lambda out: True)
+        monkeypatch.setattr(_engine, "BATCH_OUTPUTS", lambda device: True)
     return request.param
 
 
@@ -89,3 +89,35 @@ def test_create_graph_keeps_the_cotangents_dependence_on_x(path):
     (got,) = torch.autograd.grad(grads.sum(), x)
     (g,) = torch.autograd.grad((torch.sin(x) ** 3).sum(), x, create_graph=True)
     torch.testing.assert_close(got, torch.autograd.grad(g.sum(), x)[0])
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_backward_collects_the_losses_gradients_on_both_paths(path, level):
+    """The per-task cotangents and each task's own gradients, batched or loss by loss,
+    against a loop of torch.autograd.grad; one loss has an infinite derivative on its path
+    (sqrt at 0), which the batched backward meets as 0 * inf and redoes loss by loss."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(3, 4).double()
+    heads = [torch.nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def losses_of(features):
+        return [
+            heads[0](features).pow(2).mean(),
+            heads[1](features).tanh().sum(),
+            torch.sqrt(torch.relu(heads[2](features))).sum(),  # relu makes zeros: sqrt at 0
+        ]
+
+    features = encoder(x)
+    losses = losses_of(features)
+    params = [*encoder.parameters(), *(p for h in heads for p in h.parameters())]
+    want = [torch.zeros_like(p) for p in params]
+    for loss in losses:
+        for w, g in zip(
+            want, torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        ):
+            if g is not None:
+                w += g
+    funcgrad.backward(losses, through=features, level=level)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, equal_nan=True)
