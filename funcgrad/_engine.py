@@ -32,7 +32,7 @@ from . import _coords, _linearize, _memory
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
-from ._plan import Plan
+from ._plan import FIT_MIN, FIT_RANGES, Plan
 from ._types import ChunkSize, Tensors
 from ._validate import values_readable
 
@@ -243,28 +243,24 @@ def remembering_chunks(record: ChunkFit) -> Iterator[None]:
         _fitted.reset(token)
 
 
-# The directions run to measure a fit: direction 0, then directions 1 and 2.
-FIT_RANGES = ((0, 1), (1, 3))
-
-
 def fit_chunk(
     run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
 ) -> tuple[list[Tensors], int | None]:
     """``chunk_size="auto"``: (the results of the directions run to measure, the chunk for
     the rest). Where the running object's :class:`ChunkFit` has measured, its chunk under
-    the budget in force, nothing run. Else directions 0 and 1-2 run as two chunks
+    the budget in force, nothing run. Else directions 0-1 and 2-4 run as two vmapped chunks
     (:data:`FIT_RANGES`), each under a peak-memory measurement (their results are kept: no
-    direction is pulled twice); their difference is what one more direction costs, and the
-    chunk is the most directions that fit the budget. None where nothing is fitted: values
-    cannot be read (compiled code, inside transforms: unchunked), or 3 directions or fewer
-    and nothing measured yet (measuring would run them all anyway)."""
+    direction is pulled twice); their difference is what a direction costs, and the chunk
+    is the most directions that fit the budget. None where nothing is fitted: values cannot
+    be read (compiled code, inside transforms: unchunked), or 5 directions or fewer and
+    nothing measured yet (measuring would run them all anyway)."""
     # Values first: inside compiled code, dynamo cannot trace the context variable.
     if not values_readable(like):
         return [], None
     record = _fitted.get()
     if record is not None and record.measured:
         return [], record.chunk(what)
-    if total <= 3:
+    if total <= FIT_MIN:
         return [], None
     record = record if record is not None else ChunkFit()
     return measure_fit(record, run, like[0].device), record.chunk(what)
@@ -277,8 +273,9 @@ def measure_fit(
     (start, stop), (start2, stop2) = FIT_RANGES
     first, one = _memory.peak_of(lambda: run(start, stop), device)
     second, two = _memory.peak_of(lambda: run(start2, stop2), device)
-    record.per_direction = max(two - one, 1)
-    record.fixed = max(one - record.per_direction, 0)
+    few, more = stop - start, stop2 - start2
+    record.per_direction = max((two - one) // (more - few), 1)
+    record.fixed = max(one - few * record.per_direction, 0)
     record.device = device
     return [first, second]
 

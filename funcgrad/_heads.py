@@ -19,7 +19,7 @@ from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
 from ._linearize import RandomState
-from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
+from ._plan import FIT_RANGES, FORWARD_MODE_PENALTY, Plan, make_plan
 from ._types import ChunkSize, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
@@ -532,23 +532,19 @@ class Composition:
         return fit.chunk() if fit is not None and fit.measured else "auto"
 
     def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
-        """For plan(): measure the chunk as the call would (f's pullback of directions 0,
-        then 1-2), so that the plan reports the passes the call runs. f runs once more, its
+        """For plan(): measure the chunk as the call would (f's pullback of directions 0-1,
+        then 2-4), so that the plan reports the passes the call runs. f runs once more, its
         random draws replayed (the generators end where they were). False where that cannot
         be done without side effects (torch.func refuses f): the call measures then."""
         if plan.chunk_size != "auto" or plan.strategy not in ("vjp", "jacrev"):
             return False
-        if plan.directions <= _engine.FIT_RANGES[-1][1]:
+        if plan.directions <= FIT_RANGES[-1][1]:
             return False
         rng = RandomState(flat)
         try:
             out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
             # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
-            made = (
-                _coords.unit_rows(out, 0, _engine.FIT_RANGES[-1][1])
-                if plan.strategy == "vjp"
-                else None
-            )
+            made = _coords.unit_rows(out, 0, FIT_RANGES[-1][1]) if plan.strategy == "vjp" else None
 
             def run(start: int, stop: int) -> Tensors:
                 return _engine.batched(

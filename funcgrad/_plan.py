@@ -14,6 +14,13 @@ import math
 
 from ._types import ChunkSize, Executed, Strategy
 
+# chunk_size="auto": the directions run to measure a fit, directions 0-1 then 2-4, both
+# vmapped (one direction alone is an unbatched call, whose peak differs from a vmapped
+# direction's: on an MLP, 4 MiB for one direction alone, 4.25 MiB for two in one vmap, then
+# 2.125 MiB more for each). At most FIT_MIN directions run unmeasured, all at once.
+FIT_RANGES = ((0, 2), (2, 5))
+FIT_MIN = FIT_RANGES[-1][1]
+
 # A JVP of f costs about as much as a VJP but forward mode can disagree with autograd's
 # conventions (cholesky, eigh, ...: see the README, Reliability), so it must be clearly
 # cheaper to be chosen.
@@ -51,9 +58,9 @@ class Plan:
             Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
             from what one direction through f was measured to cost on these argument
             shapes (by ``plan()`` or the first call); ``"auto"`` where that is not known
-            yet: the call then measures on directions 0, then 1 and 2, and runs the rest in
-            chunks of the size found, so ``passes`` is a lower bound (the rest counted as
-            one chunk), exact with 3 directions or fewer.
+            yet: the call then measures on directions 0-1, then 2-4 (vmapped), and runs
+            the rest in chunks of the size found, so ``passes`` is a lower bound (the rest
+            counted as one chunk), exact with 5 directions or fewer.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
@@ -118,17 +125,19 @@ class Plan:
             return self.directions
         if self.strategy == "jacfwd":
             return 1
-        if self.chunk_size == "auto":  # not measured yet: 1 and 2 directions, then the rest
-            return (1 if self.directions <= 3 else 3) + self.measure
+        if self.chunk_size == "auto":  # not measured yet: 2 and 3 directions, then the rest
+            return (1 if self.directions <= FIT_MIN else 3) + self.measure
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
 
     @property
     def exact(self) -> bool:
         """Whether :attr:`passes` is the count the call runs; False only where
-        ``chunk_size="auto"`` has not measured yet and more than 3 directions batch: the
+        ``chunk_size="auto"`` has not measured yet and more than 5 directions batch: the
         call measures, then runs the rest in chunks of a size not known before."""
         return not (
-            self.chunk_size == "auto" and self.strategy in ("vjp", "jacrev") and self.directions > 3
+            self.chunk_size == "auto"
+            and self.strategy in ("vjp", "jacrev")
+            and self.directions > FIT_MIN
         )
 
     def __repr__(self) -> str:

@@ -296,8 +296,8 @@ def test_a_smaller_budget_gives_a_smaller_chunk_at_once():
         with pytest.warns(funcgrad.FuncgradWarning, match="more than the memory budget"):
             _, _, fresh_peak, fresh_passes = _peak_and_passes(fresh, x)
         assert fn.plan(x).chunk_size == 1 and passes == 64  # one at a time
-        assert fresh_passes == 1 + 1 + 61  # measured on 1, then 2 directions; then one at a time
-        assert peak <= fresh_peak + 2**20
+        assert fresh_passes == 1 + 1 + 59  # measured on 2, then 3 directions; then one at a time
+        assert peak <= 1.1 * fresh_peak  # (the bug: 136 MiB against 40 for a fresh object)
     with funcgrad.memory_budget("1GiB"):  # and back, without measuring again
         assert fn.plan(x).chunk_size >= 64
         assert _peak_and_passes(fn, x)[3] == 1
@@ -368,3 +368,28 @@ def test_auto_chunks_compile_with_fullgraph():
     want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+def test_the_fit_measures_vmapped_directions_on_a_module():
+    """One direction alone runs unbatched, and on this MLP it peaks at about as much as two
+    in one vmap (4 against 4.25 MiB): measured from one and two directions, the fit found a
+    direction to cost 1 byte and chunked nothing (2 GiB under a 512 MiB budget on an H200).
+    Measured from two and three vmapped directions (2.1 MiB each), 64 do not fit 64 MiB."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(
+        torch.nn.Linear(256, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 64)
+    )
+    params = {"w": torch.randn(64, 64) / 8, "b": torch.randn(64)}
+
+    def probe(p, y):
+        return torch.nn.functional.softplus(y @ p["w"] + p["b"]).mean()
+
+    heads = funcgrad.stacked_heads(probe, params)
+    fn = funcgrad.compose_heads(encoder, heads, strategy="vjp", chunk_size="auto")
+    x = torch.randn(128, 256)
+    with funcgrad.memory_budget("64MiB"):
+        _, grads = fn(x)
+        chunk = fn.plan(x).chunk_size
+    assert 8 <= chunk < 32  # about (64 MiB - what the forward holds) / 2.1 MiB
+    _, whole = funcgrad.compose_heads(encoder, heads, strategy="vjp")(x)
+    torch.testing.assert_close(grads, whole)
