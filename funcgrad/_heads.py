@@ -161,10 +161,9 @@ def _heads_eager(
     heads: list[Any], keys: list[Any] | None, out_def: Any, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
     """Every head's value and gradient w.r.t. y on plain autograd, for a call that builds no
-    graph of its results: the heads run once on a detached y, then
-    :func:`~funcgrad._engine.output_grads` (one batched backward on CUDA; one
-    ``torch.autograd.grad`` per head on the CPU, about 3x fewer µs a head than
-    ``torch.func.grad``)."""
+    graph of its results: the heads run once on a detached y, then one
+    ``torch.autograd.grad`` per head (:func:`~funcgrad._engine.output_grads`; about 3x fewer
+    µs a head than ``torch.func.grad`` on the CPU)."""
     y = tuple(leaf.detach().requires_grad_() for leaf in out)
     with torch.enable_grad():
         values = []

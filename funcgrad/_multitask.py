@@ -182,8 +182,8 @@ def _validate(
 
 def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
     """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
-    ranks): the cheap backward of the losses, by :func:`~funcgrad._engine.output_grads`
-    (one batched backward on CUDA, one per loss on the CPU)."""
+    ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each
+    (:func:`~funcgrad._engine.output_grads`)."""
     mids = task.through
     owned = [leaf for own in task.own for leaf in own]
     with sync.collecting():

@@ -1,7 +1,6 @@
-"""The cheap side: each head's value and cotangent on y. Eager calls that build no graph of
-their results take plain autograd on a detached y (one batched backward on CUDA, one
-``autograd.grad`` per head on the CPU); both paths run here against per-head autograd in
-float64."""
+"""The cheap side: each head's value and cotangent on y, and backward's per-task gradients.
+Eager calls that build no graph of their results take plain autograd on a detached y, one
+``autograd.grad`` per head, against per-head autograd in float64."""
 
 from __future__ import annotations
 
@@ -10,14 +9,12 @@ import torch
 from helpers import autograd_reference
 
 import funcgrad
-from funcgrad import _engine
 
 
-@pytest.fixture(params=["per-head", "batched"])
-def path(request, monkeypatch):
-    if request.param == "batched":
-        monkeypatch.setattr(_engine, "BATCH_OUTPUTS", lambda device: True)
-    return request.param
+@pytest.fixture
+def path():
+    """The eager cheap side (the default in eager calls that build no result graph)."""
+    return "eager"
 
 
 def _assert_matches_reference(f, heads, x, **options):

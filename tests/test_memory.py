@@ -393,3 +393,24 @@ def test_the_fit_measures_vmapped_directions_on_a_module():
     assert 8 <= chunk < 32  # about (64 MiB - what the forward holds) / 2.1 MiB
     _, whole = funcgrad.compose_heads(encoder, heads, strategy="vjp")(x)
     torch.testing.assert_close(grads, whole)
+
+
+def test_a_one_time_allocation_in_the_first_measured_run_never_shrinks_the_cost(monkeypatch):
+    """On CUDA the first run can allocate a workspace once (cuBLAS): measured smaller chunk
+    first, that cancelled the difference and the fit chunked nothing. The larger chunk runs
+    first, so a one-time cost can only inflate what a direction is found to cost."""
+    from funcgrad import _engine
+
+    true_fixed, true_per, one_time = 1000, 100, 10**6
+    calls = []
+
+    def peak_of(call, device):
+        directions = call()
+        calls.append(directions)
+        return directions, true_fixed + true_per * directions + (one_time if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(_memory, "peak_of", peak_of)
+    record = _engine.ChunkFit()
+    _engine.measure_fit(record, lambda start, stop: stop - start, torch.device("cpu"))
+    assert calls == [3, 2]  # directions 2-4, then 0-1
+    assert record.per_direction >= true_per
