@@ -11,12 +11,6 @@ from helpers import autograd_reference
 import funcgrad
 
 
-@pytest.fixture
-def path():
-    """The eager cheap side (the default in eager calls that build no result graph)."""
-    return "eager"
-
-
 def _assert_matches_reference(f, heads, x, **options):
     values, grads = funcgrad.compose_heads(f, heads, **options)(x)
     ref_values, ref_grads = autograd_reference(f, heads, (x,))
@@ -25,7 +19,7 @@ def _assert_matches_reference(f, heads, x, **options):
 
 
 @pytest.mark.parametrize("strategy", ["vjp", "jacrev", "loop", "auto"])
-def test_heads_of_a_matrix_output(path, strategy):
+def test_heads_of_a_matrix_output(strategy):
     torch.manual_seed(0)
     w = torch.randn(5, 3, dtype=torch.float64)
     f = lambda x: torch.tanh(w @ x)  # noqa: E731
@@ -37,7 +31,7 @@ def test_heads_of_a_matrix_output(path, strategy):
     _assert_matches_reference(f, heads, torch.randn(3, 4, dtype=torch.float64), strategy=strategy)
 
 
-def test_heads_independent_of_y_get_zeros(path):
+def test_heads_independent_of_y_get_zeros():
     heads = [lambda y: y.sum(), lambda y: torch.tensor(2.0)]
     values, grads = funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
     torch.testing.assert_close(values, torch.tensor([0.0, 2.0]))
@@ -46,24 +40,24 @@ def test_heads_independent_of_y_get_zeros(path):
     torch.testing.assert_close(grads, torch.zeros(1, 3))
 
 
-def test_heads_of_a_tuple_output_touching_some_leaves(path):
+def test_heads_of_a_tuple_output_touching_some_leaves():
     f = lambda x: (torch.sin(x), torch.cos(x).sum())  # noqa: E731
     heads = [lambda y: y[0].sum(), lambda y: y[1] ** 2, lambda y: y[0][0] * y[1]]
     _assert_matches_reference(f, heads, torch.randn(4, dtype=torch.float64))
 
 
-def test_heads_of_a_complex_output(path):
+def test_heads_of_a_complex_output():
     f = lambda x: torch.exp(1j * x)  # noqa: E731
     heads = [lambda y: y.real.sum(), lambda y: (y.abs() ** 2).sum(), lambda y: (y * y).imag[0]]
     _assert_matches_reference(f, heads, torch.randn(3, dtype=torch.float64))
 
 
-def test_non_finite_head_gradients_as_autograd(path):
+def test_non_finite_head_gradients_as_autograd():
     heads = [lambda y, i=i: (torch.sqrt(y) * (i + 1)).sum() for i in range(3)]
     _assert_matches_reference(lambda t: 3 * t, heads, torch.tensor([0.0, 1.0, 4.0]))
 
 
-def test_one_head_and_a_mapping(path):
+def test_one_head_and_a_mapping():
     _assert_matches_reference(torch.sin, [lambda y: y.sum()], torch.randn(3, dtype=torch.float64))
     fn = funcgrad.compose_heads(torch.sin, {"b": lambda y: y.sum(), "a": lambda y: y[0]})
     values, grads = fn(torch.zeros(2))
@@ -71,13 +65,13 @@ def test_one_head_and_a_mapping(path):
     torch.testing.assert_close(grads["a"], torch.tensor([1.0, 0.0]))
 
 
-def test_a_bad_head_is_named(path):
+def test_a_bad_head_is_named():
     heads = [lambda y: y.sum(), lambda y: y]
     with pytest.raises(ValueError, match=r"head 1 must return a scalar, got shape \(3,\)"):
         funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
 
 
-def test_create_graph_keeps_the_cotangents_dependence_on_x(path):
+def test_create_graph_keeps_the_cotangents_dependence_on_x():
     """With create_graph=True the cotangents stay functions of x (torch.func.grad), so the
     second derivative includes the heads' curvature."""
     x = torch.tensor([0.3, -0.7], dtype=torch.float64, requires_grad=True)
@@ -89,10 +83,9 @@ def test_create_graph_keeps_the_cotangents_dependence_on_x(path):
 
 
 @pytest.mark.parametrize("level", ["features", "params"])
-def test_backward_collects_the_losses_gradients_on_both_paths(path, level):
-    """The per-task cotangents and each task's own gradients, batched or loss by loss,
-    against a loop of torch.autograd.grad; one loss has an infinite derivative on its path
-    (sqrt at 0), which the batched backward meets as 0 * inf and redoes loss by loss."""
+def test_backward_collects_the_losses_gradients_as_autograd(level):
+    """The per-task cotangents and each task's own gradients against a loop of
+    torch.autograd.grad; one loss has an infinite derivative on its path (sqrt at 0)."""
     torch.manual_seed(0)
     encoder = torch.nn.Linear(3, 4).double()
     heads = [torch.nn.Linear(4, 1).double() for _ in range(3)]
