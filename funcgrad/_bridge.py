@@ -77,7 +77,7 @@ def grads(
     """
     check_chunk_size(chunk_size, _CALL)
     mode = resolve_check(check, _CALL)
-    outs = as_tensors(outputs, "outputs", _CALL)
+    outs = as_tensors(outputs, "outputs", _CALL, rows=True)
     ins = as_tensors(inputs, "inputs", _CALL)
     mids = as_tensors(through, "through", _CALL)
     check_scalar_outputs(outs, _CALL)

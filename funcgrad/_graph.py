@@ -210,7 +210,12 @@ def split_leaves(
             )
         for e, leaf in own.items():
             if e in below:
-                where = leaf_names.get(e, f"a leaf tensor of shape {tuple(leaf.shape)}")
+                kind = "a parameter" if isinstance(leaf, torch.nn.Parameter) else "a leaf tensor"
+                where = leaf_names.get(
+                    e,
+                    f"{kind} of shape {tuple(leaf.shape)} (pass inputs=model.named_parameters() "
+                    "to have it named)",
+                )
                 raise ValueError(
                     f"{call}: {name} reaches {where} other than through `through`, so that "
                     "leaf is both shared and task-specific and its weighted gradient would "

@@ -152,7 +152,13 @@ def _validate(
         values: Any = list(losses.values())
     else:
         keys, values, names = None, losses, []
-    outs = as_tensors(values, "losses", _CALL)
+    if isinstance(values, torch.Tensor) and values.dim() > 1:
+        raise ValueError(
+            f"{_CALL}: `losses` must be k scalar losses (a sequence, a mapping, or a 1-D "
+            f"tensor such as torch.stack(losses)), got a tensor of shape {tuple(values.shape)}. "
+            "Reduce each task's loss to a scalar (.mean() or .sum())."
+        )
+    outs = as_tensors(values, "losses", _CALL, rows=True)
     names = names or [f"losses[{i}]" for i in range(len(outs))]
     check_scalar_outputs(outs, _CALL, names)
     mids = as_tensors(through, "through", _CALL)
@@ -262,8 +268,8 @@ def backward(
     ``sum(losses).backward()``.
 
     Args:
-        losses: k real scalar tensors, a sequence or a mapping ``name -> loss``, each
-            computed from ``through``.
+        losses: k real scalar tensors, a sequence or a mapping ``name -> loss``, or a 1-D
+            tensor of k losses (``torch.stack(losses)``), each computed from ``through``.
         through: the shared features (one tensor or several independent ones).
         weighting: a callable Gramian (k x k) -> weights (k,), such as TorchJD's
             ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``

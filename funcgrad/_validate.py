@@ -115,10 +115,13 @@ def check_primal_leaves(
             )
 
 
-def as_tensors(value: Any, name: str, call: str) -> Tensors:
-    """A tensor or a non-empty sequence (or generator) of tensors that require grad."""
-    if isinstance(value, torch.Tensor):
-        items: Any = (value,)
+def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tensors:
+    """A tensor or a non-empty sequence (or generator) of tensors that require grad; with
+    ``rows``, a 1-D tensor is its entries (``torch.stack(losses)`` is k losses)."""
+    if isinstance(value, torch.Tensor) and rows and value.dim() == 1:
+        items: Any = tuple(value.unbind())
+    elif isinstance(value, torch.Tensor):
+        items = (value,)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
         items = tuple(value)  # a list, or a generator such as model.parameters()
     else:

@@ -445,7 +445,9 @@ def test_error_on_a_loss_around_through():
     bad = [losses[0], losses[1] + model.encoder[0].weight.sum()]
     with pytest.raises(ValueError, match=r"losses\[1\] reaches inputs\['0.weight'\] other than"):
         funcgrad.backward(bad, through=features, inputs=model.encoder.named_parameters())
-    with pytest.raises(ValueError, match=r"reaches a leaf tensor of shape \(7, 5\).*both shared"):
+    with pytest.raises(
+        ValueError, match=r"reaches a parameter of shape \(7, 5\) \(pass inputs=.*both shared"
+    ):
         funcgrad.backward(bad, through=features)
     assert counter.backward == 0 and not _grads(model)
 
@@ -789,3 +791,24 @@ def test_a_weighting_may_differentiate_inside_itself(level):
     )
     _, _, weights = fn(x, torch.randn(5, 4))
     assert weights.shape == (2,) and not weights.requires_grad
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_a_1d_tensor_of_losses_is_k_losses(level):
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    want = funcgrad.backward(losses, through=features, level=level, retain_graph=True)
+    want_grads = _grads(model)
+    model.zero_grad()
+    got = funcgrad.backward(torch.stack(losses), through=features, level=level)
+    torch.testing.assert_close(got, want)
+    assert_tree_close(_grads(model), want_grads)
+
+
+def test_a_matrix_of_losses_is_a_clear_error():
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = torch.stack(model.losses(features, targets))
+    with pytest.raises(ValueError, match=r"`losses` must be k scalar losses .* shape \(1, 3\)"):
+        funcgrad.backward(losses[None], through=features)
