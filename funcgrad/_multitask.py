@@ -393,10 +393,15 @@ def backward(
         task_grads, _ = _engine.by_linearity(
             lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
         )
+        # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
+        # w @ P, and the update written back sparse, as .grad would be.
+        sparse = [g.is_sparse for g in task_grads]
+        task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
         what = "with respect to the shared parameters"
         weights, update = weigh_params(
             task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
         )
+        update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
         if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 

@@ -3,6 +3,7 @@ MGDA-UB recipe written out by hand, and plain autograd per task, in float64."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -812,3 +813,29 @@ def test_a_matrix_of_losses_is_a_clear_error():
     losses = torch.stack(model.losses(features, targets))
     with pytest.raises(ValueError, match=r"`losses` must be k scalar losses .* shape \(1, 3\)"):
         funcgrad.backward(losses[None], through=features)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_sparse_embedding_gradients_are_written_sparse_as_torch(level):
+    """nn.EmbeddingBag(sparse=True) as the shared part: the per-task gradients are sparse;
+    the Gramian and w @ P take them dense and .grad is written sparse, as torch writes it."""
+    torch.manual_seed(0)
+    emb = torch.nn.EmbeddingBag(10, 4, mode="sum", sparse=True).double()
+    heads = [torch.nn.Linear(4, 1).double() for _ in range(2)]
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    f = emb(idx, offsets)
+    (heads[0](f).sum() + 2 * heads[1](f).sum()).backward()
+    want = emb.weight.grad.to_dense()
+    emb.weight.grad = None
+    f = emb(idx, offsets)
+    losses = [h(f).sum() for h in heads]
+    context = (
+        pytest.warns(funcgrad.FuncgradWarning, match="vmap could not batch")
+        if level == "params"
+        else contextlib.nullcontext()
+    )
+    with context:
+        funcgrad.backward(losses, through=f, level=level, weighting=lambda g: weights)
+    assert emb.weight.grad.is_sparse
+    torch.testing.assert_close(emb.weight.grad.to_dense(), want)
