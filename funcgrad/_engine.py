@@ -519,10 +519,13 @@ def forward_columns(
             return None
         why = f"forward mode cannot differentiate f ({first_line(error)})"
     else:
-        n_out = flat.out_def.num_leaves  # known once f has run
-        # Every output is batched (f's own as broadcast views): row 0 is f's output.
-        out = tuple(s[0] for s in stacked[:n_out])
-        return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+        if not (flat.drew and not torch.is_grad_enabled() and values_readable(primals)):
+            n_out = flat.out_def.num_leaves  # known once f has run
+            # Every output is batched (f's own as broadcast views): row 0 is f's output.
+            out = tuple(s[0] for s in stacked[:n_out])
+            return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+        # f drew random numbers, which the batched JVP draws otherwise than one eager forward.
+        why = "f draws random numbers, and its batched JVP draws other ones than eager"
     rng.restore()
     warnings.warn(
         f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more, with the "

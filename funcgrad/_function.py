@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree
 from ._errors import describe
@@ -45,6 +46,21 @@ class _Draws(TorchFunctionMode):
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
         return func(*args, **kwargs)
+
+
+class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records whether f ran an op that draws random numbers (ATen's ``nondeterministic_seeded``
+    tag: dropout's bernoulli, rand*, normal, multinomial, ...), at the level torch.func
+    transforms dispatch to, so that it also sees them inside ``vjp``."""
+
+    def __init__(self, flat: FlatFunction) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.flat = flat
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.flat.drew = True
+        return func(*args, **(kwargs or {}))
 
 
 class FlatFunction:
@@ -87,6 +103,11 @@ class FlatFunction:
         self.generators: dict[torch.Generator, torch.Tensor] = {}
         # The caller's record of this call's signature, once looked up (see _heads).
         self.signature: Any = None
+        # Whether f drew random numbers in a watched run; and whether to linearise it on
+        # eager autograd (torch.func draws other numbers than eager for some ops, such as
+        # dropout on a non-contiguous tensor: see _linearize.of_function).
+        self.drew = False
+        self.eager = False
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
@@ -102,7 +123,10 @@ class FlatFunction:
             args[a] = tree
         watching = self.watch and not torch.compiler.is_compiling()
         try:
-            with _Draws(self.generators) if watching else contextlib.nullcontext():
+            with contextlib.ExitStack() as stack:
+                if watching:
+                    stack.enter_context(_Draws(self.generators))
+                    stack.enter_context(Random(self))
                 result = self.f(*args)
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")

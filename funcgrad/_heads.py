@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _coords, _engine, _tree
+from . import _coords, _engine, _function, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
@@ -307,6 +307,7 @@ def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | 
             with contextlib.ExitStack() as stack:
                 if limit is not None:
                     stack.enter_context(_OpBudget(limit))
+                stack.enter_context(_function.Random(flat))  # does f draw? (random ops)
                 out = torch.func.vjp(flat, *fakes, has_aux=flat.has_aux)[0]
         return _coords.real_size(out)
     except Exception:  # any failure only means the shape is not known in advance
@@ -373,6 +374,9 @@ class Signature:
     # Whether f drew from an explicit torch.Generator on the first call (None: no call yet):
     # later calls watch f's ops for one (for RandomState) only where it did.
     draws: bool | None = None
+    # Whether f draws random numbers (seen in a watched run): then it is linearised on eager
+    # autograd (same draws as one eager forward), and forward mode is no candidate.
+    random: bool = False
 
 
 class Signatures:
@@ -454,6 +458,7 @@ class Composition:
             return None
         if not record.fake_tried:
             record.fake_size, record.fake_tried = _output_size(flat), True
+            record.random = record.random or flat.drew
         return record.fake_size
 
     def before_f(self, flat: FlatFunction) -> tuple[bool, int | None]:
@@ -476,7 +481,7 @@ class Composition:
         if record is not None and record.not_forward:  # reverse mode measured faster
             return False, None
         m = self.output_size(flat)
-        if m is None:
+        if m is None or (record is not None and record.random):  # forward mode draws its own
             return False, None
         return self.planner(flat, m)(m, False).strategy == "jacfwd", m
 
@@ -610,9 +615,11 @@ class Composition:
         record = self.signature(flat)  # None inside transforms: always watched there
         if record is not None and record.draws is not None:
             flat.watch = record.draws
+            flat.eager = flat.drew = record.random
         result = run()
         if record is not None and record.draws is None:
             record.draws = bool(flat.generators)
+            record.random = record.random or flat.eager
         return result
 
     def _per_head(

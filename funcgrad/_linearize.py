@@ -267,6 +267,14 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
     can, the same on eager autograd (the random draws replayed), with one warning."""
     what = "f's pullback"
+    # f draws random numbers, and no graph of the results is wanted: linearise it on eager
+    # autograd, so that its values, gradients and generators are those of one eager forward
+    # (torch.func draws other numbers for some ops: dropout on a non-contiguous tensor).
+    drawing = not torch.is_grad_enabled() and outside_transforms(flat.leaves)
+    if drawing and (flat.eager or flat.drew):  # known to draw (a record, the fake run)
+        flat.eager = True
+        out, vjp, aux = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, True, what, aux)
     try:
         result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
@@ -297,6 +305,11 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
             stacklevel=5,
         )
         return Linearization(out, flat.leaves, vjp, False, what, aux)
+    if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
+        rng.restore()
+        flat.eager = True
+        out, vjp, aux = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, True, what, aux)
     if flat.has_aux:
         out, vjp, aux = result
         return Linearization(out, flat.leaves, vjp, True, what, aux)

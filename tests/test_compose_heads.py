@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import optree
@@ -263,3 +264,39 @@ def test_one_record_per_call_signature_bounded_and_holding_no_tensor():
     last, new = list(signatures._records)[-2:]
     assert last[1][0][1:] == (torch.float32, torch.device("cpu"), False)
     assert new[1][0][1:] == (torch.float32, torch.device("cpu"), True)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_random_draws_are_those_of_one_eager_forward(strategy):
+    """nn.TransformerEncoder in training mode (dropout on non-contiguous tensors, which
+    torch.func draws otherwise than eager): values, gradients and the generator's state
+    equal one eager forward under the same seed, on the first call and later ones."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(5)]
+    fn = funcgrad.compose_heads(encoder, heads, strategy=strategy)
+    combined = funcgrad.combine_heads(encoder, heads, lambda g: g.diagonal(), level="features")
+    for _ in range(2):
+        torch.manual_seed(1)
+        xr = x.clone().requires_grad_()
+        y = encoder(xr)
+        want_state = torch.get_rng_state()
+        want_values = torch.stack([h(y) for h in heads])
+        want = torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+        torch.manual_seed(1)
+        context = (
+            pytest.warns(funcgrad.FuncgradWarning, match="draws random numbers")
+            if strategy == "jacfwd"
+            else contextlib.nullcontext()
+        )
+        with context:
+            values, grads = fn(x)
+        assert torch.equal(torch.get_rng_state(), want_state)
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want)
+        torch.manual_seed(1)
+        values, grad, weights = combined(x)
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grad, torch.einsum("k,k...->...", weights, want))
