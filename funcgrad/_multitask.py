@@ -282,7 +282,7 @@ def backward(
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
-            (see :func:`funcgrad.set_check`); None uses the global setting.
+            (see `funcgrad.set_check`); None uses the global setting.
         process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, the
             ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
             then averages the shared gradients), or the shared encoder sharded by FSDP2's

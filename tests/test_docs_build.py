@@ -1,6 +1,7 @@
 """The API reference (mkdocs.yml, docs/) builds with `mkdocs build --strict`: a docstring that
 griffe cannot parse, a broken link or a page left out of the nav fails the build."""
 
+import html
 import importlib.util
 import os
 import pathlib
@@ -52,3 +53,45 @@ def test_docstring_examples_render_as_code(build):
     _, site = build
     page = (site / "api" / "index.html").read_text(encoding="utf-8")
     assert "<blockquote>\n<blockquote>" not in page  # what >>> turns into outside a code block
+
+
+def _api_page(site: pathlib.Path) -> str:
+    return (site / "api" / "index.html").read_text(encoding="utf-8")
+
+
+def test_no_rest_markup_is_rendered_raw(build):
+    # Google style in Markdown: a reST role renders as ":func:<code>x</code>", and a reST
+    # literal block's "::" stays in the text.
+    _, site = build
+    page = _api_page(site)
+    role = r":(?:func|class|meth|attr|mod|exc|data|obj|py:\w+):(?:<code>|`)[^<`]*"
+    roles = re.findall(role, page)
+    assert not roles, f"reST roles in the API page (write `name` instead): {roles}"
+    text = html.unescape(re.sub(r"<[^>]+>", "", page))
+    literal_blocks = re.findall(r"\S*::(?=\s)", text)  # "as::" ends a line; "torch::nms" does not
+    assert not literal_blocks, f"reST '::' in the API page (use a fenced block): {literal_blocks}"
+
+
+def _returns_rows(page: str) -> dict[str, int]:
+    """Each documented object's heading id -> the rows of its Returns table."""
+    rows: dict[str, int] = {}
+    name = None
+    pattern = r'<h[2-6] id="(funcgrad\.[^"]+)"|Returns:</span></p>\s*<table>(.*?)</table>'
+    for match in re.finditer(pattern, page, flags=re.S):
+        if match.group(1):
+            name = match.group(1)
+        elif name is not None:
+            rows[name] = match.group(2).count('<tr class="doc-section-item">')
+    return rows
+
+
+def test_each_returns_table_has_one_row_per_output(build):
+    # Every public function returns one object (a tuple such as (values, grads) is one), so
+    # its Returns section is one row: a row per line of a multi-line description (typed Any,
+    # cut mid-sentence) is what griffe makes of continuation lines it reads as new items.
+    _, site = build
+    rows = _returns_rows(_api_page(site))
+    assert {"funcgrad.compose_heads", "funcgrad.backward", "funcgrad.pullback"} <= set(rows)
+    too_many = {name: count for name, count in rows.items() if count > 1}
+    assert not too_many, f"Returns tables with more rows than outputs: {too_many}"
+
