@@ -13,7 +13,7 @@ from ._function import result_graph
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
-from ._types import ChunkSize, Level, Strategy
+from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
 from ._validate import check_flag
 
 _CALL = "combine_heads(f, heads)"
@@ -136,7 +136,7 @@ def combine_heads(
     heads: Sequence[Callable[[Any], torch.Tensor]]
     | Mapping[Any, Callable[[Any], torch.Tensor]]
     | StackedHeads,
-    weighting: Any = None,
+    weighting: Weighting | None = None,
     *,
     level: Level = "params",
     argnums: int | tuple[int, ...] = 0,
@@ -144,7 +144,7 @@ def combine_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupLike | None = None,
     create_graph: bool = False,
 ) -> CombinedHeads:
     """The heads' values and ONE weighted gradient, ``sum_i w_i grads_i``, with f run once.

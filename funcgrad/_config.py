@@ -12,6 +12,10 @@ from typing import Literal
 import torch
 
 CheckMode = bool | Literal["strict"]
+"""`check=`: True compares every batched (vmapped) result with unbatched calls on a sample of
+directions and, on a mismatch, warns and falls back to a loop; `"strict"` raises
+`funcgrad.BatchingMismatchError` instead; False compares nothing. None (where accepted): the
+global setting (`funcgrad.set_check`, `funcgrad.checking`, or `FUNCGRAD_CHECK`)."""
 _ENV = "FUNCGRAD_CHECK"
 _check: CheckMode | None = None  # None: follow the environment variable
 # Set by `checking` for a block; a ContextVar, so other threads and asyncio tasks keep theirs.

@@ -95,3 +95,18 @@ def test_each_returns_table_has_one_row_per_output(build):
     too_many = {name: count for name, count in rows.items() if count > 1}
     assert not too_many, f"Returns tables with more rows than outputs: {too_many}"
 
+
+def test_typed_arguments_render_with_their_types(build):
+    # backward's and combine_heads' weighting, process_group (and backward's inputs) are typed
+    # by the aliases of funcgrad._types, shown by name in the signatures (were Any), and each
+    # alias is documented on the page.
+    _, site = build
+    page = _api_page(site)
+    for function in ("backward", "combine_heads"):
+        start = page.index(f'id="funcgrad.{function}"')
+        heading = html.unescape(re.sub(r"<[^>]+>", "", page[start:])).split("¶")[0]
+        assert "weighting: Weighting | None" in heading, heading
+        assert "process_group: ProcessGroupLike | None" in heading, heading
+    assert "inputs: InputsLike | None" in html.unescape(re.sub(r"<[^>]+>", "", page))
+    for alias in ("Weighting", "ProcessGroupLike", "InputsLike", "ChunkSize", "CheckMode"):
+        assert f'id="funcgrad.{alias}"' in page, alias
