@@ -32,6 +32,7 @@ from ._validate import (
 )
 
 R = TypeVar("R")
+K = TypeVar("K")
 
 
 class StackedHeads:
@@ -797,12 +798,12 @@ def _tree_index(tree: Any, i: int) -> Any:
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
 
 
+# The return types by the kind of heads (a mapping or a ModuleDict gives dicts keyed like
+# it; a sequence, a ModuleList or stacked_heads a (k,) tensor of values) and by has_aux.
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
@@ -810,13 +811,11 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any]]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
@@ -824,7 +823,55 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any], Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any]]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any], Any]]: ...
 def compose_heads(
     f: Callable[..., Any],
     heads: Any,

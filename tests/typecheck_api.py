@@ -55,3 +55,23 @@ from torchjd.aggregation import UPGrad, UPGradWeighting  # noqa: E402
 
 funcgrad.backward(losses, through=features, weighting=UPGradWeighting())
 funcgrad.backward(losses, through=features, weighting=UPGrad())
+
+# compose_heads' return types by the kind of heads: a mapping gives dicts keyed like it, a
+# sequence (a ModuleList, stacked_heads) a tensor of values; has_aux adds aux.
+x = torch.zeros(2)
+named_values, named_grads = funcgrad.compose_heads(torch.sin, {"sum": heads[0]})(x)
+by_name: dict[str, torch.Tensor] = named_values
+grads_by_name: dict[str, object] = named_grads
+stacked_values, _ = funcgrad.compose_heads(torch.sin, heads)(x)
+as_tensor: torch.Tensor = stacked_values
+named_values, named_grads, aux = funcgrad.compose_heads(torch.sin, {"a": heads[0]}, has_aux=True)(x)
+wrong: torch.Tensor = funcgrad.compose_heads(torch.sin, {"a": heads[0]})(x)[0]  # type: ignore[assignment]
+wrong_too: dict[str, torch.Tensor] = funcgrad.compose_heads(torch.sin, heads)(x)[0]  # type: ignore[assignment]
+modules = torch.nn.ModuleList([torch.nn.Linear(2, 1)])
+module_values, _ = funcgrad.compose_heads(torch.sin, modules)(x)
+as_tensor = module_values
+module_dict = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 1)})
+by_name, _ = funcgrad.compose_heads(torch.sin, module_dict)(x)
+stacked = funcgrad.stacked_heads(lambda a, y: a * y.sum(), torch.ones(3))
+stacked_out, _ = funcgrad.compose_heads(torch.sin, stacked)(x)
+as_tensor = stacked_out
