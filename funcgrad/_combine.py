@@ -135,6 +135,8 @@ def combine_heads(
     f: Callable[..., Any],
     heads: Sequence[Callable[[Any], torch.Tensor]]
     | Mapping[Any, Callable[[Any], torch.Tensor]]
+    | torch.nn.ModuleList
+    | torch.nn.ModuleDict
     | StackedHeads,
     weighting: Weighting | None = None,
     *,

@@ -75,3 +75,5 @@ by_name, _ = funcgrad.compose_heads(torch.sin, module_dict)(x)
 stacked = funcgrad.stacked_heads(lambda a, y: a * y.sum(), torch.ones(3))
 stacked_out, _ = funcgrad.compose_heads(torch.sin, stacked)(x)
 as_tensor = stacked_out
+funcgrad.combine_heads(torch.sin, modules)
+funcgrad.combine_heads(torch.sin, module_dict)
