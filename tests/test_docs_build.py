@@ -110,3 +110,42 @@ def test_typed_arguments_render_with_their_types(build):
     assert "inputs: InputsLike | None" in html.unescape(re.sub(r"<[^>]+>", "", page))
     for alias in ("Weighting", "ProcessGroupLike", "InputsLike", "ChunkSize", "CheckMode"):
         assert f'id="funcgrad.{alias}"' in page, alias
+
+
+def _text(fragment: str) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def _any_not_in_signature(page: str) -> tuple[int, list[str]]:
+    """(the table rows read, those typed Any where the signature does not say Any)."""
+    checked, wrong = 0, []
+    for section in re.split(r'(?=<h[2-6] id="funcgrad\.)', page)[1:]:
+        name = re.match(r'<h[2-6] id="([^"]+)"', section).group(1)
+        signature = _text(section).split("¶")[0].strip()
+        tables = re.findall(
+            r"(Parameters|Returns):</span></p>\s*<table>(.*?)</table>", section, re.S
+        )
+        for kind, body in tables:
+            for row in re.findall(r'<tr class="doc-section-item">(.*?)</tr>', body, flags=re.S):
+                cells = [_text(cell).strip() for cell in re.findall(r"<td>(.*?)</td>", row, re.S)]
+                checked += 1
+                if kind == "Parameters" and cells[1] == "Any":
+                    said = rf"(?<![\w.]){re.escape(cells[0])}: Any\b"
+                    what = f"{name}({cells[0]})"
+                elif kind == "Returns" and cells[0] == "Any":
+                    said, what = r"-> Any$", f"{name} -> Any"
+                else:
+                    continue
+                if not re.search(said, signature):
+                    wrong.append(what)
+    return checked, wrong
+
+
+def test_no_any_where_the_signature_is_typed(build):
+    # A table cell typed Any must come from an Any in the signature: griffe types as Any what
+    # it cannot match to an annotation (a Returns line read as an item of its own, a
+    # parameter documented under a name the signature does not have).
+    _, site = build
+    checked, wrong = _any_not_in_signature(_api_page(site))
+    assert checked > 50, checked  # the tables were found
+    assert not wrong, f"typed as Any on the page, not in the signature: {wrong}"
