@@ -11,14 +11,15 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
-from ._config import checking, set_check
+from ._config import CheckMode, checking, set_check
 from ._counting import HostReadCounter, PassCounter
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._memory import memory_budget
-from ._multitask import backward
+from ._multitask import SecondBackwardError, backward
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
+from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
 
 try:
     __version__ = version("funcgrad")
@@ -43,12 +44,21 @@ __all__ = [
     "Plan",
     "PassCounter",
     "HostReadCounter",
+    # the types of their arguments
+    "Weighting",
+    "ProcessGroupLike",
+    "InputsLike",
+    "Strategy",
+    "Level",
+    "ChunkSize",
+    "CheckMode",
     # settings, errors and warnings
     "set_check",
     "checking",
     "memory_budget",
     "ReleasedPullbackError",
     "BatchingMismatchError",
+    "SecondBackwardError",
     "FuncgradWarning",
 ]
 

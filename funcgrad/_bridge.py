@@ -49,7 +49,7 @@ def grads(
             an error.
         chunk_size: at most this many directions per batched backward (1: a loop).
         check: compare the batched backward with unbatched ones (see
-            :func:`funcgrad.set_check`); None uses the global setting.
+            `funcgrad.set_check`); None uses the global setting.
 
     Returns:
         A tuple with one tensor per input, of shape ``(k, *input.shape)``.
@@ -68,7 +68,7 @@ def grads(
         ``through`` to the inputs along the k cotangents, or, where k > numel(through),
         along ``through``'s unit directions combined by a product: batched in one
         ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
-        No rank is detected (it reads values; :func:`funcgrad.pullback` does, across
+        No rank is detected (it reads values; `funcgrad.pullback` does, across
         calls); a non-finite product is pulled back as the cotangents themselves, so
         NaN/inf come out as in autograd.
         Validation walks the graph's gradient edges once beforehand, so a wrong

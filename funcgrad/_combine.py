@@ -13,17 +13,17 @@ from ._function import result_graph
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
-from ._types import ChunkSize, Level, Strategy
+from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
 from ._validate import check_flag
 
 _CALL = "combine_heads(f, heads)"
 
 
 class CombinedHeads:
-    """The function returned by :func:`combine_heads`: call it with f's arguments.
+    """The function returned by `combine_heads`: call it with f's arguments.
 
     ``fn(*args)`` returns ``(values, grad, weights)`` (and aux with ``has_aux=True``);
-    ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call runs.
+    ``fn.plan(*args)`` returns the `funcgrad.Plan` that the call runs.
 
     Examples:
         >>> import torch, funcgrad
@@ -70,7 +70,7 @@ class CombinedHeads:
     def plan(self, *args: Any) -> Plan:
         """The plan that ``fn(*args)`` runs, from shapes only: ``"weighted"`` (one pullback of
         ``w @ V``) at level ``"features"`` or without a weighting, else the per-head plan of
-        :func:`compose_heads` (see :meth:`ComposedHeads.plan` for what it costs)."""
+        `compose_heads` (see `ComposedHeads.plan` for what it costs)."""
         c = self._composition
         return c.plan(c.flat(args), weighted=self._one_pullback(self.rule))
 
@@ -135,8 +135,10 @@ def combine_heads(
     f: Callable[..., Any],
     heads: Sequence[Callable[[Any], torch.Tensor]]
     | Mapping[Any, Callable[[Any], torch.Tensor]]
+    | torch.nn.ModuleList
+    | torch.nn.ModuleDict
     | StackedHeads,
-    weighting: Any = None,
+    weighting: Weighting | None = None,
     *,
     level: Level = "params",
     argnums: int | tuple[int, ...] = 0,
@@ -144,7 +146,7 @@ def combine_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupLike | None = None,
     create_graph: bool = False,
 ) -> CombinedHeads:
     """The heads' values and ONE weighted gradient, ``sum_i w_i grads_i``, with f run once.
@@ -158,24 +160,24 @@ def combine_heads(
       cotangents on f's output y, and ``grad = (weights @ V) J``: still ``weights @ P``.
 
     Args:
-        f: ``f(*args) -> y``, as for :func:`compose_heads`.
+        f: ``f(*args) -> y``, as for `compose_heads`.
         heads: a sequence or mapping of callables ``y -> real scalar``, or
-            :func:`stacked_heads`.
+            `stacked_heads`.
         weighting: a callable Gramian (k x k) -> weights (k,), such as TorchJD's
             ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``.
             None: all ones (``grad`` is the gradient of the sum of the heads).
         level: ``"params"`` or ``"features"``, see above.
-        argnums: as for :func:`compose_heads`.
-        has_aux: as for :func:`compose_heads`.
-        chunk_size: as for :func:`compose_heads`.
-        check: as for :func:`compose_heads`.
+        argnums: as for `compose_heads`.
+        has_aux: as for `compose_heads`.
+        chunk_size: as for `compose_heads`.
+        check: as for `compose_heads`.
         strategy: how the per-head gradients are formed at level ``"params"``, as for
-            :func:`compose_heads`; level ``"features"`` always takes one pullback.
+            `compose_heads`; level ``"features"`` always takes one pullback.
         process_group: a ``torch.distributed`` ProcessGroup for data-parallel use (eager
             mode): each rank calls the function on its equal shard, and every rank gets the
             values (averaged), ``grad`` and weights of one call on the whole batch (heads
             are means over the shard, as in DDP). None: nothing is communicated.
-        create_graph: build the graph of ``grad`` (and aux), as for :func:`compose_heads`;
+        create_graph: build the graph of ``grad`` (and aux), as for `compose_heads`;
             by default none is built.
 
     Returns:
@@ -196,7 +198,7 @@ def combine_heads(
     Notes:
         Cost: one forward of f and the k heads, then at level ``"features"`` (or without a
         weighting) ONE pullback of f, whatever k; at level ``"params"`` the per-head plan of
-        :func:`compose_heads` (the cheapest of k VJPs, m Jacobian rows or n JVPs; the
+        `compose_heads` (the cheapest of k VJPs, m Jacobian rows or n JVPs; the
         Gramian ``P P^T = V (J J^T) V^T`` and the update then need no further pass). Under
         ``torch.compile`` a torch-native weighting compiles; TorchJD weightings that call a
         solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call

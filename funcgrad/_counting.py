@@ -63,7 +63,7 @@ class PassCounter:
     under torch.func transforms and ``torch.compile``.
 
     Attributes:
-        backward: backward passes counted since creation or the last :meth:`reset`.
+        backward: backward passes counted since creation or the last `reset`.
 
     Examples:
         >>> import torch, funcgrad
@@ -169,7 +169,7 @@ class HostReadCounter:
     GPU; pure tensor operations count nothing.
 
     Attributes:
-        count: reads counted since creation or the last :meth:`reset`.
+        count: reads counted since creation or the last `reset`.
         reads: one ``HostRead`` per read: the aten op and the first frame outside torch
             that asked for the value (``"path:line in function"``).
 

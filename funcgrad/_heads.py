@@ -32,10 +32,11 @@ from ._validate import (
 )
 
 R = TypeVar("R")
+K = TypeVar("K")
 
 
 class StackedHeads:
-    """k heads ``y -> head_fn(params_j, y)`` that share one function; see :func:`stacked_heads`."""
+    """k heads ``y -> head_fn(params_j, y)`` that share one function; see `stacked_heads`."""
 
     def __init__(self, head_fn: Callable[[Any, Any], torch.Tensor], params: Any) -> None:
         call = "stacked_heads(head_fn, params)"
@@ -69,10 +70,10 @@ class StackedHeads:
 
 
 def stacked_heads(head_fn: Callable[[Any, Any], torch.Tensor], params: Any) -> StackedHeads:
-    """k heads that are one function with k sets of parameters, for :func:`compose_heads`.
+    """k heads that are one function with k sets of parameters, for `compose_heads`.
 
     Head j is ``y -> head_fn(params_j, y)``, where ``params_j`` takes slice j of every leaf of
-    ``params``. :func:`compose_heads` evaluates all k head values and cotangents in one
+    ``params``. `compose_heads` evaluates all k head values and cotangents in one
     ``vmap`` instead of k Python calls.
 
     Args:
@@ -737,10 +738,10 @@ class Composition:
 
 
 class ComposedHeads(Generic[R]):
-    """The function returned by :func:`compose_heads`: call it with f's arguments.
+    """The function returned by `compose_heads`: call it with f's arguments.
 
     ``fn(*args)`` returns ``(values, grads)`` (``(values, grads, aux)`` with
-    ``has_aux=True``); ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call
+    ``has_aux=True``); ``fn.plan(*args)`` returns the `funcgrad.Plan` that the call
     runs, without running f for real.
 
     Examples:
@@ -803,12 +804,12 @@ def _tree_index(tree: Any, i: int) -> Any:
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
 
 
+# The return types by the kind of heads (a mapping or a ModuleDict gives dicts keyed like
+# it; a sequence, a ModuleList or stacked_heads a (k,) tensor of values) and by has_aux.
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
@@ -816,13 +817,11 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any]]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
@@ -830,7 +829,55 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any], Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any]]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any], Any]]: ...
 def compose_heads(
     f: Callable[..., Any],
     heads: Any,
@@ -844,10 +891,12 @@ def compose_heads(
 ) -> Any:
     """Values and gradients of many cheap heads on one slow f, with f run once.
 
-    ``compose_heads(f, heads)(*args)`` returns ``(values, grads)`` with the same values as::
+    ``compose_heads(f, heads)(*args)`` returns ``(values, grads)`` with the same values as
 
-        values = torch.stack([h(f(*args)) for h in heads])
-        grads = [torch.func.grad(lambda *a: h(f(*a)), argnums)(*args) for h in heads]  # stacked
+    ```python
+    values = torch.stack([h(f(*args)) for h in heads])
+    grads = [torch.func.grad(lambda *a: h(f(*a)), argnums)(*args) for h in heads]  # stacked
+    ```
 
     but f's forward runs once and its backward as few times as the shapes allow. By the
     chain rule each head only contributes a cotangent ``v_i = grad h_i(y)``, and
@@ -857,7 +906,7 @@ def compose_heads(
         f: ``f(*args) -> y``, a pytree of floating/complex tensors (``(y, aux)`` with
             ``has_aux=True``).
         heads: a sequence of callables ``y -> real scalar``, a mapping ``name -> callable``,
-            or :func:`stacked_heads`.
+            or `stacked_heads`.
         argnums: which positional arguments to differentiate (int or tuple, as torch.func).
         has_aux: f returns ``(y, aux)``; aux is returned as a third output.
         strategy: how to pull the k cotangents back (m = real numel of y, n = of the inputs):
@@ -874,7 +923,7 @@ def compose_heads(
         chunk_size: at most this many directions per vmapped call (None: all at once,
             1: a loop), as torch.func's. Bounds memory at the price of more passes.
         check: compare batched results with unbatched ones on a sample (see
-            :func:`funcgrad.set_check`); None uses the global setting.
+            `funcgrad.set_check`); None uses the global setting.
         create_graph: build the graph of the results (grads and aux), for a backward
             through them, as ``torch.autograd.grad``'s. By default (False) no graph is
             built, so the results hold no memory of f and ``chunk_size`` bounds the peak.

@@ -18,7 +18,7 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
-from ._types import ChunkSize, Level, Tensors
+from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Tensors, Weighting
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
@@ -211,8 +211,14 @@ def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
 
 
 class SecondBackwardError(RuntimeError):
-    """A backward through a graph that an earlier call spent (torch's error, raised before
-    any pass so that every rank raises it)."""
+    """A backward through a graph that an earlier call spent, raised before any pass.
+
+    `funcgrad.backward` and `funcgrad.grads` without `retain_graph=True` leave their graph
+    counted as freed, as torch's own backward would free it. A later `funcgrad.backward`
+    through it raises this (torch's message, on every rank) before any `.grad` is written.
+    It is a `RuntimeError`, as torch's error is. Pass `retain_graph=True` to the first call,
+    or run the forward again.
+    """
 
 
 def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
@@ -249,13 +255,13 @@ def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
     *,
     through: Sequence[torch.Tensor] | torch.Tensor,
-    weighting: Any = None,
+    weighting: Weighting | None = None,
     level: Level = "params",
-    inputs: Any = None,
+    inputs: InputsLike | None = None,
     retain_graph: bool = False,
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupLike | None = None,
 ) -> Any:
     """One weighted update from k task losses, accumulated into ``.grad``, as
     ``torch.autograd.backward`` does for one loss.
@@ -288,7 +294,7 @@ def backward(
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
-            (see :func:`funcgrad.set_check`); None uses the global setting.
+            (see `funcgrad.set_check`); None uses the global setting.
         process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, the
             ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
             then averages the shared gradients), or the shared encoder sharded by FSDP2's
@@ -296,7 +302,7 @@ def backward(
             FSDP backward per task, each rank reading its shard). Every rank ends with the
             ``.grad`` of one process on the concatenated batch (losses are means over equal
             local shards, the global loss their average, as in DDP); task-specific leaves
-            are averaged too. None: nothing is communicated. See the README, "Scaling out".
+            are averaged too. None: nothing is communicated. See the docs page "Scaling out".
 
     Returns:
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a

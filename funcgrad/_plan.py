@@ -43,13 +43,13 @@ _FALLBACKS: dict[str, tuple[str, ...]] = {
 class Plan:
     """How the gradients are computed for given shapes: what ``fn(*args)`` runs.
 
-    Returned by ``fn.plan(*args)`` for the functions of :func:`funcgrad.compose_heads` and
-    :func:`funcgrad.combine_heads`; the same plan drives the call.
+    Returned by ``fn.plan(*args)`` for the functions of `funcgrad.compose_heads` and
+    `funcgrad.combine_heads`; the same plan drives the call.
 
     Attributes:
         strategy: ``"vjp"``, ``"jacrev"``, ``"jacfwd"`` or ``"loop"`` (never ``"auto"``);
             ``"weighted"`` where one pullback of the weighted cotangent ``w @ V`` is all that
-            is needed (:func:`funcgrad.combine_heads` at level ``"features"``, or without a
+            is needed (`funcgrad.combine_heads` at level ``"features"``, or without a
             weighting).
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
@@ -78,7 +78,7 @@ class Plan:
             first call on new shapes where ``"auto"`` chose forward mode (it times forward
             against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
             to 3). A fallback that runs f again adds one. ``plan()`` itself runs f's body
-            (see :meth:`funcgrad.ComposedHeads.plan`); the call after it then needs no run on
+            (see `funcgrad.ComposedHeads.plan`); the call after it then needs no run on
             fake tensors. Shown in the repr when not 1.
 
     Examples:
@@ -118,7 +118,7 @@ class Plan:
     def passes(self) -> int:
         """How many calls of f's backward (a vmapped call counts once) or, for ``jacfwd``,
         of its batched forward-mode pass: ``directions`` split by ``chunk_size``. A lower
-        bound where :attr:`exact` is False (``chunk_size="auto"`` not measured yet)."""
+        bound where `exact` is False (``chunk_size="auto"`` not measured yet)."""
         if not self.directions:
             return 0
         if self.strategy == "loop":
@@ -131,7 +131,7 @@ class Plan:
 
     @property
     def exact(self) -> bool:
-        """Whether :attr:`passes` is the count the call runs; False only where
+        """Whether `passes` is the count the call runs; False only where
         ``chunk_size="auto"`` has not measured yet and more than 5 directions batch: the
         call measures, then runs the rest in chunks of a size not known before."""
         return not (

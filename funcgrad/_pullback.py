@@ -20,7 +20,7 @@ from ._validate import check_callable, check_chunk_size, check_flag, values_read
 
 @dataclasses.dataclass
 class PullbackStats:
-    """What a :class:`Pullback` has done so far.
+    """What a `Pullback` has done so far.
 
     Attributes:
         calls: calls of ``pb(...)`` and ``pb.many(...)``.
@@ -40,13 +40,13 @@ class PullbackStats:
 
 
 class Pullback:
-    """The pullback ``v -> J_f(x)^T v`` of f at the primals, returned by :func:`pullback`.
+    """The pullback ``v -> J_f(x)^T v`` of f at the primals, returned by `pullback`.
 
     It is linear, and it remembers what it has pulled back: it keeps an orthonormal basis
     ``Q`` of the directions sent through f together with their images ``Q J``, so a cotangent
     in the span of earlier ones is answered by a product, without a new pass through f. Once
     the basis spans y's whole space (m directions), every cotangent is answered that way.
-    The basis is bounded by ``max_basis_bytes`` (see :func:`pullback`).
+    The basis is bounded by ``max_basis_bytes`` (see `pullback`).
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class Pullback:
             cotangents: f's output structure, each leaf of shape ``(k, *leaf.shape)``.
             chunk_size: at most this many directions per vmapped backward; 1 means a loop.
             check: compare the batched pullback with unbatched calls (see
-                :func:`funcgrad.set_check`); ``None`` uses the global setting.
+                `funcgrad.set_check`); ``None`` uses the global setting.
             create_graph: as for ``pb(cotangent)``.
 
         Returns:
@@ -259,7 +259,7 @@ def pullback(
             they are and not kept; ``pb.stats.kept_bytes`` says what is held.
 
     Returns:
-        ``(out, pb)`` or ``(out, pb, aux)``: f's output and a :class:`Pullback`.
+        ``(out, pb)`` or ``(out, pb, aux)``: f's output and a `Pullback`.
 
     Examples:
         >>> import torch, funcgrad

@@ -390,13 +390,13 @@ def test_inside_vmap_vjp_keeps_autograds_inf():
 
 @pytest.mark.parametrize("strategy", ["jacrev", "jacfwd"])
 def test_inside_vmap_products_can_turn_inf_into_nan_as_documented(strategy):
-    """If this starts to fail because the NaN is gone, update the README's Reliability."""
+    """If this starts to fail because the NaN is gone, update docs/reliability.md."""
     got = _under_vmap(strategy)
     assert torch.isnan(got[0, :, 1:]).all()
     assert torch.isfinite(got[1]).all()  # finite inputs are unaffected
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert "**Inside `vmap`, `grad` or `torch.compile`**" in readme
-    assert 'Pass `strategy="vjp"` there if' in readme
+    page = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "**Inside `vmap`, `grad` or `torch.compile`**" in page
+    assert 'Pass `strategy="vjp"` there if' in page
 
 
 def test_jacfwd_with_chunks_smaller_than_n_is_an_error_before_f_runs():
