@@ -221,14 +221,26 @@ class SecondBackwardError(RuntimeError):
     """
 
 
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """``leaf.grad += grad``, as autograd accumulates (``grad`` is a fresh tensor, kept as
-    the first ``.grad`` without a copy)."""
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does: a first ``.grad`` keeps
+    ``grad`` without a copy only where nothing else holds its storage (``taken``: the
+    storages already given to a leaf in this call, since autograd hands one tensor to every
+    leaf of a sum; not a view, such as a row of the k stacked per-task gradients, which
+    would keep all k alive); else a copy, so that no two leaves share a ``.grad``."""
     grad = grad.detach()
-    if leaf.grad is None:
+    if leaf.grad is not None:
+        leaf.grad.add_(grad)
+    elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
         leaf.grad = grad
     else:
-        leaf.grad.add_(grad)
+        storage = grad.untyped_storage()
+        owned = (
+            grad._base is None
+            and storage.data_ptr() not in taken
+            and storage.nbytes() == grad.numel() * grad.element_size()
+        )
+        leaf.grad = grad if owned else grad.clone(memory_format=torch.contiguous_format)
+        taken.add(leaf.grad.untyped_storage().data_ptr())
 
 
 def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -412,6 +424,7 @@ def backward(
             update = None  # which its reducer averages into w @ (global per-task gradients)
 
     # Apply: the one place that writes .grad.
+    taken: set[int] = set()  # the storages given to a .grad in this call
     if update is None:
         assert weights is not None and lin.accumulate is not None
         with sync.reducing_backward():
@@ -420,10 +433,10 @@ def backward(
         sync.write(update)
     else:
         for leaf, u in zip(task.shared, update):
-            _accumulate(leaf, u)
+            _accumulate(leaf, u, taken)
     for own, grads in zip(task.own, own_grads):
         for leaf, grad in zip(own, grads):
-            _accumulate(leaf, grad)
+            _accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
         _graph.spend(task.graph, _CALL)
     if weights is None or task.keys is None:

@@ -839,3 +839,37 @@ def test_sparse_embedding_gradients_are_written_sparse_as_torch(level):
         funcgrad.backward(losses, through=f, level=level, weighting=lambda g: weights)
     assert emb.weight.grad.is_sparse
     torch.testing.assert_close(emb.weight.grad.to_dense(), want)
+
+
+@pytest.mark.parametrize("weighting", [None, "ones"])
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_no_two_leaves_share_a_grad_and_no_grad_holds_k_rows(level, weighting):
+    """autograd hands one tensor to both leaves of a sum (base + delta): each .grad must
+    own its storage, as torch's AccumulateGrad gives it (a clip or a second accumulation
+    on one leaf must not change the other); a task-specific leaf's .grad must not be a row
+    of the k stacked per-task gradients (k times its memory kept alive)."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 4, requires_grad=True)
+    delta = torch.zeros(3, 4, requires_grad=True)
+    heads = [torch.nn.Linear(4, 50) for _ in range(3)]
+    x = torch.randn(5, 3)
+    rule = None if weighting is None else (lambda g: torch.ones(3))
+    for _ in range(2):  # the second call accumulates into the first one's .grad
+        t = x @ (base + delta)
+        losses = [h(t).pow(2).mean() for h in heads]
+        funcgrad.backward(losses, through=t, level=level, weighting=rule)
+    want = [torch.zeros_like(p) for p in (base, delta, heads[0].weight)]
+    for _ in range(2):
+        t = x @ (base + delta)
+        grads = torch.autograd.grad(
+            sum(h(t).pow(2).mean() for h in heads), [base, delta, heads[0].weight]
+        )
+        for w, g in zip(want, grads):
+            w += g
+    for p, w in zip((base, delta, heads[0].weight), want):
+        torch.testing.assert_close(p.grad, w)
+    assert base.grad.data_ptr() != delta.grad.data_ptr()
+    weight_grad = heads[0].weight.grad
+    assert (
+        weight_grad.untyped_storage().nbytes() == weight_grad.numel() * weight_grad.element_size()
+    )
