@@ -14,7 +14,7 @@ from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
 from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
-from ._validate import check_flag
+from ._validate import check_flag, check_not_inference_mode
 
 _CALL = "combine_heads(f, heads)"
 
@@ -75,6 +75,7 @@ class CombinedHeads:
         return c.plan(c.flat(args), weighted=self._one_pullback(self.rule))
 
     def __call__(self, *args: Any) -> Any:
+        check_not_inference_mode(_CALL)
         leaves = [leaf for leaf in _tree.flatten(list(args))[0] if isinstance(leaf, torch.Tensor)]
         with result_graph(self._create_graph, leaves):
             return self._call(*args)

@@ -26,6 +26,7 @@ from ._validate import (
     check_callable,
     check_chunk_size,
     check_flag,
+    check_not_inference_mode,
     check_strategy,
     normalize_argnums,
     values_readable,
@@ -783,6 +784,7 @@ class ComposedHeads(Generic[R]):
 
     def __call__(self, *args: Any) -> R:
         c = self._composition
+        check_not_inference_mode(c.call)
         flat = c.flat(args)
         with result_graph(self._create_graph, flat.leaves):
             values, grads, aux = c.per_head(flat, c.resolved_check())

@@ -239,9 +239,17 @@ def of_graph(
     )
 
 
-def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
-    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph)."""
-    inputs = tuple(leaf.detach().requires_grad_() for leaf in flat.leaves)
+def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors, bool]:
+    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph): (out, vjp,
+    aux, whether vjp can be vmapped). Where grad mode is on (the caller wants the graph of
+    the results: ``create_graph=True``), the results keep it, as torch.func's ``vjp_fn``
+    builds it then: the inputs that require grad are differentiated as they are (their
+    graph goes on), and vjp builds its own graph (then one call a direction)."""
+    differentiable = torch.is_grad_enabled()
+    inputs = tuple(
+        leaf if differentiable and leaf.requires_grad else leaf.detach().requires_grad_()
+        for leaf in flat.leaves
+    )
     with torch.enable_grad():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
@@ -258,9 +266,12 @@ def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], T
         )
 
     def vjp(cotangents: Tensors) -> Tensors:
-        return autograd_grad(out, inputs, cotangents, retain_graph=True)
+        graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
+        return autograd_grad(out, inputs, cotangents, retain_graph=True, create_graph=graph)
 
-    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux)
+    if differentiable:
+        return tuple(out), vjp, tuple(aux), False
+    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux), True
 
 
 def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
@@ -273,8 +284,8 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     drawing = not torch.is_grad_enabled() and outside_transforms(flat.leaves)
     if drawing and (flat.eager or flat.drew):  # known to draw (a record, the fake run)
         flat.eager = True
-        out, vjp, aux = _eager(flat)
-        return Linearization(out, flat.leaves, vjp, True, what, aux)
+        out, vjp, aux, batchable = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
     try:
         result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
@@ -283,7 +294,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
             raise
         mutates = name == "mutates a captured tensor"
         rng.restore()  # the failed attempt may have drawn random numbers (dropout)
-        out, vjp, aux = _eager(flat)
+        out, vjp, aux, batchable = _eager(flat)
         if mutates:
             why = (
                 "f updates a captured tensor in place, such as BatchNorm's running statistics "
@@ -295,7 +306,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
                 "explicitly"
             )
             warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
-            return Linearization(out, flat.leaves, vjp, True, what, aux)
+            return Linearization(out, flat.leaves, vjp, batchable, what, aux)
         warnings.warn(
             f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
             "fell back to eager torch.autograd.grad, one backward pass per direction. "
@@ -308,8 +319,8 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
         rng.restore()
         flat.eager = True
-        out, vjp, aux = _eager(flat)
-        return Linearization(out, flat.leaves, vjp, True, what, aux)
+        out, vjp, aux, batchable = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
     if flat.has_aux:
         out, vjp, aux = result
         return Linearization(out, flat.leaves, vjp, True, what, aux)

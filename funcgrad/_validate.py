@@ -34,6 +34,17 @@ def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
     )
 
 
+def check_not_inference_mode(call: str) -> None:
+    """The heads' gradients are taken on autograd, which records nothing in inference mode
+    (their gradients would come out zero, or autograd would raise)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{call}: cannot run inside torch.inference_mode(), where autograd records "
+            "nothing to differentiate. Call it outside that block (torch.no_grad() is fine: "
+            "funcgrad differentiates f and the heads whatever the grad mode)."
+        )
+
+
 def check_flag(value: object, name: str, call: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{call}: `{name}` must be True or False, got {describe(value)}.")
