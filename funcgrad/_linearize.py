@@ -25,7 +25,7 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Tensors
-from ._validate import outside_transforms
+from ._validate import outside_transforms, values_readable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +281,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     # f draws random numbers, and no graph of the results is wanted: linearise it on eager
     # autograd, so that its values, gradients and generators are those of one eager forward
     # (torch.func draws other numbers for some ops: dropout on a non-contiguous tensor).
-    drawing = not torch.is_grad_enabled() and outside_transforms(flat.leaves)
+    drawing = not torch.is_grad_enabled() and values_readable(flat.leaves)
     if drawing and (flat.eager or flat.drew):  # known to draw (a record, the fake run)
         flat.eager = True
         out, vjp, aux, batchable = _eager(flat)
