@@ -221,28 +221,6 @@ class SecondBackwardError(RuntimeError):
     """
 
 
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """``leaf.grad += grad``, as autograd's AccumulateGrad does: a first ``.grad`` keeps
-    ``grad`` without a copy only where nothing else holds its storage (``taken``: the
-    storages already given to a leaf in this call, since autograd hands one tensor to every
-    leaf of a sum; not a view, such as a row of the k stacked per-task gradients, which
-    would keep all k alive); else a copy, so that no two leaves share a ``.grad``."""
-    grad = grad.detach()
-    if leaf.grad is not None:
-        leaf.grad.add_(grad)
-    elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
-        leaf.grad = grad
-    else:
-        storage = grad.untyped_storage()
-        owned = (
-            grad._base is None
-            and storage.data_ptr() not in taken
-            and storage.nbytes() == grad.numel() * grad.element_size()
-        )
-        leaf.grad = grad if owned else grad.clone(memory_format=torch.contiguous_format)
-        taken.add(leaf.grad.untyped_storage().data_ptr())
-
-
 def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``backward`` with autocast off on ``through``'s devices. It runs none of the user's
     forward (autograd's backward ignores autocast, and a checkpoint's recomputation restores
@@ -355,33 +333,13 @@ def backward(
     task: _Task | None = None
     error: Exception | None = None
     try:
-        if isinstance(sync, _sync.FSDPSync):
-            sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
+        sync.check_inputs(inputs, through)
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
         spender = _graph.spent(task.graph)
         if spender is not None:
             raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=spender))
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
-        if isinstance(sync, _sync.DDPSync):
-            sync.configure(task.shared, task.level)
-        if isinstance(sync, _sync.FSDPSync):
-            sync.configure(task.shared, task.level, task.rule.needs_jacobian)
-        ddp = isinstance(sync, _sync.DDPSync) and sync.reduces_backward
-        if ddp and task.graph.checkpoint:
-            raise ValueError(
-                f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
-                "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
-                "reducer would see one backward per direction. Checkpoint with "
-                "use_reentrant=False."
-            )
-        if ddp and not task.rule.update_is_weighted:
-            raise ValueError(
-                f"{_CALL}: {type(task.rule.fn).__name__} returns an update that is not w @ P "
-                "(it has no weights, or forward hooks of its own), but a DDP-wrapped encoder "
-                "needs one (its reducer averages the backward of w @ V). Use a weighted "
-                "aggregator without hooks on itself (hooks on its weighting are fine), or pass "
-                "the process group itself and a plain encoder."
-            )
+        sync.configure(task.shared, task.level, task.rule, task.graph.checkpoint)
     except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught
     facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
@@ -400,27 +358,26 @@ def backward(
         what = "with respect to `through`"
         weights: torch.Tensor | None
         weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
-        if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
+        if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
             update = sync.average(_engine.weighted(lin, coefficients, rows))
-    elif isinstance(sync, _sync.FSDPSync):  # FSDP: each rank's shards of the k per-task gradients
-        task_grads = sync.task_gradients(task.through, cotangents, retain_graph)
-        what = "with respect to the shared parameters"
-        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL)
     else:
-        basis = _engine.Basis(_coords.real_size(lin.out))
-        task_grads, _ = _engine.by_linearity(
-            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
-        )
+
+        def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
+            basis = _engine.Basis(_coords.real_size(lin.out))
+            grads, _ = _engine.by_linearity(
+                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
+            )
+            return grads
+
+        task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
         # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
         # w @ P, and the update written back sparse, as .grad would be.
         sparse = [g.is_sparse for g in task_grads]
         task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
         what = "with respect to the shared parameters"
-        weights, update = weigh_params(
-            task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
-        )
+        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
         update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
-        if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
+        if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 
     # Apply: the one place that writes .grad.
@@ -429,14 +386,11 @@ def backward(
         assert weights is not None and lin.accumulate is not None
         with sync.reducing_backward():
             lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
-    elif isinstance(sync, _sync.FSDPSync):
-        sync.write(update)
     else:
-        for leaf, u in zip(task.shared, update):
-            _accumulate(leaf, u, taken)
+        sync.write(task.shared, update, taken)
     for own, grads in zip(task.own, own_grads):
         for leaf, grad in zip(own, grads):
-            _accumulate(leaf, grad, taken)
+            _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
         _graph.spend(task.graph, _CALL)
     if weights is None or task.keys is None:
