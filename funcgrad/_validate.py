@@ -37,7 +37,7 @@ def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
 def check_not_inference_mode(call: str) -> None:
     """The heads' gradients are taken on autograd, which records nothing in inference mode
     (their gradients would come out zero, or autograd would raise)."""
-    if torch.is_inference_mode_enabled():
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
         raise RuntimeError(
             f"{call}: cannot run inside torch.inference_mode(), where autograd records "
             "nothing to differentiate. Call it outside that block (torch.no_grad() is fine: "
