@@ -218,8 +218,6 @@ def make_plan(
     batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
     measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
     fallbacks = _FALLBACKS[strategy]
-    if requested == "auto" and len(candidates) < len(costs) and not weighted:
-        fallbacks = ("jacfwd was not a candidate: y's size was unknown before f ran", *fallbacks)
     return Plan(
         strategy,
         k,
