@@ -11,15 +11,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
-from ._config import checking, set_check
-from ._counting import PassCounter
+from ._config import CheckMode, checking, set_check
+from ._counting import HostReadCounter, PassCounter
 from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackError
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._memory import memory_budget
-from ._multitask import backward
+from ._multitask import SecondBackwardError, backward
 from ._per_example import PerExample, per_example, per_example_gramian
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
+from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
 
 try:
     __version__ = version("funcgrad")
@@ -47,12 +48,22 @@ __all__ = [
     "PerExample",
     "Plan",
     "PassCounter",
+    "HostReadCounter",
+    # the types of their arguments
+    "Weighting",
+    "ProcessGroupLike",
+    "InputsLike",
+    "Strategy",
+    "Level",
+    "ChunkSize",
+    "CheckMode",
     # settings, errors and warnings
     "set_check",
     "checking",
     "memory_budget",
     "ReleasedPullbackError",
     "BatchingMismatchError",
+    "SecondBackwardError",
     "FuncgradWarning",
 ]
 

@@ -38,16 +38,18 @@ def grads(
         outputs: k scalar tensors (z_i = g_i(y)), or one.
         inputs: the tensor(s) to differentiate with respect to (x).
         through: the intermediate tensor(s) every output is computed from (y).
-        retain_graph: accepted as in ``torch.autograd.grad``. The graph is always kept
-            during the call (batching, ``check`` and the non-finite recompute may need it
-            more than once), so a later backward through it works either way; its memory
-            goes when you drop the outputs and ``through``.
+        retain_graph: as in ``torch.autograd.grad`` (None: ``create_graph``). Without it,
+            the graph counts as freed after the call, where ``torch.autograd.grad`` would
+            free it: a later ``grads``, ``backward`` or ``.backward()`` through it raises
+            torch's error, before any ``.grad`` is written. The graph itself is kept during
+            the call (batching, ``check`` and the non-finite recompute may need it more than
+            once); its memory goes when you drop the outputs and ``through``.
         create_graph: build the graph of the gradients, for higher order.
         allow_unused: give zeros for inputs that ``through`` does not depend on, instead of
             an error.
         chunk_size: at most this many directions per batched backward (1: a loop).
         check: compare the batched backward with unbatched ones (see
-            :func:`funcgrad.set_check`); None uses the global setting.
+            `funcgrad.set_check`); None uses the global setting.
 
     Returns:
         A tuple with one tensor per input, of shape ``(k, *input.shape)``.
@@ -66,22 +68,23 @@ def grads(
         ``through`` to the inputs along the k cotangents, or, where k > numel(through),
         along ``through``'s unit directions combined by a product: batched in one
         ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
-        No rank is detected (it reads values; :func:`funcgrad.pullback` does, across
+        No rank is detected (it reads values; `funcgrad.pullback` does, across
         calls); a non-finite product is pulled back as the cotangents themselves, so
         NaN/inf come out as in autograd.
         Validation walks the graph's gradient edges once beforehand, so a wrong
         ``through`` (missed paths, dependent or repeated entries) is an error before any
-        slow backward runs. The graph is retained during the call; with
-        ``retain_graph=False`` its memory goes when you drop the outputs.
+        slow backward runs, and tells which nodes the call frees (see ``retain_graph``).
     """
     check_chunk_size(chunk_size, _CALL)
     mode = resolve_check(check, _CALL)
-    outs = as_tensors(outputs, "outputs", _CALL)
+    outs = as_tensors(outputs, "outputs", _CALL, rows=True)
     ins = as_tensors(inputs, "inputs", _CALL)
     mids = as_tensors(through, "through", _CALL)
     check_scalar_outputs(outs, _CALL)
-    _graph.check_paths(outs, ins, mids, allow_unused, _CALL)
-    del retain_graph  # see Args: kept during the call either way
+    graph = _graph.check_paths(outs, ins, mids, allow_unused, _CALL)
+    spender = _graph.spent(graph)
+    if spender is not None:
+        raise RuntimeError(_graph.SECOND_BACKWARD.format(call=spender))
 
     # Outputs -> through (cheap): one cotangent on `through` per output.
     per_output = [
@@ -91,9 +94,11 @@ def grads(
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
     # Through -> inputs (slow): min(k, numel(through)) directions.
-    lin = _linearize.of_graph(mids, ins, create_graph=create_graph)
+    lin = _linearize.of_graph(mids, ins, create_graph=create_graph, by_backward=graph.checkpoint)
     basis = _engine.Basis(_coords.real_size(lin.out))
     result, _ = _engine.by_linearity(
         lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
     )
+    if not (create_graph if retain_graph is None else retain_graph):
+        _graph.spend(graph, _CALL)  # as torch.autograd.grad frees it: see Args
     return result

@@ -13,17 +13,17 @@ from ._function import result_graph
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
-from ._types import ChunkSize, Level, Strategy
-from ._validate import check_flag
+from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
+from ._validate import check_flag, check_not_inference_mode
 
 _CALL = "combine_heads(f, heads)"
 
 
 class CombinedHeads:
-    """The function returned by :func:`combine_heads`: call it with f's arguments.
+    """The function returned by `combine_heads`: call it with f's arguments.
 
     ``fn(*args)`` returns ``(values, grad, weights)`` (and aux with ``has_aux=True``);
-    ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call runs.
+    ``fn.plan(*args)`` returns the `funcgrad.Plan` that the call runs.
 
     Examples:
         >>> import torch, funcgrad
@@ -44,9 +44,10 @@ class CombinedHeads:
     ) -> None:
         self._composition = composition
         self._create_graph = create_graph
-        distributed = process_group is not None
-        self.rule = _weighting.resolve(weighting, level, _CALL, distributed=distributed)
+        self._weighting = weighting
         self.level = level
+        distributed = process_group is not None
+        _weighting.resolve(weighting, level, _CALL, distributed=distributed)  # a clear error now
         if isinstance(process_group, torch.nn.Module):  # DDP or FSDP: a clear error, at once
             _sync.policy(process_group, _CALL, allow_modules=False)
         self.process_group = process_group
@@ -57,17 +58,24 @@ class CombinedHeads:
         return self._composition.k
 
     @property
-    def _one_pullback(self) -> bool:
-        return self.rule.kind == "sum" or self.level == "features"
+    def rule(self) -> _weighting.Rule:
+        """How the weighting is run, decided at each call as ``jac_to_grad`` decides it: a
+        hook registered on a TorchJD aggregator after ``combine_heads`` runs too."""
+        distributed = self.process_group is not None
+        return _weighting.resolve(self._weighting, self.level, _CALL, distributed=distributed)
+
+    def _one_pullback(self, rule: _weighting.Rule) -> bool:
+        return rule.kind == "sum" or self.level == "features"
 
     def plan(self, *args: Any) -> Plan:
         """The plan that ``fn(*args)`` runs, from shapes only: ``"weighted"`` (one pullback of
         ``w @ V``) at level ``"features"`` or without a weighting, else the per-head plan of
-        :func:`compose_heads` (see :meth:`ComposedHeads.plan` for what it costs)."""
+        `compose_heads` (see `ComposedHeads.plan` for what it costs)."""
         c = self._composition
-        return c.plan(c.flat(args), weighted=self._one_pullback)
+        return c.plan(c.flat(args), weighted=self._one_pullback(self.rule))
 
     def __call__(self, *args: Any) -> Any:
+        check_not_inference_mode(_CALL)
         leaves = [leaf for leaf in _tree.flatten(list(args))[0] if isinstance(leaf, torch.Tensor)]
         with result_graph(self._create_graph, leaves):
             return self._call(*args)
@@ -95,25 +103,31 @@ class CombinedHeads:
             error,
         )
         check = c.resolved_check()
-        if self._one_pullback:
-            lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+        rule = self.rule
+        if self._one_pullback(rule):
+            lin = c.watching(
+                flat, lambda: _linearize.of_function(flat, _linearize.RandomState(flat))
+            )
             values, cotangents = c.cotangents_of(flat)(lin.out)
             what = "with respect to f's output"
-            weights: torch.Tensor | None = weigh_features(self.rule, cotangents, sync, what, _CALL)
-            assert weights is not None
-            grads = sync.average(_engine.weighted(lin, weights, cotangents))
+            # f ran under the caller's autocast, if any; w @ V is formed and pulled outside
+            # it, as autograd's backward of that forward would run.
+            with _weighting.no_autocast(cotangents[0].device):
+                weights: torch.Tensor | None
+                weights, coefficients, rows = weigh_features(rule, cotangents, sync, what, _CALL)
+                grads = sync.average(_engine.weighted(lin, coefficients, rows))
             aux = lin.aux
         else:
             values, per_head, aux = c.per_head(flat, check)
             what = "with respect to the differentiated arguments"
             # The global per-head gradients: one k x n all-reduce.
-            weights, grads = weigh_params(self.rule, sync.average(per_head), sync, what, _CALL)
+            weights, grads = weigh_params(rule, sync.average(per_head), sync, what, _CALL)
         (values,) = sync.average([values.detach()])  # the global head values
         result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
         return (*result, flat.rebuild_aux(aux)) if c.has_aux else result
 
     def __repr__(self) -> str:
-        weighting = "None" if self.rule.fn is None else type(self.rule.fn).__name__
+        weighting = "None" if self._weighting is None else type(self._weighting).__name__
         text = self._composition.describe("combine_heads")
         return text[:-1] + f", weighting={weighting}, level={self.level!r})"
 
@@ -122,8 +136,10 @@ def combine_heads(
     f: Callable[..., Any],
     heads: Sequence[Callable[[Any], torch.Tensor]]
     | Mapping[Any, Callable[[Any], torch.Tensor]]
+    | torch.nn.ModuleList
+    | torch.nn.ModuleDict
     | StackedHeads,
-    weighting: Any = None,
+    weighting: Weighting | None = None,
     *,
     level: Level = "params",
     argnums: int | tuple[int, ...] = 0,
@@ -131,7 +147,7 @@ def combine_heads(
     strategy: Strategy = "auto",
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupLike | None = None,
     create_graph: bool = False,
 ) -> CombinedHeads:
     """The heads' values and ONE weighted gradient, ``sum_i w_i grads_i``, with f run once.
@@ -145,24 +161,24 @@ def combine_heads(
       cotangents on f's output y, and ``grad = (weights @ V) J``: still ``weights @ P``.
 
     Args:
-        f: ``f(*args) -> y``, as for :func:`compose_heads`.
+        f: ``f(*args) -> y``, as for `compose_heads`.
         heads: a sequence or mapping of callables ``y -> real scalar``, or
-            :func:`stacked_heads`.
+            `stacked_heads`.
         weighting: a callable Gramian (k x k) -> weights (k,), such as TorchJD's
             ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``.
             None: all ones (``grad`` is the gradient of the sum of the heads).
         level: ``"params"`` or ``"features"``, see above.
-        argnums: as for :func:`compose_heads`.
-        has_aux: as for :func:`compose_heads`.
-        chunk_size: as for :func:`compose_heads`.
-        check: as for :func:`compose_heads`.
+        argnums: as for `compose_heads`.
+        has_aux: as for `compose_heads`.
+        chunk_size: as for `compose_heads`.
+        check: as for `compose_heads`.
         strategy: how the per-head gradients are formed at level ``"params"``, as for
-            :func:`compose_heads`; level ``"features"`` always takes one pullback.
+            `compose_heads`; level ``"features"`` always takes one pullback.
         process_group: a ``torch.distributed`` ProcessGroup for data-parallel use (eager
             mode): each rank calls the function on its equal shard, and every rank gets the
             values (averaged), ``grad`` and weights of one call on the whole batch (heads
             are means over the shard, as in DDP). None: nothing is communicated.
-        create_graph: build the graph of ``grad`` (and aux), as for :func:`compose_heads`;
+        create_graph: build the graph of ``grad`` (and aux), as for `compose_heads`;
             by default none is built.
 
     Returns:
@@ -183,7 +199,7 @@ def combine_heads(
     Notes:
         Cost: one forward of f and the k heads, then at level ``"features"`` (or without a
         weighting) ONE pullback of f, whatever k; at level ``"params"`` the per-head plan of
-        :func:`compose_heads` (the cheapest of k VJPs, m Jacobian rows or n JVPs; the
+        `compose_heads` (the cheapest of k VJPs, m Jacobian rows or n JVPs; the
         Gramian ``P P^T = V (J J^T) V^T`` and the update then need no further pass). Under
         ``torch.compile`` a torch-native weighting compiles; TorchJD weightings that call a
         solver outside torch (UPGrad, DualProj via quadprog; CAGrad, NashMTL via cvxpy) call

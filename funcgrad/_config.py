@@ -12,6 +12,10 @@ from typing import Literal
 import torch
 
 CheckMode = bool | Literal["strict"]
+"""`check=`: True compares every batched (vmapped) result with unbatched calls on a sample of
+directions and, on a mismatch, warns and falls back to a loop; `"strict"` raises
+`funcgrad.BatchingMismatchError` instead; False compares nothing. None (where accepted): the
+global setting (`funcgrad.set_check`, `funcgrad.checking`, or `FUNCGRAD_CHECK`)."""
 _ENV = "FUNCGRAD_CHECK"
 _check: CheckMode | None = None  # None: follow the environment variable
 # Set by `checking` for a block; a ContextVar, so other threads and asyncio tasks keep theirs.
@@ -45,12 +49,12 @@ def _validate(mode: object, call: str) -> CheckMode:
 
 def set_check(mode: CheckMode | None) -> CheckMode | None:
     """Set the default ``check`` mode of every transform, for the whole process (every
-    thread); returns the previous setting. For one block of code, use :func:`checking`.
+    thread); returns the previous setting. For one block of code, use `checking`.
 
     Args:
         mode: ``True`` compares each batched (vmapped) result with unbatched pullbacks on a
             sample of cotangents and falls back to a loop, with a warning, on a mismatch;
-            ``"strict"`` raises :class:`~funcgrad.BatchingMismatchError` instead; ``False``
+            ``"strict"`` raises `funcgrad.BatchingMismatchError` instead; ``False``
             checks nothing; ``None`` restores the ``FUNCGRAD_CHECK`` environment variable
             (``0``, ``1`` or ``strict``).
 
@@ -72,11 +76,11 @@ def set_check(mode: CheckMode | None) -> CheckMode | None:
 @contextlib.contextmanager
 def checking(mode: CheckMode) -> Iterator[None]:
     """The default ``check`` mode inside a ``with`` block, for this thread (or asyncio task)
-    only; other threads keep theirs. It overrides :func:`set_check` and ``FUNCGRAD_CHECK``; a
+    only; other threads keep theirs. It overrides `set_check` and ``FUNCGRAD_CHECK``; a
     ``check=`` argument of a call still overrides it.
 
     Args:
-        mode: ``True``, ``False`` or ``"strict"``, as for :func:`set_check`.
+        mode: ``True``, ``False`` or ``"strict"``, as for `set_check`.
 
     Examples:
         >>> import torch, funcgrad

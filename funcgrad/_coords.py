@@ -62,10 +62,10 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> Tensors:
 def unit_rows(like: Sequence[torch.Tensor], start: int, stop: int) -> Tensors:
     """Unit directions ``start..stop-1`` of the real space of ``like``, stacked on a leading
     dim: rows of the identity, built a chunk at a time (never the whole m x m identity)."""
-    m = real_size(like)
-    index = torch.arange(start, stop, device=like[0].device)
-    rows = torch.nn.functional.one_hot(index, m).to(real_dtype([leaf.dtype for leaf in like]))
-    return from_coords(rows, like)
+    m, device = real_size(like), like[0].device
+    # A comparison, not one_hot: one_hot reads its indices' range (a host read on the CPU).
+    rows = torch.arange(start, stop, device=device)[:, None] == torch.arange(m, device=device)
+    return from_coords(rows.to(real_dtype([leaf.dtype for leaf in like])), like)
 
 
 def combine(coefficients: torch.Tensor, rows: Sequence[torch.Tensor]) -> Tensors:

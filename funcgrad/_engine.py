@@ -19,10 +19,12 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import os
+import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -30,7 +32,7 @@ from . import _coords, _linearize, _memory
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
-from ._plan import Plan
+from ._plan import FIT_MIN, FIT_RANGES, Plan
 from ._types import ChunkSize, Tensors
 from ._validate import values_readable
 
@@ -168,63 +170,117 @@ def _vmap_measured(
     return result
 
 
-# chunk_size="auto": the chunk that the first call measured, per directions' shapes, for
-# the object whose call is running (set by `remembering_chunks`); None: measure every call.
-_fitted: contextvars.ContextVar[dict[Any, int] | None] = contextvars.ContextVar(
+@dataclasses.dataclass
+class ChunkFit:
+    """``chunk_size="auto"`` for one call signature (or one :class:`~funcgrad.Pullback`):
+    what pulling directions through f's linearisation costs, once measured, and the chunk
+    that this cost gives under the memory budget in force at each call (a smaller budget
+    gives a smaller chunk at once, with no new measurement).
+
+    Every direction through one linearisation costs the same, so one record serves every
+    chunked map of a signature (``jacrev``'s unit rows, ``vjp``'s cotangents, the
+    non-finite recompute). It holds no tensor.
+    """
+
+    fixed: int | None = None  # bytes whatever the chunk; None: not measured yet
+    per_direction: int = 1  # bytes for each direction in a chunk
+    device: torch.device | None = None
+    warned: int | None = None  # the budget last warned about (below one direction)
+
+    @property
+    def measured(self) -> bool:
+        return self.fixed is not None
+
+    def chunk(self, what: str = "f's pullback", *, warn: bool = True) -> int:
+        """The most directions a chunk may hold under the budget in force, at least 1: below
+        one direction, one at a time, with one warning per budget (``warn``)."""
+        assert self.fixed is not None and self.device is not None, "measure first"
+        budget = _memory.budget(self.device)
+        fit = (budget - self.fixed) // self.per_direction
+        if fit >= 1:
+            return int(fit)
+        if warn and self.warned != budget:
+            self.warned = budget
+            warnings.warn(
+                f"funcgrad: chunk_size='auto': one direction through {what} needs about "
+                f"{(self.fixed + self.per_direction) / 2**20:.3g} MiB, more than the memory "
+                f"budget of {budget / 2**20:.3g} MiB; running one direction at a time. Raise "
+                "the budget (funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
+                FuncgradWarning,
+                stacklevel=_outside_funcgrad(),
+            )
+        return 1
+
+
+def _outside_funcgrad() -> int:
+    """The ``stacklevel`` that points its caller's warning at the first frame outside
+    funcgrad (the user's call), whichever entry point led there."""
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+# chunk_size="auto": the record of the object whose call is running (set by
+# `remembering_chunks`); None: measure on every call.
+_fitted: contextvars.ContextVar[ChunkFit | None] = contextvars.ContextVar(
     "funcgrad_fitted_chunks", default=None
 )
 
 
 @contextlib.contextmanager
-def remembering_chunks(store: dict[Any, int]) -> Iterator[None]:
-    """Inside the block, ``chunk_size="auto"`` reads and fills ``store``."""
-    token = _fitted.set(store)
+def remembering_chunks(record: ChunkFit) -> Iterator[None]:
+    """Inside the block, ``chunk_size="auto"`` reads and fills ``record`` (eager mode only:
+    never enter it in compiled code, where dynamo cannot trace a context variable)."""
+    token = _fitted.set(record)
     try:
         yield
     finally:
         _fitted.reset(token)
 
 
-def _fit_key(what: str, like: Sequence[torch.Tensor]) -> Any:
-    return what, tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in like)
-
-
 def fit_chunk(
     run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
 ) -> tuple[list[Tensors], int | None]:
     """``chunk_size="auto"``: (the results of the directions run to measure, the chunk for
-    the rest). Directions 0 and 1-2 run as two chunks, each under a peak-memory measurement
-    (their results are kept: no direction is pulled twice); their difference is what one
-    more direction costs, and the chunk is the most directions that fit the budget. None
-    where nothing needs fitting (3 directions or fewer, or values cannot be read: compiled
-    code, inside transforms, where it runs unchunked). Remembered per shapes where an object
-    keeps it (see :func:`remembering_chunks`)."""
-    store = _fitted.get()
-    key = _fit_key(what, like)
-    if store is not None and key in store:
-        return [], store[key]
-    if total <= 3 or not values_readable(like):
+    the rest). Where the running object's :class:`ChunkFit` has measured, its chunk under
+    the budget in force, nothing run. Else directions 0-1 and 2-4 run as two vmapped chunks
+    (:data:`FIT_RANGES`), each under a peak-memory measurement (their results are kept: no
+    direction is pulled twice); their difference is what a direction costs, and the chunk
+    is the most directions that fit the budget. None where nothing is fitted: values cannot
+    be read (compiled code, inside transforms: unchunked), or 5 directions or fewer and
+    nothing measured yet (measuring would run them all anyway)."""
+    # Values first: inside compiled code, dynamo cannot trace the context variable.
+    if not values_readable(like):
         return [], None
-    device = like[0].device
-    first, one = _memory.peak_of(lambda: run(0, 1), device)
-    second, three = _memory.peak_of(lambda: run(1, 3), device)
-    per_direction = max((three - one) // 1, 1)
-    fixed = max(one - per_direction, 0)
-    budget = _memory.budget(device)
-    fit = (budget - fixed) // per_direction
-    if fit < 1:
-        warnings.warn(
-            f"funcgrad: chunk_size='auto': one direction through {what} needs about "
-            f"{(fixed + per_direction) / 2**20:.3g} MiB, more than the memory budget of "
-            f"{budget / 2**20:.3g} MiB; running one direction at a time. Raise the budget "
-            "(funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
-            FuncgradWarning,
-            stacklevel=5,
-        )
-        fit = 1
-    if store is not None:
-        store[key] = int(fit)
-    return [first, second], int(fit)
+    record = _fitted.get()
+    if record is not None and record.measured:
+        return [], record.chunk(what)
+    if total <= FIT_MIN:
+        return [], None
+    record = record if record is not None else ChunkFit()
+    return measure_fit(record, run, like[0].device), record.chunk(what)
+
+
+def measure_fit(
+    record: ChunkFit, run: Callable[[int, int], Tensors], device: torch.device
+) -> list[Tensors]:
+    """Fill ``record`` from the peak memory of ``run`` on :data:`FIT_RANGES`; their results."""
+    (start, stop), (start2, stop2) = FIT_RANGES
+    # The larger chunk first: a one-time allocation in the first run (cuBLAS's workspace on
+    # CUDA) then inflates the cost of a direction, which chunks more than needed, instead of
+    # cancelling it, which chunked nothing (an H200: 2 GiB under a 512 MiB budget).
+    second, two = _memory.peak_of(lambda: run(start2, stop2), device)
+    first, one = _memory.peak_of(lambda: run(start, stop), device)
+    few, more = stop - start, stop2 - start2
+    record.per_direction = max((two - one) // (more - few), 1)
+    record.fixed = max(one - few * record.per_direction, 0)
+    record.device = device
+    return [first, second]
 
 
 def batched(
@@ -256,7 +312,7 @@ def batched(
 
             parts, fit = fit_chunk(run, args, batch, what)
             if parts:
-                rest = [arg[3:] for arg in args]
+                rest = [arg[FIT_RANGES[-1][1] :] for arg in args]
                 parts.append(
                     batched(fn, rest, chunk_size=fit, check=check, what=what, can_vmap=can_vmap)
                 )
@@ -324,9 +380,13 @@ def nothing_to_pull(k: int, out_like: Tensors, x_like: Tensors) -> bool:
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
-    # One reduction per leaf: NaN and inf survive a sum (an overflow to inf only costs a
-    # needless, still correct, recomputation).
-    return all(bool(torch.isfinite(leaf.sum())) for leaf in leaves if leaf.numel())
+    """Whether every entry is finite, in ONE read of a device value: NaN and inf survive a
+    sum (an overflow to inf only costs a needless, still correct, recomputation)."""
+    sums = [torch.isfinite(leaf.sum()) for leaf in leaves if leaf.numel()]
+    if not sums:
+        return True
+    device = sums[0].device
+    return bool(torch.stack([s.to(device) for s in sums]).all())
 
 
 def went_non_finite(grads: Tensors, out: Tensors) -> bool:
@@ -360,7 +420,7 @@ def pull(
             can_vmap=lin.can_vmap and not loop,
         )
     except RuntimeError as error:
-        if "donated buffers" not in str(error):
+        if _linearize.torch_limit(error) != "donated buffers":
             raise
         raise RuntimeError(
             f"funcgrad: {lin.what} runs a torch.compile'd backward, which may run only once "
@@ -402,9 +462,9 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
             m,
             lin.what,
         )
-        for (start, stop), rows in zip([(0, 1), (1, 3)], measured):
+        for (start, stop), rows in zip(FIT_RANGES, measured):
             add(start, stop, rows)
-        first = 3 if measured else 0
+        first = FIT_RANGES[-1][1] if measured else 0
     for start, stop in chunks(m - first, chunk):
         rows = pull(lin, _coords.unit_rows(out, first + start, first + stop), chunk, check)
         add(first + start, first + stop, rows)
@@ -459,10 +519,13 @@ def forward_columns(
             return None
         why = f"forward mode cannot differentiate f ({first_line(error)})"
     else:
-        n_out = flat.out_def.num_leaves  # known once f has run
-        # Every output is batched (f's own as broadcast views): row 0 is f's output.
-        out = tuple(s[0] for s in stacked[:n_out])
-        return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+        if not (flat.drew and not torch.is_grad_enabled() and values_readable(primals)):
+            n_out = flat.out_def.num_leaves  # known once f has run
+            # Every output is batched (f's own as broadcast views): row 0 is f's output.
+            out = tuple(s[0] for s in stacked[:n_out])
+            return out, tuple(s[0] for s in stacked[2 * n_out :]), stacked[n_out : 2 * n_out]
+        # f drew random numbers, which the batched JVP draws otherwise than one eager forward.
+        why = "f draws random numbers, and its batched JVP draws other ones than eager"
     rng.restore()
     warnings.warn(
         f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more, with the "
@@ -487,13 +550,13 @@ def per_head(
     mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
     again in reverse mode with the same random draws.
     """
-    rng = RandomState(flat.leaves)
+    rng = RandomState(flat)
     instead_of_forward = False
     if forward_first:
         columns = forward_columns(flat, check, rng)
         if columns is not None:
             out, aux, tangents = columns
-            plan = planner(_coords.real_size(out), True)
+            plan = planner(_coords.real_size(out), False)  # the plan that ran: jacfwd
             values, cotangents = cotangents_of(out)
             grads = by_columns(cotangents, tangents, out, flat.leaves)
             if grads is not None:
@@ -696,3 +759,26 @@ def by_linearity(
     if not all_finite(result):  # an overflow in the product that autograd may not have
         return direct(pulled)
     return result, pulled
+
+
+# -- the cheap side: gradients of k scalar outputs (heads, task losses) --------------------
+
+
+def output_grads(outputs: Sequence[torch.Tensor], inputs: Tensors) -> Tensors:
+    """The gradients of each of k scalar ``outputs`` w.r.t. ``inputs``, stacked: leaves
+    ``(k, *input.shape)``, zeros where an output does not reach an input, as k calls of
+    ``torch.autograd.grad(output, inputs)`` give them (the graph is retained).
+
+    One ``torch.autograd.grad`` per output: measured cheapest on the CPU and on an H200
+    (one batched backward with ``is_grads_batched`` runs the legacy vmap: a params-level
+    ``backward`` with k = 8 took 9.4 ms batched against 6.6 ms output by output on the H200,
+    and 4x as long on the CPU), and it reads no device value (a batched backward must be
+    checked for 0 * inf, where an infinite derivative on one output's path meets the other
+    rows' zero cotangents)."""
+    rows = [
+        _linearize.autograd_grad(o, inputs, None, retain_graph=True)
+        if o.requires_grad
+        else tuple(torch.zeros_like(x) for x in inputs)
+        for o in outputs
+    ]
+    return tuple(torch.stack([row[j] for row in rows]) for j in range(len(inputs)))

@@ -6,7 +6,7 @@ import torch
 
 
 class ReleasedPullbackError(ValueError):
-    """A :class:`~funcgrad.Pullback` was used after :meth:`~funcgrad.Pullback.release`."""
+    """A `funcgrad.Pullback` was used after `funcgrad.Pullback.release`."""
 
 
 class BatchingMismatchError(RuntimeError):

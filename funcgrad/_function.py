@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree
 from ._errors import describe
@@ -28,6 +30,37 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
     if create_graph or (not torch.compiler.is_compiling() and not outside_transforms(leaves)):
         return contextlib.nullcontext()
     return torch.no_grad()
+
+
+class _Draws(TorchFunctionMode):
+    """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
+    in every torch random op) the first time it is seen, with its state before that draw."""
+
+    def __init__(self, seen: dict[torch.Generator, torch.Tensor]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        generator = kwargs.get("generator")
+        if isinstance(generator, torch.Generator) and generator not in self.seen:
+            self.seen[generator] = generator.get_state()
+        return func(*args, **kwargs)
+
+
+class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Records whether f ran an op that draws random numbers (ATen's ``nondeterministic_seeded``
+    tag: dropout's bernoulli, rand*, normal, multinomial, ...), at the level torch.func
+    transforms dispatch to, so that it also sees them inside ``vjp``."""
+
+    def __init__(self, flat: FlatFunction) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.flat = flat
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.flat.drew = True
+        return func(*args, **(kwargs or {}))
 
 
 class FlatFunction:
@@ -62,6 +95,19 @@ class FlatFunction:
         self.out_def: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
+        # The explicit generators f drew from in this call, with their state before its first
+        # draw (RandomState restores them before a re-run of f), recorded while ``watch``
+        # (a TorchFunctionMode costs ~1-2 us an op, so a caller that knows f draws from none
+        # turns it off). Not in compiled code, where generators' states cannot be read.
+        self.watch = True
+        self.generators: dict[torch.Generator, torch.Tensor] = {}
+        # The caller's record of this call's signature, once looked up (see _heads).
+        self.signature: Any = None
+        # Whether f drew random numbers in a watched run; and whether to linearise it on
+        # eager autograd (torch.func draws other numbers than eager for some ops, such as
+        # dropout on a non-contiguous tensor: see _linearize.of_function).
+        self.drew = False
+        self.eager = False
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
@@ -75,8 +121,13 @@ class FlatFunction:
         args = list(self.args)
         for a, tree in zip(self.argnums, self.split_inputs(leaves)):
             args[a] = tree
+        watching = self.watch and not torch.compiler.is_compiling()
         try:
-            result = self.f(*args)
+            with contextlib.ExitStack() as stack:
+                if watching:
+                    stack.enter_context(_Draws(self.generators))
+                    stack.enter_context(Random(self))
+                result = self.f(*args)
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")
             if isinstance(self.f, torch.nn.Module) and isinstance(error, TypeError):

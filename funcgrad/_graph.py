@@ -1,14 +1,17 @@
 """Walking an autograd graph by gradient edges, before any backward runs.
 
 ``funcgrad.grads`` and ``funcgrad.backward`` check here that the outputs reach the inputs
-only through ``through``, and ``backward`` finds the shared and the task-specific leaves.
+only through ``through``, and ``backward`` finds the shared and the task-specific leaves;
+the same walk tells which nodes the call frees in torch's terms (:class:`Graph`), so that a
+later backward through them raises as torch's would (:func:`spent`, :func:`spend`).
 An op with several outputs (unbind, split, max(dim)) has one node for all of them; the
 edge's output index tells them apart, so the walk reasons in edges, not nodes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +22,10 @@ Edge = tuple[Any, int]
 
 
 def edge(t: torch.Tensor) -> Edge:
-    """The gradient edge into ``t``: (node, output index)."""
-    e = torch.autograd.graph.get_gradient_edge(t)
+    """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
+    a view, which inference mode would leave without a graph: the view is made outside it.)"""
+    with torch.inference_mode(False):
+        e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
 
 
@@ -33,10 +38,13 @@ def walk(
     targets: dict[Edge, int],
     stop: dict[Edge, int],
     leaves: dict[Edge, torch.Tensor] | None = None,
+    into: dict[Any, list[Any]] | None = None,
 ) -> tuple[set[int], set[int]]:
     """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
     walk does not go past a stop edge, so it stays in the cheap part of the graph. The leaf
-    tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given.
+    tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given, and
+    every node it goes past is recorded in ``into`` (node -> the nodes that pass gradients
+    into it, see :class:`Graph`) if given.
 
     Conservative where it must be: gradient entering a node by any output is taken to reach
     all of its inputs (true of every op but a few with unused inputs), so a dependency is
@@ -54,6 +62,8 @@ def walk(
         if leaves is not None and hasattr(e[0], "variable"):  # AccumulateGrad: a leaf
             leaves.setdefault(e, e[0].variable)
         for parent in _parents(e):
+            if into is not None:
+                into.setdefault(parent[0], []).append(e[0])
             if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
@@ -95,7 +105,7 @@ def through_edges(through: Tensors, call: str) -> dict[Edge, int]:
                 "list each intermediate once."
             )
         edges[e] = j
-    for j, e in enumerate(edges):
+    for j, e in enumerate(edges if len(edges) > 1 else ()):  # (one tensor: nothing to walk)
         others = {o: i for o, i in edges.items() if o != e}
         _, above = walk(_parents(e), {}, others)
         if above:
@@ -109,15 +119,18 @@ def through_edges(through: Tensors, call: str) -> dict[Edge, int]:
 
 def check_paths(
     outputs: Tensors, inputs: Tensors, through: Tensors, allow_unused: bool, call: str
-) -> None:
+) -> Graph:
     """``through`` lists independent tensors, every output reaches ``through`` and reaches
-    the inputs only through it, and ``through`` reaches every input (unless allow_unused)."""
+    the inputs only through it, and ``through`` reaches every input (unless allow_unused).
+    Returns the :class:`Graph` of ``torch.autograd.grad(outputs, inputs)``, from the same
+    walk."""
     input_edges: dict[Edge, int] = {}
     for i, x in enumerate(inputs):
         input_edges.setdefault(edge(x), i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
+    above: dict[Any, list[Any]] = {}
     for i, z in enumerate(outputs):
-        bypass, reached_through = walk([edge(z)], input_edges, stops)
+        bypass, reached_through = walk([edge(z)], input_edges, stops, into=above)
         if not reached_through:
             raise ValueError(
                 f"{call}: outputs[{i}] does not depend on `through`; every output must be "
@@ -129,14 +142,17 @@ def check_paths(
                 "`through`, so pulling back through `through` alone would miss that path. "
                 "Add the intermediate it uses to `through`, or use torch.autograd.grad."
             )
-    if not allow_unused and not has_reentrant_checkpoint(through):
-        reached, _ = walk(list(stops), input_edges, {})
+    below: dict[Any, list[Any]] = {}
+    _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
+    graph = Graph.of(above, below, stops, {e[0] for e in input_edges})
+    if not allow_unused and not graph.checkpoint:
         for i, x in enumerate(inputs):
             if input_edges[edge(x)] not in reached:
                 raise ValueError(
                     f"{call}: `through` does not depend on inputs[{i}]; pass allow_unused=True "
                     "to get zeros for it (torch.autograd.grad would give None)."
                 )
+    return graph
 
 
 def split_leaves(
@@ -145,15 +161,17 @@ def split_leaves(
     through: Tensors,
     inputs: list[tuple[str, torch.Tensor]] | None,
     call: str,
-) -> tuple[dict[Edge, torch.Tensor], dict[Edge, str], list[dict[Edge, torch.Tensor]]]:
-    """(shared leaves, their names, each loss's task-specific leaves), from one walk of the
-    graph: shared ones are those ``through`` depends on (or those of ``inputs``); a loss's
-    own are those it reaches without passing through ``through``."""
+) -> tuple[dict[Edge, torch.Tensor], dict[Edge, str], list[dict[Edge, torch.Tensor]], Graph]:
+    """(shared leaves, their names, each loss's task-specific leaves, the :class:`Graph` of
+    the backward of the losses into them), from one walk of the graph: shared ones are those
+    ``through`` depends on (or those of ``inputs``); a loss's own are those it reaches
+    without passing through ``through``."""
     stops = through_edges(through, call)
     below: dict[Edge, torch.Tensor] = {}
-    walk(list(stops), {}, {}, below)
+    below_into: dict[Any, list[Any]] = {}
+    walk(list(stops), {}, {}, below, below_into)
     leaf_names: dict[Edge, str] = {}
-    hidden = has_reentrant_checkpoint(through)
+    hidden = _checkpoints(stops, below_into)
     if hidden and inputs is None:
         raise ValueError(
             f"{call}: the graph below `through` holds a reentrant checkpoint "
@@ -181,9 +199,10 @@ def split_leaves(
             "shared model, or use sum(losses).backward()."
         )
     per_task = []
+    above: dict[Any, list[Any]] = {}
     for name, loss in zip(names, losses):
         own: dict[Edge, torch.Tensor] = {}
-        _, reached = walk([edge(loss)], {}, stops, own)
+        _, reached = walk([edge(loss)], {}, stops, own, above)
         if not reached:
             raise ValueError(
                 f"{call}: {name} does not depend on `through`; every loss must be computed "
@@ -191,7 +210,12 @@ def split_leaves(
             )
         for e, leaf in own.items():
             if e in below:
-                where = leaf_names.get(e, f"a leaf tensor of shape {tuple(leaf.shape)}")
+                kind = "a parameter" if isinstance(leaf, torch.nn.Parameter) else "a leaf tensor"
+                where = leaf_names.get(
+                    e,
+                    f"{kind} of shape {tuple(leaf.shape)} (pass inputs=model.named_parameters() "
+                    "to have it named)",
+                )
                 raise ValueError(
                     f"{call}: {name} reaches {where} other than through `through`, so that "
                     "leaf is both shared and task-specific and its weighted gradient would "
@@ -199,32 +223,90 @@ def split_leaves(
                     "detach it)."
                 )
         per_task.append(own)
-    return shared, leaf_names, per_task
+    targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
+    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets)
 
 
-def freed_nodes(outputs: Tensors, inputs: Tensors) -> list[Any]:
-    """The nodes that a backward from ``outputs`` to ``inputs`` frees (without
-    ``retain_graph``): those it runs (below ``outputs``, reaching an input's gradient edge,
-    as the engine prunes) that save tensors."""
-    starts = [edge(t) for t in outputs]
-    into: dict[Any, list[Any]] = {}  # node -> the nodes that pass gradients into it
-    seen, todo = set(starts), list(starts)
-    while todo:
-        e = todo.pop()
-        for parent in _parents(e):
-            into.setdefault(parent[0], []).append(e[0])
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    targets = {edge(x)[0] for x in inputs}
-    found, todo_nodes = set(targets), list(targets)
-    while todo_nodes:
-        for node in into.get(todo_nodes.pop(), ()):
-            if node not in found:
-                found.add(node)
-                todo_nodes.append(node)
-    below = {e[0] for e in starts} | into.keys()
-    return [node for node in found if node in below and _saves_tensors(node)]
+def _checkpoints(stops: Mapping[Edge, int], into: Mapping[Any, list[Any]]) -> list[Any]:
+    """The reentrant checkpoints among the nodes of a walk from ``stops`` (see :func:`walk`)."""
+    nodes = {e[0] for e in stops} | into.keys()
+    return [node for node in nodes if type(node).__name__ == REENTRANT_CHECKPOINT]
+
+
+@dataclasses.dataclass
+class Graph:
+    """What the walk of one call's graph found for the backward that the call stands for
+    (from the outputs into the wanted gradients): ``freed``, the nodes it runs that save
+    tensors, which torch's engine frees without ``retain_graph`` (those above a wanted
+    gradient's node, as the engine prunes: where a later backward raises in torch), and
+    whether a reentrant checkpoint lies between ``through`` and the wanted gradients."""
+
+    freed: list[Any]
+    checkpoint: bool
+    into: dict[Any, list[Any]]  # node -> the nodes that pass gradients into it
+    upper: set[Any]  # the nodes above ``through`` and its own nodes
+
+    @classmethod
+    def of(
+        cls,
+        above: dict[Any, list[Any]],
+        below: dict[Any, list[Any]],
+        stops: Mapping[Edge, int],
+        targets: set[Any],
+    ) -> Graph:
+        """From the walks above ``through`` (stopped at its ``stops``) and below it (see
+        :func:`walk`'s ``into``), and the nodes of the wanted gradients (``targets``). A
+        reentrant checkpoint runs whatever it reaches: its own backward reaches leaves that
+        the walk cannot see."""
+        checkpoints = _checkpoints(stops, below)
+        upper = {node for nodes in above.values() for node in nodes} | {e[0] for e in stops}
+        into = below
+        for node, nodes in above.items():
+            into.setdefault(node, []).extend(nodes)
+        runs = set(checkpoints)
+        todo = [*targets, *runs]
+        while todo:
+            for node in into.get(todo.pop(), ()):
+                if node not in runs:
+                    runs.add(node)
+                    todo.append(node)
+        freed = [node for node in runs if _saves_tensors(node)]
+        return cls(freed, bool(checkpoints), into, upper)
+
+    def refusing(self) -> dict[Any, list[Any] | None]:
+        """Where a later backward must refuse, so that it raises before it writes anything,
+        and when: at a freed node always (None: torch raises there); at a node above
+        ``through`` (the losses' own included) or ``through``'s own node from which freed
+        ones are reached, when the backward will run one of the first freed nodes below it
+        (listed; as the engine prunes, ``torch.autograd.grad(loss, log_var)`` may avoid
+        them). A backward from the outputs runs those nodes first, before any leaf; torch
+        would raise only at the freed node, after accumulating into a leaf that a path
+        saving nothing reaches first (a parameter added to a loss)."""
+        freed = set(self.freed)
+        doomed, todo = set(freed), list(freed)  # the nodes from which a freed one is reached
+        while todo:
+            for node in self.into.get(todo.pop(), ()):
+                if node not in doomed:
+                    doomed.add(node)
+                    todo.append(node)
+        refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
+        first: dict[Any, set[Any]] = {}  # a doomed node -> the first freed nodes below it
+        for start in (self.upper & doomed) - freed:
+            stack = [start]
+            while stack:
+                node = stack[-1]
+                if node in first:
+                    stack.pop()
+                    continue
+                parents = [p for p, _ in node.next_functions if p in doomed]
+                pending = [p for p in parents if p not in freed and p not in first]
+                if pending:
+                    stack.extend(pending)
+                    continue
+                stack.pop()
+                first[node] = set().union(*({p} if p in freed else first[p] for p in parents))
+            refusing[start] = list(first[start])
+        return refusing
 
 
 # Per node type: whether it saves tensors for backward (those a backward frees, and torch
@@ -233,6 +315,11 @@ _SAVES: dict[type, bool] = {}
 
 
 def _saves_tensors(node: Any) -> bool:
+    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function:
+        try:  # what this call saved (a gradient reversal saves nothing)
+            return len(node._raw_saved_tensors) > 0
+        except RuntimeError:  # already freed by a backward
+            return True
     kind = type(node)
     if kind not in _SAVES:
         _SAVES[kind] = not hasattr(node, "variable") and any(  # (AccumulateGrad: a leaf)
@@ -242,33 +329,46 @@ def _saves_tensors(node: Any) -> bool:
 
 
 _SPENT = "funcgrad: spent"
+_REFUSES = "funcgrad: refuses a backward"
 
 
-def spent(nodes: Sequence[Any]) -> bool:
-    """Whether a call with ``retain_graph=False`` marked any of ``nodes`` (see :func:`spend`)."""
-    return any(_SPENT in node.metadata for node in nodes)
+def spent(graph: Graph) -> str | None:
+    """The call that spent (see :func:`spend`) one of the nodes that ``graph``'s backward
+    frees, if any: that backward would raise in torch."""
+    return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
-def spend(nodes: Sequence[Any], call: str, *, refuse_backward: bool) -> None:
-    """Mark ``nodes`` (see :func:`freed_nodes`) as spent by a backward with
-    ``retain_graph=False``, so that a later call through them raises before any pass (on
-    every rank: see :func:`spent`). ``refuse_backward``: funcgrad kept the graph alive
-    (its batched pulls retain it), so any later backward through them, the user's own
-    included, raises as torch's would on the freed graph."""
+def spend(graph: Graph, call: str) -> None:
+    """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
+    ``retain_graph``), so that a later call through them raises before any pass (on every
+    rank: see :func:`spent`), and make any later backward, the user's own included, raise
+    as torch's would on the freed graph, before it writes anything (see
+    :meth:`Graph.refusing`). funcgrad keeps parts of
+    the graph alive (the heads' part for each loss's gradient on ``through``, the shared
+    part for its batched pulls), so torch itself would not raise there."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
 
-    for node in nodes:
-        if _SPENT not in node.metadata:
-            node.metadata[_SPENT] = True
-            if refuse_backward:
-                node.register_prehook(refuse)
+    def refuse_before(freed: list[Any]) -> Callable[[Any], None]:
+        # (It holds nodes below its own only, as the graph's edges do: no reference cycle.)
+        def hook(_: Any) -> None:
+            if any(torch._C._will_engine_execute_node(node) for node in freed):
+                refuse(None)
+
+        return hook
+
+    for node in graph.freed:
+        node.metadata.setdefault(_SPENT, call)
+    for node, below in graph.refusing().items():
+        if _REFUSES not in node.metadata:
+            node.metadata[_REFUSES] = True
+            node.register_prehook(refuse if below is None else refuse_before(below))
 
 
 SECOND_BACKWARD = (
     "Trying to backward through the graph a second time: {call} already ran the backward "
-    "of this graph with retain_graph=False, which frees it (at level='params' funcgrad "
-    "keeps its tensors for its batched pulls, but treats it as freed, as torch would). Pass "
+    "of this graph without retain_graph, which frees it (funcgrad keeps some of its "
+    "tensors for its own passes, but treats it as freed, as torch would). Pass "
     "retain_graph=True to the first call, or run the forward again."
 )

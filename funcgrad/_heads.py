@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -13,28 +14,30 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _coords, _engine, _linearize, _tree
+from . import _coords, _engine, _function, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
 from ._linearize import RandomState
-from ._plan import FORWARD_MODE_PENALTY, Plan, make_plan
+from ._plan import FIT_RANGES, FORWARD_MODE_PENALTY, Plan, make_plan
 from ._types import ChunkSize, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
     check_callable,
     check_chunk_size,
     check_flag,
+    check_not_inference_mode,
     check_strategy,
     normalize_argnums,
     values_readable,
 )
 
 R = TypeVar("R")
+K = TypeVar("K")
 
 
 class StackedHeads:
-    """k heads ``y -> head_fn(params_j, y)`` that share one function; see :func:`stacked_heads`."""
+    """k heads ``y -> head_fn(params_j, y)`` that share one function; see `stacked_heads`."""
 
     def __init__(self, head_fn: Callable[[Any, Any], torch.Tensor], params: Any) -> None:
         call = "stacked_heads(head_fn, params)"
@@ -68,10 +71,10 @@ class StackedHeads:
 
 
 def stacked_heads(head_fn: Callable[[Any, Any], torch.Tensor], params: Any) -> StackedHeads:
-    """k heads that are one function with k sets of parameters, for :func:`compose_heads`.
+    """k heads that are one function with k sets of parameters, for `compose_heads`.
 
     Head j is ``y -> head_fn(params_j, y)``, where ``params_j`` takes slice j of every leaf of
-    ``params``. :func:`compose_heads` evaluates all k head values and cotangents in one
+    ``params``. `compose_heads` evaluates all k head values and cotangents in one
     ``vmap`` instead of k Python calls.
 
     Args:
@@ -160,11 +163,9 @@ def _heads_eager(
     heads: list[Any], keys: list[Any] | None, out_def: Any, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
     """Every head's value and gradient w.r.t. y on plain autograd, for a call that builds no
-    graph of its results: the heads run once on a detached y, then one batched backward of
-    the k values (``is_grads_batched``) on CUDA, where each autograd call costs its host
-    time, or one ``torch.autograd.grad`` per head on the CPU, where that is the cheapest
-    (about 3x fewer µs a head than ``torch.func.grad``). The batched backward is checked
-    for non-finite entries (one read of a device value) and redone head by head if any."""
+    graph of its results: the heads run once on a detached y, then one
+    ``torch.autograd.grad`` per head (:func:`~funcgrad._engine.output_grads`; about 3x fewer
+    µs a head than ``torch.func.grad`` on the CPU)."""
     y = tuple(leaf.detach().requires_grad_() for leaf in out)
     with torch.enable_grad():
         values = []
@@ -172,36 +173,8 @@ def _heads_eager(
             where = f"head {index}" if keys is None else f"head {keys[index]!r}"
             with _naming(where, call):
                 values.append(_scalar(head(_tree.unflatten(out_def, y)), where, call))
-        k, stacked = len(values), torch.stack(values)
-        if not stacked.requires_grad:  # no head depends on y
-            return stacked, tuple(leaf.new_zeros((k, *leaf.shape)) for leaf in y)
-        if _BATCHED_HEADS(out):
-            eye = torch.eye(k, dtype=stacked.dtype, device=stacked.device)
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=_engine.SLOW_PATH)
-                grads = _linearize.autograd_grad(
-                    stacked, y, eye, retain_graph=True, is_grads_batched=True
-                )
-            # A head's infinite derivative (sqrt at 0) meets the other rows' zero cotangents:
-            # 0 * inf = NaN where autograd, head by head, gives a finite entry. One read.
-            if _engine.all_finite(grads):
-                return stacked.detach(), grads
-        rows = [
-            _linearize.autograd_grad(value, y, None, retain_graph=index < k - 1)
-            if value.requires_grad
-            else tuple(torch.zeros_like(leaf) for leaf in y)
-            for index, value in enumerate(values)
-        ]
-    return stacked.detach(), tuple(torch.stack([row[j] for row in rows]) for j in range(len(y)))
-
-
-def _batched_heads_on(out: Tensors) -> bool:
-    return out[0].device.type == "cuda"
-
-
-# Whether the heads' cotangents take one batched backward (else one per head); a module
-# attribute so that tests run both paths on the CPU.
-_BATCHED_HEADS = _batched_heads_on
+        grads = _engine.output_grads(values, y)
+    return torch.stack(values).detach(), grads
 
 
 def _head_cotangents(
@@ -244,13 +217,13 @@ def _head_cotangents(
 
 
 def _shape_key(args: Sequence[Any]) -> Any:
-    """What y's shape may depend on: the tree, and every leaf's shape, dtype and device (or
-    its value, for a hashable non-tensor leaf)."""
+    """A call signature: the tree, and every leaf's shape, dtype, device and requires_grad
+    (or its value, for a hashable non-tensor leaf)."""
     leaves, treedef = _tree.flatten(list(args))
 
     def of(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return (tuple(leaf.shape), leaf.dtype, leaf.device)
+            return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
         try:
             hash(leaf)
         except TypeError:
@@ -322,33 +295,39 @@ class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | None:
-    """m = real numel of f's output without running f for real: f on fake tensors (shapes
-    only, no data, no side effects: torch.func refuses in-place updates of captured buffers),
-    for at most ``limit`` ops. None where that cannot tell (data-dependent Python in f, a long
-    Python loop, ...). Eager mode only."""
+    """m = real numel of f's output without running f's ops for real: f on fake tensors
+    (shapes only, no data; no tensor written, since torch.func refuses in-place updates of
+    captured buffers, and no generator advanced), for at most ``limit`` ops. f's Python body
+    does run (up to the limit): Python state it changes changes. None where that cannot
+    tell (data-dependent Python in f, a long Python loop, ...). Eager mode only."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    watch, flat.watch = flat.watch, False  # fake draws: nothing for RandomState to restore
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fakes = [mode.from_tensor(leaf) for leaf in flat.leaves]
             with contextlib.ExitStack() as stack:
                 if limit is not None:
                     stack.enter_context(_OpBudget(limit))
+                stack.enter_context(_function.Random(flat))  # does f draw? (random ops)
                 out = torch.func.vjp(flat, *fakes, has_aux=flat.has_aux)[0]
         return _coords.real_size(out)
     except Exception:  # any failure only means the shape is not known in advance
         return None
+    finally:
+        flat.watch = watch
 
 
 def _forward_size(flat: FlatFunction) -> int:
     """m from one real forward of f that leaves no trace, the random number generators
-    restored. First in inference mode inside a ``torch.func.vjp`` of nothing: the transform
-    refuses, before anything is mutated, to write into a tensor f captured (a buffer, a
-    counter), and inference mode records no graph, so it costs ~1.5 eager forwards against
-    ~2.5 for a vjp of f. Where f needs gradients inside, the vjp of f; else, without
+    restored (the default ones and every ``torch.Generator`` f draws from). First in
+    inference mode inside a ``torch.func.vjp`` of nothing: the transform refuses, before
+    anything is mutated, to write into a tensor f captured (a buffer, a counter), and
+    inference mode records no graph, so it costs ~1.5 eager forwards against ~2.5 for a vjp
+    of f. Where f needs gradients inside, the vjp of f; else, without
     gradients, every such write made on a copy (BatchNorm's running statistics in training
     mode) at ~4 eager forwards."""
-    rng = RandomState(flat.leaves)
+    rng = RandomState(flat)
     nothing = torch.zeros(())
 
     def output(*leaves: torch.Tensor) -> Any:
@@ -373,6 +352,55 @@ def _forward_size(flat: FlatFunction) -> int:
     finally:
         rng.restore()
     return _coords.real_size(out)
+
+
+@dataclasses.dataclass
+class Signature:
+    """What a :class:`Composition` has learnt of one call signature (every argument's tree,
+    shapes, dtypes, devices and requires_grad: :func:`_shape_key`), from calls and
+    ``plan()``: read by every later call with that signature. It holds no tensor."""
+
+    fake_tried: bool = False
+    fake_size: int | None = None  # y's size from f on fake tensors (None: not told that way)
+    forward_size: int | None = None  # y's size from one real forward, for plan() alone
+    # auto's first-call timing of a batched call against an unbatched one: measured, and
+    # None where vmap was faster (or nothing was batched), else why unbatched calls were.
+    measured: bool = False
+    unbatched: str | None = None
+    tentative: _engine.Timing | None = None  # unbatched looked faster once: time again
+    # Where auto chose forward mode: timed against reverse mode on the first call, and None
+    # where forward mode was faster, else why reverse mode was (then planned).
+    forward_timed: bool = False
+    not_forward: str | None = None
+    fit: _engine.ChunkFit | None = None  # chunk_size="auto": a direction's measured cost
+    # Whether f drew from an explicit torch.Generator on the first call (None: no call yet):
+    # later calls watch f's ops for one (for RandomState) only where it did.
+    draws: bool | None = None
+    # Whether f draws random numbers (seen in a watched run): then it is linearised on eager
+    # autograd (same draws as one eager forward), and forward mode is no candidate.
+    random: bool = False
+
+
+class Signatures:
+    """The :class:`Signature` records of one Composition, least recently used dropped past
+    ``size`` (a jit cache's bound: a loop over ever new shapes keeps at most this many)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._records: collections.OrderedDict[Any, Signature] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __call__(self, key: Any) -> Signature:
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = Signature()
+            if len(self._records) > self.size:
+                self._records.popitem(last=False)
+        else:
+            self._records.move_to_end(key)
+        return record
 
 
 class Composition:
@@ -400,23 +428,10 @@ class Composition:
         self.strategy: Strategy = strategy
         self.chunk_size: ChunkSize = chunk_size
         self.check = resolve_check(check, call) if check is not None else None
-        # y's size by the arguments' shapes, so that auto pays the fake run of f once per
-        # shape. A stale entry (f's shapes changed by outside state) only costs speed: the
-        # size picks a strategy, and every strategy computes on the real output.
-        self._sizes: dict[Any, int | None] = {}
-        self._forward_sizes: dict[Any, int] = {}  # y's size from a real forward, for plan()
-        # Per argument shapes, what the first call measured: None where vmap was faster
-        # (or nothing was batched), else why unbatched calls were (then planned unbatched).
-        self._measured: dict[Any, str | None] = {}
-        # Per argument shapes, a first call's timing where unbatched calls looked faster:
-        # the next call is timed too before deciding.
-        self._tentative: dict[Any, _engine.Timing] = {}
-        # chunk_size="auto": the engine's fitted chunks, and the one each shape got.
-        self._fits: dict[Any, int] = {}
-        self._chunks: dict[Any, int] = {}
-        # Per shapes where auto chose forward mode: None where it measured faster than
-        # reverse mode on the first call, else why reverse mode was (then planned).
-        self._forward_timed: dict[Any, str | None] = {}
+        # What calls and plan() learnt, one record per call signature. A stale y size (f's
+        # shapes changed by outside state) only costs speed: the size picks a strategy, and
+        # every strategy computes on the real output.
+        self._signatures = Signatures()
 
     @property
     def k(self) -> int:
@@ -426,20 +441,27 @@ class Composition:
         argnums = normalize_argnums(self.argnums, len(args), self.call)
         return FlatFunction(self.f, args, argnums, self.has_aux, self.call)
 
+    def signature(self, flat: FlatFunction) -> Signature | None:
+        """The record of this call's signature (its key computed once per call); None
+        inside transforms and compiled code, which plan from shapes alone."""
+        if flat.signature is None and values_readable(flat.leaves):
+            flat.signature = self._signatures(_shape_key(flat.args))
+        record: Signature | None = flat.signature
+        return record
+
     def resolved_check(self) -> CheckMode:
         return resolve_check(self.check, self.call)
 
     def output_size(self, flat: FlatFunction) -> int | None:
         """y's size from f on fake tensors, remembered per argument shapes; None inside
         transforms and compiled code (no fake run there)."""
-        if not values_readable(flat.leaves):
+        record = self.signature(flat)
+        if record is None:
             return None
-        key = _shape_key(flat.args)
-        if key not in self._sizes:
-            if len(self._sizes) >= 64:
-                self._sizes.clear()
-            self._sizes[key] = _output_size(flat)
-        return self._sizes[key]
+        if not record.fake_tried:
+            record.fake_size, record.fake_tried = _output_size(flat), True
+            record.random = record.random or flat.drew
+        return record.fake_size
 
     def before_f(self, flat: FlatFunction) -> tuple[bool, int | None]:
         """(forward mode first?, y's size where it had to be known before f runs).
@@ -457,10 +479,11 @@ class Composition:
         one_batch = chunk is None or chunk == "auto" or chunk >= n
         if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return False, None
-        if self._forward_timed.get(_shape_key(flat.args)):  # reverse mode measured faster
+        record = self.signature(flat)
+        if record is not None and record.not_forward:  # reverse mode measured faster
             return False, None
         m = self.output_size(flat)
-        if m is None:
+        if m is None or (record is not None and record.random):  # forward mode draws its own
             return False, None
         return self.planner(flat, m)(m, False).strategy == "jacfwd", m
 
@@ -468,15 +491,11 @@ class Composition:
         """The plan for y's real size; forward mode is a candidate only where y's size was
         known before f ran (or jacfwd was requested)."""
         n = _coords.real_size(flat.leaves)
-        unbatched = self._measured.get(_shape_key(flat.args)) if self._measured else None
-        measure = self._measure_key(flat) is not None
-        chunk = self.chunk_size
-        if chunk == "auto" and self._chunks:
-            chunk = self._chunks.get(_shape_key(flat.args), "auto")
-
-        not_forward = (
-            self._forward_timed.get(_shape_key(flat.args)) if self._forward_timed else None
-        )
+        record = self.signature(flat)
+        unbatched = record.unbatched if record is not None else None
+        measure = self._measured_here(flat)
+        chunk = self._chunk(flat)
+        not_forward = record.not_forward if record is not None else None
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
@@ -497,22 +516,90 @@ class Composition:
 
         return plan
 
+    def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
+        """chunk_size="auto": the record of this call signature (every input's tree, shape,
+        dtype and device)."""
+        record = self.signature(flat)
+        assert record is not None  # the callers check that values can be read
+        if record.fit is None:
+            record.fit = _engine.ChunkFit()
+        return record.fit
+
+    def _chunk(self, flat: FlatFunction) -> ChunkSize:
+        """The chunk size a call on these arguments runs: for "auto", the fitted chunk under
+        the budget in force; None where values cannot be read (compiled code, transforms:
+        the engine runs unchunked there); "auto" while not measured (the call measures)."""
+        if self.chunk_size != "auto":
+            return self.chunk_size
+        record = self.signature(flat)  # None where dynamo may be tracing
+        if record is None:
+            return None
+        fit = record.fit
+        return fit.chunk() if fit is not None and fit.measured else "auto"
+
+    def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
+        """For plan(): measure the chunk as the call would (f's pullback of directions 0-1,
+        then 2-4), so that the plan reports the passes the call runs. f runs once more, its
+        random draws replayed (the generators end where they were). False where that cannot
+        be done without side effects (torch.func refuses f): the call measures then."""
+        if plan.chunk_size != "auto" or plan.strategy not in ("vjp", "jacrev"):
+            return False
+        if plan.directions <= FIT_RANGES[-1][1]:
+            return False
+        rng = RandomState(flat)
+        try:
+            out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
+            # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
+            made = _coords.unit_rows(out, 0, FIT_RANGES[-1][1]) if plan.strategy == "vjp" else None
+
+            def run(start: int, stop: int) -> Tensors:
+                return _engine.batched(
+                    lambda *row: pull(row),
+                    _coords.unit_rows(out, start, stop)
+                    if made is None
+                    else tuple(row[start:stop] for row in made),
+                    chunk_size=None,
+                    check=False,
+                    what="f's pullback",
+                )
+
+            _engine.measure_fit(self._fit(flat), run, out[0].device)
+        except Exception:  # any failure only means the call measures instead
+            return False
+        finally:
+            rng.restore()
+        return True
+
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
         """The plan that a call on these arguments runs, from shapes only."""
-        _forward, m_before = self.before_f(flat)
+        forward, m_before = self.before_f(flat)
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
             # (remembered for plan() alone: the call still plans as without it)
-            key = _shape_key(flat.args)
-            if key not in self._forward_sizes:
-                if len(self._forward_sizes) >= 64:
-                    self._forward_sizes.clear()
-                self._forward_sizes[key] = _forward_size(flat)
-            m = self._forward_sizes[key]
+            record = self.signature(flat)
+            if record is None:
+                m = _forward_size(flat)
+            else:
+                if record.forward_size is None:
+                    record.forward_size = _forward_size(flat)
+                m = record.forward_size
         plan = self.planner(flat, m_before)(m, False)
+        if not weighted and self._measure_fit(flat, plan):
+            plan = self.planner(flat, m_before)(m, False)
         if weighted:
             return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
-        return plan
+        return dataclasses.replace(plan, f_runs=self.f_runs(flat, forward, plan.n))
+
+    def f_runs(self, flat: FlatFunction, forward: bool, n: int) -> int:
+        """How many times a call on these arguments runs f's Python body, as planned (a
+        fallback runs it once more): once, or once per mode on the first call that times
+        forward against reverse mode, plus ``check``'s unbatched JVP calls in forward mode
+        (they run f). The shape-only run on fake tensors is not counted: ``plan()`` has just
+        made it (once per shapes), so the call after it does not."""
+        record = self.signature(flat)
+        timed = forward and self._measured_here(flat) and not (record and record.forward_timed)
+        check = forward and values_readable(flat.leaves) and self.resolved_check()
+        return 1 + timed + (len({0, n // 2, n - 1}) if check else 0)
 
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
         return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
@@ -521,38 +608,62 @@ class Composition:
         self, flat: FlatFunction, check: CheckMode
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """(values (k,), per-head gradient leaves (k, ...), aux tensors), by the plan."""
+        return self.watching(flat, lambda: self._per_head(flat, check))
+
+    def watching(self, flat: FlatFunction, run: Callable[[], R]) -> R:
+        """``run()``, with f's ops watched for explicit ``torch.Generator`` draws (so that
+        RandomState restores them before a re-run of f) on the first call on these shapes,
+        and on later calls only where f drew from one then: the watch costs ~1-2 us an op."""
+        record = self.signature(flat)  # None inside transforms: always watched there
+        if record is not None and record.draws is not None:
+            flat.watch = record.draws
+            flat.eager = flat.drew = record.random
+        result = run()
+        if record is not None and record.draws is None:
+            record.draws = bool(flat.generators)
+            record.random = record.random or flat.eager
+        return result
+
+    def _per_head(
+        self, flat: FlatFunction, check: CheckMode
+    ) -> tuple[torch.Tensor, Tensors, Tensors]:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
-        key = self._measure_key(flat)
-        if forward and key is not None and key not in self._forward_timed:
-            return self._forward_against_reverse(flat, planner, key, check)
-        fitted = len(self._fits)
+        record = self.signature(flat) if self._measured_here(flat) else None
         with contextlib.ExitStack() as stack:
-            log = stack.enter_context(_engine.measuring()) if key is not None else None
-            if self.chunk_size == "auto" and not torch.compiler.is_compiling():
-                stack.enter_context(_engine.remembering_chunks(self._fits))
+            if self.chunk_size == "auto" and values_readable(flat.leaves):
+                stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
+            if forward and record is not None and not record.forward_timed:
+                return self._forward_against_reverse(flat, planner, record, check)
+            log = stack.enter_context(_engine.measuring()) if record is not None else None
             _, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check
             )
-        if log and key is not None:  # a batched call was measured
-            self._remember(key, log[0])
-        if len(self._fits) > fitted:  # chunk_size="auto" fitted a chunk for these shapes
-            self._chunks[_shape_key(flat.args)] = list(self._fits.values())[-1]
+        if log and record is not None:  # a batched call was measured
+            self._remember(record, log[0])
         return values, grads, aux
 
     def _forward_against_reverse(
-        self, flat: FlatFunction, planner: _engine.Planner, key: Any, check: CheckMode
+        self, flat: FlatFunction, planner: _engine.Planner, record: Signature, check: CheckMode
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """The first call on new shapes where auto chose forward mode: forward mode, then
         the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
-        the generators end where one forward leaves them). The faster one's answer is
-        returned, and later calls on these shapes plan it (``Plan.measured`` says why)."""
+        every generator ends where one forward leaves it, and buffers are written by one run
+        alone: torch.func refuses in-place updates, so only an eager fallback writes them).
+        The faster one's answer is returned, and later calls on these shapes plan it
+        (``Plan.measured`` says why). Where forward mode could not run f (its fallback has
+        run reverse mode), that answer is returned without a second run."""
         cotangents_of = self.cotangents_of(flat)
-        before = RandomState(flat.leaves)
+        before = RandomState(flat)
         start = time.perf_counter()
         forward_result = _engine.per_head(flat, planner, True, cotangents_of, check)
         forward_s = time.perf_counter() - start
-        after = RandomState(flat.leaves)
+        if forward_result[0].strategy != "jacfwd":  # forward mode fell back to reverse mode
+            record.forward_timed = True
+            record.not_forward = "forward mode could not run f on the first call"
+            _, values, grads, aux = forward_result
+            return values, grads, aux
+        after = RandomState(flat)
         before.restore()
         with _engine.measuring() as log:
             start = time.perf_counter()
@@ -562,42 +673,40 @@ class Composition:
             reverse_s = time.perf_counter() - start
         after.restore()
         faster = reverse_s < _engine.LOOP_MARGIN * forward_s
-        self._forward_timed[key] = (
+        record.forward_timed = True
+        record.not_forward = (
             f"reverse mode ({reverse_result[0].strategy}) {1e3 * reverse_s:.2g} ms, forward mode "
             f"{1e3 * forward_s:.2g} ms on the first call"
             if faster
             else None
         )
         if log and faster:
-            self._remember(key, log[0])
+            self._remember(record, log[0])
         else:
-            self._measured[key] = None
+            record.measured, record.unbatched = True, None
         _, values, grads, aux = reverse_result if faster else forward_result
         return values, grads, aux
 
-    def _remember(self, key: Any, timing: _engine.Timing) -> None:
+    def _remember(self, record: Signature, timing: _engine.Timing) -> None:
         """Decide from a call's timing, or time the next call too: where unbatched calls
         looked faster on one call, the next call (warm) is timed as well, and each side's
         fastest decides."""
-        if key in self._tentative:
-            timing = timing.merged(self._tentative.pop(key))
+        if record.tentative is not None:
+            timing, record.tentative = timing.merged(record.tentative), None
         elif timing.unbatched_faster:
-            if len(self._tentative) >= 64:
-                self._tentative.clear()
-            self._tentative[key] = timing
+            record.tentative = timing
             return
-        if len(self._measured) >= 64:
-            self._measured.clear()
-        self._measured[key] = timing.why() if timing.unbatched_faster else None
+        record.measured = True
+        record.unbatched = timing.why() if timing.unbatched_faster else None
 
-    def _measure_key(self, flat: FlatFunction) -> Any:
-        """The shapes' key where this call is timed under auto (the first call on these
-        shapes, and the second where the first found unbatched calls faster: it times its
-        first batched call against one unbatched call), else None."""
-        if self.strategy != "auto" or not values_readable(flat.leaves):
-            return None
-        key = _shape_key(flat.args)
-        return None if key in self._measured else key
+    def _measured_here(self, flat: FlatFunction) -> bool:
+        """Whether this call is timed under auto (the first call on these shapes, and the
+        second where the first found unbatched calls faster: it times its first batched
+        call against one unbatched call)."""
+        if self.strategy != "auto":
+            return False
+        record = self.signature(flat)
+        return record is not None and not record.measured
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""
@@ -630,10 +739,10 @@ class Composition:
 
 
 class ComposedHeads(Generic[R]):
-    """The function returned by :func:`compose_heads`: call it with f's arguments.
+    """The function returned by `compose_heads`: call it with f's arguments.
 
     ``fn(*args)`` returns ``(values, grads)`` (``(values, grads, aux)`` with
-    ``has_aux=True``); ``fn.plan(*args)`` returns the :class:`~funcgrad.Plan` that the call
+    ``has_aux=True``); ``fn.plan(*args)`` returns the `funcgrad.Plan` that the call
     runs, without running f for real.
 
     Examples:
@@ -660,16 +769,22 @@ class ComposedHeads(Generic[R]):
     def plan(self, *args: Any) -> Plan:
         """The plan that ``fn(*args)`` runs, from shapes only.
 
-        Costs f on fake tensors (shapes, no data: a few ms after the first use in a process,
-        which takes about a second to initialise), only where forward mode could win
-        (``2 n < k``); else, and where that cannot tell y's shape (data-dependent Python in
-        f), f runs once for real, without gradients.
+        Costs f on fake tensors, once per new shapes (shapes, no data: a few ms after the
+        first use in a process, which takes about a second to initialise); where that cannot
+        tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
+        without gradients as well. Neither writes a buffer or advances a generator, but f's
+        Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
+        after it makes. With ``chunk_size="auto"``, where these argument shapes were never
+        measured, f and its pullback of three directions run once (random draws restored)
+        to measure the chunk, as the first call would; the call then uses that
+        measurement, so ``passes`` is its count.
         """
         composition = self._composition
         return composition.plan(composition.flat(args))
 
     def __call__(self, *args: Any) -> R:
         c = self._composition
+        check_not_inference_mode(c.call)
         flat = c.flat(args)
         with result_graph(self._create_graph, flat.leaves):
             values, grads, aux = c.per_head(flat, c.resolved_check())
@@ -691,12 +806,12 @@ def _tree_index(tree: Any, i: int) -> Any:
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
 
 
+# The return types by the kind of heads (a mapping or a ModuleDict gives dicts keyed like
+# it; a sequence, a ModuleList or stacked_heads a (k,) tensor of values) and by has_aux.
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
@@ -704,13 +819,11 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any]]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
-    heads: Sequence[Callable[[Any], torch.Tensor]]
-    | Mapping[Any, Callable[[Any], torch.Tensor]]
-    | StackedHeads,
+    heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
     argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
@@ -718,7 +831,55 @@ def compose_heads(
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
     create_graph: bool = False,
-) -> ComposedHeads[tuple[Any, Any, Any]]: ...
+) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any], Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[torch.Tensor, Any, Any]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[False] = False,
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any]]]: ...
+@overload
+def compose_heads(
+    f: Callable[..., Any],
+    heads: torch.nn.ModuleDict,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    has_aux: Literal[True],
+    strategy: Strategy = "auto",
+    chunk_size: ChunkSize = None,
+    check: CheckMode | None = None,
+    create_graph: bool = False,
+) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any], Any]]: ...
 def compose_heads(
     f: Callable[..., Any],
     heads: Any,
@@ -732,10 +893,12 @@ def compose_heads(
 ) -> Any:
     """Values and gradients of many cheap heads on one slow f, with f run once.
 
-    ``compose_heads(f, heads)(*args)`` returns ``(values, grads)`` with the same values as::
+    ``compose_heads(f, heads)(*args)`` returns ``(values, grads)`` with the same values as
 
-        values = torch.stack([h(f(*args)) for h in heads])
-        grads = [torch.func.grad(lambda *a: h(f(*a)), argnums)(*args) for h in heads]  # stacked
+    ```python
+    values = torch.stack([h(f(*args)) for h in heads])
+    grads = [torch.func.grad(lambda *a: h(f(*a)), argnums)(*args) for h in heads]  # stacked
+    ```
 
     but f's forward runs once and its backward as few times as the shapes allow. By the
     chain rule each head only contributes a cotangent ``v_i = grad h_i(y)``, and
@@ -745,7 +908,7 @@ def compose_heads(
         f: ``f(*args) -> y``, a pytree of floating/complex tensors (``(y, aux)`` with
             ``has_aux=True``).
         heads: a sequence of callables ``y -> real scalar``, a mapping ``name -> callable``,
-            or :func:`stacked_heads`.
+            or `stacked_heads`.
         argnums: which positional arguments to differentiate (int or tuple, as torch.func).
         has_aux: f returns ``(y, aux)``; aux is returned as a third output.
         strategy: how to pull the k cotangents back (m = real numel of y, n = of the inputs):
@@ -762,7 +925,7 @@ def compose_heads(
         chunk_size: at most this many directions per vmapped call (None: all at once,
             1: a loop), as torch.func's. Bounds memory at the price of more passes.
         check: compare batched results with unbatched ones on a sample (see
-            :func:`funcgrad.set_check`); None uses the global setting.
+            `funcgrad.set_check`); None uses the global setting.
         create_graph: build the graph of the results (grads and aux), for a backward
             through them, as ``torch.autograd.grad``'s. By default (False) no graph is
             built, so the results hold no memory of f and ``chunk_size`` bounds the peak.
@@ -791,6 +954,14 @@ def compose_heads(
         for stacked heads), then ``Plan.directions`` passes through f, batched with vmap.
         The returned function composes with ``torch.func.vmap`` (per-sample gradients),
         ``torch.func.grad`` (second order) and ``torch.compile``.
+
+        Side effects: buffers are written and random numbers drawn (from the default
+        generators and every ``torch.Generator`` f passes to a random op) as in one eager
+        forward per call, whatever re-runs f. f's Python body runs ``fn.plan(*args).f_runs``
+        times: once, twice on the first call on new shapes where ``"auto"`` chose forward
+        mode (it times both modes), plus ``check``'s unbatched JVP calls in forward mode, and
+        once more per fallback; that first call also runs it once on fake tensors (for y's
+        size) unless ``plan()`` did already. Python state it changes changes that often.
 
         NaN/inf come out as autograd's in eager mode: where ``V @ J`` went non-finite, the
         cotangents themselves are pulled back. That recompute reads values, so inside

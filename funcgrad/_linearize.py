@@ -7,15 +7,16 @@
 
 Every re-run of f (the eager fallback after a failed torch.func attempt, reverse mode after
 forward mode, ``check``'s unbatched calls) replays the random draws of the first run
-(:class:`RandomState`), so dropout masks, running statistics and the generator's final state
-are those of one eager forward.
+(:class:`RandomState`: the default generators and every ``torch.Generator`` f passes to a
+random op), so dropout masks, running statistics and every generator's final state are those
+of one eager forward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,70 +25,97 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Tensors
-from ._validate import outside_transforms
+from ._validate import outside_transforms, values_readable
 
-# Messages of torch.func failures on graphs that plain autograd can still differentiate.
-_TORCH_FUNC_LIMITS = (
-    "In order to use an autograd.Function with functorch transforms",
-    "Cannot access data pointer of Tensor that doesn't have storage",
-    "Cannot access storage of TensorWrapper",
+
+@dataclasses.dataclass(frozen=True)
+class TorchLimit:
+    """A failure of torch.func, vmap or forward mode on something plain autograd (or an
+    unbatched call, or reverse mode) still differentiates. torch raises a plain
+    RuntimeError/NotImplementedError for each, so the only way to tell them is a piece of
+    the message: every such piece lives in :data:`TORCH_LIMITS`, and
+    tests/test_torch_limits.py triggers each one on the installed torch, so that a reworded
+    message in a later torch fails loudly instead of silently changing the path."""
+
+    pattern: str
+    eager: bool = False  # plain autograd differentiates f (of_function's fallback)
+    loop: bool = False  # only vmap failed: an unbatched call works
+    reverse: bool = True  # only forward mode failed: reverse mode may work
+
+
+TORCH_LIMITS: dict[str, TorchLimit] = {
+    # An autograd.Function without setup_context (nn.functional.linear_cross_entropy's).
+    "function without setup_context": TorchLimit(
+        "In order to use an autograd.Function with functorch transforms", eager=True
+    ),
+    # Backward code that leaves PyTorch under vmap (tensor_split, _pdist_backward).
+    "no storage": TorchLimit(
+        "Cannot access data pointer of Tensor that doesn't have storage", eager=True, loop=True
+    ),
+    "wrapper storage": TorchLimit("Cannot access storage of TensorWrapper", eager=True, loop=True),
     # Non-reentrant torch.utils.checkpoint (saved-tensor hooks, which torch.func disables).
-    "don't yet support saved tensor hooks",
+    "saved tensor hooks": TorchLimit("don't yet support saved tensor hooks", eager=True),
     # A forward hook calling requires_grad_() (transformers' gradient checkpointing).
-    "You are attempting to call Tensor.requires_grad_()",
-)
-# Those of them that an unbatched loop hits as well (not vmap's own).
-_EAGER_ONLY = (
-    _TORCH_FUNC_LIMITS[0],
-    *_TORCH_FUNC_LIMITS[3:],
-    "would mutate a captured Tensor",
-)
-# f updates a captured tensor in place (BatchNorm's running statistics in training mode):
-# torch.func refuses it at the first in-place op, before anything is mutated.
-_MUTATES_CAPTURED = "would mutate a captured Tensor"
+    "requires_grad_": TorchLimit("You are attempting to call Tensor.requires_grad_()", eager=True),
+    # f updates a captured tensor in place (BatchNorm's running statistics in training
+    # mode): torch.func refuses it at the first in-place op, before anything is mutated.
+    "mutates a captured tensor": TorchLimit("would mutate a captured Tensor", eager=True),
+    # Forward-mode AD that cannot differentiate an op that reverse mode can.
+    "no forward AD formula": TorchLimit("forward AD"),
+    "custom Function without jvp": TorchLimit("forward mode AD"),
+    "custom Function jvp": TorchLimit("jvp function for custom autograd.Function"),
+    "C++ custom Function jvp": TorchLimit("jvp is not implemented"),
+    "derivative not implemented": TorchLimit("the derivative for"),
+    # A torch.compile'd backward that donates its buffers runs once (not a torch.func limit).
+    "donated buffers": TorchLimit("donated buffers", reverse=False),
+}
 
-# Messages of forward-mode AD that cannot differentiate an op that reverse mode can.
-_FORWARD_MODE_LIMITS = (
-    "forward AD",
-    "forward mode AD",
-    "jvp function for custom autograd.Function",
-    "jvp is not implemented",
-    "the derivative for",
-    _MUTATES_CAPTURED,
-    *_TORCH_FUNC_LIMITS,
-)
+
+def torch_limit(error: BaseException) -> str | None:
+    """The name in :data:`TORCH_LIMITS` of the limit ``error`` reports, or None (the user's
+    own error, or one funcgrad has no other way around)."""
+    if not isinstance(error, (RuntimeError, NotImplementedError)):
+        return None
+    message = str(error)
+    return next((name for name, limit in TORCH_LIMITS.items() if limit.pattern in message), None)
 
 
 def is_forward_mode_limit(error: BaseException) -> bool:
     """Whether forward mode (not the user's code) failed, so that reverse mode may succeed."""
-    return isinstance(error, (RuntimeError, NotImplementedError)) and any(
-        limit in str(error) for limit in _FORWARD_MODE_LIMITS
-    )
+    name = torch_limit(error)
+    return name is not None and TORCH_LIMITS[name].reverse
 
 
 def is_torch_func_limit(error: BaseException) -> bool:
     """Whether torch.func (not vmap alone) failed on f, so that only eager autograd can help."""
-    message = str(error)
-    return _MUTATES_CAPTURED in message or any(
-        limit in message for limit in _TORCH_FUNC_LIMITS[:1] + _TORCH_FUNC_LIMITS[3:]
-    )
+    name = torch_limit(error)
+    return name is not None and TORCH_LIMITS[name].eager and not TORCH_LIMITS[name].loop
 
 
 class RandomState:
-    """The random number generators f may draw from (the CPU one and those of the CUDA
-    devices of its inputs), saved before f first runs; :meth:`restore` before a re-run
-    makes it draw the same numbers. Inert in compiled code, where the state cannot be read."""
+    """The random number generators f draws from, saved before f (first) runs; :meth:`restore`
+    before a re-run makes it draw the same numbers, and after the last run leaves them where
+    one eager forward leaves them. The default ones (the CPU one, those of the CUDA devices
+    of f's inputs) are saved now; every ``torch.Generator`` f passes to a random op
+    (``generator=``) as ``flat`` records it when f first draws from it (its state before that
+    draw, which is its state now if f has not run yet). Inert in compiled code, where the
+    state cannot be read."""
 
-    def __init__(self, like: Sequence[torch.Tensor]) -> None:
+    def __init__(self, flat: FlatFunction) -> None:
         self.active = not torch.compiler.is_compiling()
-        self.devices = sorted({t.device.index or 0 for t in like if t.device.type == "cuda"})
+        self.devices = sorted({t.device.index or 0 for t in flat.leaves if t.device.type == "cuda"})
+        self.drawn = flat.generators  # filled as f runs
         if self.active:
             self.cpu = torch.get_rng_state()
             self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
+            self.now = {generator: generator.get_state() for generator in self.drawn}
 
     def restore(self) -> None:
         if not self.active:
             return
+        # Explicit generators first: an explicit default generator ends as saved below.
+        for generator, first in self.drawn.items():
+            generator.set_state(self.now.get(generator, first))
         torch.set_rng_state(self.cpu)
         for device, state in zip(self.devices, self.cuda):
             torch.cuda.set_rng_state(state, device)
@@ -174,13 +202,16 @@ def of_graph(
     create_graph: bool = False,
     retain_graph: bool = True,
     what: str = "the backward from `through` to the inputs",
+    by_backward: bool | None = None,
 ) -> Linearization:
     """The backward of an existing graph from ``outputs`` to ``inputs``. Every pull but the
     last retains the graph; the last retains it only with ``retain_graph``. Batched with
     ``torch.func.vmap`` over ``torch.autograd.grad`` (as TorchJD batches), a loop with
     ``create_graph``; by ``.backward()``, one pass per direction, through a reentrant
-    checkpoint."""
-    by_backward = _graph.has_reentrant_checkpoint(outputs)
+    checkpoint (``by_backward``: whether one lies between outputs and inputs, when the
+    caller's walk of the graph found out; None: walk it here)."""
+    if by_backward is None:
+        by_backward = _graph.has_reentrant_checkpoint(outputs)
     if by_backward and create_graph:
         raise ValueError(
             "funcgrad: create_graph=True cannot go through a reentrant checkpoint "
@@ -208,9 +239,17 @@ def of_graph(
     )
 
 
-def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors]:
-    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph)."""
-    inputs = tuple(leaf.detach().requires_grad_() for leaf in flat.leaves)
+def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors, bool]:
+    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph): (out, vjp,
+    aux, whether vjp can be vmapped). Where grad mode is on (the caller wants the graph of
+    the results: ``create_graph=True``), the results keep it, as torch.func's ``vjp_fn``
+    builds it then: the inputs that require grad are differentiated as they are (their
+    graph goes on), and vjp builds its own graph (then one call a direction)."""
+    differentiable = torch.is_grad_enabled()
+    inputs = tuple(
+        leaf if differentiable and leaf.requires_grad else leaf.detach().requires_grad_()
+        for leaf in flat.leaves
+    )
     with torch.enable_grad():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
@@ -227,24 +266,35 @@ def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], T
         )
 
     def vjp(cotangents: Tensors) -> Tensors:
-        return autograd_grad(out, inputs, cotangents, retain_graph=True)
+        graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
+        return autograd_grad(out, inputs, cotangents, retain_graph=True, create_graph=graph)
 
-    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux)
+    if differentiable:
+        return tuple(out), vjp, tuple(aux), False
+    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux), True
 
 
 def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
     can, the same on eager autograd (the random draws replayed), with one warning."""
     what = "f's pullback"
+    # f draws random numbers, and no graph of the results is wanted: linearise it on eager
+    # autograd, so that its values, gradients and generators are those of one eager forward
+    # (torch.func draws other numbers for some ops: dropout on a non-contiguous tensor).
+    drawing = not torch.is_grad_enabled() and values_readable(flat.leaves)
+    if drawing and (flat.eager or flat.drew):  # known to draw (a record, the fake run)
+        flat.eager = True
+        out, vjp, aux, batchable = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
     try:
         result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
-        mutates = _MUTATES_CAPTURED in str(error)
-        limit = mutates or any(limit in str(error) for limit in _TORCH_FUNC_LIMITS)
-        if not limit or not outside_transforms(flat.leaves):
+        name = torch_limit(error)
+        if name is None or not TORCH_LIMITS[name].eager or not outside_transforms(flat.leaves):
             raise
+        mutates = name == "mutates a captured tensor"
         rng.restore()  # the failed attempt may have drawn random numbers (dropout)
-        out, vjp, aux = _eager(flat)
+        out, vjp, aux, batchable = _eager(flat)
         if mutates:
             why = (
                 "f updates a captured tensor in place, such as BatchNorm's running statistics "
@@ -256,7 +306,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
                 "explicitly"
             )
             warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
-            return Linearization(out, flat.leaves, vjp, True, what, aux)
+            return Linearization(out, flat.leaves, vjp, batchable, what, aux)
         warnings.warn(
             f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
             "fell back to eager torch.autograd.grad, one backward pass per direction. "
@@ -266,6 +316,11 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
             stacklevel=5,
         )
         return Linearization(out, flat.leaves, vjp, False, what, aux)
+    if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
+        rng.restore()
+        flat.eager = True
+        out, vjp, aux, batchable = _eager(flat)
+        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
     if flat.has_aux:
         out, vjp, aux = result
         return Linearization(out, flat.leaves, vjp, True, what, aux)

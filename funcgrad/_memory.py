@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import os
 import re
 import weakref
@@ -28,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 T = TypeVar("T")
 _ENV = "FUNCGRAD_MEMORY_BUDGET"
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _block: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "funcgrad_memory_budget", default=None
 )
@@ -36,20 +37,36 @@ _block: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 DEFAULT_SHARE = 0.5
 
 
+# A number (digits with an optional fraction and exponent), then an optional unit: K, M, G
+# or T (powers of 1024), each alone or followed by B or iB, or B alone.
+_BYTES = re.compile(
+    r"\s*((?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])i?b?|b)?\s*",
+    re.IGNORECASE,
+)
+_FORMS = (
+    "Give a positive int of bytes, or a string: a number, then optionally K, M, G or T "
+    "(powers of 1024), alone or with B or iB, e.g. '536870912', '1e9', '512MiB', '2GB', '1.5K'."
+)
+
+
 def _check(nbytes: object, where: str) -> int:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
-        raise ValueError(f"{where} must be a positive number of bytes, got {nbytes!r}.")
+        raise ValueError(f"{where} must be a positive number of bytes, got {nbytes!r}. {_FORMS}")
     return nbytes
 
 
 def parse_bytes(text: str, where: str) -> int:
-    """``"512MiB"``, ``"2GB"``, ``"1e9"`` or ``"1000000"`` as bytes (binary units)."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    """``"512MiB"``, ``"2GB"``, ``"1e9"`` or ``"1000000"`` as bytes (units are powers of 1024).
+    Anything else, zero and what a float cannot hold (``"1e400"``) are a ValueError."""
+    match = _BYTES.fullmatch(text)
     if match is None:
+        raise ValueError(f"{where}: {text!r} is not a number of bytes. {_FORMS}")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    if not math.isfinite(value) or value < 1:
         raise ValueError(
-            f"{where}={text!r} is not understood; give bytes, e.g. 536870912, 512MiB or 2GB."
+            f"{where}: {text!r} is {'too large' if value >= 1 else 'below one byte'}. {_FORMS}"
         )
-    return _check(int(float(match.group(1)) * _UNITS[match.group(2).lower()]), where)
+    return int(value)
 
 
 @contextlib.contextmanager

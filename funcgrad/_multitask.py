@@ -8,18 +8,22 @@ be written is computed, then ``.grad`` is written in one place). :func:`weigh_fe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
-from ._types import ChunkSize, Level, Tensors
+from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Tensors, Weighting
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
 
 _CALL = "funcgrad.backward(losses, through=...)"
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 # -- weigh: shared with combine_heads ------------------------------------------------------
@@ -27,22 +31,31 @@ _CALL = "funcgrad.backward(losses, through=...)"
 
 def weigh_features(
     rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
-) -> torch.Tensor:
-    """The weights of the one-pullback path: all ones without a weighting, else
-    ``weighting(V V^T)`` of the global V (or, for a weighting that reads the Jacobian, of V
-    itself: one process only), the first rank's weights on every rank."""
+) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
+    """(weights, c, R) for the one-pullback path, whose update is the pull of ``c @ R``.
+    The weights are all ones without a weighting, else ``weighting(V V^T)`` of the global
+    V (or, for a weighting that reads the Jacobian, of V itself: one process only), the
+    first rank's on every rank; then ``c @ R = weights @ V``. A TorchJD aggregator maps V
+    to the direction itself, its hooks included (LibMTL's ``rep_grad`` recipe): then R is
+    that one row and c = [1]."""
     k = cotangents[0].shape[0]
     rows = _coords.to_coords(cotangents, k)
     if rule.kind == "sum":
-        return torch.ones(k, dtype=rows.dtype, device=rows.device)
+        ones = torch.ones(k, dtype=rows.dtype, device=rows.device)
+        return ones, ones, cotangents
     if rule.needs_jacobian:  # resolve() refused this with a process group
-        weights, _ = _weighting.aggregate(rule, rows, call)
+        weights, vector = _weighting.aggregate(rule, rows, call)
         assert weights is not None  # "vector" rules are refused at this level
-        return _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        if vector is None:  # a weighting of V
+            return weights, weights, cotangents
+        vector = _weighting.check_update(vector, rule, call)
+        like = tuple(v[0] for v in cotangents)
+        one = torch.ones(1, dtype=rows.dtype, device=rows.device)
+        return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
     g = sync.features_gramian(_weighting.gramian([rows]))
-    _weighting.check_gramian(g, [rows], what, call)
-    weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-    return _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    weights = _weighting.checked_weights(rule, g, [rows], what, call, sync.from_first_rank)
+    return weights, weights, cotangents
 
 
 def weigh_params(
@@ -53,30 +66,43 @@ def weigh_params(
     call: str,
     weighed: Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor | None, Tensors]:
-    """(weights, update) from the global per-task gradient leaves (k, ...): the update is
-    ``weights @ P`` (an aggregator's vector for one without weights); the first rank's on
-    every rank, for weightings that draw random numbers. Only the leaves marked in
-    ``weighed`` (default: all) shape the weights; every leaf gets ``weights @ P``."""
+    """(weights, update) from the global per-task gradient leaves (k, ...), as TorchJD's
+    ``jac_to_grad`` computes them: ``weights @ P`` for a weighting; for an aggregator, its
+    output on the Jacobian (its hooks included); the first rank's on every rank, for
+    weightings that draw random numbers. Only the leaves marked in ``weighed`` (default:
+    all) shape the weights and are the aggregator's Jacobian; the other leaves get
+    ``weights @`` their per-task gradients."""
     k = task_grads[0].shape[0]
-    shaping = [g for g, w in zip(task_grads, weighed or [True] * len(task_grads)) if w]
+    if weighed is None or rule.kind == "vector":  # one without weights: every leaf's Jacobian
+        weighed = [True] * len(task_grads)
+    shaping = [g for g, w in zip(task_grads, weighed) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
         g = sync.sum_over_shards(_weighting.gramian(blocks))
-        _weighting.check_gramian(g, blocks, what, call)
-        weights = sync.from_first_rank(_weighting.weights_from_gramian(rule, g, call))
-        weights = _weighting.check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+        weights = _weighting.checked_weights(rule, g, blocks, what, call, sync.from_first_rank)
         return weights, _weighting.weighted_sum(weights, task_grads)
-    # An aggregator without weights maps the whole Jacobian to the update.
-    rows = _coords.to_coords(task_grads if rule.kind == "vector" else shaping, k)
+    rows = _coords.to_coords(shaping, k)
     found, vector = _weighting.aggregate(rule, rows, call)
     if found is not None:
-        weights = sync.from_first_rank(found)
-        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
-        return weights, _weighting.weighted_sum(weights, task_grads)
+        found = sync.from_first_rank(found)
+        found = _weighting.check_finite(found, f"the ({k}, {rows.shape[1]}) Jacobian", call)
+        if vector is None:  # a Jacobian weighting: weights only
+            return found, _weighting.weighted_sum(found, task_grads)
     assert vector is not None  # a Jacobian rule gives weights or an update
+    if found is None and not all(weighed):
+        raise ValueError(
+            f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
+            "shared leaves that are not parameters get no update from it. Pass inputs= "
+            "with every shared leaf to update."
+        )
+    # The aggregator's output (with its hooks' effect) is the update of the leaves it saw,
+    # as jac_to_grad writes it.
     vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
-    like = tuple(g[0] for g in task_grads)
-    return None, tuple(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    like = tuple(g[0] for g in shaping)
+    written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
+    unseen = [g for g, w in zip(task_grads, weighed) if not w]
+    others = iter(_weighting.weighted_sum(found, unseen) if found is not None else ())
+    return found, tuple(next(written) if w else next(others) for w in weighed)
 
 
 # -- validate ------------------------------------------------------------------------------
@@ -94,6 +120,7 @@ class _Task:
     shared: Tensors  # the shared leaves
     weighed: list[bool]  # which of them shape the weights (params level)
     own: list[Tensors]  # each loss's task-specific leaves
+    graph: _graph.Graph  # what the backward of the losses frees (without retain_graph)
 
     def facts(self) -> dict[str, Any]:
         """What must match across ranks."""
@@ -125,12 +152,18 @@ def _validate(
         values: Any = list(losses.values())
     else:
         keys, values, names = None, losses, []
-    outs = as_tensors(values, "losses", _CALL)
+    if isinstance(values, torch.Tensor) and values.dim() > 1:
+        raise ValueError(
+            f"{_CALL}: `losses` must be k scalar losses (a sequence, a mapping, or a 1-D "
+            f"tensor such as torch.stack(losses)), got a tensor of shape {tuple(values.shape)}. "
+            "Reduce each task's loss to a scalar (.mean() or .sum())."
+        )
+    outs = as_tensors(values, "losses", _CALL, rows=True)
     names = names or [f"losses[{i}]" for i in range(len(outs))]
     check_scalar_outputs(outs, _CALL, names)
     mids = as_tensors(through, "through", _CALL)
     named = None if inputs is None else named_inputs(inputs, _CALL)
-    shared, _, per_task = _graph.split_leaves(outs, names, mids, named, _CALL)
+    shared, _, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]
     leaves = tuple(shared.values())
     # By default only parameters shape the weights, as jac_to_grad(model.parameters(), ...)
@@ -146,6 +179,7 @@ def _validate(
         leaves,
         weighed if any(weighed) else [True] * len(leaves),
         own,
+        graph,
     )
 
 
@@ -154,17 +188,17 @@ def _validate(
 
 def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
     """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
-    ranks): the cheap backward of each loss, head by head. V is written in place, row by
-    row: it is the one k x m buffer that the features level holds."""
-    k, mids = len(task.losses), task.through
-    cotangents = tuple(mid.new_empty((k, *mid.shape)) for mid in mids)
-    own_grads = []
+    ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each
+    (:func:`~funcgrad._engine.output_grads`)."""
+    mids = task.through
+    owned = [leaf for own in task.own for leaf in own]
     with sync.collecting():
-        for i, (loss, own) in enumerate(zip(task.losses, task.own)):
-            grads = _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
-            for row, grad in zip(cotangents, grads):
-                row[i] = grad
-            own_grads.append(grads[len(mids) :])
+        grads = _engine.output_grads(task.losses, mids + tuple(owned))
+    cotangents = grads[: len(mids)]
+    own_grads, start = [], len(mids)
+    for i, own in enumerate(task.own):  # each loss's own leaves: row i of theirs
+        own_grads.append([g[i] for g in grads[start : start + len(own)]])
+        start += len(own)
     flat = sync.average([g for grads in own_grads for g in grads])
     averaged, start = [], 0
     for own in task.own:
@@ -177,31 +211,47 @@ def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
 
 
 class SecondBackwardError(RuntimeError):
-    """A backward through a graph that an earlier call spent (torch's error, raised before
-    any pass so that every rank raises it)."""
+    """A backward through a graph that an earlier call spent, raised before any pass.
+
+    `funcgrad.backward` and `funcgrad.grads` without `retain_graph=True` leave their graph
+    counted as freed, as torch's own backward would free it. A later `funcgrad.backward`
+    through it raises this (torch's message, on every rank) before any `.grad` is written.
+    It is a `RuntimeError`, as torch's error is. Pass `retain_graph=True` to the first call,
+    or run the forward again.
+    """
 
 
-def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
-    """``leaf.grad += grad``, as autograd accumulates (``grad`` is a fresh tensor, kept as
-    the first ``.grad`` without a copy)."""
-    grad = grad.detach()
-    if leaf.grad is None:
-        leaf.grad = grad
-    else:
-        leaf.grad.add_(grad)
+def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``backward`` with autocast off on ``through``'s devices. It runs none of the user's
+    forward (autograd's backward ignores autocast, and a checkpoint's recomputation restores
+    its forward's autocast), so a caller's autocast would only downcast funcgrad's own
+    products: the Gramian, ``w @ V``, the per-task gradients ``C @ J``."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        through = kwargs.get("through")
+        mids = through if isinstance(through, (list, tuple)) else [through]
+        devices = {t.device for t in mids if isinstance(t, torch.Tensor)}
+        with contextlib.ExitStack() as stack:
+            for device in devices:
+                stack.enter_context(_weighting.no_autocast(device))
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
+@_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
     *,
     through: Sequence[torch.Tensor] | torch.Tensor | None = None,
-    weighting: Any = None,
+    weighting: Weighting | None = None,
     level: Level = "params",
-    inputs: Any = None,
+    inputs: InputsLike | None = None,
     retain_graph: bool = False,
     chunk_size: ChunkSize = None,
     check: CheckMode | None = None,
-    process_group: Any = None,
+    process_group: ProcessGroupLike | None = None,
     batch_dim: int | None = None,
 ) -> Any:
     """One weighted update from k task losses, accumulated into ``.grad``, as
@@ -215,8 +265,8 @@ def backward(
     ``sum(losses).backward()``.
 
     Args:
-        losses: k real scalar tensors, a sequence or a mapping ``name -> loss``, each
-            computed from ``through``.
+        losses: k real scalar tensors, a sequence or a mapping ``name -> loss``, or a 1-D
+            tensor of k losses (``torch.stack(losses)``), each computed from ``through``.
         through: the shared features (one tensor or several independent ones).
         weighting: a callable Gramian (k x k) -> weights (k,), such as TorchJD's
             ``UPGradWeighting()``; at ``level="params"`` also a TorchJD ``Aggregator``
@@ -230,11 +280,12 @@ def backward(
             ``nn.Parameter`` leaves shape the weights at level ``"params"`` (as TorchJD's
             ``jac_to_grad(model.parameters(), ...)``): another leaf that requires grad, such
             as an input, gets ``w @`` its per-task gradients without changing ``w``.
-        retain_graph: keep the graph of the shared part after the last backward.
+        retain_graph: keep the graph after the call, as ``torch.autograd.backward`` does.
+            Without it the graph counts as freed from the losses down (see Notes).
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
-            (see :func:`funcgrad.set_check`); None uses the global setting.
+            (see `funcgrad.set_check`); None uses the global setting.
         process_group: data-parallel training: a ``torch.distributed`` ProcessGroup, the
             ``DistributedDataParallel`` module that wraps the shared encoder (its reducer
             then averages the shared gradients), or the shared encoder sharded by FSDP2's
@@ -242,9 +293,9 @@ def backward(
             FSDP backward per task, each rank reading its shard). Every rank ends with the
             ``.grad`` of one process on the concatenated batch (losses are means over equal
             local shards, the global loss their average, as in DDP); task-specific leaves
-            are averaged too. None: nothing is communicated. See the README, "Scaling out".
+            are averaged too. None: nothing is communicated. See the docs page "Scaling out".
         batch_dim: 0 for per-example losses: ``losses`` is then a 1-D tensor (one loss per
-            example) from a forward under :func:`funcgrad.per_example`, and there is no
+            example) from a forward under `funcgrad.per_example`, and there is no
             ``through`` (see there).
 
     Returns:
@@ -274,8 +325,11 @@ def backward(
         ``.grad`` unchanged. At level ``"params"`` (without DDP or FSDP) the batched
         backward keeps the graph of the shared part whatever ``retain_graph``: its saved
         tensors go when ``through`` and the losses go (``del`` them before the next forward
-        to keep peak memory at one graph). With ``retain_graph=False`` a second call
-        through the same ``through`` raises, as torch does.
+        to keep peak memory at one graph). With ``retain_graph=False`` the graph counts as
+        freed where ``sum(losses).backward()`` would free it, the heads' part (which
+        funcgrad keeps for each loss's gradient on ``through``) included: a second call
+        through it, or the user's own ``.backward()``, raises torch's error before any
+        ``.grad`` is written.
     """
     if batch_dim is not None or through is None:  # per-example losses: _per_example.py
         from ._per_example import backward_from_losses
@@ -289,36 +343,15 @@ def backward(
     sync = _sync.policy(process_group, _CALL)
     mode = resolve_check(check, _CALL)
     task: _Task | None = None
-    nodes: list[Any] = []  # what the backward through the shared part frees
-    kept_graph = False  # whether funcgrad kept a graph that torch would have freed
     error: Exception | None = None
     try:
-        if isinstance(sync, _sync.FSDPSync):
-            sync.check_inputs(inputs, as_tensors(through, "through", _CALL))
+        sync.check_inputs(inputs, through)
         task = _validate(losses, through, weighting, level, inputs, chunk_size, sync)
-        nodes = _graph.freed_nodes(task.through, task.shared)
-        if _graph.spent(nodes):
-            raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=_CALL))
+        spender = _graph.spent(task.graph)
+        if spender is not None:
+            raise SecondBackwardError(_graph.SECOND_BACKWARD.format(call=spender))
         _sync.check_fsdp_leaves(task.shared, task.own, sync)
-        if isinstance(sync, _sync.DDPSync):
-            sync.configure(task.shared, task.level)
-        if isinstance(sync, _sync.FSDPSync):
-            sync.configure(task.shared, task.level, task.rule.needs_jacobian)
-        ddp = isinstance(sync, _sync.DDPSync) and sync.reduces_backward
-        if ddp and _graph.has_reentrant_checkpoint(task.through):
-            raise ValueError(
-                f"{_CALL}: a DDP-wrapped encoder with a reentrant checkpoint inside "
-                "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
-                "reducer would see one backward per direction. Checkpoint with "
-                "use_reentrant=False."
-            )
-        if ddp and task.rule.kind == "vector" and level == "params":
-            raise ValueError(
-                f"{_CALL}: {type(task.rule.fn).__name__} returns an update without weights, "
-                "but a DDP-wrapped encoder needs weights (its reducer averages the backward of "
-                "w @ V). Use a weighted aggregator, or pass the process group itself and a "
-                "plain encoder."
-            )
+        sync.configure(task.shared, task.level, task.rule, task.graph.checkpoint)
     except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught
     facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
@@ -327,48 +360,51 @@ def backward(
 
     # Collect: V on `through`, and each loss's own gradients.
     cotangents, own_grads = _collect(task, sync)
-    lin = _linearize.of_graph(task.through, task.shared, retain_graph=retain_graph)
+    lin = _linearize.of_graph(
+        task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
+    )
 
     # Weigh, and compute what the shared leaves get (nothing is written yet).
     update: Tensors | None = None
     if task.rule.kind == "sum" or level == "features":
         what = "with respect to `through`"
-        weights: torch.Tensor | None = weigh_features(task.rule, cotangents, sync, what, _CALL)
-        assert weights is not None
-        if not sync.reduces_backward:  # ONE pull of w @ V through the shared part
-            update = sync.average(_engine.weighted(lin, weights, cotangents))
-    elif isinstance(sync, _sync.FSDPSync):  # FSDP: each rank's shards of the k per-task gradients
-        task_grads = sync.task_gradients(task.through, cotangents, retain_graph)
-        what = "with respect to the shared parameters"
-        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL)
+        weights: torch.Tensor | None
+        weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
+        if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
+            update = sync.average(_engine.weighted(lin, coefficients, rows))
     else:
-        basis = _engine.Basis(_coords.real_size(lin.out))
-        task_grads, _ = _engine.by_linearity(
-            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
-        )
+
+        def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
+            basis = _engine.Basis(_coords.real_size(lin.out))
+            grads, _ = _engine.by_linearity(
+                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
+            )
+            return grads
+
+        task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
+        # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
+        # w @ P, and the update written back sparse, as .grad would be.
+        sparse = [g.is_sparse for g in task_grads]
+        task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
         what = "with respect to the shared parameters"
-        weights, update = weigh_params(
-            task.rule, sync.average(task_grads), sync, what, _CALL, task.weighed
-        )
-        kept_graph = not sync.reduces_backward  # its batched pulls retained the graph
-        if sync.reduces_backward:  # DDP expects one backward per forward: that of w @ V_r,
+        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
+        update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
+        if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 
     # Apply: the one place that writes .grad.
+    taken: set[int] = set()  # the storages given to a .grad in this call
     if update is None:
         assert weights is not None and lin.accumulate is not None
         with sync.reducing_backward():
             lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
-    elif isinstance(sync, _sync.FSDPSync):
-        sync.write(update)
     else:
-        for leaf, u in zip(task.shared, update):
-            _accumulate(leaf, u)
+        sync.write(task.shared, update, taken)
     for own, grads in zip(task.own, own_grads):
         for leaf, grad in zip(own, grads):
-            _accumulate(leaf, grad)
-    if not retain_graph:  # a later call through these nodes raises before any pass
-        _graph.spend(nodes, _CALL, refuse_backward=kept_graph)
+            _sync.accumulate(leaf, grad, taken)
+    if not retain_graph:  # a later backward through the graph raises before it writes
+        _graph.spend(task.graph, _CALL)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

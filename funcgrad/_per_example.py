@@ -28,7 +28,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree
 
-from . import _weighting
+from . import _sync, _weighting
 from ._errors import describe
 from ._types import Tensors
 from ._validate import named_inputs, outside_transforms
@@ -88,8 +88,8 @@ class PerExample:
     """The modules of ``model`` hooked to record each layer's input during the forward, so
     that per-example Gramians and weighted updates cost about one backward.
 
-    Made by :func:`funcgrad.per_example`; see there. Hooks stay until :meth:`remove` (or
-    the end of a ``with`` block). Each call of :meth:`gramian` or :meth:`backward` consumes
+    Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
+    the end of a ``with`` block). Each call of `gramian` or `backward` consumes
     what the forward recorded; records of forwards that no call consumed are dropped at the
     next call. Nothing is recorded while grad is disabled.
     """
@@ -184,7 +184,7 @@ class PerExample:
     ) -> torch.Tensor:
         """The (B, B) Gramian ``G[b, b'] = <grad_b, grad_b'>`` of the per-example gradients
         of the selected parameters; no ``.grad`` is written. See
-        :func:`funcgrad.per_example_gramian`."""
+        `funcgrad.per_example_gramian`."""
         run = _Run(self, losses, inputs, None, _GRAMIAN)
         return run.execute(retain_graph, write=False)[0]
 
@@ -197,7 +197,7 @@ class PerExample:
         retain_graph: bool = False,
     ) -> torch.Tensor:
         """``.grad += sum_b w_b grad_b`` with ``w = weighting(G)``; returns ``w``. See
-        :func:`funcgrad.per_example`."""
+        `funcgrad.per_example`."""
         run = _Run(self, losses, inputs, weighting, _BACKWARD)
         return run.execute(retain_graph, write=True)[1]
 
@@ -247,11 +247,11 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         batch_dim: 0, the batch dimension of every module's inputs and outputs.
 
     Returns:
-        A :class:`PerExample`, also a context manager that removes the hooks at its end. Its
+        A `PerExample`, also a context manager that removes the hooks at its end. Its
         ``backward(losses, weighting=..., inputs=...)`` writes ``.grad += w @ grads`` with
         ``w = weighting(G)`` and returns ``w`` (the same as
         ``funcgrad.backward(losses, batch_dim=0, ...)``); its ``gramian(losses)`` returns G
-        without writing ``.grad`` (as :func:`funcgrad.per_example_gramian`); ``print(pe.plan)``
+        without writing ``.grad`` (as `funcgrad.per_example_gramian`); ``print(pe.plan)``
         shows the rule each layer took in the last call.
 
     Examples:
@@ -301,7 +301,7 @@ def per_example_gramian(
     losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
 ) -> torch.Tensor:
     """The (B, B) Gramian of the per-example gradients, ``G[b, b'] = <grad_b, grad_b'>``,
-    for per-example losses computed under :func:`funcgrad.per_example`; no ``.grad`` is
+    for per-example losses computed under `funcgrad.per_example`; no ``.grad`` is
     written.
 
     Same values as ``J @ J.T`` with ``J`` the (B, P) Jacobian of ``losses`` with respect to
@@ -312,7 +312,7 @@ def per_example_gramian(
 
     Args:
         losses: a 1-D tensor of B per-example losses, from a forward of a model hooked by
-            :func:`funcgrad.per_example` (the hooks that saw that forward are found).
+            `funcgrad.per_example` (the hooks that saw that forward are found).
         inputs: the parameters whose gradients count (tensors, a Module, a mapping or
             ``named_parameters()`` pairs); None: every parameter of the hooked model that
             requires grad.
@@ -1257,10 +1257,9 @@ class _Run:
             if not retain_graph:  # consumed (and older forwards dropped)
                 recorder.clear()
         if write:  # Apply: the one place that writes .grad.
-            from ._multitask import _accumulate
-
+            taken: set[int] = set()
             for param, grad in update:
-                _accumulate(param, grad.to(param.dtype))
+                _sync.accumulate(param, grad.to(param.dtype), taken)
         return gram, weights
 
     def _weigh(

@@ -14,6 +14,13 @@ import math
 
 from ._types import ChunkSize, Executed, Strategy
 
+# chunk_size="auto": the directions run to measure a fit, directions 0-1 then 2-4, both
+# vmapped (one direction alone is an unbatched call, whose peak differs from a vmapped
+# direction's: on an MLP, 4 MiB for one direction alone, 4.25 MiB for two in one vmap, then
+# 2.125 MiB more for each). At most FIT_MIN directions run unmeasured, all at once.
+FIT_RANGES = ((0, 2), (2, 5))
+FIT_MIN = FIT_RANGES[-1][1]
+
 # A JVP of f costs about as much as a VJP but forward mode can disagree with autograd's
 # conventions (cholesky, eigh, ...: see the README, Reliability), so it must be clearly
 # cheaper to be chosen.
@@ -36,20 +43,24 @@ _FALLBACKS: dict[str, tuple[str, ...]] = {
 class Plan:
     """How the gradients are computed for given shapes: what ``fn(*args)`` runs.
 
-    Returned by ``fn.plan(*args)`` for the functions of :func:`funcgrad.compose_heads` and
-    :func:`funcgrad.combine_heads`; the same plan drives the call.
+    Returned by ``fn.plan(*args)`` for the functions of `funcgrad.compose_heads` and
+    `funcgrad.combine_heads`; the same plan drives the call.
 
     Attributes:
         strategy: ``"vjp"``, ``"jacrev"``, ``"jacfwd"`` or ``"loop"`` (never ``"auto"``);
             ``"weighted"`` where one pullback of the weighted cotangent ``w @ V`` is all that
-            is needed (:func:`funcgrad.combine_heads` at level ``"features"``, or without a
+            is needed (`funcgrad.combine_heads` at level ``"features"``, or without a
             weighting).
         k: number of heads.
         m: real dimension of f's output (complex entries count twice).
         n: real dimension of the differentiated inputs.
-        chunk_size: at most this many directions per batched call (None: all at once);
-            ``"auto"`` until a first call has measured the chunk that fits the memory budget
-            (then ``passes`` is a lower bound: 1 and 2 directions measured, then the rest).
+        chunk_size: at most this many directions per batched call (None: all at once).
+            Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
+            from what one direction through f was measured to cost on these argument
+            shapes (by ``plan()`` or the first call); ``"auto"`` where that is not known
+            yet: the call then measures on directions 0-1, then 2-4 (vmapped), and runs
+            the rest in chunks of the size found, so ``passes`` is a lower bound (the rest
+            counted as one chunk), exact with 5 directions or fewer.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
@@ -63,6 +74,12 @@ class Plan:
             unbatched calls faster: each side's fastest of the two decides): one direction
             more through f, in ``passes``; the result decides how later calls on these
             shapes run.
+        f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
+            first call on new shapes where ``"auto"`` chose forward mode (it times forward
+            against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
+            to 3). A fallback that runs f again adds one. ``plan()`` itself runs f's body
+            (see `funcgrad.ComposedHeads.plan`); the call after it then needs no run on
+            fake tensors. Shown in the repr when not 1.
 
     Examples:
         >>> import torch, funcgrad
@@ -84,6 +101,7 @@ class Plan:
     fallbacks: tuple[str, ...] = ()
     measured: str | None = None
     measure: bool = False
+    f_runs: int = 1
 
     @property
     def directions(self) -> int:
@@ -99,20 +117,33 @@ class Plan:
     @property
     def passes(self) -> int:
         """How many calls of f's backward (a vmapped call counts once) or, for ``jacfwd``,
-        of its batched forward-mode pass: ``directions`` split by ``chunk_size``."""
+        of its batched forward-mode pass: ``directions`` split by ``chunk_size``. A lower
+        bound where `exact` is False (``chunk_size="auto"`` not measured yet)."""
         if not self.directions:
             return 0
         if self.strategy == "loop":
             return self.directions
         if self.strategy == "jacfwd":
             return 1
-        if self.chunk_size == "auto":  # not measured yet: 1 and 2 directions, then the rest
-            return (1 if self.directions <= 3 else 3) + self.measure
+        if self.chunk_size == "auto":  # not measured yet: 2 and 3 directions, then the rest
+            return (1 if self.directions <= FIT_MIN else 3) + self.measure
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
+
+    @property
+    def exact(self) -> bool:
+        """Whether `passes` is the count the call runs; False only where
+        ``chunk_size="auto"`` has not measured yet and more than 5 directions batch: the
+        call measures, then runs the rest in chunks of a size not known before."""
+        return not (
+            self.chunk_size == "auto"
+            and self.strategy in ("vjp", "jacrev")
+            and self.directions > FIT_MIN
+        )
 
     def __repr__(self) -> str:
         d, p = self.directions, self.passes
-        what = f"{d} direction{'s' * (d != 1)} through f in {p} pass{'es' * (p != 1)}"
+        at_least = "" if self.exact else "at least "
+        what = f"{d} direction{'s' * (d != 1)} through f in {at_least}{p} pass{'es' * (p != 1)}"
         shapes = f"k={self.k}, m={self.m}, n={self.n}"
         if self.chunk_size is not None:
             shapes += f", chunk_size={self.chunk_size}"
@@ -126,7 +157,8 @@ class Plan:
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
         measuring = "; times vmap against one unbatched call (this call)" * self.measure
-        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring})"
+        runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
+        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
 
 
 def make_plan(
@@ -186,8 +218,6 @@ def make_plan(
     batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
     measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
     fallbacks = _FALLBACKS[strategy]
-    if requested == "auto" and len(candidates) < len(costs) and not weighted:
-        fallbacks = ("jacfwd was not a candidate: y's size was unknown before f ran", *fallbacks)
     return Plan(
         strategy,
         k,

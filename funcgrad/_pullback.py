@@ -20,7 +20,7 @@ from ._validate import check_callable, check_chunk_size, check_flag, values_read
 
 @dataclasses.dataclass
 class PullbackStats:
-    """What a :class:`Pullback` has done so far.
+    """What a `Pullback` has done so far.
 
     Attributes:
         calls: calls of ``pb(...)`` and ``pb.many(...)``.
@@ -40,13 +40,13 @@ class PullbackStats:
 
 
 class Pullback:
-    """The pullback ``v -> J_f(x)^T v`` of f at the primals, returned by :func:`pullback`.
+    """The pullback ``v -> J_f(x)^T v`` of f at the primals, returned by `pullback`.
 
     It is linear, and it remembers what it has pulled back: it keeps an orthonormal basis
     ``Q`` of the directions sent through f together with their images ``Q J``, so a cotangent
     in the span of earlier ones is answered by a product, without a new pass through f. Once
     the basis spans y's whole space (m directions), every cotangent is answered that way.
-    The basis is bounded by ``max_basis_bytes`` (see :func:`pullback`).
+    The basis is bounded by ``max_basis_bytes`` (see `pullback`).
     """
 
     def __init__(
@@ -60,7 +60,9 @@ class Pullback:
         if not (reuse and values_readable(lin.out)):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
-        self._fits: dict[Any, int] = {}  # chunk_size="auto": the chunk measured per shapes
+        # chunk_size="auto": what a direction through f costs here (measured once; the
+        # chunk follows the budget in force at each call).
+        self._fit = _engine.ChunkFit()
 
     @property
     def rank(self) -> int:
@@ -114,7 +116,7 @@ class Pullback:
             cotangents: f's output structure, each leaf of shape ``(k, *leaf.shape)``.
             chunk_size: at most this many directions per vmapped backward; 1 means a loop.
             check: compare the batched pullback with unbatched calls (see
-                :func:`funcgrad.set_check`); ``None`` uses the global setting.
+                `funcgrad.set_check`); ``None`` uses the global setting.
             create_graph: as for ``pb(cotangent)``.
 
         Returns:
@@ -185,8 +187,8 @@ class Pullback:
         self.stats.cotangents += cotangents[0].shape[0]
         with contextlib.ExitStack() as stack:
             stack.enter_context(result_graph(create_graph, self._flat.leaves))
-            if chunk_size == "auto" and not torch.compiler.is_compiling():
-                stack.enter_context(_engine.remembering_chunks(self._fits))
+            if chunk_size == "auto" and values_readable(cotangents):
+                stack.enter_context(_engine.remembering_chunks(self._fit))
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 grads = _engine.pull(self._lin, cotangents, chunk_size, check)
                 pulled = cotangents[0].shape[0]
@@ -257,7 +259,7 @@ def pullback(
             they are and not kept; ``pb.stats.kept_bytes`` says what is held.
 
     Returns:
-        ``(out, pb)`` or ``(out, pb, aux)``: f's output and a :class:`Pullback`.
+        ``(out, pb)`` or ``(out, pb, aux)``: f's output and a `Pullback`.
 
     Examples:
         >>> import torch, funcgrad
@@ -288,7 +290,7 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
-    lin = _linearize.of_function(flat, _linearize.RandomState(flat.leaves))
+    lin = _linearize.of_function(flat, _linearize.RandomState(flat))
     pb = Pullback(flat, lin, reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)

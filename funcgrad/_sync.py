@@ -34,15 +34,16 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import _graph
+from . import _graph, _weighting
 from ._errors import first_line
 from ._types import Tensors
+from ._validate import as_tensors
 
 
 class Sync:
@@ -89,6 +90,68 @@ class Sync:
     def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
         """The first rank's tensor on every rank (the weights, or an aggregator's update)."""
         return tensor
+
+    # -- the questions backward asks, answered by each policy --------------------------
+
+    def by_backward(self, one_pull: bool) -> bool:
+        """Whether the shared leaves get their update from ONE backward of ``w @ V``
+        through the wrap, whose reducer averages it (else funcgrad computes the update and
+        writes it, :meth:`write`); ``one_pull``: the update is one pull of ``w @ V`` anyway
+        (level ``"features"`` or no weighting), else it is ``w @ P``."""
+        return self.reduces_backward
+
+    def check_inputs(self, inputs: Any, through: Any) -> None:
+        """Before the graph is walked: what this policy refuses of ``inputs`` and
+        ``through`` (nothing, without a wrap)."""
+
+    def configure(
+        self,
+        shared: Sequence[torch.Tensor],
+        level: str,
+        rule: _weighting.Rule,
+        checkpoint: bool,
+    ) -> None:
+        """Once the shared leaves are known (before any backward): how this policy will
+        run, or a ValueError for what it cannot (nothing, without a wrap)."""
+
+    def task_gradients(
+        self,
+        outputs: Tensors,
+        cotangents: Tensors,
+        retain_graph: bool,
+        pull: Callable[[], Tensors],
+    ) -> Tensors:
+        """The k per-task gradients of the shared leaves (leaves (k, ...)), global:
+        ``pull()`` pulls the cotangents back through the shared part on this rank (the
+        engine's batched pull), averaged over the ranks."""
+        return self.average(pull())
+
+    def write(self, leaves: Sequence[torch.Tensor], update: Tensors, taken: set[int]) -> None:
+        """``.grad += update`` on the shared leaves (see :func:`accumulate`)."""
+        for leaf, u in zip(leaves, update):
+            accumulate(leaf, u, taken)
+
+
+def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does: a first ``.grad`` keeps
+    ``grad`` without a copy only where nothing else holds its storage (``taken``: the
+    storages already given to a leaf in this call, since autograd hands one tensor to every
+    leaf of a sum; not a view, such as a row of the k stacked per-task gradients, which
+    would keep all k alive); else a copy, so that no two leaves share a ``.grad``."""
+    grad = grad.detach()
+    if leaf.grad is not None:
+        leaf.grad.add_(grad)
+    elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
+        leaf.grad = grad
+    else:
+        storage = grad.untyped_storage()
+        owned = (
+            grad._base is None
+            and storage.data_ptr() not in taken
+            and storage.nbytes() == grad.numel() * grad.element_size()
+        )
+        leaf.grad = grad if owned else grad.clone(memory_format=torch.contiguous_format)
+        taken.add(leaf.grad.untyped_storage().data_ptr())
 
 
 class GroupSync(Sync):
@@ -190,8 +253,15 @@ class DDPSync(GroupSync):
         super().__init__(module.process_group, call)
         self.module = module
 
-    def configure(self, shared: Sequence[torch.Tensor], level: str) -> None:
-        """Decide, from the shared leaves, whether DDP's reducer can do the averaging."""
+    def configure(
+        self,
+        shared: Sequence[torch.Tensor],
+        level: str,
+        rule: _weighting.Rule,
+        checkpoint: bool,
+    ) -> None:
+        """Decide, from the shared leaves, whether DDP's reducer can do the averaging, and
+        refuse what it cannot then reduce."""
         wrapped = {id(p) for p in self.module.parameters() if p.requires_grad}
         exact = wrapped == {id(x) for x in shared}
         static = bool(getattr(self.module, "static_graph", False))
@@ -210,6 +280,21 @@ class DDPSync(GroupSync):
                 "module wrapping exactly the shared model."
             )
         self.reduces_backward = exact
+        if exact and checkpoint:
+            raise ValueError(
+                f"{self.call}: a DDP-wrapped encoder with a reentrant checkpoint inside "
+                "(torch.utils.checkpoint with use_reentrant=True) is not supported: DDP's "
+                "reducer would see one backward per direction. Checkpoint with "
+                "use_reentrant=False."
+            )
+        if exact and not rule.update_is_weighted:
+            raise ValueError(
+                f"{self.call}: {type(rule.fn).__name__} returns an update that is not w @ P "
+                "(it has no weights, or forward hooks of its own), but a DDP-wrapped encoder "
+                "needs one (its reducer averages the backward of w @ V). Use a weighted "
+                "aggregator without hooks on itself (hooks on its weighting are fine), or pass "
+                "the process group itself and a plain encoder."
+            )
 
 
 class FSDPSync(GroupSync):
@@ -240,9 +325,15 @@ class FSDPSync(GroupSync):
         self.module = module
         self._reached: list[bool] = []  # which parameters the per-task backwards reached
 
-    def check_inputs(self, inputs: Any, through: Tensors) -> None:
+    def by_backward(self, one_pull: bool) -> bool:
+        """One backward of ``w @ V`` through FSDP (it reduce-scatters) where the update is
+        one pull; else funcgrad writes each rank's shards of ``w @ P``."""
+        return one_pull
+
+    def check_inputs(self, inputs: Any, through: Any) -> None:
         """Before the graph is walked: FSDP updates every parameter of the module, and the
         graph must show them."""
+        through = as_tensors(through, "through", self.call)
         if inputs is not None:
             raise ValueError(
                 f"{self.call}: with an FSDP module as `process_group`, `inputs` must be None: "
@@ -256,7 +347,13 @@ class FSDPSync(GroupSync):
                 "checkpoint_wrapper)."
             )
 
-    def configure(self, shared: Sequence[torch.Tensor], level: str, needs_jacobian: bool) -> None:
+    def configure(
+        self,
+        shared: Sequence[torch.Tensor],
+        level: str,
+        rule: _weighting.Rule,
+        checkpoint: bool,
+    ) -> None:
         """The shared leaves must be parameters of the module (found by identity in FSDP's
         private state; by shape where that is not found); at the params level, FSDP must
         reduce each backward's gradients."""
@@ -282,7 +379,7 @@ class FSDPSync(GroupSync):
                 "set_requires_gradient_sync(False) is in force (gradient accumulation): use "
                 "level='features', or synchronise every micro-batch"
             )
-        elif needs_jacobian:
+        elif rule.needs_jacobian:
             why = (
                 "a weighting that reads the whole Jacobian would gather every task's "
                 "gradient of every parameter on each rank; use a Gramian weighting (such as "
@@ -356,7 +453,13 @@ class FSDPSync(GroupSync):
         with self._grads_set_aside():
             yield
 
-    def task_gradients(self, outputs: Tensors, cotangents: Tensors, retain_graph: bool) -> Tensors:
+    def task_gradients(
+        self,
+        outputs: Tensors,
+        cotangents: Tensors,
+        retain_graph: bool,
+        pull: Callable[[], Tensors],
+    ) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
         (k, *shard shape): one backward through FSDP per task (each all-gathers the
         parameters and reduce-scatters the gradients, as a plain FSDP backward does; FSDP
@@ -394,7 +497,7 @@ class FSDPSync(GroupSync):
     def sum_over_shards(self, gramian: torch.Tensor) -> torch.Tensor:
         return self._sum(gramian)
 
-    def write(self, update: Tensors) -> None:
+    def write(self, leaves: Sequence[torch.Tensor], update: Tensors, taken: set[int]) -> None:
         """``.grad += update`` on each rank's shards (``update``: the local shards, in the
         order of :meth:`task_gradients`)."""
         from torch.distributed.tensor import DTensor

@@ -24,9 +24,25 @@ def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
 
 def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether data-dependent Python (``bool(t)``, ``.item()``) may look at these tensors:
-    eager mode, outside torch.func transforms and outside a compiled region."""
+    eager mode, outside torch.func transforms and outside a compiled region, on a device
+    that holds values (not ``meta``: a dry run of shapes)."""
     # is_compiling first: dynamo cannot trace is_functorch_wrapped_tensor.
-    return not torch.compiler.is_compiling() and outside_transforms(leaves)
+    return (
+        not torch.compiler.is_compiling()
+        and outside_transforms(leaves)
+        and not any(t.is_meta for t in leaves)
+    )
+
+
+def check_not_inference_mode(call: str) -> None:
+    """The heads' gradients are taken on autograd, which records nothing in inference mode
+    (their gradients would come out zero, or autograd would raise)."""
+    if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{call}: cannot run inside torch.inference_mode(), where autograd records "
+            "nothing to differentiate. Call it outside that block (torch.no_grad() is fine: "
+            "funcgrad differentiates f and the heads whatever the grad mode)."
+        )
 
 
 def check_flag(value: object, name: str, call: str) -> None:
@@ -110,10 +126,13 @@ def check_primal_leaves(
             )
 
 
-def as_tensors(value: Any, name: str, call: str) -> Tensors:
-    """A tensor or a non-empty sequence (or generator) of tensors that require grad."""
-    if isinstance(value, torch.Tensor):
-        items: Any = (value,)
+def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tensors:
+    """A tensor or a non-empty sequence (or generator) of tensors that require grad; with
+    ``rows``, a 1-D tensor is its entries (``torch.stack(losses)`` is k losses)."""
+    if isinstance(value, torch.Tensor) and rows and value.dim() == 1:
+        items: Any = tuple(value.unbind())
+    elif isinstance(value, torch.Tensor):
+        items = (value,)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
         items = tuple(value)  # a list, or a generator such as model.parameters()
     else:

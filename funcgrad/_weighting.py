@@ -4,21 +4,23 @@ these steps).
 
 A weighting is any callable Gramian (k x k) -> weights (k,), TorchJD's ``*Weighting``
 objects included. TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
-their class, without importing TorchJD: a Gramian-weighted one (UPGrad, MGDA, ...) is run
-through its Gramian weighting, which needs only the Gramian; a weighted one (NashMTL,
-Mean, ...) through its matrix weighting; any other (GradDrop, ConFIG, TrimmedMean) as it
-is, on the Jacobian, and then has no weights to report.
+their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them: a
+Gramian-weighted one (UPGrad, MGDA, ...) without forward hooks through its Gramian
+weighting, which needs only the Gramian; any other (NashMTL, Mean, a hooked UPGrad,
+GradDrop, ...) is called on the Jacobian, hooks included, and its output is the update
+(its weights, where it has a weighting, are read from that weighting).
 
 With G the Gramian of the rows of a Jacobian P (k x n) and w = weighting(G), the update is
 ``w @ P``. When P = V J (V the head cotangents on y, J f's Jacobian), ``w @ P = (w @ V) J``:
-one pullback of f, once w is known.
+one pullback of f, once w is known. None of this runs under a caller's autocast: the
+Gramian, the weighting and ``w @ P`` are in the task gradients' dtype, float32 or wider.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +111,13 @@ class Rule:
     def needs_jacobian(self) -> bool:
         return self.kind in ("jacobian", "matrix", "vector")
 
+    @property
+    def update_is_weighted(self) -> bool:
+        """Whether the update is known to be ``weights @ P``, so that one pull of
+        ``weights @ V`` gives it: not for an aggregator without weights, nor for one with
+        forward (pre-)hooks of its own, which may change its input or its output."""
+        return self.kind != "vector" and not (self.kind == "matrix" and _has_hooks(self.fn))
+
 
 def resolve(weighting: Any, level: object, call: str, *, distributed: bool = False) -> Rule:
     """The rule for ``weighting`` at ``level``, or a clear error (before any pass)."""
@@ -172,11 +181,25 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@contextlib.contextmanager
+def no_autocast(device: torch.device) -> Iterator[None]:
+    """Autocast off on ``device``: a caller's ``torch.autocast`` region is for its forward,
+    and under it the Gramian ``b @ b.T``, a weighting's own products and ``w @ P`` would run
+    in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy)."""
+    if torch.amp.is_autocast_available(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:  # a device without autocast (meta, ...): nothing to turn off
+        yield
+
+
 def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
     """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached), block
-    by block, so that the k x n Jacobian is never concatenated."""
+    by block, so that the k x n Jacobian is never concatenated; in float32 or wider, also
+    under autocast."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
-    return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
+    with no_autocast(work[0].device):
+        return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
 
 
 def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, call: str) -> None:
@@ -227,32 +250,64 @@ def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
     return weights
 
 
+def checked_weights(
+    rule: Rule,
+    g: torch.Tensor,
+    blocks: Sequence[torch.Tensor],
+    what: str,
+    call: str,
+    share: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``share(weighting(G))`` (``share``: the first rank's weights on every rank), with G
+    and the weights checked for NaN/inf in ONE read of a device value (eager mode): a clear
+    error naming the non-finite tasks, or the weighting that returned non-finite weights.
+    Where the weighting raises, a non-finite G is the error to see."""
+    try:
+        weights = share(weights_from_gramian(rule, g, call))
+    except Exception:
+        check_gramian(g, blocks, what, call)
+        raise
+    if values_readable([g]) and not bool(torch.isfinite(g).all() & torch.isfinite(weights).all()):
+        check_gramian(g, blocks, what, call)
+        check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    return weights
+
+
+def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
+    """``rule.fn(stat)`` on a detached ``stat``, outside autocast, with grad mode on (a
+    weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``,
+    also where the entry point computes its results under ``torch.no_grad``; its input
+    carries no graph and its result is detached by the caller)."""
+    with no_autocast(stat.device), _naming(rule, given, call), torch.enable_grad():
+        return rule.fn(stat.detach())
+
+
 def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
-    with torch.no_grad(), _naming(rule, f"the {tuple(g.shape)} Gramian", call):
-        weights = rule.fn(g)
-    return checked_shape(weights, g.shape[0], f"the {tuple(g.shape)} Gramian", call)
+    given = f"the {tuple(g.shape)} Gramian"
+    return checked_shape(_call(rule, g, given, call), g.shape[0], given, call)
 
 
 def aggregate(
     rule: Rule, rows: torch.Tensor, call: str
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(weights or None, update or None) from the k x n Jacobian: a TorchJD aggregator run
-    on it, its hooks included (a weighted one's weights are read as its weighting returns
-    them, as TorchJD's ``jac_to_grad`` reads them), or a Jacobian weighting (weights only)."""
+    """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
+    ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
+    included, and its output is the update (a weighted one's weights are read as its
+    weighting returns them, after that weighting's own hooks); a Jacobian weighting gives
+    weights only."""
     k, n = rows.shape
+    given = f"the ({k}, {n}) Jacobian"
+    work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
-            weights = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
-        return checked_shape(weights, k, f"the ({k}, {n}) Jacobian", call), None
+        return checked_shape(_call(rule, work, given, call), k, given, call), None
     captured: list[Any] = []
     hook = None
-    if rule.kind == "matrix":
+    if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
         hook = rule.fn.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
     try:
-        with torch.no_grad(), _naming(rule, f"the ({k}, {n}) Jacobian", call):
-            vector = rule.fn(rows.detach().to(work_dtype(rows.dtype)))
+        vector = _call(rule, work, given, call)
     finally:
         if hook is not None:
             hook.remove()
@@ -262,9 +317,8 @@ def aggregate(
             f"{call}: the aggregator {name} must map the ({k}, {n}) Jacobian to a vector of "
             f"shape ({n},), got {describe(vector)}."
         )
-    if not captured:
-        return None, vector
-    return checked_shape(captured[-1], k, f"the ({k}, {n}) Jacobian", call), vector
+    weights = checked_shape(captured[-1], k, given, call) if captured else None
+    return weights, vector.detach()
 
 
 def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
@@ -276,5 +330,7 @@ def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
 
 
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
-    """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...)."""
-    return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
+    """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
+    dtype (also under autocast)."""
+    with no_autocast(weights.device):
+        return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)

@@ -3,14 +3,18 @@ measured by people on full runs, not by CI on a shared machine."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
+import torch
 
-pytestmark = pytest.mark.slow  # minutes: the whole benchmark, quick
-
+import funcgrad
+from funcgrad.bench import __main__ as bench
+from funcgrad.bench._cases import Case, set_device
 
 STANDARD = ["seed", "multi-output", "mtl", "mtl-weighting", "probes", "bridge", "ddp"]
 
@@ -24,6 +28,7 @@ def _bench(*options):
     )
 
 
+@pytest.mark.slow  # minutes: the whole benchmark, quick
 def test_quick_benchmark_runs_and_every_method_agrees(tmp_path):
     done = _bench("--out", str(tmp_path), "--plot", "--cases", *STANDARD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,6 +44,7 @@ def test_quick_benchmark_runs_and_every_method_agrees(tmp_path):
     assert (tmp_path / "time_vs_heads.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_real_model_and_planner_cases_run_and_agree(tmp_path):
     """A few cells of each (one round): the real model with eager attention, the planner's
     seed and ODE simulator, and fn.plan's cost on the simulator."""
@@ -67,6 +73,83 @@ def test_real_model_and_planner_cases_run_and_agree(tmp_path):
     assert [cost["function"] for cost in planner["plan_cost"]] == ["ode n=2 plan cost"]
     markdown = (tmp_path / "results.md").read_text()
     assert "## Planner regret" in markdown and "fn.plan(*args) against one eager" in markdown
+
+
+@pytest.fixture
+def bench_state():
+    """The bench's device and torch's thread count, restored after an in-process run."""
+    threads = torch.get_num_threads()
+    yield
+    set_device("cpu")
+    torch.set_num_threads(threads)
+
+
+def test_overhead_case_runs_quick_with_explicit_placement(tmp_path, monkeypatch, bench_state):
+    """--cases overhead, one round: every entry point against its recipe, agreeing, with
+    the host reads counted; the device goes through explicit placement, never through
+    torch.set_default_device (whose TorchFunctionMode would tax every call)."""
+
+    def refuse(device):
+        raise AssertionError(f"the bench called torch.set_default_device({device!r})")
+
+    monkeypatch.setattr(torch, "set_default_device", refuse)
+    argv = ["--quick", "--cases", "overhead", "--rounds", "1", "--device", "cpu"]
+    assert bench.main([*argv, "--no-memory", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    cells = {e["variant"]: e for e in report["cases"].values() if e["name"] == "overhead"}
+    assert {"compose_heads", "stacked_heads", "grads", "backward params"} <= set(cells)
+    assert {"combine_heads features", "backward features", "pullback + pb(v)"} <= set(cells)
+    for entry in cells.values():
+        assert entry["agreement"] == {"funcgrad": "ok"}
+        assert entry["threads"] == 1 and entry["baseline"] == "recipe"
+        assert entry["methods"]["funcgrad"]["samples"] and entry["methods"]["recipe"]["samples"]
+        assert entry["host_reads"]["recipe"]["count"] == 0  # the recipes read nothing
+        reads = entry["host_reads"]["funcgrad"]
+        assert reads["count"] == len(reads["where"])
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Fixed cost per call (overhead)" in markdown
+    assert "funcgrad host reads per call <= 1" in markdown
+
+
+@pytest.mark.parametrize(
+    ("name", "k"), [("overhead", 8), ("seed", 2), ("probes", 64), ("mtl-weighting", 2)]
+)
+def test_cases_place_every_tensor_explicitly(name, k, bench_state):
+    """With the default device set to "meta" and the bench's device "cpu", any tensor made
+    without an explicit device (in a case or in funcgrad) is a meta tensor, and computing
+    with it fails: the same code then runs on CUDA with nothing left on the CPU."""
+    set_device("cpu")
+    variants = [v for v, _ in bench._cells(name, "quick")] or [""]
+    torch.set_default_device("meta")
+    try:
+        for variant in variants:
+            case = bench._build(name, k, True, variant)
+            for method, fn in case.methods.items():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # vmap fallbacks of the raw methods
+                    results = fn()
+                leaves = [t for t in torch.utils._pytree.tree_leaves(results) if t is not None]
+                assert all(t.device.type == "cpu" for t in leaves), (variant, method)
+    finally:
+        torch.set_default_device(None)
+
+
+def _warns():
+    warnings.warn("fell back", funcgrad.FuncgradWarning, stacklevel=2)
+    return torch.zeros(2)
+
+
+def test_a_case_whose_every_method_is_dropped_is_reported_not_a_crash(tmp_path, bench_state):
+    """_time_case divided by the number of methods left: a ZeroDivisionError when every
+    method had been dropped (--device cuda --cases planner did it)."""
+    assert bench._time_case(Case("planner", 2, 1, 1, {}), rounds=3) == {}
+    case = Case("planner", 2, 1, 1, {"funcgrad auto": _warns, "funcgrad vjp": _warns})
+    case.variant, case.drop_on_warning = "toy", True
+    args = argparse.Namespace(rounds=None, quick=True, no_memory=True, threads=1, device="cpu")
+    report = {"disagreements": []}
+    entry = bench._run_case(case, args, 1, report)
+    assert entry["methods"] == {} and set(entry["skipped"]) == {"funcgrad auto", "funcgrad vjp"}
+    assert report["disagreements"] == []
 
 
 def test_per_example_case_runs_and_agrees(tmp_path):

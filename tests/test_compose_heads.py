@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import optree
@@ -236,3 +237,66 @@ def test_second_order_matches_double_backward(strategy):
         total = total + (g * weights[i]).sum()
     (expected,) = torch.autograd.grad(total, xr)
     torch.testing.assert_close(got, expected)
+
+
+def test_one_record_per_call_signature_bounded_and_holding_no_tensor():
+    """What calls learn (y's size, timings, the chunk fit, generator use) is one record per
+    call signature, in an LRU of 64; it keeps no argument alive."""
+    import gc
+    import weakref
+
+    fn = funcgrad.compose_heads(torch.tanh, [lambda y: y.sum(), lambda y: y[0]])
+    for n in range(1, 71):
+        fn(torch.randn(n))
+    signatures = fn._composition._signatures
+    assert len(signatures) == 64
+    x = torch.randn(3, requires_grad=True)
+    _, grads = fn(x)
+    alive = weakref.ref(x)
+    del x, grads
+    gc.collect()
+    assert alive() is None
+    # requires_grad is part of the signature, as dtype and shape are
+    before = len(signatures)
+    fn(torch.randn(3, dtype=torch.float32))
+    fn(torch.randn(3, dtype=torch.float32, requires_grad=True))
+    assert len(signatures) == before  # the LRU is full: both new, both kept, two dropped
+    last, new = list(signatures._records)[-2:]
+    assert last[1][0][1:] == (torch.float32, torch.device("cpu"), False)
+    assert new[1][0][1:] == (torch.float32, torch.device("cpu"), True)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_random_draws_are_those_of_one_eager_forward(strategy):
+    """nn.TransformerEncoder in training mode (dropout on non-contiguous tensors, which
+    torch.func draws otherwise than eager): values, gradients and the generator's state
+    equal one eager forward under the same seed, on the first call and later ones."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.2, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double()
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(5)]
+    fn = funcgrad.compose_heads(encoder, heads, strategy=strategy)
+    combined = funcgrad.combine_heads(encoder, heads, lambda g: g.diagonal(), level="features")
+    for _ in range(2):
+        torch.manual_seed(1)
+        xr = x.clone().requires_grad_()
+        y = encoder(xr)
+        want_state = torch.get_rng_state()
+        want_values = torch.stack([h(y) for h in heads])
+        want = torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+        torch.manual_seed(1)
+        context = (
+            pytest.warns(funcgrad.FuncgradWarning, match="draws random numbers")
+            if strategy == "jacfwd"
+            else contextlib.nullcontext()
+        )
+        with context:
+            values, grads = fn(x)
+        assert torch.equal(torch.get_rng_state(), want_state)
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want)
+        torch.manual_seed(1)
+        values, grad, weights = combined(x)
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grad, torch.einsum("k,k...->...", weights, want))

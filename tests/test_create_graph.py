@@ -140,3 +140,31 @@ def test_auto_chunks_hold_the_budget_on_a_module_with_trainable_parameters():
     requires_grad, peak, answer = done.stdout.split()[-3:]
     assert requires_grad == "False"
     assert float(peak) <= 1.5 * 48 + float(answer)
+
+
+@pytest.mark.parametrize("entry", ["compose_heads", "combine_heads", "pullback"])
+def test_create_graph_on_the_eager_fallback(entry):
+    """BatchNorm in training mode: torch.func refuses f, funcgrad runs it on eager autograd;
+    with create_graph=True the results still carry their graph (found by the adversarial
+    review: they came back with requires_grad=False), against autograd's double backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+    ).double()
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    heads = [lambda y: y[:, 0].sum(), lambda y: y[:, 1].pow(2).sum()]
+    with pytest.warns(funcgrad.FuncgradWarning, match="captured tensor"):
+        if entry == "compose_heads":
+            got = funcgrad.compose_heads(model, heads, create_graph=True)(x)[1].sum(0)
+        elif entry == "combine_heads":
+            got = funcgrad.combine_heads(model, heads, create_graph=True)(x)[1]
+        else:
+            y, pb = funcgrad.pullback(model, x)
+            assert not pb(torch.ones_like(y))[0].requires_grad
+            got = pb(torch.stack([torch.ones(6), 2 * y[:, 1]], 1), create_graph=True)[0]
+    (second,) = torch.autograd.grad(got.sum(), x)
+    want = torch.zeros_like(x)
+    for head in heads:
+        (g,) = torch.autograd.grad(head(model(x)), x, create_graph=True)
+        want += torch.autograd.grad(g.sum(), x)[0]
+    torch.testing.assert_close(second, want)

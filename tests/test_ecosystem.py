@@ -67,15 +67,56 @@ def test_grads_create_graph_gives_second_order():
     torch.testing.assert_close(second, expected)
 
 
-def test_grads_keeps_the_graph_during_the_call_whatever_retain_graph():
-    # The non-finite recompute and `check` may need the graph after the planned pull, so it
-    # is kept (documented); its memory goes with the outputs, and a later backward works.
-    for retain_graph in (None, False, True):
-        x = torch.randn(3, requires_grad=True)
-        y = torch.exp(x)
-        (g,) = funcgrad.grads([y.sum(), (y**2).sum()], x, through=y, retain_graph=retain_graph)
-        (later,) = torch.autograd.grad(y.sum(), x)
-        torch.testing.assert_close(g[0], later)
+def _head_graph():
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)  # a head's parameter, not differentiated
+    y = torch.exp(x)
+    return x, w, y, [(w * y).sum(), (y**2).sum() + w.sum()]
+
+
+def _raises(fn):
+    try:
+        fn()
+    except RuntimeError as error:
+        assert "backward through the graph a second time" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("retain_graph", [None, False, True])
+def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_graph):
+    """retain_graph as in torch.autograd.grad (default: create_graph): without it, a second
+    call or the user's own backward through the graph raises torch's error, before any
+    .grad is written; with it, both run again. (The graph is kept during the call for
+    `check` and the non-finite recompute.)"""
+    kwargs = {"retain_graph": retain_graph, "create_graph": create_graph}
+    x, w, y, zs = _head_graph()
+    (want,) = torch.autograd.grad(zs, x, **kwargs)
+    torch_raises = _raises(lambda: torch.autograd.grad(zs, x))
+    assert torch_raises == (not (create_graph if retain_graph is None else retain_graph))
+    (only_w,) = torch.autograd.grad(zs[1], w)  # runs no freed node: torch answers
+
+    x, w, y, zs = _head_graph()
+    (g,) = funcgrad.grads(zs, x, through=y, **kwargs)
+    torch.testing.assert_close(g.sum(0), want)
+    assert _raises(lambda: funcgrad.grads(zs, x, through=y, retain_graph=True)) == torch_raises
+    assert _raises(lambda: sum(zs).backward()) == torch_raises
+    if torch_raises:
+        assert x.grad is None and w.grad is None  # torch itself writes w.grad before raising
+    else:
+        torch.testing.assert_close(x.grad, want)
+    torch.testing.assert_close(torch.autograd.grad(zs[1], w)[0], only_w)
+
+
+def test_grads_in_inference_mode_as_torch():
+    """A graph built outside inference mode, differentiated inside it, as torch allows."""
+    x, _, y, zs = _head_graph()
+    with torch.inference_mode():
+        want = [torch.autograd.grad(z, x, retain_graph=True)[0] for z in zs]
+        (g,) = funcgrad.grads(zs, x, through=y)
+    torch.testing.assert_close(g, torch.stack(want))
 
 
 def test_grads_allow_unused_and_errors():
@@ -174,6 +215,26 @@ def test_torch_compile_fullgraph_matches_eager(strategy):
     eager_values, eager_grads = composed(x)
     torch.testing.assert_close(values, eager_values)
     torch.testing.assert_close(grads, eager_grads)
+
+
+@pytest.mark.slow  # inductor compiles
+def test_compiled_steady_state_on_a_module_matches_eager():
+    """The README's recipe: compile the whole compose_heads call of an nn.Module with list
+    heads (fullgraph=True); it equals eager, builds no graph of its results, and later calls
+    on the same shapes reuse the compiled graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    w = torch.randn(6, 8)
+    heads = [lambda y, i=i: (y @ w[i]).tanh().mean() for i in range(6)]
+    fn = funcgrad.compose_heads(mlp, heads, strategy="vjp")
+    compiled = torch.compile(fn, fullgraph=True)
+    for x in (torch.randn(4, 8), torch.randn(4, 8)):
+        values, grads = compiled(x)
+        eager_values, eager_grads = fn(x)
+        torch.testing.assert_close(values, eager_values)
+        torch.testing.assert_close(grads, eager_grads)
+        assert not grads.requires_grad
 
 
 def test_a_pullback_does_not_cross_a_compile_boundary():

@@ -238,3 +238,17 @@ def test_environment_variable_is_validated(monkeypatch):
         funcgrad.compose_heads(torch.tanh, [HEAD])(torch.randn(2))
     with pytest.raises(ValueError, match=r"funcgrad.set_check\(mode\): `check` must be"):
         funcgrad.set_check("always")
+
+
+def test_compose_and_combine_heads_refuse_inference_mode():
+    """Autograd records nothing there: the heads' gradients came out zero (before) or raised
+    torch's 'does not require grad'; now a clear error names the call."""
+    heads = [lambda y: y.sum(), lambda y: y[0]]
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match=r"compose_heads\(f, heads\): cannot run inside"):
+            funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
+        with pytest.raises(RuntimeError, match=r"combine_heads\(f, heads\): cannot run inside"):
+            funcgrad.combine_heads(torch.sin, heads)(torch.zeros(3))
+    with torch.no_grad():  # fine
+        _, grads = funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
+    torch.testing.assert_close(grads, torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))

@@ -3,6 +3,10 @@ MGDA-UB recipe written out by hand, and plain autograd per task, in float64."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from helpers import assert_tree_close, autograd_reference
@@ -442,7 +446,9 @@ def test_error_on_a_loss_around_through():
     bad = [losses[0], losses[1] + model.encoder[0].weight.sum()]
     with pytest.raises(ValueError, match=r"losses\[1\] reaches inputs\['0.weight'\] other than"):
         funcgrad.backward(bad, through=features, inputs=model.encoder.named_parameters())
-    with pytest.raises(ValueError, match=r"reaches a leaf tensor of shape \(7, 5\).*both shared"):
+    with pytest.raises(
+        ValueError, match=r"reaches a parameter of shape \(7, 5\) \(pass inputs=.*both shared"
+    ):
         funcgrad.backward(bad, through=features)
     assert counter.backward == 0 and not _grads(model)
 
@@ -511,8 +517,8 @@ def test_errors_on_arguments():
 def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
     """retain_graph=False: a second backward through the same forward is refused (torch's
     contract), .grad unchanged, through the same features, a view of them, or an earlier
-    layer's output, and so is the user's own backward; retain_graph=True lets it accumulate
-    again, as torch does."""
+    layer's output, and so is the user's own backward, before it writes anything;
+    retain_graph=True lets it accumulate again, as torch does."""
     model, x, targets = _setup()
     features = model.features(x)
     losses = model.losses(features, targets)
@@ -529,6 +535,7 @@ def test_a_second_call_on_a_spent_graph_raises_as_torch_does(level):
         assert_tree_close(_grads(model), once)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(losses).backward()
+    assert_tree_close(_grads(model), once)  # the heads' .grad too
 
     model.zero_grad()
     features = model.features(x)
@@ -554,10 +561,174 @@ def test_an_earlier_layers_output_of_a_spent_graph_is_refused():
         torch.testing.assert_close(p.grad, g)
 
 
+def _leaves(*tensors):
+    return [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def _same_grads(tensors, before):
+    return all(
+        (t.grad is None and b is None)
+        or (t.grad is not None and b is not None and torch.equal(t.grad, b))
+        for t, b in zip(tensors, before)
+    )
+
+
+def _cheap_graphs(kind):
+    """(through, losses, every leaf) of a forward whose part below `through` saves no
+    tensor (an add, a leaf: torch frees nothing there) while the heads' part does."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 1)
+    c = torch.randn(4)
+    if kind == "add":
+        p = torch.randn(4, requires_grad=True)
+        through = p + 1
+        leaves = [p, *head.parameters()]
+    else:  # precomputed features, detached from the encoder that made them
+        encoder = torch.nn.Linear(3, 4)
+        through = encoder(torch.randn(5, 3)).detach().requires_grad_()
+        leaves = [through, *head.parameters()]
+    return through, [(through * c).sum(), (through * through).sum(), head(through).sum()], leaves
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("kind", ["add", "leaf"])
+def test_a_second_call_through_heads_that_save_tensors_raises_as_torch_does(kind, level):
+    """The part below `through` frees nothing, but the heads' part does: torch refuses a
+    second sum(losses).backward(), and so does funcgrad, before writing anything."""
+    through, losses, leaves = _cheap_graphs(kind)
+    sum(losses).backward()
+    once = _leaves(*leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()  # torch's answer
+
+    through, losses, leaves = _cheap_graphs(kind)
+    funcgrad.backward(losses, through=through, level=level)
+    assert all(torch.allclose(t.grad, g) for t, g in zip(leaves, once))
+    before = _leaves(*leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        funcgrad.backward(losses, through=through, level=level)
+    assert _same_grads(leaves, before)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
+    assert _same_grads(leaves, before)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_the_users_backward_after_a_call_writes_nothing(level):
+    """A loss with a parameter added to it (uncertainty weighting's log-variance): torch
+    itself, on a freed graph, accumulates into that parameter before it reaches a freed node
+    and raises; after funcgrad's call the user's backward raises before any .grad moves. A
+    backward that runs no freed node (the engine prunes the rest) works, as in torch."""
+
+    def forward():
+        model, x, targets = _setup()
+        log_vars = torch.nn.Parameter(torch.zeros(3))
+        features = model.features(x)
+        losses = model.losses(features, targets)
+        return model, log_vars, features, [loss + v for loss, v in zip(losses, log_vars)]
+
+    model, log_vars, features, losses = forward()
+    sum(losses).backward()
+    (want,) = torch.autograd.grad(losses[1], log_vars)  # torch: runs no freed node
+
+    model, log_vars, features, losses = forward()
+    funcgrad.backward(losses, through=features, level=level)
+    tensors = [*model.parameters(), log_vars]
+    before = _leaves(*tensors)
+    for again in (lambda: sum(losses).backward(), lambda: losses[1].backward()):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            again()
+        assert _same_grads(tensors, before)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        features[0].sum().backward()  # the shared part alone
+    assert _same_grads(tensors, before)
+    (got,) = torch.autograd.grad(losses[1], log_vars)
+    torch.testing.assert_close(got, want)
+
+
+class _Box:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_spent_graph_goes_when_dropped(level):
+    """The refusing hooks hold no reference cycle: every tensor the graph saved is freed
+    when the user drops the losses and features, as after torch's own backward."""
+    saved = []
+
+    def pack(tensor):
+        box = _Box(tensor.detach())  # (not the tensor: its own grad_fn may save it)
+        saved.append(weakref.ref(box))  # the graph holds the only reference
+        return box
+
+    model, x, targets = _setup()
+    log_vars = torch.nn.Parameter(torch.zeros(3))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        features = model.features(x)
+        losses = [loss + v for loss, v in zip(model.losses(features, targets), log_vars)]
+    funcgrad.backward(losses, through=features, level=level)
+    del features, losses
+    gc.collect()
+    assert saved and all(ref() is None for ref in saved)
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """A gradient reversal layer (domain adaptation): it saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_heads_whose_custom_functions_save_nothing_run_again_as_in_torch(level):
+    """A custom Function that saved no tensor frees nothing: torch runs its backward again,
+    and so does funcgrad."""
+
+    def forward():
+        torch.manual_seed(0)
+        p = torch.randn(4, requires_grad=True)
+        through = p + 1
+        return p, through, [_ReverseGradient.apply(through).sum(), through.sum()]
+
+    p, through, losses = forward()
+    sum(losses).backward()
+    sum(losses).backward()  # torch: no error
+    p_, through, losses = forward()
+    for _ in range(2):
+        funcgrad.backward(losses, through=through, level=level)
+    torch.testing.assert_close(p_.grad, p.grad)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_backward_in_inference_mode_as_torch(level):
+    """A graph built outside inference mode, backward inside it: torch.autograd.backward
+    works there (its .grad are inference tensors), and so does funcgrad, with the same
+    .grad."""
+    model, x, targets = _setup()
+    losses = model.losses(model.features(x), targets)
+    with torch.inference_mode():
+        torch.autograd.backward(losses)
+    want = _grads(model)
+    model.zero_grad()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    with torch.inference_mode():
+        funcgrad.backward(losses, through=features, level=level, retain_graph=True)
+        funcgrad.backward(losses, through=features, level=level, weighting=lambda g: g.new_ones(3))
+    assert_tree_close(_grads(model), {name: 2 * g for name, g in want.items()}, rtol=1e-6)
+    assert all(torch.is_inference(p.grad) for p in model.parameters())
+
+
 def test_graphs_that_free_nothing_run_again_as_in_torch():
     """A leaf `through` (precomputed features, an embedding table) or one that only adds
     leaves saves no tensor: torch runs its backward again, and so does funcgrad (a second
-    call on the same tensors accumulates the same update again)."""
+    call with a new forward of the heads accumulates the same update again)."""
     torch.manual_seed(0)
     table = torch.nn.Parameter(torch.randn(6, 4))
     bias = torch.nn.Parameter(torch.randn(4))
@@ -569,5 +740,136 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         losses = [(through @ h).sin().sum() for h in heads]
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         once = table.grad.clone()
+        losses = [(through @ h).sin().sum() for h in heads]
         funcgrad.backward(losses, through=through, weighting=tjd.UPGradWeighting())
         torch.testing.assert_close(table.grad, 2 * once)
+
+
+def _descended(gramian):
+    """A weighting that differentiates inside itself: a few gradient steps on w^T G w from
+    the mean, then a projection onto the simplex's sum."""
+    w = torch.full((gramian.shape[0],), 1.0 / gramian.shape[0], dtype=gramian.dtype)
+    for _ in range(3):
+        w = w.detach().requires_grad_()
+        (step,) = torch.autograd.grad(w @ gramian @ w, w)
+        w = w - 0.1 * step / step.norm()
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_weighting_may_differentiate_inside_itself(level):
+    """It is called in the caller's grad mode (under torch.no_grad its autograd.grad
+    raised), and its result is detached: against the same weighting on the Gramian by hand."""
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    (z,) = features
+    wrt = model.shared() if level == "params" else [z]
+    rows = torch.stack(
+        [
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, wrt, retain_graph=True)])
+            for loss in losses
+        ]
+    )
+    want_weights = _descended(rows @ rows.T).detach()
+    want = torch.autograd.grad(
+        sum(w * loss for w, loss in zip(want_weights, losses)),
+        model.shared(),
+        retain_graph=True,
+    )
+
+    weights = funcgrad.backward(losses, through=features, weighting=_descended, level=level)
+    assert not weights.requires_grad
+    torch.testing.assert_close(weights, want_weights)
+    for p, expected in zip(model.shared(), want):
+        torch.testing.assert_close(p.grad, expected)
+
+    fn = funcgrad.combine_heads(
+        lambda x, a: torch.tanh(x @ a),
+        [lambda y: y.sum(), lambda y: y.pow(2).mean()],
+        _descended,
+        level=level,
+    )
+    _, _, weights = fn(x, torch.randn(5, 4))
+    assert weights.shape == (2,) and not weights.requires_grad
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_a_1d_tensor_of_losses_is_k_losses(level):
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    want = funcgrad.backward(losses, through=features, level=level, retain_graph=True)
+    want_grads = _grads(model)
+    model.zero_grad()
+    got = funcgrad.backward(torch.stack(losses), through=features, level=level)
+    torch.testing.assert_close(got, want)
+    assert_tree_close(_grads(model), want_grads)
+
+
+def test_a_matrix_of_losses_is_a_clear_error():
+    model, x, targets = _setup()
+    features = model.features(x)
+    losses = torch.stack(model.losses(features, targets))
+    with pytest.raises(ValueError, match=r"`losses` must be k scalar losses .* shape \(1, 3\)"):
+        funcgrad.backward(losses[None], through=features)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_sparse_embedding_gradients_are_written_sparse_as_torch(level):
+    """nn.EmbeddingBag(sparse=True) as the shared part: the per-task gradients are sparse;
+    the Gramian and w @ P take them dense and .grad is written sparse, as torch writes it."""
+    torch.manual_seed(0)
+    emb = torch.nn.EmbeddingBag(10, 4, mode="sum", sparse=True).double()
+    heads = [torch.nn.Linear(4, 1).double() for _ in range(2)]
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+    weights = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    f = emb(idx, offsets)
+    (heads[0](f).sum() + 2 * heads[1](f).sum()).backward()
+    want = emb.weight.grad.to_dense()
+    emb.weight.grad = None
+    f = emb(idx, offsets)
+    losses = [h(f).sum() for h in heads]
+    context = (
+        pytest.warns(funcgrad.FuncgradWarning, match="vmap could not batch")
+        if level == "params"
+        else contextlib.nullcontext()
+    )
+    with context:
+        funcgrad.backward(losses, through=f, level=level, weighting=lambda g: weights)
+    assert emb.weight.grad.is_sparse
+    torch.testing.assert_close(emb.weight.grad.to_dense(), want)
+
+
+@pytest.mark.parametrize("weighting", [None, "ones"])
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_no_two_leaves_share_a_grad_and_no_grad_holds_k_rows(level, weighting):
+    """autograd hands one tensor to both leaves of a sum (base + delta): each .grad must
+    own its storage, as torch's AccumulateGrad gives it (a clip or a second accumulation
+    on one leaf must not change the other); a task-specific leaf's .grad must not be a row
+    of the k stacked per-task gradients (k times its memory kept alive)."""
+    torch.manual_seed(0)
+    base = torch.randn(3, 4, requires_grad=True)
+    delta = torch.zeros(3, 4, requires_grad=True)
+    heads = [torch.nn.Linear(4, 50) for _ in range(3)]
+    x = torch.randn(5, 3)
+    rule = None if weighting is None else (lambda g: torch.ones(3))
+    for _ in range(2):  # the second call accumulates into the first one's .grad
+        t = x @ (base + delta)
+        losses = [h(t).pow(2).mean() for h in heads]
+        funcgrad.backward(losses, through=t, level=level, weighting=rule)
+    want = [torch.zeros_like(p) for p in (base, delta, heads[0].weight)]
+    for _ in range(2):
+        t = x @ (base + delta)
+        grads = torch.autograd.grad(
+            sum(h(t).pow(2).mean() for h in heads), [base, delta, heads[0].weight]
+        )
+        for w, g in zip(want, grads):
+            w += g
+    for p, w in zip((base, delta, heads[0].weight), want):
+        torch.testing.assert_close(p.grad, w)
+    assert base.grad.data_ptr() != delta.grad.data_ptr()
+    weight_grad = heads[0].weight.grad
+    assert (
+        weight_grad.untyped_storage().nbytes() == weight_grad.numel() * weight_grad.element_size()
+    )

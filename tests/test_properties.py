@@ -105,7 +105,14 @@ def test_adjoint_identity_against_jvp(problem, reuse):
         )
 
 
-@given(problems(), st.floats(-3, 3), st.floats(-3, 3))
+# Subnormal coefficients are left out: a row scaled by 2e-311 keeps only a few significant
+# bits, so its direction is no longer within roundoff of span(u, v) and it is pulled back as
+# a new direction (still exact, one pass more than the count asserted below).
+@given(
+    problems(),
+    st.floats(-3, 3, allow_subnormal=False),
+    st.floats(-3, 3, allow_subnormal=False),
+)
 def test_pullback_is_linear_and_matches_autograd(problem, alpha, beta):
     f, primal, _ = problem
     out, pb = funcgrad.pullback(f, primal)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
@@ -312,3 +313,204 @@ def test_checking_is_per_thread():
         release.wait(timeout=60)
     thread.join()
     assert seen["error"] > 1e-3
+
+
+# -- f's side effects: as in one eager forward per call, or counted by plan() -------------------
+
+SIDE_W = torch.randn(2, 5, dtype=torch.float64)
+SIDE_HEADS = [lambda y, i=i: (y * (i + 1)).sin().sum() + y[i % 5] for i in range(16)]  # 2 n < k
+
+
+class _Square(torch.autograd.Function):
+    """No jvp: forward mode cannot differentiate it, reverse mode can."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_f_python_body_runs_as_often_as_plan_says(strategy, check):
+    runs = []
+
+    def f(x):  # n = 2, m = 5, k = 16: forward mode is a candidate under auto
+        runs.append(1)
+        return torch.tanh(x @ SIDE_W)
+
+    x = torch.randn(2, dtype=torch.float64)
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=check)
+    for call in range(3):
+        plan = fn.plan(x)
+        runs.clear()
+        fn(x)
+        assert len(runs) == plan.f_runs, (call, plan)
+    timed = fn.plan(x).measured  # auto: the first call timed forward against reverse mode
+    assert strategy != "auto" or timed is None or timed.startswith("reverse mode")
+    if strategy == "jacfwd" and check:  # check's unbatched JVP calls at columns 0 and 1
+        assert plan.f_runs == 3 and "f's Python body runs 3 times" in repr(plan)
+
+    # Without plan(), the first call on new shapes where forward mode is a candidate also
+    # runs f on fake tensors once (for y's size), as the README says.
+    fresh = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=check)
+    counts = []
+    for _ in range(3):
+        runs.clear()
+        fresh(x)
+        counts.append(len(runs))
+    later = fresh.plan(x)  # after the first call
+    assert counts[1:] == [later.f_runs, later.f_runs]
+    expected = 1 + 2 * (strategy == "jacfwd" and check)
+    # auto: on fake tensors, forward mode (and check's two JVP calls), reverse mode.
+    assert counts[0] == (3 + 2 * check if strategy == "auto" else expected)
+
+
+def _batchnorm_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 20)
+    ).double()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_buffers_are_updated_once_per_call(strategy):
+    model, once = _batchnorm_model(), _batchnorm_model()
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(16)]  # n = 6, m = 40
+    fn = funcgrad.compose_heads(model, heads, strategy=strategy)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    for _ in range(3):
+        reference = copy.deepcopy(once)  # (its statistics move once per head)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the eager fallback's
+            values, grads = fn(x)
+        once(x)  # one eager forward per call
+        want_values, want_grads = autograd_reference(reference, heads, (x,))
+        torch.testing.assert_close(values, torch.stack(want_values))
+        torch.testing.assert_close(grads, torch.stack(want_grads))
+        assert int(model[1].num_batches_tracked) == int(once[1].num_batches_tracked)
+        torch.testing.assert_close(model[1].running_mean, once[1].running_mean)
+        torch.testing.assert_close(model[1].running_var, once[1].running_var)
+
+
+def _generator_f(generator, *, batchnorm=None, no_jvp=False):
+    def f(x):
+        y = torch.tanh(x @ SIDE_W)
+        mask = torch.rand(y.shape, generator=generator, dtype=y.dtype) > 0.5
+        y = y * mask + torch.randn(y.shape, generator=generator, dtype=y.dtype)
+        if no_jvp:  # after the draws: a failed forward-mode attempt has drawn
+            y = _Square.apply(y)
+        return y if batchnorm is None else batchnorm(y[None].expand(2, 5) * x.sum())[0]
+
+    return f
+
+
+def _eager_reference(f, heads, x, generator, seed):
+    """Values, per-head gradients and the generator's final state of one eager forward."""
+    generator.manual_seed(seed)
+    xr = x.clone().requires_grad_()
+    y = f(xr)
+    state = generator.get_state()
+    values = torch.stack([head(y) for head in heads]).detach()
+    grads = torch.stack([torch.autograd.grad(head(y), xr, retain_graph=True)[0] for head in heads])
+    return values, grads, state
+
+
+@pytest.mark.parametrize("case", ["plain", "check", "eager fallback", "forward-mode fallback"])
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_a_user_generator_draws_as_in_one_eager_forward(strategy, case):
+    generator = torch.Generator().manual_seed(0)
+    reference_generator = torch.Generator()
+    kwargs = {"batchnorm": None, "no_jvp": case == "forward-mode fallback"}
+    if case == "eager fallback":  # BatchNorm in training mode: torch.func refuses, eager runs
+        kwargs["batchnorm"] = torch.nn.BatchNorm1d(5).double()
+    f = _generator_f(generator, **kwargs)
+    reference_kwargs = dict(
+        kwargs, batchnorm=kwargs["batchnorm"] and copy.deepcopy(kwargs["batchnorm"])
+    )
+    reference_f = _generator_f(reference_generator, **reference_kwargs)
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=case == "check")
+    x = torch.randn(2, dtype=torch.float64)
+    for seed in range(3):  # the first call (auto: both modes, timed), then planned calls
+        generator.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the fallbacks'
+            values, grads = fn(x)
+        want_values, want_grads, want_state = _eager_reference(
+            reference_f, SIDE_HEADS, x, reference_generator, seed
+        )
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want_grads)
+        assert torch.equal(generator.get_state(), want_state)
+
+
+def test_plan_leaves_a_user_generator_alone():
+    generator = torch.Generator().manual_seed(0)
+
+    def data_dependent(t):  # y's size depends on values: plan() runs one real forward
+        y = t[: int(t.abs().sum() > 0) + 1].sin()
+        return y * torch.rand(y.shape, generator=generator)
+
+    fn = funcgrad.compose_heads(data_dependent, [lambda y: y.sum()] * 9)
+    state = generator.get_state()
+    assert fn.plan(torch.randn(4)).m == 2
+    assert torch.equal(generator.get_state(), state)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_a_user_generator_in_the_eager_fallbacks_of_combine_heads_and_pullback(level):
+    generator, reference_generator = torch.Generator(), torch.Generator()
+    batchnorm = torch.nn.BatchNorm1d(5).double()
+    f = _generator_f(generator, batchnorm=batchnorm)
+    reference_f = _generator_f(reference_generator, batchnorm=copy.deepcopy(batchnorm))
+    x = torch.randn(2, dtype=torch.float64)
+    generator.manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        values, grad, _ = funcgrad.combine_heads(f, SIDE_HEADS, level=level)(x)
+    want_values, want_grads, want_state = _eager_reference(
+        reference_f, SIDE_HEADS, x, reference_generator, 4
+    )
+    torch.testing.assert_close(values, want_values)
+    torch.testing.assert_close(grad, want_grads.sum(0))
+    assert torch.equal(generator.get_state(), want_state)
+
+    generator.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        out, pb = funcgrad.pullback(f, x)
+    state = generator.get_state()
+    reference_generator.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    y = reference_f(xr)
+    assert torch.equal(state, reference_generator.get_state())
+    torch.testing.assert_close(out, y.detach())
+    cotangent = torch.randn(5, dtype=torch.float64)
+    torch.testing.assert_close(pb(cotangent)[0], torch.autograd.grad(y, xr, cotangent)[0])
+
+
+def test_f_is_watched_for_generators_only_where_it_drew_from_one():
+    modes = []
+
+    def f(x):
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        return torch.tanh(x @ SIDE_W)
+
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy="vjp")
+    x = torch.randn(2, dtype=torch.float64)
+    fn(x)
+    fn(x)
+    assert modes == [1, 0]  # the first call on these shapes watched; the next one need not
+    modes.clear()
+    combined = funcgrad.combine_heads(f, SIDE_HEADS, level="features")
+    combined(x)
+    combined(x)
+    assert modes == [1, 0]

@@ -5,9 +5,13 @@ says which level or form works. Hooks on TorchJD objects run as under jac_to_gra
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torchjd import aggregation as tjd
+from torchjd.autojac import backward as torchjd_backward
 from torchjd.autojac import jac_to_grad, mtl_backward
 
 import funcgrad
@@ -260,3 +264,192 @@ def test_cross_batch_weighting_by_the_recipe_in_its_error(name):
     funcgrad.backward(list(losses), through=features, weighting=lambda gramian: weights)
     for p, expected in zip(encoder.parameters(), want):
         torch.testing.assert_close(p.grad, expected)
+
+
+def _rescaled_output():
+    aggregator = tjd.UPGrad()
+    aggregator.register_forward_hook(lambda _m, _i, out: out * 0.5)
+    return aggregator
+
+
+def _normalised_rows():
+    aggregator = tjd.UPGrad()
+    aggregator.register_forward_pre_hook(
+        lambda _m, args: (args[0] / args[0].norm(dim=1, keepdim=True),)
+    )
+    return aggregator
+
+
+def _doubled_mean():
+    aggregator = tjd.Mean()
+    aggregator.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))
+    return aggregator
+
+
+# Hooks on the aggregator itself change its input or its output, not only its weights: the
+# update is its output, which w @ P is not.
+HOOKED = {
+    "output rescaled": _rescaled_output,
+    "rows normalised": _normalised_rows,
+    "Mean, Jacobian doubled": _doubled_mean,
+}
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_hooks_on_an_aggregator_change_the_update_as_under_jac_to_grad(name):
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    mtl_backward(task_losses, features)
+    want_weights = jac_to_grad(list(encoder.parameters()), HOOKED[name]())
+    want = _grads(encoder, heads)
+
+    encoder, heads, losses = _model()
+    features, task_losses = losses()
+    weights = funcgrad.backward(task_losses, through=features, weighting=HOOKED[name]())
+    torch.testing.assert_close(weights, want_weights)
+    for got, expected in zip(_grads(encoder, heads), want):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_combine_heads_runs_an_aggregators_hooks_as_jac_to_grad(name):
+    torch.manual_seed(0)
+    a, x = torch.randn(5, 6), torch.randn(4, 5)
+    targets = torch.randn(K, 4, 6)
+
+    def f(x):
+        return torch.tanh(x @ a)
+
+    head_fns = [lambda y, t=t, i=i: (y - t).pow(2).mean() * (i + 1) for i, t in enumerate(targets)]
+    leaf = x.clone().requires_grad_()
+    features = f(leaf)
+    torchjd_backward([h(features) for h in head_fns])  # leaf.jac: the (K, 4, 5) Jacobian
+    want_weights = jac_to_grad([leaf], HOOKED[name]())
+
+    _, grad, weights = funcgrad.combine_heads(f, head_fns, HOOKED[name]())(x)
+    torch.testing.assert_close(weights, want_weights)
+    torch.testing.assert_close(grad, leaf.grad)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_sees_a_hook_registered_after_it_was_built(level):
+    """jac_to_grad looks for hooks at each call; so does the function combine_heads returns
+    (it chose UPGrad's Gramian shortcut once, at construction, and dropped later hooks)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 5)
+    encoder = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh())
+    head_fns = [lambda y, i=i: y[:, i].sin().sum() * (i + 1) for i in range(K)]
+    aggregator = tjd.UPGrad()
+    fn = funcgrad.combine_heads(encoder, head_fns, aggregator, level=level)
+    _, plain, _ = fn(x)
+    handle = aggregator.register_forward_hook(lambda _m, _i, out: out * 0.5)
+    _, halved, _ = fn(x)
+    torch.testing.assert_close(halved, plain * 0.5)
+    handle.remove()
+    torch.testing.assert_close(fn(x)[1], plain)
+
+
+@pytest.mark.parametrize("name", list(HOOKED))
+def test_features_level_pulls_the_hooked_aggregators_output(name):
+    """At level='features' an aggregator maps V (the task gradients on `through`) to the
+    direction pulled through the encoder, hooks included (LibMTL's rep_grad recipe): by
+    hand, the aggregator on V, then one backward of `through` along its output."""
+    encoder, _heads, losses = _model()
+    features, task_losses = losses()
+    rows = torch.stack(
+        [
+            torch.autograd.grad(loss, features, retain_graph=True)[0].flatten()
+            for loss in task_losses
+        ]
+    )
+    captured = []
+    aggregator = HOOKED[name]()
+    aggregator.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
+    direction = aggregator(rows).reshape(features.shape)
+    want = torch.autograd.grad(features, list(encoder.parameters()), direction)
+
+    encoder, _heads, losses = _model()
+    features, task_losses = losses()
+    weights = funcgrad.backward(
+        task_losses, through=features, weighting=HOOKED[name](), level="features"
+    )
+    torch.testing.assert_close(weights, captured[-1])
+    for p, expected in zip(encoder.parameters(), want):
+        torch.testing.assert_close(p.grad, expected)
+
+    # combine_heads at the features level: the same pull of the aggregator's output on V.
+    x = torch.randn(4, 5)
+    head_fns = [lambda y, i=i: y[:, i].sin().sum() * (i + 1) for i in range(K)]
+    leaf = x.clone().requires_grad_()
+    y = encoder(leaf)
+    v = torch.stack([torch.autograd.grad(h(y), y, retain_graph=True)[0] for h in head_fns])
+    (want_grad,) = torch.autograd.grad(y, leaf, HOOKED[name]()(v.flatten(1)).reshape(y.shape))
+    _, grad, _ = funcgrad.combine_heads(encoder, head_fns, HOOKED[name](), level="features")(x)
+    torch.testing.assert_close(grad, want_grad)
+
+
+_DDP_SCRIPT = """
+import sys, torch, funcgrad
+from torchjd import aggregation as tjd
+from funcgrad.bench._ddp import gloo_group
+
+with gloo_group(30, init_method="file://" + sys.argv[1], rank=0, world_size=1):
+    torch.manual_seed(0)
+    encoder = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 6))
+    heads = [torch.nn.Linear(6, 1) for _ in range(3)]
+    hooked = tjd.Mean()
+    hooked.register_forward_pre_hook(lambda _m, args: (args[0] * 2,))
+    for level in ("params", "features"):
+        features = encoder(torch.randn(4, 5))
+        losses = [head(features).pow(2).mean() for head in heads]
+        try:
+            funcgrad.backward(
+                losses, through=features, weighting=hooked, level=level, process_group=encoder
+            )
+        except ValueError as error:
+            assert "forward hooks of its own" in str(error), error
+            assert all(p.grad is None for p in encoder.parameters())
+            print("refused", level)
+"""
+
+
+@pytest.mark.slow  # a gloo process group, in a process of its own
+def test_a_ddp_encoder_refuses_an_aggregator_whose_hooks_change_its_update(tmp_path):
+    """DDP's reducer averages the backward of w @ V, which cannot carry what a hook on the
+    aggregator itself does to its input or output: a clear error before any pass."""
+    script = tmp_path / "ddp.py"
+    script.write_text(_DDP_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["refused params", "refused features"], run.stderr
+
+
+def test_an_aggregator_that_reports_no_weights_cannot_update_leaves_it_did_not_see():
+    """An input that requires grad is not a parameter: it does not shape the weights and is
+    not in the aggregator's Jacobian, so it gets w @ its gradients; without weights (here a
+    weighted aggregator whose forward skips its weighting) that is a clear error."""
+
+    class Halved(tjd.WeightedAggregator):
+        def forward(self, matrix):
+            return matrix.mean(dim=0) / 2
+
+    encoder, heads, _ = _model()
+    x = torch.randn(10, 5, requires_grad=True)
+    features = encoder(x)
+    task_losses = [head(features).pow(2).mean() for head in heads]
+    with pytest.raises(ValueError, match=r"Halved reported no weights.*Pass inputs="):
+        funcgrad.backward(task_losses, through=features, weighting=Halved(tjd.MeanWeighting()))
+    assert x.grad is None and all(p.grad is None for p in encoder.parameters())
+    # With every leaf in `inputs`, the aggregator sees them all, as jac_to_grad would.
+    leaves = [x, *encoder.parameters()]
+    per_task = [torch.autograd.grad(loss, leaves, retain_graph=True) for loss in task_losses]
+    funcgrad.backward(
+        task_losses, through=features, weighting=Halved(tjd.MeanWeighting()), inputs=leaves
+    )
+    for leaf, grads in zip(leaves, zip(*per_task)):
+        torch.testing.assert_close(leaf.grad, torch.stack(grads).mean(0) / 2)

@@ -8,6 +8,12 @@ methods within 2x of the fastest then get twice as many more rounds; figures are
 ratios within one run. Peak memory is measured per method in a fresh
 subprocess: RSS high-water above the baseline on the CPU, ``torch.cuda.max_memory_allocated``
 above the baseline with ``--device cuda``.
+
+With ``--device cuda`` every tensor and module is placed with ``.to(device)`` (never
+``torch.set_default_device``, whose TorchFunctionMode taxes every torch call), and each
+sample is bracketed by ``torch.cuda.synchronize()``. The ``overhead`` case times every entry
+point on a tiny problem (one thread) against the batched recipe an expert writes by hand,
+with the host reads of one steady-state call (``funcgrad.HostReadCounter``).
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ from tqdm.auto import tqdm
 import funcgrad
 
 from ._cases import BUILDERS as STANDARD_BUILDERS
-from ._cases import HEAD_COUNTS, Case, SkipCase
+from ._cases import HEAD_COUNTS, Case, SkipCase, device, set_device
 from ._ddp import NOTE as DDP_NOTE
 from ._ddp import ddp_entry
+from ._overhead import names as overhead_names
+from ._overhead import overhead_case
 from ._per_example import CELLS as PER_EXAMPLE_CELLS
 from ._per_example import MEMORY_TARGETS as PER_EXAMPLE_MEMORY_TARGETS
 from ._per_example import TARGETS as PER_EXAMPLE_TARGETS
@@ -50,8 +58,12 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     **STANDARD_BUILDERS,
     "real-model": real_model_case,
     "planner": planner_case,
+    "overhead": overhead_case,
     "per-example": per_example_case,
 }
+# Not in a default run: the planner's grid (funcgrad against itself), the chunk-memory
+# case (gigabytes at full size: a GPU check) and per-example (minutes at B = 512).
+NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example")
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
 DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
@@ -70,6 +82,21 @@ TARGETS = [
     ("mtl-weighting k=32", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.5),
     *PER_EXAMPLE_TARGETS,
 ]
+OVERHEAD_TARGETS = [
+    (f"overhead {name} k=8", "funcgrad", "recipe", 1.2) for name in overhead_names()
+]
+# On a GPU (issue 28), where a call costs what the host does: --device cuda.
+CUDA_TARGETS = [
+    ("seed k=8", "funcgrad auto", "one f fwd+bwd", 1.3),
+    ("mtl-weighting k=8", "funcgrad backward features", "sum(losses) fwd+bwd", 1.3),
+    ("mtl-weighting k=8", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 1.0),
+    ("probes k=512", "funcgrad auto", "torch.func vjp+vmap", 1.05),
+    *OVERHEAD_TARGETS,
+]
+# Host reads of one steady-state call, per overhead cell (issue 28).
+HOST_READS_TARGET = 1
+# chunk_size="auto" peaks within this many budgets plus the answer.
+CHUNK_MEMORY_TARGET = 1.5
 # Peak-memory targets: (case label, method, baseline, limit).
 MEMORY_TARGETS = [
     ("mtl-weighting k=8", "funcgrad backward features", "sum(losses) fwd+bwd", 1.2),
@@ -85,6 +112,8 @@ def _cells(name: str, mode: str) -> list[tuple[str, int]]:
         return REAL_MODEL_CELLS[mode]
     if name == "per-example":
         return PER_EXAMPLE_CELLS[mode]
+    if name == "overhead":
+        return [(entry, 8) for entry in overhead_names()]
     return [("", k) for k in HEAD_COUNTS[name][mode]]
 
 
@@ -124,8 +153,8 @@ def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
 
 def _finish() -> None:
     """Wait for queued GPU work, so that a method's time is its own."""
-    if torch.get_default_device().type == "cuda":
-        torch.cuda.synchronize()
+    if device().type == "cuda":
+        torch.cuda.synchronize(device())
 
 
 # A sample repeats a call until it lasts about this long (as timeit's autorange does): a
@@ -147,6 +176,8 @@ def _time_case(case: Case, rounds: int, only: list[str] | None = None) -> dict[s
     names = [name for name in case.methods if name not in case.untimed]
     names = names if only is None else [name for name in names if name in only]
     samples: dict[str, list[float]] = {name: [] for name in names}
+    if not names:  # every method was dropped or skipped: nothing to time
+        return samples
     number = {name: _calls_per_sample(case.methods[name]) for name in names}
     with tqdm(
         total=rounds * len(names), desc=f"timing {case.label}", leave=False, disable=None
@@ -154,6 +185,7 @@ def _time_case(case: Case, rounds: int, only: list[str] | None = None) -> dict[s
         for r in range(rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
+                _finish()  # the sample starts with no earlier work queued
                 start = time.perf_counter()
                 for _ in range(number[name]):
                     case.methods[name]()
@@ -168,7 +200,7 @@ def _peak_memory_child(
 ) -> None:
     """In a fresh process: run the method once to warm up, reset the peak, run it again."""
     torch.set_num_threads(threads)
-    torch.set_default_device(device)
+    set_device(device)
     case = _build(case_name, k, quick, variant)
     fn = case.methods[method]
     fn()
@@ -266,12 +298,18 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
         f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
     ]
     plans = {method: _plan_record(plan()) for method, plan in case.plans.items()}
-    samples = _time_case(case, case_rounds)
-    contenders = [] if args.quick or args.rounds else _contenders(samples)
-    more_rounds = MORE_ROUNDS * case_rounds if len(contenders) > 1 else 0
-    if more_rounds:
-        for name, times in _time_case(case, more_rounds, contenders).items():
-            samples[name] += times
+    reads = _host_reads(case) if case.count_reads else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(case.threads or threads)
+    try:
+        samples = _time_case(case, case_rounds)
+        contenders = [] if args.quick or args.rounds else _contenders(samples)
+        more_rounds = MORE_ROUNDS * case_rounds if len(contenders) > 1 else 0
+        if more_rounds:
+            for name, times in _time_case(case, more_rounds, contenders).items():
+                samples[name] += times
+    finally:
+        torch.set_num_threads(threads)
     entry = {
         "name": case.name,
         "variant": case.variant,
@@ -290,12 +328,32 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
         "skipped": case.skipped,
         "untimed": list(case.untimed),
         "plans": plans,
+        "threads": case.threads or threads,
         **case.extra,
     }
-    # Quick runs measure memory on the seed only: each method is a fresh process.
-    if not args.no_memory and case.memory and (not args.quick or case.label == "seed k=8"):
+    if reads is not None:
+        entry["host_reads"] = reads
+    # Quick runs measure memory on the seed and chunk-memory only: each method is a fresh
+    # process.
+    if (
+        not args.no_memory
+        and case.memory
+        and (not args.quick or case.label == "seed k=8" or case.name == "chunk-memory")
+    ):
         entry["peak_mib"] = _peak_memory(case, args.quick, args.threads, args.device)
     return entry
+
+
+def _host_reads(case: Case) -> dict[str, dict[str, Any]]:
+    """The host reads of one more call of each method (after its warm-up call): how many,
+    and where (the first frame outside torch of each)."""
+    reads = {}
+    for name, fn in case.methods.items():
+        with funcgrad.HostReadCounter() as counter:
+            fn()
+        _finish()
+        reads[name] = {"count": counter.count, "where": [str(read) for read in counter.reads]}
+    return reads
 
 
 def _first_call(fn: Callable[[], Any], times: dict[str, float], name: str) -> Any:
@@ -407,9 +465,12 @@ def _summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
 
-def _evaluate_targets(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def _evaluate_targets(
+    entries: dict[str, dict[str, Any]], device: str = "cpu"
+) -> list[dict[str, Any]]:
     verdicts = []
-    for label, method, baseline, limit in TARGETS:
+    targets = CUDA_TARGETS if device.startswith("cuda") else [*TARGETS, *OVERHEAD_TARGETS]
+    for label, method, baseline, limit in targets:
         entry = entries.get(label)
         if entry is None:
             continue
@@ -443,6 +504,29 @@ def _evaluate_targets(entries: dict[str, dict[str, Any]]) -> list[dict[str, Any]
                     "target": f"{method} peak memory <= {limit} x {baseline}'s",
                     "ratio": peaks[method] / max(peaks[baseline], 1e-9),
                     "met": peaks[method] <= limit * peaks[baseline] + 1.0,
+                }
+            )
+    for label, entry in entries.items():
+        reads = (entry.get("host_reads") or {}).get("funcgrad")
+        if reads is not None:
+            verdicts.append(
+                {
+                    "case": label,
+                    "target": f"funcgrad host reads per call <= {HOST_READS_TARGET}",
+                    "ratio": reads["count"],
+                    "met": reads["count"] <= HOST_READS_TARGET,
+                }
+            )
+        chunk = entry.get("chunk_memory")
+        peak = (entry.get("peak_mib") or {}).get(chunk["method"]) if chunk else None
+        if chunk and peak is not None:
+            verdicts.append(
+                {
+                    "case": label,
+                    "target": f"{chunk['method']}: peak <= {CHUNK_MEMORY_TARGET} x budget + "
+                    f"the answer ({chunk['answer_mib']:.1f} MiB); ratio: peak / budget",
+                    "ratio": peak / chunk["budget_mib"],
+                    "met": peak <= CHUNK_MEMORY_TARGET * chunk["budget_mib"] + chunk["answer_mib"],
                 }
             )
     for label, entry in entries.items():
@@ -497,7 +581,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
-        if entry.get("planner") is not None:  # in the planner's own tables below
+        if entry.get("planner") is not None or entry["name"] == "overhead":  # own tables below
             continue
         methods = entry["methods"]  # empty when the whole case was skipped
         naive = methods[entry.get("baseline", "naive")]["median"] if methods else None
@@ -545,12 +629,49 @@ def _markdown(report: dict[str, Any]) -> str:
     if plans:
         lines += ["", "Plans (`fn.plan(...)` after the warm-up call):", "", *plans]
     lines += _planner_markdown(report.get("planner") or {})
+    lines += _overhead_markdown(report["cases"])
     lines += ["", "## Targets", "", "| case | target | ratio | met |", "|---|---|---:|---|"]
     for t in report["targets"]:
         ratio = "" if t["ratio"] is None else f"{t['ratio']:.3f}"
         met = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         lines.append(f"| {t['case']} | {t['target']} | {ratio} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _overhead_markdown(entries: dict[str, dict[str, Any]]) -> list[str]:
+    cells = {label: e for label, e in entries.items() if e["name"] == "overhead"}
+    if not cells:
+        return []
+    threads = {e.get("threads") for e in cells.values()}
+    lines = [
+        "",
+        "## Fixed cost per call (overhead)",
+        "",
+        "Each entry point on a tiny problem (k=8, float32; its kernels take microseconds, so "
+        "the fixed cost per call is all there is), the whole job per call (f's forward "
+        "included), against the batched recipe a torch.func expert writes by hand for the "
+        f"same answer; {'/'.join(str(t) for t in sorted(threads, key=str))} thread(s), µs per "
+        "call (median of the samples, each the mean of enough calls to last ~25 ms). Host "
+        "reads: of one steady-state call, counted with `funcgrad.HostReadCounter` "
+        "(funcgrad / recipe); where they come from: the JSON's `host_reads`.",
+        "",
+        "| entry point | recipe | funcgrad µs | recipe µs | ratio | host reads | agrees |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for entry in cells.values():
+        methods = entry["methods"]
+        if "funcgrad" not in methods or "recipe" not in methods:
+            lines.append(f"| {entry['variant']} | skipped: {entry['skipped']} | | | | | |")
+            continue
+        ours, theirs = methods["funcgrad"]["median"], methods["recipe"]["median"]
+        reads = entry.get("host_reads") or {}
+        shown = "/".join(str(reads.get(m, {}).get("count", "?")) for m in ("funcgrad", "recipe"))
+        lines.append(
+            f"| {entry['variant']} | {entry['overhead']['recipe']} | {ours * 1e6:.0f} | "
+            f"{theirs * 1e6:.0f} | {ours / theirs:.2f} | {shown} | "
+            f"{entry['agreement'].get('funcgrad', '?')} |"
+        )
+    return lines
 
 
 def _planner_markdown(summary: dict[str, Any]) -> list[str]:
@@ -714,9 +835,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cases",
         nargs="+",
         choices=[*BUILDERS, "ddp"],
-        default=[name for name in BUILDERS if name not in ("planner", "per-example")] + ["ddp"],
-        help="default: all but planner (funcgrad's auto against its own fixed strategies) "
-        "and per-example (IWRM, B = 32/128/512: minutes)",
+        default=[name for name in BUILDERS if name not in NOT_BY_DEFAULT] + ["ddp"],
+        help="default: all but planner (funcgrad's auto against its own fixed strategies), "
+        "chunk-memory (gigabytes: a GPU check) and per-example (IWRM, B = 32/128/512: minutes)",
     )
     parser.add_argument(
         "--variants",
@@ -724,6 +845,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="only these functions or settings of the cases that have several (planner: "
         "'seed', 'ode n=2', ...; real-model: eager, sdpa)",
+    )
+    parser.add_argument(
+        "--heads",
+        nargs="+",
+        type=int,
+        default=None,
+        help="only the cells with these numbers of heads k (e.g. 8 512)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--plot", action="store_true", help="draw time against k (matplotlib)")
@@ -743,7 +871,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.set_default_device(args.device)
+    set_device(args.device)
     rounds = args.rounds or (3 if args.quick else 7)
     mode = "quick" if args.quick else "full"
     versions: dict[str, str | None] = {
@@ -781,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
                 ]
             continue
         for variant, k in _cells(name, mode):
+            if args.heads and k not in args.heads:
+                continue
             if (
                 variant
                 and args.variants
@@ -803,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 continue
             report["cases"][case.label] = _run_case(case, args, rounds, report)
-    report["targets"] = _evaluate_targets(report["cases"])
+    report["targets"] = _evaluate_targets(report["cases"], args.device)
     report["planner"] = _planner_summary(report["cases"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=2))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -24,6 +25,45 @@ STRATEGIES: tuple[Literal["vjp", "jacrev", "jacfwd", "loop"], ...] = (
 )
 # A fixed strategy needing more passes through f than this is skipped (it would take minutes).
 MAX_DIRECTIONS = {"full": 4096, "quick": 256}
+
+# Where the cases live (``--device``). Every tensor and module of a case is placed there
+# explicitly with ``on(...)``, never through ``torch.set_default_device``: its
+# TorchFunctionMode would tax every torch call (funcgrad's more than the raw methods').
+# Random values are drawn on the CPU, so that every device computes the same problem.
+_DEVICE = [torch.device("cpu")]
+
+T = TypeVar("T", torch.Tensor, torch.nn.Module)
+
+
+def device() -> torch.device:
+    """The device the cases are built on."""
+    return _DEVICE[0]
+
+
+def set_device(where: str | torch.device) -> None:
+    _DEVICE[0] = torch.device(where)
+
+
+def on(value: T) -> T:
+    """A tensor or module moved to the bench's device."""
+    return value.to(device())
+
+
+def built(make: Callable[[], T]) -> T:
+    """``make()`` run on the CPU (a module's initial weights drawn there), then placed."""
+    with torch.device("cpu"):
+        return on(make())
+
+
+def vjp(f: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[..., Any]]:
+    """``torch.func.vjp`` without aux: ``(out, vjp_fn)``."""
+    out, vjp_fn = torch.func.vjp(f, *primals)[:2]
+    return out, vjp_fn
+
+
+def generator() -> torch.Generator:
+    """A seeded CPU generator: draw with it, then place the tensor with ``on``."""
+    return torch.Generator().manual_seed(0)
 
 
 class SkipCase(Exception):
@@ -53,6 +93,9 @@ class Case:
     # Plans to report, read after the warm-up call (auto's first call decides the plan).
     plans: dict[str, Callable[[], funcgrad.Plan]] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # copied into the report
+    # Count the host reads of one steady-state call of each method (HostReadCounter).
+    count_reads: bool = False
+    threads: int | None = None  # torch threads while timed, where the case fixes them
 
     @property
     def label(self) -> str:
@@ -128,7 +171,7 @@ SEED_SIZE = {"full": 200, "quick": 60}
 
 
 def seed_fun(n: int, dtype=torch.float64) -> Callable[[torch.Tensor], torch.Tensor]:
-    ones = torch.ones((n, n), dtype=dtype)
+    ones = torch.ones((n, n), dtype=dtype, device=device())
 
     def slow_fun(x):
         return torch.real(torch.trace(torch.matrix_exp(1j * x * ones)))
@@ -159,7 +202,7 @@ def _scalar_heads(k):
 def seed_case(k: int, quick: bool) -> Case:
     f = seed_fun(SEED_SIZE["quick" if quick else "full"])
     heads = _scalar_heads(k)
-    x = torch.tensor(1.0, dtype=torch.float64)
+    x = torch.tensor(1.0, dtype=torch.float64, device=device())
     case = _standard("seed", f, heads, x, m=1, quick=quick)
 
     def chain_rule():  # the seed's own "method 1": dy/dx once, times each dz/dy
@@ -182,17 +225,19 @@ def seed_case(k: int, quick: bool) -> Case:
 
 def multi_output_case(k: int, quick: bool) -> Case:
     n = 50 if quick else 200
-    gen = torch.Generator(device=torch.get_default_device()).manual_seed(0)
-    bases = torch.randn(4, n, n, generator=gen) / n**0.5
+    gen = generator()
+    bases = on(torch.randn(4, n, n, generator=gen, device="cpu") / n**0.5)
     bases = bases + bases.transpose(1, 2)
 
     def f(x):  # y: 4 real entries of exp(i * sum_j x_j A_j)
         e = torch.matrix_exp(1j * torch.einsum("j,jab->ab", x, bases))
         return torch.real(torch.diagonal(e)[:4])
 
-    weights = torch.randn(k, 4, generator=gen)
+    weights = on(torch.randn(k, 4, generator=gen, device="cpu"))
     heads = [lambda y, w=weights[i]: torch.sin(w @ y) + (w * y).pow(2).sum() for i in range(k)]
-    return _standard("multi-output", f, heads, torch.randn(4, generator=gen), m=4, quick=quick)
+    return _standard(
+        "multi-output", f, heads, on(torch.randn(4, generator=gen, device="cpu")), m=4, quick=quick
+    )
 
 
 class Encoder(torch.nn.Module):
@@ -210,8 +255,8 @@ class Encoder(torch.nn.Module):
 def mtl_case(k: int, quick: bool) -> Case:
     widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 256)
     torch.manual_seed(0)
-    encoder = Encoder(widths)
-    inputs = torch.randn(batch, widths[0])
+    encoder = built(lambda: Encoder(widths))
+    inputs = on(torch.randn(batch, widths[0], device="cpu"))
     heads = _mtl_heads(k, widths[-1], batch)
     params = {name: p.detach() for name, p in encoder.named_parameters()}
     names = list(params)
@@ -262,8 +307,8 @@ def mtl_weighting_case(k: int, quick: bool) -> Case:
         return case
     widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 256)
     torch.manual_seed(0)
-    encoder = Encoder(widths)
-    inputs = torch.randn(batch, widths[0])
+    encoder = built(lambda: Encoder(widths))
+    inputs = on(torch.randn(batch, widths[0], device="cpu"))
     heads = _mtl_heads(k, widths[-1], batch)
     shared = list(encoder.parameters())
     names = [name for name, _ in encoder.named_parameters()]
@@ -354,10 +399,16 @@ def _mtl_heads(k: int, width: int, batch: int) -> list[Callable[..., torch.Tenso
     heads = []
     for t in range(k):
         if t % 2 == 0:
-            w, target = torch.randn(1, width) / 10, torch.randn(batch, 1)
+            w, target = (
+                on(torch.randn(1, width, device="cpu") / 10),
+                on(torch.randn(batch, 1, device="cpu")),
+            )
             heads.append(lambda z, w=w, y=target: torch.nn.functional.mse_loss(z @ w.T, y))
         else:
-            w, target = torch.randn(10, width) / 10, torch.randint(0, 10, (batch,))
+            w, target = (
+                on(torch.randn(10, width, device="cpu") / 10),
+                on(torch.randint(0, 10, (batch,), device="cpu")),
+            )
             heads.append(lambda z, w=w, y=target: torch.nn.functional.cross_entropy(z @ w.T, y))
     return heads
 
@@ -366,21 +417,24 @@ def probes_case(k: int, quick: bool) -> Case:
     # A 2048 -> 2048 -> 64 MLP; the ratio to raw vmap falls as f's backward gets dearer
     # relative to the fixed (k, m) @ (m, n) product: about m/k + m/hidden in flops.
     d_in, d_hidden, d_feature = (256, 64, 16) if quick else (2048, 2048, 64)
-    gen = torch.Generator(device=torch.get_default_device()).manual_seed(0)
-    w1 = torch.randn(d_hidden, d_in, generator=gen) / d_in**0.5
-    w2 = torch.randn(d_feature, d_hidden, generator=gen) / d_hidden**0.5
+    gen = generator()
+    w1 = on(torch.randn(d_hidden, d_in, generator=gen, device="cpu") / d_in**0.5)
+    w2 = on(torch.randn(d_feature, d_hidden, generator=gen, device="cpu") / d_hidden**0.5)
 
     def f(x):  # a 64-d feature of a 2048 -> 64 MLP
         return torch.tanh(w2 @ torch.tanh(w1 @ x))
 
-    params = {"w": torch.randn(k, d_feature, generator=gen), "b": torch.randn(k, generator=gen)}
+    params = {
+        "w": on(torch.randn(k, d_feature, generator=gen, device="cpu")),
+        "b": on(torch.randn(k, generator=gen, device="cpu")),
+    }
 
     def probe(p, y):
         return torch.nn.functional.softplus(p["w"] @ y + p["b"])
 
     stacked = funcgrad.stacked_heads(probe, params)
     heads = [lambda y, j=j: probe({"w": params["w"][j], "b": params["b"][j]}, y) for j in range(k)]
-    x = torch.randn(d_in, generator=gen)
+    x = on(torch.randn(d_in, generator=gen, device="cpu"))
 
     def torch_func():  # raw vjp + vmap(pullback) over the k cotangents (heads vmapped too)
         y, vjp_fn = torch.func.vjp(f, x)
@@ -399,7 +453,7 @@ def probes_case(k: int, quick: bool) -> Case:
 def bridge_case(k: int, quick: bool) -> Case:
     f = seed_fun(SEED_SIZE["quick" if quick else "full"])
     heads = _scalar_heads(k)
-    x0 = torch.tensor(1.0, dtype=torch.float64)
+    x0 = torch.tensor(1.0, dtype=torch.float64, device=device())
 
     def graph():  # the seed's imperative code, up to the line that asks for the gradients
         x = x0.clone().requires_grad_()
@@ -433,6 +487,79 @@ def bridge_case(k: int, quick: bool) -> Case:
     return case
 
 
+# The memory case of issue 28: k probes on an nn.Module MLP whose parameters require grad.
+CHUNK_MEMORY = {
+    "full": {"d_in": 256, "hidden": 4096, "batch": 128, "chunk": 16, "budget": 512 * 2**20},
+    "quick": {"d_in": 64, "hidden": 512, "batch": 32, "chunk": 8, "budget": 8 * 2**20},
+}
+
+
+def chunk_memory_case(k: int, quick: bool) -> Case:
+    """``compose_heads(..., chunk_size="auto")`` under ``funcgrad.memory_budget`` on an
+    ``nn.Module`` f with trainable parameters, against ``chunk_size=None`` and raw
+    ``vmap(vjp_fn)`` in fixed chunks with ``create_graph=False``. The target: auto's peak
+    within 1.5x the budget plus the answer (k gradients), by ``max_memory_allocated`` on
+    CUDA, RSS on the CPU."""
+    size = CHUNK_MEMORY["quick" if quick else "full"]
+    torch.manual_seed(0)
+    encoder = built(
+        lambda: torch.nn.Sequential(
+            torch.nn.Linear(size["d_in"], size["hidden"]),
+            torch.nn.Tanh(),
+            torch.nn.Linear(size["hidden"], 64),
+        )
+    )
+    gen = generator()
+    x = on(torch.randn(size["batch"], size["d_in"], generator=gen, device="cpu"))
+    params = {
+        "w": on(torch.randn(k, 64, generator=gen, device="cpu") / 8),
+        "b": on(torch.randn(k, generator=gen, device="cpu")),
+    }
+
+    def probe(p: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(y @ p["w"] + p["b"]).mean()
+
+    stacked = funcgrad.stacked_heads(probe, params)
+    auto = funcgrad.compose_heads(encoder, stacked, strategy="vjp", chunk_size="auto")
+    whole = funcgrad.compose_heads(encoder, stacked, strategy="vjp")
+
+    def under_budget() -> torch.Tensor:
+        with funcgrad.memory_budget(size["budget"]):
+            return auto(x)[1]
+
+    def raw() -> torch.Tensor:
+        y, vjp_fn = vjp(encoder, x)
+        cotangents = torch.func.vmap(torch.func.grad(probe, argnums=1), in_dims=(0, None))(
+            params, y
+        )
+        pull = functools.partial(vjp_fn, create_graph=False)
+        return torch.func.vmap(pull, chunk_size=size["chunk"])(cotangents)[0]
+
+    reference = f"torch.func vmap(vjp_fn) create_graph=False, chunks of {size['chunk']}"
+    budget_mib = size["budget"] / 2**20
+    case = Case(
+        "chunk-memory",
+        k,
+        size["batch"] * 64,
+        x.numel(),
+        {
+            reference: raw,
+            f"funcgrad chunk_size=auto, budget {budget_mib:g} MiB": under_budget,
+            "funcgrad chunk_size=None": lambda: whole(x)[1],
+        },
+    )
+    case.baseline = reference
+    case.reference_for = {name: reference for name in case.methods if name != reference}
+    case.extra = {
+        "chunk_memory": {
+            "budget_mib": budget_mib,
+            "answer_mib": k * x.numel() * x.element_size() / 2**20,
+            "method": f"funcgrad chunk_size=auto, budget {budget_mib:g} MiB",
+        }
+    }
+    return case
+
+
 BUILDERS: dict[str, Callable[[int, bool], Case]] = {
     "seed": seed_case,
     "multi-output": multi_output_case,
@@ -440,6 +567,7 @@ BUILDERS: dict[str, Callable[[int, bool], Case]] = {
     "mtl-weighting": mtl_weighting_case,
     "probes": probes_case,
     "bridge": bridge_case,
+    "chunk-memory": chunk_memory_case,
 }
 
 HEAD_COUNTS: dict[str, dict[str, tuple[int, ...]]] = {
@@ -449,4 +577,5 @@ HEAD_COUNTS: dict[str, dict[str, tuple[int, ...]]] = {
     "mtl-weighting": {"full": (2, 8, 32), "quick": (2, 8)},
     "probes": {"full": (512,), "quick": (64,)},
     "bridge": {"full": (4,), "quick": (4,)},
+    "chunk-memory": {"full": (512,), "quick": (64,)},
 }

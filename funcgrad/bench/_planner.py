@@ -26,6 +26,10 @@ from ._cases import (
     Encoder,
     _mtl_heads,
     _scalar_heads,
+    built,
+    device,
+    generator,
+    on,
     seed_fun,
 )
 
@@ -37,12 +41,12 @@ PLAN_COST_HEADS = 8
 
 
 def _generator() -> torch.Generator:
-    return torch.Generator(device=torch.get_default_device()).manual_seed(0)
+    return generator()
 
 
 def _vector_heads(k: int, m: int, dtype: torch.dtype) -> Heads:
     """k cheap nonlinear heads of a flattened y (m entries)."""
-    weights = torch.randn(k, m, generator=_generator(), dtype=dtype) / m**0.5
+    weights = on(torch.randn(k, m, generator=_generator(), dtype=dtype, device="cpu") / m**0.5)
     return [
         lambda y, w=weights[i]: torch.sin(w @ y.flatten()) + (w * y.flatten()).pow(2).sum()
         for i in range(k)
@@ -52,13 +56,13 @@ def _vector_heads(k: int, m: int, dtype: torch.dtype) -> Heads:
 def seed(k: int, quick: bool) -> Function:
     """The seed: real(trace(matrix_exp(1j x ones(N, N)))), a scalar of a scalar."""
     f = seed_fun(30 if quick else 60)
-    return f, _scalar_heads(k), (torch.tensor(1.0, dtype=torch.float64),)
+    return f, _scalar_heads(k), (torch.tensor(1.0, dtype=torch.float64, device=device()),)
 
 
 def multi_output(k: int, quick: bool) -> Function:
     """4 real diagonal entries of matrix_exp(i sum_j x_j A_j), x in R^4."""
     n, gen = (20 if quick else 50), _generator()
-    bases = torch.randn(4, n, n, generator=gen, dtype=torch.float64) / n**0.5
+    bases = on(torch.randn(4, n, n, generator=gen, dtype=torch.float64, device="cpu") / n**0.5)
     bases = bases + bases.transpose(1, 2)
 
     def f(x):
@@ -68,7 +72,7 @@ def multi_output(k: int, quick: bool) -> Function:
     return (
         f,
         _vector_heads(k, 4, torch.float64),
-        (torch.randn(4, generator=gen, dtype=torch.float64),),
+        (on(torch.randn(4, generator=gen, dtype=torch.float64, device="cpu")),),
     )
 
 
@@ -76,8 +80,8 @@ def mlp(k: int, quick: bool) -> Function:
     """An MLP encoder, task losses on its features, gradients w.r.t. its parameters."""
     widths, batch = ((32, 64, 64, 32), 16) if quick else ((64, 128, 128, 64), 32)
     torch.manual_seed(0)
-    encoder = Encoder(widths)
-    inputs = torch.randn(batch, widths[0])
+    encoder = built(lambda: Encoder(widths))
+    inputs = on(torch.randn(batch, widths[0], device="cpu"))
 
     def f(p):
         return torch.func.functional_call(encoder, p, (inputs,))
@@ -90,36 +94,46 @@ def probes(k: int, quick: bool) -> Function:
     """Linear probes (softplus) on the 16-d feature of a tanh MLP, gradients w.r.t. x."""
     d_in, d_hidden, d_feature = (128, 64, 16) if quick else (256, 128, 32)
     gen = _generator()
-    w1 = torch.randn(d_hidden, d_in, generator=gen) / d_in**0.5
-    w2 = torch.randn(d_feature, d_hidden, generator=gen) / d_hidden**0.5
+    w1 = on(torch.randn(d_hidden, d_in, generator=gen, device="cpu") / d_in**0.5)
+    w2 = on(torch.randn(d_feature, d_hidden, generator=gen, device="cpu") / d_hidden**0.5)
 
     def f(x):
         return torch.tanh(w2 @ torch.tanh(w1 @ x))
 
-    w, b = torch.randn(k, d_feature, generator=gen), torch.randn(k, generator=gen)
+    w, b = (
+        on(torch.randn(k, d_feature, generator=gen, device="cpu")),
+        on(torch.randn(k, generator=gen, device="cpu")),
+    )
     heads = [lambda y, w=w[j], b=b[j]: torch.nn.functional.softplus(w @ y + b) for j in range(k)]
-    return f, heads, (torch.randn(d_in, generator=gen),)
+    return f, heads, (on(torch.randn(d_in, generator=gen, device="cpu")),)
 
 
 def lstm(k: int, quick: bool) -> Function:
     """nn.LSTM over a sequence, y its final hidden state, gradients w.r.t. the sequence."""
     torch.manual_seed(0)
     seq, hidden = (20, 16) if quick else (40, 32)
-    module = torch.nn.LSTM(8, hidden)
+    module = built(lambda: torch.nn.LSTM(8, hidden))
 
     def f(x):
         return module(x)[1][0].flatten()
 
-    return f, _vector_heads(k, hidden, torch.float32), (torch.randn(seq, 1, 8),)
+    return f, _vector_heads(k, hidden, torch.float32), (on(torch.randn(seq, 1, 8, device="cpu")),)
 
 
 def transformer(k: int, quick: bool) -> Function:
     """A 2-layer nn.TransformerEncoder, mean-pooled, gradients w.r.t. its parameters."""
     torch.manual_seed(0)
     d_model, batch, seq = (32, 4, 16) if quick else (64, 8, 32)
-    layer = torch.nn.TransformerEncoderLayer(d_model, 4, 2 * d_model, dropout=0.0, batch_first=True)
-    module = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-    src = torch.randn(batch, seq, d_model)
+    module = built(
+        lambda: torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(
+                d_model, 4, 2 * d_model, dropout=0.0, batch_first=True
+            ),
+            2,
+            enable_nested_tensor=False,
+        )
+    )
+    src = on(torch.randn(batch, seq, d_model, device="cpu"))
 
     def f(p):
         return torch.func.functional_call(module, p, (src,)).mean(1)
@@ -132,21 +146,27 @@ def convnet(k: int, quick: bool) -> Function:
     """A small convnet's 10 logits, gradients w.r.t. the image."""
     torch.manual_seed(0)
     side = 16 if quick else 32
-    module = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(8, 16, 3, padding=1),
-        torch.nn.ReLU(),
-        torch.nn.AdaptiveAvgPool2d(1),
-        torch.nn.Flatten(),
-        torch.nn.Linear(16, 10),
+    module = built(
+        lambda: torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(8, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16, 10),
+        )
     )
 
     def f(x):
         return module(x).flatten()
 
-    return f, _vector_heads(k, 10, torch.float32), (torch.randn(1, 3, side, side),)
+    return (
+        f,
+        _vector_heads(k, 10, torch.float32),
+        (on(torch.randn(1, 3, side, side, device="cpu")),),
+    )
 
 
 def ode(n: int, steps: int | None = None) -> Callable[[int, bool], Function]:
@@ -159,9 +179,11 @@ def ode(n: int, steps: int | None = None) -> Callable[[int, bool], Function]:
         d, dt = 4, 0.01
         n_steps = steps or ODE_STEPS["quick" if quick else "full"]
         gen = _generator()
-        basis = torch.randn(n, d, d, generator=gen, dtype=torch.float64) / (n * d) ** 0.5
-        damping = torch.eye(d, dtype=torch.float64)
-        x0 = torch.randn(d, generator=gen, dtype=torch.float64)
+        basis = on(
+            torch.randn(n, d, d, generator=gen, dtype=torch.float64, device="cpu") / (n * d) ** 0.5
+        )
+        damping = torch.eye(d, dtype=torch.float64, device=device())
+        x0 = on(torch.randn(d, generator=gen, dtype=torch.float64, device="cpu"))
 
         def f(theta):
             a = torch.einsum("j,jab->ab", theta, basis) - damping
@@ -179,7 +201,7 @@ def ode(n: int, steps: int | None = None) -> Callable[[int, bool], Function]:
                 total = total + x
             return torch.cat([x, total / n_steps])
 
-        theta = torch.randn(n, generator=gen, dtype=torch.float64)
+        theta = on(torch.randn(n, generator=gen, dtype=torch.float64, device="cpu"))
         return f, _vector_heads(k, 2 * d, torch.float64), (theta,)
 
     return build

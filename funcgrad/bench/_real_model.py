@@ -9,6 +9,7 @@ per-task gradients of the encoder's parameters (``funcgrad.compose_heads`` on
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 
 import funcgrad
 
-from ._cases import Case, SkipCase
+from ._cases import Case, SkipCase, built, on
 
 MISSING_TRANSFORMERS = (
     'transformers is not installed (pip install "torch==2.13.0" -e ".[test]" provides it)'
@@ -53,14 +54,22 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
-    model = BertModel(config).eval()
-    ids = torch.randint(0, VOCAB, (batch, SEQ))
-    mask = torch.ones(batch, SEQ, dtype=torch.long)
+    model = built(lambda: BertModel(config).eval())
+    ids = on(torch.randint(0, VOCAB, (batch, SEQ), device="cpu"))
+    mask = torch.ones(batch, SEQ, dtype=torch.long, device="cpu")
     for i in range(batch):  # padded sequences of different lengths
         mask[i, SEQ - i % (SEQ // 2) :] = 0
-    heads = [torch.nn.Linear(hidden, 1 if t % 2 == 0 else 5) for t in range(k)]
+    mask = on(mask)
+    heads = [
+        built(functools.partial(torch.nn.Linear, hidden, 1 if t % 2 == 0 else 5)) for t in range(k)
+    ]
     targets = [
-        torch.randn(batch, 1) if t % 2 == 0 else torch.randint(0, 5, (batch,)) for t in range(k)
+        on(
+            torch.randn(batch, 1, device="cpu")
+            if t % 2 == 0
+            else torch.randint(0, 5, (batch,), device="cpu")
+        )
+        for t in range(k)
     ]
 
     def loss(t: int, features: torch.Tensor) -> torch.Tensor:
