@@ -112,7 +112,8 @@ def test_overhead_case_runs_quick_with_explicit_placement(tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize(
-    ("name", "k"), [("overhead", 8), ("seed", 2), ("probes", 64), ("mtl-weighting", 2)]
+    ("name", "k"),
+    [("overhead", 8), ("seed", 2), ("probes", 64), ("mtl-weighting", 2), ("per-example", 8)],
 )
 def test_cases_place_every_tensor_explicitly(name, k, bench_state):
     """With the default device set to "meta" and the bench's device "cpu", any tensor made

@@ -20,7 +20,7 @@ from torch import nn
 
 import funcgrad
 
-from ._cases import Case
+from ._cases import Case, device
 
 VARIANTS = ("mlp", "cnn", "transformer")
 CELLS = {
@@ -71,7 +71,13 @@ class Transformer(nn.Module):
 
 
 def _model(variant: str, batch: int, quick: bool) -> tuple[nn.Module, tuple[Any, ...]]:
-    """(model, (inputs, targets)) in float32, seeded."""
+    """(model, (inputs, targets)) in float32, seeded, made on the bench's device (only
+    the construction runs under it: the timed calls see no default-device mode)."""
+    with torch.device(device()):
+        return _make_model(variant, batch, quick)
+
+
+def _make_model(variant: str, batch: int, quick: bool) -> tuple[nn.Module, tuple[Any, ...]]:
     torch.manual_seed(0)
     targets = torch.randint(10, (batch,))
     if variant == "mlp":
@@ -167,7 +173,7 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
     def ours() -> None:
         recorder.backward(losses_of(hooked), weighting=inverse_norms)
 
-    gramian = torch.empty(0)
+    gramian = torch.empty(0, device=device())
 
     def qp() -> dict[str, torch.Tensor]:
         UPGradWeighting()(gramian)
