@@ -10,9 +10,11 @@ in its own row (``reference_only``: it computes no update).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,6 +43,16 @@ TARGETS = [
 MEMORY_TARGETS = [
     (f"per-example {v} k=128", "funcgrad per_example", "one fwd+bwd", 2.0) for v in ("mlp", "cnn")
 ]
+
+
+@contextlib.contextmanager
+def _torch_vmap_fallback_quiet() -> Iterator[None]:
+    """torch's UserWarning when TorchJD's vmap meets an op without a batching rule (CPU
+    attention's backward): the peer's, not funcgrad's, and an error under CI's
+    PYTHONWARNINGS=error::UserWarning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*There is a performance drop")
+        yield
 
 
 def inverse_norms(gramian: torch.Tensor) -> torch.Tensor:
@@ -150,7 +162,8 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
             p.grad = torch.tensordot(weights, torch.stack([g[j] for g in grads]), dims=1)
 
     def autojac() -> None:  # TorchJD's Jacobian (.jac), then the same weighting on J J^T
-        autojac_backward(losses_of(model), inputs=params)
+        with _torch_vmap_fallback_quiet():  # TorchJD's vmap over CPU attention's backward
+            autojac_backward(losses_of(model), inputs=params)
         jacobians: list[torch.Tensor] = [getattr(p, "jac") for p in params]  # noqa: B009
         rows = [j.flatten(1) for j in jacobians]
         weights = inverse_norms(sum((r @ r.T for r in rows[1:]), rows[0] @ rows[0].T))
@@ -165,7 +178,8 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
 
     def autogram() -> None:
         losses = losses_of(engine_model)
-        losses.backward(inverse_norms(engine.compute_gramian(losses)))
+        with _torch_vmap_fallback_quiet():
+            losses.backward(inverse_norms(engine.compute_gramian(losses)))
 
     hooked = copy.deepcopy(model)
     recorder = funcgrad.per_example(hooked)
