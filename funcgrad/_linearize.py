@@ -34,7 +34,7 @@ class TorchLimit:
     unbatched call, or reverse mode) still differentiates. torch raises a plain
     RuntimeError/NotImplementedError for each, so the only way to tell them is a piece of
     the message: every such piece lives in :data:`TORCH_LIMITS`, and
-    tests/test_torch_limits.py triggers each one on the installed torch, so that a reworded
+    tests/test_linearize.py triggers each one on the installed torch, so that a reworded
     message in a later torch fails loudly instead of silently changing the path."""
 
     pattern: str
