@@ -1,11 +1,18 @@
-"""References for the tests: plain torch.autograd, head by head, in float64."""
+"""References for the tests (plain torch.autograd, head by head, in float64), and the
+fixtures that the tests of several files share."""
 
 from __future__ import annotations
 
 import collections
 
 import optree
+import pytest
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+import funcgrad
+from funcgrad._counting import BackwardCounter, counted
 
 Pair = collections.namedtuple("Pair", ["p", "q"])
 
@@ -75,3 +82,146 @@ def task_losses(encoder, heads, x, y):
         for i, head in enumerate(heads)
     ]
     return features, losses
+
+
+# -- fixtures shared by the tests of several files ---------------------------------------------
+
+# three heads on a vector y (test_engine.py, test_linearize.py, test_memory.py)
+HEADS = [lambda y: y.sum(), lambda y: (y**2).sum(), lambda y: y[0] * y[-1]]
+
+# f's side effects (test_plan.py, test_linearize.py)
+SIDE_W = torch.randn(2, 5, dtype=torch.float64)
+SIDE_HEADS = [lambda y, i=i: (y * (i + 1)).sin().sum() + y[i % 5] for i in range(16)]  # 2 n < k
+
+
+# dropout before BatchNorm (test_plan.py, test_linearize.py)
+def _dropout_batchnorm():
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.BatchNorm1d(8), nn.Linear(8, 3))
+
+
+DROPOUT_BN_HEADS = [
+    lambda y: y[:, 0].pow(2).mean(),
+    lambda y: y.sin().sum(),
+    lambda y: y[:, 2].mean(),
+]
+
+
+EMPTY_CASES = {
+    "n=0": (lambda t: torch.sin(t).sum() + torch.ones(3), lambda: torch.randn(0)),
+    "m=0": (lambda t: t[:0] * 2, lambda: torch.randn(3)),
+    "one empty output leaf": (lambda t: (t[:0], t.sin()), lambda: torch.randn(3)),
+    "one empty input leaf": (
+        lambda p: p["a"].sin() * (p["b"].sum() + 1),
+        lambda: {"a": torch.randn(3), "b": torch.randn(0)},
+    ),
+}
+
+
+class Counted:
+    """f that counts its real (non-fake) calls; planning on fake tensors is free."""
+
+    def __init__(self, m: int, n: int):
+        self.weight = torch.randn(m, n)
+        self.calls = 0
+
+    def __call__(self, t):
+        if not is_fake(t):
+            self.calls += 1
+        return torch.tanh(self.weight @ t)
+
+
+def _module_case():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model.double()
+    heads = [lambda y: y.sum(), lambda y: (y**2).sum(), lambda y: y[0]]
+    return model, heads, torch.randn(4, dtype=torch.float64)
+
+
+def _requires_grad(tree) -> bool:
+    return any(leaf.requires_grad for leaf in torch.utils._pytree.tree_leaves(tree))
+
+
+class CountingF:
+    """f = tanh, counting its calls, to show that validation comes first."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return torch.tanh(x)
+
+
+HEAD = lambda y: y.sum()  # noqa: E731
+
+
+# -- the multi-task model of test_backward.py and test_weighting.py ---------------------------
+
+
+class Model(torch.nn.Module):
+    """A shared encoder (one or two feature tensors) and k heads, some sharing a layer."""
+
+    def __init__(self, k: int = 3, two_features: bool = False, counter=None) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Sequential(
+            torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6)
+        )
+        self.other = torch.nn.Linear(5, 4) if two_features else None
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(6, 2) for _ in range(k))
+        self.shared_head = torch.nn.Linear(2, 1)  # task-specific, shared by every head
+        self.counter = counter
+
+    def features(self, x):
+        z = self.encoder(x)
+        if self.counter is not None:
+            z = counted(z, self.counter)
+        return (z,) if self.other is None else (z, torch.sin(self.other(x)))
+
+    def losses(self, features, targets):
+        z = features[0]
+        extra = features[1].sum(1, keepdim=True) if len(features) > 1 else 0.0
+        losses = []
+        for i, head in enumerate(self.heads):
+            out = self.shared_head(torch.tanh(head(z))) + extra * (i + 1)
+            losses.append((out - targets[:, i : i + 1]).pow(2).mean() * (i + 1))
+        return losses
+
+    def shared(self):
+        return list(self.encoder.parameters()) + (
+            [] if self.other is None else list(self.other.parameters())
+        )
+
+
+def _setup(k=3, two_features=False, counter=None):
+    torch.manual_seed(0)
+    model = Model(k, two_features, counter)
+    x, targets = torch.randn(10, 5), torch.randn(10, k)
+    return model, x, targets
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _counted_graph(k=3):
+    counter = BackwardCounter()
+    model, x, targets = _setup(k, counter=counter)
+    features = model.features(x)
+    return counter, model, features, model.losses(features, targets)
+
+
+def _raises(match, *, losses=None, through=None, error=ValueError, **kwargs):
+    """The error, with no pass through the shared part (where the weights can be known
+    before it: not at level "params") and no .grad written."""
+    counter, model, features, default_losses = _counted_graph()
+    with pytest.raises(error, match=match):
+        funcgrad.backward(
+            default_losses if losses is None else losses(default_losses, model, features),
+            through=features if through is None else through(features, model),
+            **kwargs,
+        )
+    if kwargs.get("level") == "features" or kwargs.get("weighting") is None:
+        assert counter.backward == 0, "the shared part ran before the error"
+    assert not _grads(model), ".grad was written before the error"

@@ -1,5 +1,7 @@
-"""Multi-task weighting: funcgrad.backward and funcgrad.combine_heads against TorchJD, the
-MGDA-UB recipe written out by hand, and plain autograd per task, in float64."""
+"""``funcgrad.backward``: one weighted update from k task losses, written into ``.grad``,
+against TorchJD, the MGDA-UB recipe written out by hand, and plain autograd per task, in
+float64; its errors, before any pass through the shared part; a spent graph refused as torch
+refuses it."""
 
 from __future__ import annotations
 
@@ -9,57 +11,13 @@ import weakref
 
 import pytest
 import torch
-from helpers import assert_tree_close, autograd_reference
+from helpers import _counted_graph, _grads, _raises, _setup, assert_tree_close
+from torch import nn
 from torchjd import aggregation as tjd
 from torchjd.autojac import jac_to_grad, mtl_backward
 
 import funcgrad
-from funcgrad._counting import BackwardCounter, counted
-
-
-class Model(torch.nn.Module):
-    """A shared encoder (one or two feature tensors) and k heads, some sharing a layer."""
-
-    def __init__(self, k: int = 3, two_features: bool = False, counter=None) -> None:
-        super().__init__()
-        self.encoder = torch.nn.Sequential(
-            torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 6)
-        )
-        self.other = torch.nn.Linear(5, 4) if two_features else None
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(6, 2) for _ in range(k))
-        self.shared_head = torch.nn.Linear(2, 1)  # task-specific, shared by every head
-        self.counter = counter
-
-    def features(self, x):
-        z = self.encoder(x)
-        if self.counter is not None:
-            z = counted(z, self.counter)
-        return (z,) if self.other is None else (z, torch.sin(self.other(x)))
-
-    def losses(self, features, targets):
-        z = features[0]
-        extra = features[1].sum(1, keepdim=True) if len(features) > 1 else 0.0
-        losses = []
-        for i, head in enumerate(self.heads):
-            out = self.shared_head(torch.tanh(head(z))) + extra * (i + 1)
-            losses.append((out - targets[:, i : i + 1]).pow(2).mean() * (i + 1))
-        return losses
-
-    def shared(self):
-        return list(self.encoder.parameters()) + (
-            [] if self.other is None else list(self.other.parameters())
-        )
-
-
-def _setup(k=3, two_features=False, counter=None):
-    torch.manual_seed(0)
-    model = Model(k, two_features, counter)
-    x, targets = torch.randn(10, 5), torch.randn(10, k)
-    return model, x, targets
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+from funcgrad._counting import BackwardCounter
 
 
 def _torchjd(aggregator, k=3, two_features=False, seed=None):
@@ -136,40 +94,6 @@ def test_params_level_jacobian_aggregators_equal_torchjd(make):
         assert weights is None
     else:
         assert weights.shape == (4,)
-
-
-def test_returned_weights_equal_weighting_of_the_gramian():
-    """The weighting sees the Gramian of the per-task gradients of the shared parameters
-    (params) or of `through` (features), and the weights it returns come back."""
-    seen = {}
-
-    def weighting(gramian):
-        seen["g"] = gramian.clone()
-        return torch.softmax(-torch.diagonal(gramian), 0)
-
-    model, x, targets = _setup(3)
-    features = model.features(x)
-    losses = model.losses(features, targets)
-    per_task = [
-        torch.cat(
-            [g.flatten() for g in torch.autograd.grad(loss, model.shared(), retain_graph=True)]
-        )
-        for loss in losses
-    ]
-    on_features = [torch.autograd.grad(loss, features, retain_graph=True)[0] for loss in losses]
-    rows = torch.stack(per_task)
-    weights = funcgrad.backward(losses, through=features, weighting=weighting)
-    torch.testing.assert_close(seen["g"], rows @ rows.T)
-    torch.testing.assert_close(weights, weighting(rows @ rows.T))
-    _, rows_f = None, torch.stack([v.flatten() for v in on_features])
-
-    model, x, targets = _setup(3)
-    features = model.features(x)
-    weights = funcgrad.backward(
-        model.losses(features, targets), through=features, weighting=weighting, level="features"
-    )
-    torch.testing.assert_close(seen["g"], rows_f @ rows_f.T)
-    torch.testing.assert_close(weights, weighting(rows_f @ rows_f.T))
 
 
 # -- features level: the MGDA-UB recipe (LibMTL's rep_grad), written out ---------------------
@@ -290,134 +214,7 @@ def test_float32_model():
     assert all(torch.isfinite(g).all() for g in _grads(model).values())
 
 
-# -- combine_heads: the functional form --------------------------------------------------
-
-
-def _encoder_and_heads(k=4):
-    torch.manual_seed(0)
-    w1, w2 = torch.randn(6, 5), torch.randn(3, 6)
-    x = torch.randn(5)
-
-    def f(params):
-        return torch.tanh(params["w2"] @ torch.tanh(params["w1"] @ x))
-
-    targets = torch.randn(k, 3)
-    heads = [lambda y, t=targets[i], s=i + 1: s * (y - t).pow(2).sum() for i in range(k)]
-    return f, heads, {"w1": w1, "w2": w2}
-
-
-def _combined_reference(f, heads, params, weighting, level):
-    _, per_head = autograd_reference(f, heads, (params,))
-    rows = torch.stack([torch.cat([g["w1"].flatten(), g["w2"].flatten()]) for g in per_head])
-    if level == "features":
-        y = f({k: v.detach() for k, v in params.items()}).detach().requires_grad_()
-        v = torch.stack([torch.autograd.grad(h(y), y)[0] for h in heads])
-        weights = weighting(v @ v.T)
-    else:
-        weights = weighting(rows @ rows.T)
-    combined = weights @ rows
-    return {"w1": combined[:30].reshape(6, 5), "w2": combined[30:].reshape(3, 6)}, weights
-
-
-@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
-@pytest.mark.parametrize("level", ["params", "features"])
-@pytest.mark.parametrize("make", [tjd.UPGradWeighting, tjd.MGDAWeighting, tjd.DualProjWeighting])
-def test_combine_heads_against_per_head_autograd(make, level, strategy):
-    f, heads, params = _encoder_and_heads()
-    want, want_weights = _combined_reference(f, heads, params, make(), level)
-    values, grad, weights = funcgrad.combine_heads(
-        f, heads, make(), level=level, strategy=strategy
-    )(params)
-    assert_tree_close(grad, want, rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(weights, want_weights, rtol=1e-7, atol=1e-9)
-    assert values.shape == (4,)
-
-
-def test_combine_heads_jacobian_aggregator_mapping_heads_and_aux():
-    f, heads, params = _encoder_and_heads()
-
-    def f_aux(p):
-        return f(p), {"norm": p["w1"].norm()}
-
-    named = dict(zip("abcd", heads))
-    values, grad, weights, aux = funcgrad.combine_heads(f_aux, named, tjd.UPGrad(), has_aux=True)(
-        params
-    )
-    want, want_weights = _combined_reference(f, heads, params, tjd.UPGradWeighting(), "params")
-    assert_tree_close(grad, want, rtol=1e-7, atol=1e-9)
-    assert list(values) == list(weights) == list("abcd")
-    torch.testing.assert_close(torch.stack(list(weights.values())), want_weights)
-    assert set(aux) == {"norm"}
-    _, grad_nash, weights_nash = funcgrad.combine_heads(f, heads, tjd.GradDrop())(params)
-    assert weights_nash is None and grad_nash["w1"].shape == (6, 5)
-
-
-def test_combine_heads_without_weighting_is_the_gradient_of_the_sum():
-    f, heads, params = _encoder_and_heads()
-    fn = funcgrad.combine_heads(f, heads)
-    _, grad, weights = fn(params)
-    want = torch.func.grad(lambda p: sum(h(f(p)) for h in heads))(params)
-    assert_tree_close(grad, want)
-    torch.testing.assert_close(weights, torch.ones(4))
-    assert fn.plan(params).directions == 1
-    features_plan = funcgrad.combine_heads(f, heads, tjd.MGDAWeighting(), level="features")
-    assert features_plan.plan(params).strategy == "weighted"
-    params_plan = funcgrad.combine_heads(f, heads, tjd.MGDAWeighting()).plan(params)
-    assert params_plan.directions == min(params_plan.k, params_plan.m)
-
-
-@pytest.mark.slow  # inductor compiles
-@pytest.mark.parametrize("level", ["params", "features"])
-def test_combine_heads_compiles_with_a_torch_native_weighting(level):
-    f, heads, params = _encoder_and_heads()
-
-    def weighting(gramian):
-        return torch.softmax(-torch.diagonal(gramian), 0)
-
-    fn = funcgrad.combine_heads(f, heads, weighting, level=level, strategy="vjp")
-    eager = fn(params)
-    compiled = torch.compile(fn, fullgraph=True)(params)
-    assert_tree_close(compiled[1], eager[1], rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(compiled[2], eager[2])
-
-
-def test_combine_heads_composes_with_vmap():
-    """Per-sample combined gradients: vmap over a batch of inputs, against a loop."""
-    torch.manual_seed(0)
-    w = torch.randn(3, 4)
-    heads = [lambda y: y.sum(), lambda y: y.pow(2).sum()]
-    fn = funcgrad.combine_heads(
-        lambda w, x: torch.tanh(w @ x), heads, lambda g: torch.softmax(-torch.diagonal(g), 0)
-    )
-    xs = torch.randn(5, 4)
-    batched = torch.func.vmap(lambda x: fn(w, x)[1], in_dims=0)(xs)
-    looped = torch.stack([fn(w, x)[1] for x in xs])
-    torch.testing.assert_close(batched, looped)
-
-
 # -- errors: clear, named, and before any pass through the shared part ----------------------
-
-
-def _counted_graph(k=3):
-    counter = BackwardCounter()
-    model, x, targets = _setup(k, counter=counter)
-    features = model.features(x)
-    return counter, model, features, model.losses(features, targets)
-
-
-def _raises(match, *, losses=None, through=None, error=ValueError, **kwargs):
-    """The error, with no pass through the shared part (where the weights can be known
-    before it: not at level "params") and no .grad written."""
-    counter, model, features, default_losses = _counted_graph()
-    with pytest.raises(error, match=match):
-        funcgrad.backward(
-            default_losses if losses is None else losses(default_losses, model, features),
-            through=features if through is None else through(features, model),
-            **kwargs,
-        )
-    if kwargs.get("level") == "features" or kwargs.get("weighting") is None:
-        assert counter.backward == 0, "the shared part ran before the error"
-    assert not _grads(model), ".grad was written before the error"
 
 
 def test_errors_on_losses():
@@ -451,42 +248,6 @@ def test_error_on_a_loss_around_through():
     ):
         funcgrad.backward(bad, through=features)
     assert counter.backward == 0 and not _grads(model)
-
-
-@pytest.mark.parametrize("level", ["params", "features"])
-def test_errors_on_weighting_output(level):
-    _raises(
-        r"`weighting` must return a tensor of k = 3 weights",
-        weighting=lambda g: [1, 1, 1],
-        level=level,
-        error=TypeError,
-    )
-    _raises(r"must return weights of shape \(3,\) .* got shape \(3, 3\)", weighting=lambda g: g)
-    _raises(
-        "must return real floating-point weights",
-        weighting=lambda g: torch.ones(3, dtype=torch.int64),
-        error=TypeError,
-    )
-    _raises("non-finite weights", weighting=lambda g: torch.full((3,), float("nan")))
-
-
-def test_params_level_weighting_errors_come_before_any_write():
-    _, model, features, losses = _counted_graph()
-    with pytest.raises(ValueError, match=r"must return weights of shape \(3,\)"):
-        funcgrad.backward(losses, through=features, weighting=lambda g: torch.ones(2))
-    assert not _grads(model)
-    with pytest.raises(ValueError, match="non-finite weights"):
-        funcgrad.backward(losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0)
-    assert not _grads(model)
-
-
-def test_non_finite_gramian_is_an_error_before_the_shared_part():
-    _raises(
-        r"Gramian of the task gradients with respect to `through` is not finite: task\(s\) \[1\]",
-        losses=lambda ls, m, f: [ls[0], ls[1] * float("inf"), ls[2]],
-        weighting=tjd.UPGradWeighting(),
-        level="features",
-    )
 
 
 def test_errors_on_arguments():
@@ -745,55 +506,6 @@ def test_graphs_that_free_nothing_run_again_as_in_torch():
         torch.testing.assert_close(table.grad, 2 * once)
 
 
-def _descended(gramian):
-    """A weighting that differentiates inside itself: a few gradient steps on w^T G w from
-    the mean, then a projection onto the simplex's sum."""
-    w = torch.full((gramian.shape[0],), 1.0 / gramian.shape[0], dtype=gramian.dtype)
-    for _ in range(3):
-        w = w.detach().requires_grad_()
-        (step,) = torch.autograd.grad(w @ gramian @ w, w)
-        w = w - 0.1 * step / step.norm()
-    return w / w.sum()
-
-
-@pytest.mark.parametrize("level", ["params", "features"])
-def test_a_weighting_may_differentiate_inside_itself(level):
-    """It is called in the caller's grad mode (under torch.no_grad its autograd.grad
-    raised), and its result is detached: against the same weighting on the Gramian by hand."""
-    model, x, targets = _setup()
-    features = model.features(x)
-    losses = model.losses(features, targets)
-    (z,) = features
-    wrt = model.shared() if level == "params" else [z]
-    rows = torch.stack(
-        [
-            torch.cat([g.flatten() for g in torch.autograd.grad(loss, wrt, retain_graph=True)])
-            for loss in losses
-        ]
-    )
-    want_weights = _descended(rows @ rows.T).detach()
-    want = torch.autograd.grad(
-        sum(w * loss for w, loss in zip(want_weights, losses)),
-        model.shared(),
-        retain_graph=True,
-    )
-
-    weights = funcgrad.backward(losses, through=features, weighting=_descended, level=level)
-    assert not weights.requires_grad
-    torch.testing.assert_close(weights, want_weights)
-    for p, expected in zip(model.shared(), want):
-        torch.testing.assert_close(p.grad, expected)
-
-    fn = funcgrad.combine_heads(
-        lambda x, a: torch.tanh(x @ a),
-        [lambda y: y.sum(), lambda y: y.pow(2).mean()],
-        _descended,
-        level=level,
-    )
-    _, _, weights = fn(x, torch.randn(5, 4))
-    assert weights.shape == (2,) and not weights.requires_grad
-
-
 @pytest.mark.parametrize("level", ["features", "params"])
 def test_a_1d_tensor_of_losses_is_k_losses(level):
     model, x, targets = _setup()
@@ -873,3 +585,109 @@ def test_no_two_leaves_share_a_grad_and_no_grad_holds_k_rows(level, weighting):
     assert (
         weight_grad.untyped_storage().nbytes() == weight_grad.numel() * weight_grad.element_size()
     )
+
+
+# -- an error at any stage leaves every .grad unchanged ----------------------------------------
+
+
+def _multitask():
+    torch.manual_seed(2)
+    encoder = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4))
+    heads = nn.ModuleList(nn.Linear(4, 1) for _ in range(3))
+    return encoder, heads
+
+
+def _grad_list(*modules):
+    return [None if p.grad is None else p.grad.clone() for m in modules for p in m.parameters()]
+
+
+def _same(before, after):
+    return len(before) == len(after) and all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(before, after)
+    )
+
+
+def _nan_weights(gramian):
+    return torch.full(gramian.shape[:1], float("nan"))
+
+
+def _raising_weighting(gramian):
+    raise RuntimeError("the solver failed")
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize(
+    "stage", ["validate", "collect", "weigh-nan", "weigh-raises", "apply-freed-graph"]
+)
+def test_an_error_at_any_stage_of_backward_leaves_every_grad_unchanged(level, stage):
+    encoder, heads = _multitask()
+    x = torch.randn(8, 5)
+    features = encoder(x)
+    losses = [head(features).pow(2).mean() for head in heads]
+    weighting = lambda g: torch.ones(g.shape[0])  # noqa: E731
+    if stage == "apply-freed-graph":  # a first call frees the shared part's graph (at level
+        # "params" the graph is kept during the call, whatever retain_graph: see backward)
+        funcgrad.backward(losses, through=features, weighting=weighting, level="features")
+    before = _grad_list(encoder, heads)
+    if stage == "validate":
+        losses = [*losses, encoder(x).sum()]  # does not depend on `through`
+        error = ValueError
+    elif stage == "collect":
+        losses[2].backward(retain_graph=False)  # frees that loss's own graph
+        for p in heads[2].parameters():  # (what that backward wrote is not funcgrad's)
+            p.grad = None
+        for p in encoder.parameters():
+            p.grad = None
+        before = _grad_list(encoder, heads)
+        error = RuntimeError
+    elif stage == "weigh-nan":
+        weighting, error = _nan_weights, ValueError
+    elif stage == "weigh-raises":
+        weighting, error = _raising_weighting, RuntimeError
+    else:
+        error = RuntimeError
+    with pytest.raises(error):
+        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    assert _same(before, _grad_list(encoder, heads))
+
+
+def test_backward_accepts_check():
+    encoder, heads = _multitask()
+    features = encoder(torch.randn(8, 5))
+    losses = [head(features).pow(2).mean() for head in heads]
+    with pytest.raises(ValueError, match="`check` must be True, False or 'strict'"):
+        funcgrad.backward(losses, through=features, check="sometimes")
+    funcgrad.backward(losses, through=features, weighting=lambda g: torch.ones(3), check="strict")
+    assert all(p.grad is not None for p in encoder.parameters())
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_backward_collects_the_losses_gradients_as_autograd(level):
+    """The per-task cotangents and each task's own gradients against a loop of
+    torch.autograd.grad; one loss has an infinite derivative on its path (sqrt at 0)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(3, 4).double()
+    heads = [torch.nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def losses_of(features):
+        return [
+            heads[0](features).pow(2).mean(),
+            heads[1](features).tanh().sum(),
+            torch.sqrt(torch.relu(heads[2](features))).sum(),  # relu makes zeros: sqrt at 0
+        ]
+
+    features = encoder(x)
+    losses = losses_of(features)
+    params = [*encoder.parameters(), *(p for h in heads for p in h.parameters())]
+    want = [torch.zeros_like(p) for p in params]
+    for loss in losses:
+        for w, g in zip(
+            want, torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        ):
+            if g is not None:
+                w += g
+    funcgrad.backward(losses, through=features, level=level)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, equal_nan=True)

@@ -8,7 +8,18 @@ import math
 import optree
 import pytest
 import torch
-from helpers import Pair, assert_tree_close, autograd_reference, tree_index
+from helpers import (
+    EMPTY_CASES,
+    HEAD,
+    CountingF,
+    Pair,
+    _module_case,
+    _requires_grad,
+    assert_tree_close,
+    autograd_reference,
+    tree_index,
+)
+from torch import nn
 
 import funcgrad
 
@@ -161,46 +172,6 @@ def test_seed_closed_form(strategy, n):
     torch.testing.assert_close(grads, expected_grads, rtol=1e-9, atol=0)
 
 
-@pytest.mark.parametrize(
-    ("k", "m", "n", "expected"),
-    [
-        (8, 1, 1, "jacrev"),  # the seed
-        (8, 131072, 2_100_000, "vjp"),  # multi-task learning on a shared encoder
-        (512, 64, 2048, "jacrev"),  # linear probes on a 64-d feature
-        (64, 500, 3, "jacfwd"),  # few inputs, wide output
-        (1, 1, 1, "vjp"),
-        (4, 4, 4, "vjp"),  # ties go to vjp, which needs no product
-    ],
-)
-def test_auto_plans_from_shapes(k, m, n, expected):
-    from funcgrad._plan import make_plan
-
-    plan = make_plan("auto", k, m, n)
-    assert plan.strategy == expected
-    assert plan.directions == {"vjp": k, "jacrev": m, "jacfwd": n}[expected]
-
-
-def test_plan_reports_shapes_and_counts_backward_passes():
-    from funcgrad._counting import BackwardCounter, counted
-
-    counter = BackwardCounter()
-
-    def slow_fun(x):
-        x = counted(x, counter)
-        return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(5, 5))))
-
-    heads = [lambda y, p=p: y**p for p in range(1, 9)]
-    composed = funcgrad.compose_heads(slow_fun, heads)
-    plan = composed.plan(torch.tensor(1.0))
-    assert (plan.strategy, plan.k, plan.m, plan.n, plan.directions) == ("jacrev", 8, 1, 1, 1)
-    counter.reset()
-    composed(torch.tensor(1.0))
-    assert counter.backward == 1
-    counter.reset()
-    funcgrad.compose_heads(slow_fun, heads, strategy="loop")(torch.tensor(1.0))
-    assert counter.backward == 8
-
-
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_vmap_over_inputs_matches_loop(strategy):
     w = torch.randn(3, 4)
@@ -300,3 +271,405 @@ def test_random_draws_are_those_of_one_eager_forward(strategy):
         values, grad, weights = combined(x)
         torch.testing.assert_close(values, want_values)
         torch.testing.assert_close(grad, torch.einsum("k,k...->...", weights, want))
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd", "loop"])
+def test_nan_and_inf_propagate_as_in_autograd(strategy):
+    def f(x):
+        return torch.stack([torch.log(x[0]), x[1] * x[2], torch.sqrt(x[2])])
+
+    heads = [lambda y: y[0] + y[1], lambda y: y[1] * 2, lambda y: y.sum()]
+    for x in [torch.tensor([-1.0, 2.0, 3.0]), torch.tensor([1.0, float("inf"), 0.0])]:
+        values, grads = funcgrad.compose_heads(f, heads, strategy=strategy)(x)
+        ref_values, ref_grads = autograd_reference(f, heads, (x,))
+        torch.testing.assert_close(values, torch.stack(ref_values), equal_nan=True)
+        torch.testing.assert_close(grads, torch.stack(ref_grads), equal_nan=True)
+
+
+def test_public_objects_print_what_they_are():
+    fn = funcgrad.compose_heads(torch.sin, {"a": lambda y: y.sum()}, chunk_size=2)
+    assert repr(fn) == "compose_heads(sin, ['a'], strategy='auto', chunk_size=2)"
+    _, pb = funcgrad.pullback(torch.sin, torch.zeros(2))
+    assert repr(pb).startswith("Pullback(of pullback at y of shape (2,): 0 direction(s)")
+    pb.release()
+    assert repr(pb) == "Pullback(released)"
+
+
+# -- empty tensors ---------------------------------------------------------------------------
+
+
+def _head(y):
+    leaves = optree.tree_leaves(y)
+    return sum((leaf**2).sum() for leaf in leaves)
+
+
+@pytest.mark.parametrize("case", EMPTY_CASES)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_empty_tensors_give_zeros_of_the_right_shapes(case, strategy):
+    f, make = EMPTY_CASES[case]
+    x = make()
+    heads = [_head, lambda y: 2 * _head(y)]
+    values, grads = funcgrad.compose_heads(f, heads, strategy=strategy)(x)
+    leaves = optree.tree_leaves(x)
+    for g, leaf in zip(optree.tree_leaves(grads), leaves):
+        assert g.shape == (2, *leaf.shape)
+    for i, head in enumerate(heads):
+        xs = optree.tree_map(lambda t: t.clone().requires_grad_(), x)
+        z = head(f(xs))
+        torch.testing.assert_close(values[i], z.detach())
+        expected = torch.autograd.grad(z, optree.tree_leaves(xs), allow_unused=True)
+        for g, e, leaf in zip(optree.tree_leaves(grads), expected, leaves):
+            torch.testing.assert_close(g[i], torch.zeros_like(leaf) if e is None else e)
+
+
+# -- a head that raises is named ---------------------------------------------------------------
+
+
+def _broken(y):
+    return y[10]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_raising_head_in_a_list_is_named_by_index(strategy):
+    with pytest.raises(IndexError, match="out of bounds") as info:
+        funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), _broken], strategy=strategy)(
+            torch.randn(3)
+        )
+    assert any("raised by head 1" in note for note in info.value.__notes__)
+
+
+def test_raising_head_in_a_dict_is_named_by_key():
+    heads = {"ok": lambda y: y.sum(), "bad": _broken}
+    with pytest.raises(IndexError) as info:
+        funcgrad.compose_heads(torch.sin, heads)(torch.randn(3))
+    assert any("raised by head 'bad'" in note for note in info.value.__notes__)
+
+
+def test_raising_stacked_head_fn_is_named():
+    heads = funcgrad.stacked_heads(lambda p, y: (p * y).sum() + y[10], torch.randn(4, 3))
+    with pytest.raises(IndexError) as info:
+        funcgrad.compose_heads(torch.sin, heads)(torch.randn(3))
+    assert any("stacked head_fn" in note for note in info.value.__notes__)
+
+
+def test_raising_module_dict_head_is_named_by_key():
+    heads = nn.ModuleDict({"fine": nn.Linear(3, 1), "wrong": nn.Linear(5, 1)})
+    with pytest.raises(RuntimeError) as info:
+        funcgrad.compose_heads(torch.sin, heads)(torch.randn(3))
+    assert any("raised by head 'wrong'" in note for note in info.value.__notes__)
+
+
+# -- the cheap side: each head's value and cotangent on y, as per-head autograd ---------------
+
+
+def _assert_matches_reference(f, heads, x, **options):
+    values, grads = funcgrad.compose_heads(f, heads, **options)(x)
+    ref_values, ref_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(ref_values), equal_nan=True)
+    torch.testing.assert_close(grads, torch.stack(ref_grads), equal_nan=True)
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "loop", "auto"])
+def test_heads_of_a_matrix_output(strategy):
+    torch.manual_seed(0)
+    w = torch.randn(5, 3, dtype=torch.float64)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    heads = [
+        lambda y: (y**2).sum(),
+        lambda y: y[0, 1],
+        lambda y: torch.logsumexp(y.flatten(), 0),
+    ]
+    _assert_matches_reference(f, heads, torch.randn(3, 4, dtype=torch.float64), strategy=strategy)
+
+
+def test_heads_independent_of_y_get_zeros():
+    heads = [lambda y: y.sum(), lambda y: torch.tensor(2.0)]
+    values, grads = funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
+    torch.testing.assert_close(values, torch.tensor([0.0, 2.0]))
+    torch.testing.assert_close(grads, torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+    _, grads = funcgrad.compose_heads(torch.sin, heads[1:])(torch.zeros(3))
+    torch.testing.assert_close(grads, torch.zeros(1, 3))
+
+
+def test_heads_of_a_tuple_output_touching_some_leaves():
+    f = lambda x: (torch.sin(x), torch.cos(x).sum())  # noqa: E731
+    heads = [lambda y: y[0].sum(), lambda y: y[1] ** 2, lambda y: y[0][0] * y[1]]
+    _assert_matches_reference(f, heads, torch.randn(4, dtype=torch.float64))
+
+
+def test_heads_of_a_complex_output():
+    f = lambda x: torch.exp(1j * x)  # noqa: E731
+    heads = [lambda y: y.real.sum(), lambda y: (y.abs() ** 2).sum(), lambda y: (y * y).imag[0]]
+    _assert_matches_reference(f, heads, torch.randn(3, dtype=torch.float64))
+
+
+def test_non_finite_head_gradients_as_autograd():
+    heads = [lambda y, i=i: (torch.sqrt(y) * (i + 1)).sum() for i in range(3)]
+    _assert_matches_reference(lambda t: 3 * t, heads, torch.tensor([0.0, 1.0, 4.0]))
+
+
+def test_one_head_and_a_mapping():
+    _assert_matches_reference(torch.sin, [lambda y: y.sum()], torch.randn(3, dtype=torch.float64))
+    fn = funcgrad.compose_heads(torch.sin, {"b": lambda y: y.sum(), "a": lambda y: y[0]})
+    values, grads = fn(torch.zeros(2))
+    assert list(values) == ["b", "a"]
+    torch.testing.assert_close(grads["a"], torch.tensor([1.0, 0.0]))
+
+
+def test_a_bad_head_is_named():
+    heads = [lambda y: y.sum(), lambda y: y]
+    with pytest.raises(ValueError, match=r"head 1 must return a scalar, got shape \(3,\)"):
+        funcgrad.compose_heads(torch.sin, heads)(torch.zeros(3))
+
+
+def test_create_graph_keeps_the_cotangents_dependence_on_x():
+    """With create_graph=True the cotangents stay functions of x (torch.func.grad), so the
+    second derivative includes the heads' curvature."""
+    x = torch.tensor([0.3, -0.7], dtype=torch.float64, requires_grad=True)
+    heads = [lambda y: (y**3).sum()]
+    _, grads = funcgrad.compose_heads(torch.sin, heads, create_graph=True)(x)
+    (got,) = torch.autograd.grad(grads.sum(), x)
+    (g,) = torch.autograd.grad((torch.sin(x) ** 3).sum(), x, create_graph=True)
+    torch.testing.assert_close(got, torch.autograd.grad(g.sum(), x)[0])
+
+
+# -- no graph of the results unless create_graph=True --------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd", "loop", "auto"])
+def test_compose_heads_builds_no_graph_of_its_results(strategy):
+    model, heads, x = _module_case()  # parameters require grad: torch.func would build one
+    values, grads = funcgrad.compose_heads(model, heads, strategy=strategy)(x)
+    assert not _requires_grad((values, grads))
+    values, grads = funcgrad.compose_heads(model, heads, strategy=strategy, create_graph=True)(x)
+    assert grads.requires_grad  # through the parameters
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd", "loop"])
+def test_create_graph_gives_second_order_as_autograd(strategy):
+    """d/dx sum_i grads_i against autograd's double backward, head by head, in float64."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64)
+    f = lambda x: torch.sin(w @ x)  # noqa: E731
+    heads = [lambda y: (y**2).sum(), lambda y: y.prod()]
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    _, grads = funcgrad.compose_heads(f, heads, strategy=strategy, create_graph=True)(x)
+    (got,) = torch.autograd.grad(grads.sum(), x)
+    expected = torch.zeros_like(x)
+    for head in heads:
+        (g,) = torch.autograd.grad(head(f(x)), x, create_graph=True)
+        expected += torch.autograd.grad(g.sum(), x)[0]
+    torch.testing.assert_close(got, expected)
+
+
+def test_inside_torch_func_grad_the_graph_is_built():
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64)
+    f = lambda x: torch.sin(w @ x)  # noqa: E731
+    heads = [lambda y: (y**2).sum(), lambda y: y.prod()]
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp")
+    x = torch.randn(4, dtype=torch.float64)
+    got = torch.func.grad(lambda x: fn(x)[1].sum())(x)
+    expected = sum(
+        torch.func.grad(lambda x, h=h: torch.func.grad(lambda x: h(f(x)))(x).sum())(x)
+        for h in heads
+    )
+    torch.testing.assert_close(got, expected)
+
+
+# -- stacked heads, and heads on an nn.Module's parameters -------------------------------------
+
+
+def test_stacked_probes_plan_m_directions_and_match_a_loop():
+    torch.manual_seed(1)
+    w1 = torch.randn(64, 128) / 10
+    f = lambda x: torch.tanh(w1 @ x)  # noqa: E731
+    probes = {"w": torch.randn(512, 64), "b": torch.randn(512)}
+
+    def probe(p, y):
+        return torch.nn.functional.softplus(p["w"] @ y + p["b"])
+
+    composed = funcgrad.compose_heads(f, funcgrad.stacked_heads(probe, probes))
+    x = torch.randn(128)
+    assert composed.plan(x).directions == 64
+    values, grads = composed(x)
+    heads = [
+        lambda y, j=j: probe({"w": probes["w"][j], "b": probes["b"][j]}, y) for j in range(512)
+    ]
+    ref_values, ref_grads = autograd_reference(f, heads[:20], (x,))
+    torch.testing.assert_close(values[:20], torch.stack(ref_values))
+    torch.testing.assert_close(grads[:20], torch.stack(ref_grads))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, d_in=12, d_hidden=16, d_out=8):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(d_in, d_hidden), torch.nn.GELU(), torch.nn.Linear(d_hidden, d_out)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_multi_task_gradients_on_module_parameters():
+    encoder = Encoder()
+    batch = torch.randn(10, 12)
+    tasks = []
+    for t in range(4):
+        w = torch.randn(3 if t % 2 else 1, 8)
+        if t % 2:  # linear + cross-entropy
+            target = torch.randint(0, 3, (10,))
+            tasks.append(lambda z, w=w, y=target: torch.nn.functional.cross_entropy(z @ w.T, y))
+        else:  # linear + MSE
+            target = torch.randn(10, 1)
+            tasks.append(lambda z, w=w, y=target: torch.nn.functional.mse_loss(z @ w.T, y))
+
+    def f(params, x):
+        return torch.func.functional_call(encoder, params, (x,))
+
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+    losses, grads = funcgrad.compose_heads(f, tasks)(params, batch)
+    assert set(grads) == set(params) and grads["net.0.weight"].shape == (4, 16, 12)
+    for t, task in enumerate(tasks):
+        loss = task(encoder(batch))
+        reference = torch.autograd.grad(loss, list(encoder.parameters()))
+        torch.testing.assert_close(losses[t], loss.detach())
+        for (name, _), expected in zip(encoder.named_parameters(), reference):
+            torch.testing.assert_close(grads[name][t], expected)
+
+
+# -- under torch.compile ------------------------------------------------------------------
+
+
+@pytest.mark.slow  # inductor compiles five graphs
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_torch_compile_fullgraph_matches_eager(strategy):
+    torch._dynamo.reset()
+    w = torch.randn(4, 3)
+    f = lambda x: {"y": torch.tanh(w @ x), "s": x.sum()}  # noqa: E731
+    heads = [lambda y: y["y"].sum() * y["s"], lambda y: (y["y"] ** 2).sum(), lambda y: y["y"][0]]
+    composed = funcgrad.compose_heads(f, heads, strategy=strategy)
+    compiled = torch.compile(composed, fullgraph=True)
+    x = torch.randn(3)
+    values, grads = compiled(x)
+    eager_values, eager_grads = composed(x)
+    torch.testing.assert_close(values, eager_values)
+    torch.testing.assert_close(grads, eager_grads)
+
+
+@pytest.mark.slow  # inductor compiles
+def test_compiled_steady_state_on_a_module_matches_eager():
+    """The README's recipe: compile the whole compose_heads call of an nn.Module with list
+    heads (fullgraph=True); it equals eager, builds no graph of its results, and later calls
+    on the same shapes reuse the compiled graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+    w = torch.randn(6, 8)
+    heads = [lambda y, i=i: (y @ w[i]).tanh().mean() for i in range(6)]
+    fn = funcgrad.compose_heads(mlp, heads, strategy="vjp")
+    compiled = torch.compile(fn, fullgraph=True)
+    for x in (torch.randn(4, 8), torch.randn(4, 8)):
+        values, grads = compiled(x)
+        eager_values, eager_grads = fn(x)
+        torch.testing.assert_close(values, eager_values)
+        torch.testing.assert_close(grads, eager_grads)
+        assert not grads.requires_grad
+
+
+# -- bad input: a clear error naming the argument and the head, before f runs ----------------
+
+
+@pytest.mark.parametrize(
+    ("heads", "error", "match"),
+    [
+        (
+            [HEAD, "not a function"],
+            TypeError,
+            r"compose_heads\(f, heads\): head at index 1 must be callable",
+        ),
+        (
+            {"a": HEAD, "b": 3},
+            TypeError,
+            r"head at key 'b' must be callable y -> scalar, got int 3",
+        ),
+        ([], ValueError, r"compose_heads\(f, heads\): `heads` is empty"),
+        ({}, ValueError, r"`heads` is empty"),
+        (HEAD, TypeError, r"got a single callable .* Wrap it in a list: heads=\[head\]"),
+        (42, TypeError, r"`heads` must be a sequence or a mapping of callables"),
+    ],
+)
+def test_bad_heads(heads, error, match):
+    with pytest.raises(error, match=match):
+        funcgrad.compose_heads(torch.tanh, heads)
+
+
+def test_unknown_strategy():
+    with pytest.raises(
+        ValueError, match=r"unknown `strategy` 'fast'; expected one of 'auto', 'vjp'"
+    ):
+        funcgrad.compose_heads(torch.tanh, [HEAD], strategy="fast")
+
+
+@pytest.mark.parametrize(
+    ("argnums", "error", "match"),
+    [
+        (2, ValueError, r"`argnums` entry 2 is out of range: f was called with 2 positional"),
+        ((0, -2), ValueError, r"`argnums` \(0, -2\) names the same argument twice"),
+        ((), TypeError, r"`argnums` must be an int or a non-empty tuple of ints"),
+        ("0", TypeError, r"`argnums` must be an int or a tuple of ints, got '0'"),
+    ],
+)
+def test_bad_argnums_before_f_runs(argnums, error, match):
+    f = CountingF()
+    with pytest.raises(error, match=match):
+        funcgrad.compose_heads(lambda x, y: f(x * y), [HEAD], argnums=argnums)(
+            torch.randn(2), torch.randn(2)
+        )
+    assert f.calls == 0
+
+
+def test_has_aux_without_a_pair():
+    with pytest.raises(TypeError, match=r"with has_aux=True, f must return a pair \(output, aux\)"):
+        funcgrad.compose_heads(torch.tanh, [HEAD], has_aux=True)(torch.randn(3))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+@pytest.mark.parametrize(
+    ("bad_head", "error", "match"),
+    [
+        (lambda y: y, ValueError, r"head 1 must return a scalar, got shape \(3,\)\. Reduce it"),
+        (
+            lambda y: (y > 0).sum(),
+            TypeError,
+            r"head 1 must return a real floating-point scalar, got dtype torch.int64",
+        ),
+        (
+            lambda y: (1j * y).sum(),
+            TypeError,
+            r"head 1 must return a real .*complex128\. Take \.real",
+        ),
+        (lambda y: 1.0, TypeError, r"head 1 must return a real scalar tensor, got float 1.0"),
+    ],
+)
+def test_bad_head_outputs_name_the_head(strategy, bad_head, error, match):
+    with pytest.raises(error, match=r"compose_heads\(f, heads\): " + match):
+        funcgrad.compose_heads(torch.tanh, [HEAD, bad_head], strategy=strategy)(torch.randn(3))
+
+
+def test_bad_head_in_a_mapping_and_in_stacked_heads():
+    with pytest.raises(ValueError, match=r"head 'bad' must return a scalar"):
+        funcgrad.compose_heads(torch.tanh, {"ok": HEAD, "bad": lambda y: y})(torch.randn(3))
+    stacked = funcgrad.stacked_heads(lambda w, y: w * y, torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"stacked head_fn must return a scalar, got shape \(3,\)"):
+        funcgrad.compose_heads(torch.tanh, stacked)(torch.randn(3))
+
+
+def test_bad_stacked_params():
+    with pytest.raises(ValueError, match=r"same leading size k .* got sizes \[3, 4\]"):
+        funcgrad.stacked_heads(lambda p, y: y.sum(), {"a": torch.ones(3, 2), "b": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"`params` leaf \['s'\] must be a tensor with a leading"):
+        funcgrad.stacked_heads(lambda p, y: y.sum(), {"s": torch.tensor(1.0)})
+    with pytest.raises(TypeError, match=r"`head_fn` must be callable"):
+        funcgrad.stacked_heads("f", torch.ones(3))

@@ -3,10 +3,13 @@ intermediate, against ``torch.autograd.grad`` output by output in float64."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import funcgrad
+from funcgrad._counting import BackwardCounter, counted
 
 
 def _reference(outputs_of, x):
@@ -43,3 +46,147 @@ def test_non_finite_cotangents_come_out_as_autograd_with_more_outputs_than_coord
     expected = _reference(lambda x: [torch.sqrt(3 * x).sum(), (9 * x**2).sum(), 6 * x[1]], x)
     torch.testing.assert_close(got, expected, equal_nan=True)
     assert torch.isinf(got[0, 0]) and torch.isfinite(got[1:]).all()
+
+
+def test_empty_tensors_in_grads():
+    x = torch.randn(3, requires_grad=True)
+    e = torch.randn(0, requires_grad=True)
+    y = x[:0] * 2
+    (g,) = funcgrad.grads([y.sum(), 3 * y.sum()], x, through=y)
+    assert g.shape == (2, 3) and not g.any()
+    mixed = (x[:0] * 2, x.sin() * (e.sum() + 1))
+    zs = [mixed[0].sum() + mixed[1].sum(), (mixed[1] ** 2).sum()]
+    gx, ge = funcgrad.grads(zs, [x, e], through=mixed, retain_graph=True)
+    assert ge.shape == (2, 0)
+    for i, z in enumerate(zs):
+        torch.testing.assert_close(gx[i], torch.autograd.grad(z, x, retain_graph=True)[0])
+
+
+def _seed_graph(n, counter):
+    # The seed's code, unchanged up to the line that asks for the gradients.
+    def slow_fun(x):
+        A = counted(x, counter) * torch.ones((n, n))
+        B = torch.matrix_exp(1j * A)
+        return torch.real(torch.trace(B))
+
+    x = torch.tensor(1.0, requires_grad=True)
+    y = slow_fun(x)
+    z1 = y**2
+    z2 = torch.sqrt(y)
+    return x, y, [z1, z2, torch.log(y), torch.sin(y) * y]
+
+
+def test_grads_on_the_seed_matches_closed_form_with_one_pass():
+    counter = BackwardCounter()
+    x, y, outputs = _seed_graph(40, counter)
+    (dz_dx,) = funcgrad.grads(outputs, x, through=y, retain_graph=True)
+    assert counter.backward == 1
+    yv, dy = 39 + math.cos(40.0), -40 * math.sin(40.0)
+    expected = [
+        2 * yv * dy,
+        0.5 / math.sqrt(yv) * dy,
+        dy / yv,
+        (math.cos(yv) * yv + math.sin(yv)) * dy,
+    ]
+    torch.testing.assert_close(dz_dx, torch.tensor(expected), rtol=1e-9, atol=0)
+    reference = [torch.autograd.grad(z, x, retain_graph=True)[0] for z in outputs]
+    torch.testing.assert_close(dz_dx, torch.stack(reference))
+
+
+def test_grads_with_several_inputs_and_through_tensors():
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+    h1 = torch.tanh(b @ a)  # (2,)
+    h2 = torch.sin(a).sum() * b  # (2, 3)
+    outputs = [(h1 * h2.sum(1)).sum(), h2.pow(2).mean(), h1[0] * 3, (h1.sum() + h2.sum()) ** 2]
+    ga, gb = funcgrad.grads(outputs, [a, b], through=[h1, h2], retain_graph=True)
+    assert ga.shape == (4, 3) and gb.shape == (4, 2, 3)
+    for i, z in enumerate(outputs):
+        ra, rb = torch.autograd.grad(z, [a, b], retain_graph=True)
+        torch.testing.assert_close(ga[i], ra)
+        torch.testing.assert_close(gb[i], rb)
+
+
+def test_grads_create_graph_gives_second_order():
+    x = torch.randn(3, requires_grad=True)
+    y = torch.tanh(x) * x.sum()
+    outputs = [(y**2).sum(), y.prod()]
+    (g,) = funcgrad.grads(outputs, x, through=y, create_graph=True)
+    (second,) = torch.autograd.grad(g.sum(), x, retain_graph=True)
+    total = sum(torch.autograd.grad(z, x, create_graph=True)[0].sum() for z in outputs)
+    (expected,) = torch.autograd.grad(total, x)
+    torch.testing.assert_close(second, expected)
+
+
+def _head_graph():
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(3, requires_grad=True)  # a head's parameter, not differentiated
+    y = torch.exp(x)
+    return x, w, y, [(w * y).sum(), (y**2).sum() + w.sum()]
+
+
+def _raises(fn):
+    try:
+        fn()
+    except RuntimeError as error:
+        assert "backward through the graph a second time" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("retain_graph", [None, False, True])
+def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_graph):
+    """retain_graph as in torch.autograd.grad (default: create_graph): without it, a second
+    call or the user's own backward through the graph raises torch's error, before any
+    .grad is written; with it, both run again. (The graph is kept during the call for
+    `check` and the non-finite recompute.)"""
+    kwargs = {"retain_graph": retain_graph, "create_graph": create_graph}
+    x, w, y, zs = _head_graph()
+    (want,) = torch.autograd.grad(zs, x, **kwargs)
+    torch_raises = _raises(lambda: torch.autograd.grad(zs, x))
+    assert torch_raises == (not (create_graph if retain_graph is None else retain_graph))
+    (only_w,) = torch.autograd.grad(zs[1], w)  # runs no freed node: torch answers
+
+    x, w, y, zs = _head_graph()
+    (g,) = funcgrad.grads(zs, x, through=y, **kwargs)
+    torch.testing.assert_close(g.sum(0), want)
+    assert _raises(lambda: funcgrad.grads(zs, x, through=y, retain_graph=True)) == torch_raises
+    assert _raises(lambda: sum(zs).backward()) == torch_raises
+    if torch_raises:
+        assert x.grad is None and w.grad is None  # torch itself writes w.grad before raising
+    else:
+        torch.testing.assert_close(x.grad, want)
+    torch.testing.assert_close(torch.autograd.grad(zs[1], w)[0], only_w)
+
+
+def test_grads_in_inference_mode_as_torch():
+    """A graph built outside inference mode, differentiated inside it, as torch allows."""
+    x, _, y, zs = _head_graph()
+    with torch.inference_mode():
+        want = [torch.autograd.grad(z, x, retain_graph=True)[0] for z in zs]
+        (g,) = funcgrad.grads(zs, x, through=y)
+    torch.testing.assert_close(g, torch.stack(want))
+
+
+def test_grads_allow_unused_and_errors():
+    x, unused = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    y = torch.sin(x)
+    with pytest.raises(
+        ValueError, match=r"`through` does not depend on inputs\[1\]; pass allow_unused=True"
+    ):
+        funcgrad.grads([y.sum()], [x, unused], through=y)
+    gx, gu = funcgrad.grads([y.sum(), y[0]], [x, unused], through=y, allow_unused=True)
+    torch.testing.assert_close(gu, torch.zeros(2, 2))
+    torch.testing.assert_close(gx[1], torch.tensor([math.cos(x[0].item()), 0.0, 0.0]))
+    other = torch.cos(x).sum()
+    with pytest.raises(ValueError, match=r"outputs\[1\] does not depend on `through`"):
+        funcgrad.grads([y.sum(), other], x, through=y)
+    with pytest.raises(ValueError, match=r"outputs\[0\] depends on inputs\[0\] other than through"):
+        funcgrad.grads([y.sum() + x.sum()], x, through=y)
+    with pytest.raises(ValueError, match=r"outputs\[0\] must be a scalar, got shape \(3,\)"):
+        funcgrad.grads([y], x, through=y)
+    with pytest.raises(ValueError, match=r"`inputs`\[0\] does not require grad"):
+        funcgrad.grads([y.sum()], torch.randn(3), through=y)
+    with pytest.raises(TypeError, match=r"`outputs` must be a tensor or a non-empty sequence"):
+        funcgrad.grads([], x, through=y)

@@ -1,18 +1,35 @@
-"""Every message piece in funcgrad._linearize.TORCH_LIMITS, triggered on the installed
+"""f's linearisation (``funcgrad._linearize``).
+
+Every message piece in funcgrad._linearize.TORCH_LIMITS, triggered on the installed
 torch: a torch upgrade that rewords one fails here, instead of silently changing which path
-funcgrad takes (a fallback to eager autograd, to a loop, or to reverse mode)."""
+funcgrad takes (a fallback to eager autograd, to a loop, or to reverse mode). Then the eager
+fallback where torch.func cannot differentiate f (old-style custom Functions, BatchNorm in
+training mode), on every entry point, and the replay of random draws: every re-run of f
+draws as one eager forward, against that forward."""
 
 from __future__ import annotations
 
 import ast
+import copy
 import pathlib
 import warnings
 
 import pytest
 import torch
 import torch.utils.checkpoint
+from helpers import (
+    DROPOUT_BN_HEADS,
+    HEADS,
+    SIDE_HEADS,
+    SIDE_W,
+    _dropout_batchnorm,
+    autograd_reference,
+)
+from torch import nn
 
+import funcgrad
 from funcgrad import _linearize
+from funcgrad._types import STRATEGIES
 
 
 class _WithoutSetupContext(torch.autograd.Function):
@@ -103,3 +120,384 @@ def test_every_limit_has_a_trigger():
 def test_the_users_own_errors_are_no_limit():
     assert _linearize.torch_limit(RuntimeError("shapes cannot be multiplied")) is None
     assert _linearize.torch_limit(ValueError("forward AD")) is None
+
+
+# -- torch.func cannot differentiate f: one eager autograd graph ------------------------------
+
+
+class OldStyleSin(torch.autograd.Function):
+    """No setup_context: torch.func cannot differentiate it at all, autograd can."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_torch_func_failure_falls_back_to_eager_autograd(strategy):
+    f = lambda x: OldStyleSin.apply(x) * 2  # noqa: E731
+    x = torch.randn(3)
+    with pytest.warns(
+        funcgrad.FuncgradWarning,
+        match=r"torch.func cannot differentiate f .*eager torch.autograd.grad",
+    ):
+        _, grads = funcgrad.compose_heads(f, HEADS, strategy=strategy)(x)
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+    with pytest.warns(funcgrad.FuncgradWarning, match="torch.func cannot differentiate f"):
+        _, pb = funcgrad.pullback(f, x)
+    torch.testing.assert_close(pb(torch.ones(3))[0], 2 * torch.cos(x))
+
+
+def test_chunked_linear_cross_entropy_falls_back_to_autograd():
+    weight, target = torch.randn(7, 5), torch.randint(0, 7, (6,))
+    options = torch.nn.LinearCrossEntropyOptions()
+
+    def f(x):
+        return torch.nn.functional.linear_cross_entropy(
+            x, weight, target, options=options, reduction="none"
+        )
+
+    def reference_f(x):
+        return torch.nn.functional.linear_cross_entropy(x, weight, target, reduction="none")
+
+    x = torch.randn(6, 5)
+    with pytest.warns(funcgrad.FuncgradWarning, match="torch.func cannot differentiate f"):
+        _, grads = funcgrad.compose_heads(f, HEADS)(x)
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(reference_f, HEADS, (x,))[1]))
+
+
+# -- every re-run of f replays the first run's draws: as one eager forward -------------------
+
+
+def _batchnorm_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 20)
+    ).double()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_buffers_are_updated_once_per_call(strategy):
+    model, once = _batchnorm_model(), _batchnorm_model()
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(16)]  # n = 6, m = 40
+    fn = funcgrad.compose_heads(model, heads, strategy=strategy)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    for _ in range(3):
+        reference = copy.deepcopy(once)  # (its statistics move once per head)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the eager fallback's
+            values, grads = fn(x)
+        once(x)  # one eager forward per call
+        want_values, want_grads = autograd_reference(reference, heads, (x,))
+        torch.testing.assert_close(values, torch.stack(want_values))
+        torch.testing.assert_close(grads, torch.stack(want_grads))
+        assert int(model[1].num_batches_tracked) == int(once[1].num_batches_tracked)
+        torch.testing.assert_close(model[1].running_mean, once[1].running_mean)
+        torch.testing.assert_close(model[1].running_var, once[1].running_var)
+
+
+class _Square(torch.autograd.Function):
+    """No jvp: forward mode cannot differentiate it, reverse mode can."""
+
+    @staticmethod
+    def forward(x):
+        return x * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def _generator_f(generator, *, batchnorm=None, no_jvp=False):
+    def f(x):
+        y = torch.tanh(x @ SIDE_W)
+        mask = torch.rand(y.shape, generator=generator, dtype=y.dtype) > 0.5
+        y = y * mask + torch.randn(y.shape, generator=generator, dtype=y.dtype)
+        if no_jvp:  # after the draws: a failed forward-mode attempt has drawn
+            y = _Square.apply(y)
+        return y if batchnorm is None else batchnorm(y[None].expand(2, 5) * x.sum())[0]
+
+    return f
+
+
+def _eager_reference(f, heads, x, generator, seed):
+    """Values, per-head gradients and the generator's final state of one eager forward."""
+    generator.manual_seed(seed)
+    xr = x.clone().requires_grad_()
+    y = f(xr)
+    state = generator.get_state()
+    values = torch.stack([head(y) for head in heads]).detach()
+    grads = torch.stack([torch.autograd.grad(head(y), xr, retain_graph=True)[0] for head in heads])
+    return values, grads, state
+
+
+@pytest.mark.parametrize("case", ["plain", "check", "eager fallback", "forward-mode fallback"])
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_a_user_generator_draws_as_in_one_eager_forward(strategy, case):
+    generator = torch.Generator().manual_seed(0)
+    reference_generator = torch.Generator()
+    kwargs = {"batchnorm": None, "no_jvp": case == "forward-mode fallback"}
+    if case == "eager fallback":  # BatchNorm in training mode: torch.func refuses, eager runs
+        kwargs["batchnorm"] = torch.nn.BatchNorm1d(5).double()
+    f = _generator_f(generator, **kwargs)
+    reference_kwargs = dict(
+        kwargs, batchnorm=kwargs["batchnorm"] and copy.deepcopy(kwargs["batchnorm"])
+    )
+    reference_f = _generator_f(reference_generator, **reference_kwargs)
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=case == "check")
+    x = torch.randn(2, dtype=torch.float64)
+    for seed in range(3):  # the first call (auto: both modes, timed), then planned calls
+        generator.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the fallbacks'
+            values, grads = fn(x)
+        want_values, want_grads, want_state = _eager_reference(
+            reference_f, SIDE_HEADS, x, reference_generator, seed
+        )
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want_grads)
+        assert torch.equal(generator.get_state(), want_state)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_a_user_generator_in_the_eager_fallbacks_of_combine_heads_and_pullback(level):
+    generator, reference_generator = torch.Generator(), torch.Generator()
+    batchnorm = torch.nn.BatchNorm1d(5).double()
+    f = _generator_f(generator, batchnorm=batchnorm)
+    reference_f = _generator_f(reference_generator, batchnorm=copy.deepcopy(batchnorm))
+    x = torch.randn(2, dtype=torch.float64)
+    generator.manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        values, grad, _ = funcgrad.combine_heads(f, SIDE_HEADS, level=level)(x)
+    want_values, want_grads, want_state = _eager_reference(
+        reference_f, SIDE_HEADS, x, reference_generator, 4
+    )
+    torch.testing.assert_close(values, want_values)
+    torch.testing.assert_close(grad, want_grads.sum(0))
+    assert torch.equal(generator.get_state(), want_state)
+
+    generator.manual_seed(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        out, pb = funcgrad.pullback(f, x)
+    state = generator.get_state()
+    reference_generator.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    y = reference_f(xr)
+    assert torch.equal(state, reference_generator.get_state())
+    torch.testing.assert_close(out, y.detach())
+    cotangent = torch.randn(5, dtype=torch.float64)
+    torch.testing.assert_close(pb(cotangent)[0], torch.autograd.grad(y, xr, cotangent)[0])
+
+
+def test_f_is_watched_for_generators_only_where_it_drew_from_one():
+    modes = []
+
+    def f(x):
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        return torch.tanh(x @ SIDE_W)
+
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy="vjp")
+    x = torch.randn(2, dtype=torch.float64)
+    fn(x)
+    fn(x)
+    assert modes == [1, 0]  # the first call on these shapes watched; the next one need not
+    modes.clear()
+    combined = funcgrad.combine_heads(f, SIDE_HEADS, level="features")
+    combined(x)
+    combined(x)
+    assert modes == [1, 0]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dropout_before_batchnorm_through_the_eager_fallback_equals_one_eager_forward(strategy):
+    model, x = _dropout_batchnorm(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def f(p, inputs):
+        return torch.func.functional_call(model, p, (inputs,))
+
+    fn = funcgrad.compose_heads(f, DROPOUT_BN_HEADS, strategy=strategy)
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # the fallback's warning
+        values, grads = fn(params, x)
+    state_after = torch.get_rng_state()
+
+    torch.manual_seed(11)
+    y = reference(x)  # one eager forward under the same seed
+    assert torch.equal(torch.get_rng_state(), state_after)
+    for i, head in enumerate(DROPOUT_BN_HEADS):
+        z = head(y)
+        torch.testing.assert_close(values[i], z.detach())
+        expected = torch.autograd.grad(z, list(reference.parameters()), retain_graph=True)
+        for name, e in zip(params, expected):
+            torch.testing.assert_close(grads[name][i], e)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model[2], name), getattr(reference[2], name))
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_dropout_before_batchnorm_in_combine_heads_and_pullback(level):
+    model, x = _dropout_batchnorm(), torch.randn(6, 4)
+    reference = copy.deepcopy(model)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def f(p, inputs):
+        return torch.func.functional_call(model, p, (inputs,))
+
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        _values, grad, _ = funcgrad.combine_heads(f, DROPOUT_BN_HEADS, level=level)(params, x)
+    state_after = torch.get_rng_state()
+    torch.manual_seed(11)
+    y = reference(x)
+    assert torch.equal(torch.get_rng_state(), state_after)
+    total = sum(head(y) for head in DROPOUT_BN_HEADS)
+    expected = torch.autograd.grad(total, list(reference.parameters()))
+    for name, e in zip(params, expected):
+        torch.testing.assert_close(grad[name], e)
+    torch.testing.assert_close(model[2].running_mean, reference[2].running_mean)
+
+    model, reference = _dropout_batchnorm(), _dropout_batchnorm()
+    torch.manual_seed(11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        out, _pb = funcgrad.pullback(lambda p: torch.func.functional_call(model, p, (x,)), params)
+    state_after = torch.get_rng_state()
+    torch.manual_seed(11)
+    torch.testing.assert_close(out, reference(x))
+    assert torch.equal(torch.get_rng_state(), state_after)
+
+
+# -- BatchNorm in training mode: the eager fallback, statistics updated once -------------------
+
+
+def _backbone():
+    torch.manual_seed(3)
+    encoder = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 4))
+    tasks = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)])
+    return encoder, tasks
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batchnorm_train_mode_matches_autograd_and_updates_statistics_once(strategy, chunk_size):
+    encoder, tasks = _backbone()
+    reference = copy.deepcopy(encoder)
+    batch = torch.randn(8, 3)
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+
+    def features(p, x):
+        return torch.func.functional_call(encoder, p, (x,))
+
+    heads = [lambda y, t=t: t(y).pow(2).mean() for t in tasks]
+    if strategy == "jacfwd":
+        chunk_size = None  # forward mode takes all columns in one pass
+    fn = funcgrad.compose_heads(features, heads, strategy=strategy, chunk_size=chunk_size)
+    with pytest.warns(funcgrad.FuncgradWarning) as record:
+        losses, grads = fn(params, batch)
+    messages = [str(w.message) for w in record if issubclass(w.category, funcgrad.FuncgradWarning)]
+    assert len(messages) == 1, messages
+    assert "BatchNorm" in messages[0] and "replace_all_batch_norm_modules_" in messages[0]
+    assert "eval mode" in messages[0]
+
+    y = reference(batch)
+    for i, head in enumerate(heads):
+        expected = torch.autograd.grad(head(y), list(reference.parameters()), retain_graph=True)
+        for name, e in zip(params, expected):
+            torch.testing.assert_close(grads[name][i], e)
+        torch.testing.assert_close(losses[i], head(y).detach())
+    # The running statistics are those after ONE forward: the failed torch.func attempt
+    # mutated nothing and the eager fallback ran f once.
+    bn, bn_ref = encoder[1], reference[1]
+    torch.testing.assert_close(bn.running_mean, bn_ref.running_mean)
+    torch.testing.assert_close(bn.running_var, bn_ref.running_var)
+    assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == 1
+
+
+def test_batchnorm_fallback_still_batches_with_vmap(monkeypatch):
+    """The eager path is vmap over torch.autograd.grad, as TorchJD batches: no loop."""
+    from funcgrad import _engine
+
+    loops = []
+    original = _engine._loop
+    monkeypatch.setattr(_engine, "_loop", lambda fn, args: loops.append(1) or original(fn, args))
+    encoder, tasks = _backbone()
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+    heads = [lambda y, t=t: t(y).pow(2).mean() for t in tasks]
+    features = lambda p, x: torch.func.functional_call(encoder, p, (x,))  # noqa: E731
+    with pytest.warns(funcgrad.FuncgradWarning, match="BatchNorm"):
+        funcgrad.compose_heads(features, heads, strategy="vjp")(params, torch.randn(8, 3))
+    assert not loops
+
+
+def test_batchnorm_eval_mode_needs_no_fallback():
+    encoder, tasks = _backbone()
+    encoder.eval()
+    params = {name: p.detach() for name, p in encoder.named_parameters()}
+    heads = [lambda y, t=t: t(y).pow(2).mean() for t in tasks]
+    features = lambda p, x: torch.func.functional_call(encoder, p, (x,))  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", funcgrad.FuncgradWarning)
+        funcgrad.compose_heads(features, heads)(params, torch.randn(8, 3))
+
+
+def test_batchnorm_pullback_matches_autograd_and_updates_statistics_once():
+    encoder, _ = _backbone()
+    reference = copy.deepcopy(encoder)
+    batch = torch.randn(8, 3)
+    with pytest.warns(funcgrad.FuncgradWarning, match="BatchNorm"):
+        out, pb = funcgrad.pullback(encoder, batch)
+    xr = batch.clone().requires_grad_()
+    y = reference(xr)
+    torch.testing.assert_close(out, y.detach())
+    cotangents = torch.randn(5, *y.shape)
+    (many,) = pb.many(cotangents)
+    for i in range(5):
+        (expected,) = torch.autograd.grad(y, xr, cotangents[i], retain_graph=True)
+        torch.testing.assert_close(many[i], expected)
+    assert encoder[1].num_batches_tracked.item() == 1
+    torch.testing.assert_close(encoder[1].running_mean, reference[1].running_mean)
+
+
+@pytest.mark.parametrize("entry", ["compose_heads", "combine_heads", "pullback"])
+def test_create_graph_on_the_eager_fallback(entry):
+    """BatchNorm in training mode: torch.func refuses f, funcgrad runs it on eager autograd;
+    with create_graph=True the results still carry their graph (found by the adversarial
+    review: they came back with requires_grad=False), against autograd's double backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 2)
+    ).double()
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    heads = [lambda y: y[:, 0].sum(), lambda y: y[:, 1].pow(2).sum()]
+    with pytest.warns(funcgrad.FuncgradWarning, match="captured tensor"):
+        if entry == "compose_heads":
+            got = funcgrad.compose_heads(model, heads, create_graph=True)(x)[1].sum(0)
+        elif entry == "combine_heads":
+            got = funcgrad.combine_heads(model, heads, create_graph=True)(x)[1]
+        else:
+            y, pb = funcgrad.pullback(model, x)
+            assert not pb(torch.ones_like(y))[0].requires_grad
+            got = pb(torch.stack([torch.ones(6), 2 * y[:, 1]], 1), create_graph=True)[0]
+    (second,) = torch.autograd.grad(got.sum(), x)
+    want = torch.zeros_like(x)
+    for head in heads:
+        (g,) = torch.autograd.grad(head(model(x)), x, create_graph=True)
+        want += torch.autograd.grad(g.sum(), x)[0]
+    torch.testing.assert_close(second, want)

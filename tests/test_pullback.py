@@ -8,7 +8,7 @@ import weakref
 import optree
 import pytest
 import torch
-from helpers import Pair, assert_tree_close, autograd_vjp
+from helpers import EMPTY_CASES, Counted, Pair, _module_case, assert_tree_close, autograd_vjp
 
 import funcgrad
 
@@ -250,3 +250,111 @@ def test_second_order_through_an_eager_pullback(warm):
     (gr,) = torch.autograd.grad((torch.sin(w @ xr) ** 2).sum(), xr, create_graph=True)
     (expected,) = torch.autograd.grad(gr.sum(), xr)
     torch.testing.assert_close(got, expected)
+
+
+def test_nan_cotangent_in_pullback_propagates():
+    w = torch.randn(3, 3)
+    _, pb = funcgrad.pullback(lambda x: w @ x, torch.randn(3))
+    pb(torch.ones(3))
+    got = pb(torch.tensor([float("nan"), 1.0, 0.0]))[0]
+    expected = torch.tensor([float("nan"), 1.0, 0.0]) @ w
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", EMPTY_CASES)
+def test_empty_tensors_in_pullback(case):
+    f, make = EMPTY_CASES[case]
+    x = make()
+    out, pb = funcgrad.pullback(f, x)
+    cotangents = optree.tree_map(lambda o: torch.randn(4, *o.shape), out)
+    (many,) = pb.many(cotangents)
+    (one,) = pb(optree.tree_map(lambda c: c[0], cotangents))
+    for g, g1, leaf in zip(
+        optree.tree_leaves(many), optree.tree_leaves(one), optree.tree_leaves(x)
+    ):
+        assert g.shape == (4, *leaf.shape) and g1.shape == leaf.shape
+    (none,) = pb.many(optree.tree_map(lambda o: torch.empty(0, *o.shape), out))
+    assert all(g.shape[0] == 0 for g in optree.tree_leaves(none))
+
+
+def test_pullback_runs_f_once():
+    f = Counted(5, 3)
+    _, pb = funcgrad.pullback(f, torch.randn(3))
+    pb.many(torch.randn(7, 5))
+    pb(torch.randn(5))
+    assert f.calls == 1
+
+
+def test_pullback_builds_no_graph_of_its_results():
+    model, _, x = _module_case()
+    _, pb = funcgrad.pullback(model, x)
+    v = torch.randn(2, 3, dtype=torch.float64)
+    assert not pb(v[0])[0].requires_grad
+    assert not pb.many(v)[0].requires_grad
+    assert pb(v[1], create_graph=True)[0].requires_grad
+
+
+def test_a_pullback_does_not_cross_a_compile_boundary():
+    """Documented limit of torch 2.13: compile the whole transform, not a pullback object."""
+    torch._dynamo.reset()
+    _, pb = funcgrad.pullback(torch.tanh, torch.randn(3))
+    with pytest.raises(Exception, match=r"PyTreeSpec|Unsupported"):
+        torch.compile(lambda v: pb(v), fullgraph=True)(torch.ones(3))
+
+
+# -- bad cotangents: a clear error naming the leaf ---------------------------------------------
+
+
+def _pb():
+    def f(d):
+        return {"a": torch.tanh(d), "b": d.sum()}
+
+    return funcgrad.pullback(f, torch.randn(3))[1]
+
+
+@pytest.mark.parametrize(
+    ("cotangent", "error", "match"),
+    [
+        (
+            {"a": torch.ones(4), "b": torch.tensor(1.0)},
+            ValueError,
+            r"leaf \['a'\] must have f's output shape \(3,\), got \(4,\)",
+        ),
+        (
+            {"a": torch.ones(3, dtype=torch.float32), "b": torch.tensor(1.0)},
+            TypeError,
+            r"leaf \['a'\] must have f's output dtype torch.float64, got torch.float32",
+        ),
+        (
+            {"a": torch.ones(3)},
+            ValueError,
+            r"tree structure of f's output, expected PyTreeSpec\(\{'a': \*, 'b': \*\}\), "
+            r"got PyTreeSpec\(\{'a': \*\}\)",
+        ),
+        (torch.ones(3), ValueError, r"tree structure of f's output"),
+        ({"a": [1.0, 2.0, 3.0], "b": torch.tensor(1.0)}, ValueError, r"tree structure"),
+        ({"a": "x", "b": torch.tensor(1.0)}, TypeError, r"leaf \['a'\] must be a tensor, got str"),
+    ],
+)
+def test_bad_cotangent(cotangent, error, match):
+    with pytest.raises(error, match=r"pb\(cotangent\): .*" + match):
+        _pb()(cotangent)
+
+
+def test_many_needs_a_leading_batch_dimension():
+    pb = _pb()
+    with pytest.raises(
+        ValueError,
+        match=r"must have shape \(k, \*\(3,\)\).*got \(3,\)\. It has no leading batch dimension",
+    ):
+        pb.many({"a": torch.ones(3), "b": torch.tensor(1.0)})
+    with pytest.raises(
+        ValueError,
+        match=r"same leading batch size; cotangent leaf \['b'\] has 2, an earlier leaf has 5",
+    ):
+        pb.many({"a": torch.ones(5, 3), "b": torch.ones(2)})
+
+
+def test_pb_single_call_rejects_a_batch():
+    with pytest.raises(ValueError, match=r"For k cotangents at once, stack them and call pb.many"):
+        _pb()({"a": torch.ones(2, 3), "b": torch.tensor(1.0)})

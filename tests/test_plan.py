@@ -1,0 +1,367 @@
+"""The planner (``funcgrad._plan``): what ``auto`` chooses from the shapes, what ``plan()``
+reports and what it costs (f on fake tensors, no trace left), and that the call runs the
+plan reported (counted passes through f and runs of its Python body)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import (
+    DROPOUT_BN_HEADS,
+    SIDE_HEADS,
+    SIDE_W,
+    Counted,
+    _dropout_batchnorm,
+    autograd_reference,
+)
+from torch._subclasses.fake_tensor import is_fake
+
+import funcgrad
+from funcgrad import _engine
+from funcgrad._counting import BackwardCounter, counted
+from funcgrad._types import STRATEGIES
+
+# -- what auto chooses from the shapes ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("k", "m", "n", "expected"),
+    [
+        (8, 1, 1, "jacrev"),  # the seed
+        (8, 131072, 2_100_000, "vjp"),  # multi-task learning on a shared encoder
+        (512, 64, 2048, "jacrev"),  # linear probes on a 64-d feature
+        (64, 500, 3, "jacfwd"),  # few inputs, wide output
+        (1, 1, 1, "vjp"),
+        (4, 4, 4, "vjp"),  # ties go to vjp, which needs no product
+    ],
+)
+def test_auto_plans_from_shapes(k, m, n, expected):
+    from funcgrad._plan import make_plan
+
+    plan = make_plan("auto", k, m, n)
+    assert plan.strategy == expected
+    assert plan.directions == {"vjp": k, "jacrev": m, "jacfwd": n}[expected]
+
+
+def test_plan_reports_shapes_and_counts_backward_passes():
+    from funcgrad._counting import BackwardCounter, counted
+
+    counter = BackwardCounter()
+
+    def slow_fun(x):
+        x = counted(x, counter)
+        return torch.real(torch.trace(torch.matrix_exp(1j * x * torch.ones(5, 5))))
+
+    heads = [lambda y, p=p: y**p for p in range(1, 9)]
+    composed = funcgrad.compose_heads(slow_fun, heads)
+    plan = composed.plan(torch.tensor(1.0))
+    assert (plan.strategy, plan.k, plan.m, plan.n, plan.directions) == ("jacrev", 8, 1, 1, 1)
+    counter.reset()
+    composed(torch.tensor(1.0))
+    assert counter.backward == 1
+    counter.reset()
+    funcgrad.compose_heads(slow_fun, heads, strategy="loop")(torch.tensor(1.0))
+    assert counter.backward == 8
+
+
+# -- the plan reported is the path taken -------------------------------------------------------
+
+
+GRID = [
+    (k, m, n, strategy, chunk_size)
+    for k in (1, 3, 9)
+    for m, n in ((1, 1), (4, 2), (2, 5))
+    for strategy in STRATEGIES
+    for chunk_size in (None, 1, 2)
+    if not (strategy == "jacfwd" and chunk_size is not None and chunk_size < n)
+]
+
+
+@pytest.mark.parametrize(("k", "m", "n", "strategy", "chunk_size"), GRID)
+def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
+    counter, calls = BackwardCounter(), []
+    w = torch.randn(m, n)
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(w @ counted(x, counter))
+
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(k)]
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy, chunk_size=chunk_size, check=False)
+    x = torch.randn(n)
+    plan = fn.plan(x)
+    assert (plan.k, plan.m, plan.n, plan.chunk_size, plan.requested) == (
+        k,
+        m,
+        n,
+        chunk_size,
+        strategy,
+    )
+    # The first call under auto times its first batched call against one unbatched call
+    # (and the second too, where the first found unbatched calls faster); whatever that
+    # measures, the next plan (and the call after it) agree again.
+    for call in range(3):
+        expected_directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[plan.strategy]
+        assert plan.directions == expected_directions
+        step = 1 if plan.strategy == "loop" else plan.chunk_size or expected_directions
+        batched = math.ceil(expected_directions / step)
+        assert plan.passes == (1 if plan.strategy == "jacfwd" else batched + plan.measure)
+        assert not plan.measure or (strategy == "auto" and batched < expected_directions)
+        counter.reset()
+        calls.clear()
+        values, grads = fn(x)
+        assert len(calls) == 1  # f's forward ran once, in either mode
+        assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
+        plan = fn.plan(x)
+        assert not plan.measure or call == 0
+    assert not plan.measure
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
+@pytest.mark.parametrize(
+    ("timings", "strategy"),
+    [
+        ([(2e-3, 1e-3), (0.5e-3, 1e-3)], "vjp"),  # a cold first vmap: the warm one is faster
+        ([(2e-3, 1e-3), (1.5e-3, 1e-3)], "loop"),  # unbatched faster on both calls
+    ],
+)
+def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch, timings, strategy):
+    # The clock is replaced by given (a direction in one vmap, one unbatched call) seconds,
+    # so that the decision, the plans and the passes are checked without timing anything.
+    given, real = iter(timings), _engine._vmap_measured
+
+    def timed(fn, args, chunk_size, what, log):
+        result = real(fn, args, chunk_size, what, [])
+        log.append(_engine.Timing(what, *next(given)))
+        return result
+
+    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    counter, w = BackwardCounter(), torch.randn(6, 4)
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
+    x = torch.randn(4)
+    for call in range(3):
+        plan = fn.plan(x)
+        assert plan.measure == (call < 2)  # timed on the first two calls
+        assert plan.strategy == ("vjp" if call < 2 else strategy)
+        counter.reset()
+        fn(x)
+        assert counter.backward == plan.passes
+    if strategy == "loop":
+        assert "fastest of 2 calls" in plan.measured
+    else:
+        assert plan.measured is None
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("weighting", [None, lambda g: torch.ones(g.shape[0])])
+def test_combine_heads_plan_equals_the_path_taken(level, weighting):
+    counter = BackwardCounter()
+    w = torch.randn(6, 3)
+    f = lambda x: torch.tanh(w @ counted(x, counter))  # noqa: E731
+    heads = [lambda y, i=i: y[i] ** 2 for i in range(4)]
+    fn = funcgrad.combine_heads(f, heads, weighting, level=level)
+    x = torch.randn(3)
+    plan = fn.plan(x)
+    counter.reset()
+    fn(x)
+    assert counter.backward == plan.passes
+    one_pullback = weighting is None or level == "features"
+    assert (plan.strategy == "weighted") == one_pullback
+    # vjp: k = 4 < m = 6 directions, in one batched pass (and, on the first call, one
+    # unbatched call that times it)
+    assert (plan.directions, plan.passes) == ((1, 1) if one_pullback else (4, 2))
+
+
+def test_plan_repr_says_why():
+    fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum()] * 8, strategy="vjp")
+    text = repr(fn.plan(torch.zeros(3)))
+    assert text.startswith("Plan('vjp': 8 directions through f in 1 pass; k=8, m=3, n=3")
+    assert "strategy='vjp' requested (costs: vjp=8, jacrev=3, jacfwd=6)" in text
+    assert fn.plan(torch.zeros(3)).fallbacks  # the chain is part of the plan
+
+
+# -- f's real forward, and its Python body, run as often as the plan says --------------------
+
+
+# (m, n, k): auto goes vjp, jacrev and jacfwd respectively.
+SHAPES = {"vjp": (6, 4, 2), "jacrev": (3, 4, 9), "jacfwd": (40, 2, 30)}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_f_runs_exactly_once_per_call(shape, strategy, chunk_size):
+    m, n, k = SHAPES[shape]
+    f = Counted(m, n)
+    heads = [lambda y, i=i: (y * y).sum() * (i + 1) + y[i % m] for i in range(k)]
+    if strategy == "jacfwd" and chunk_size is not None:
+        chunk_size = n  # forward mode takes all n columns in one pass
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy, chunk_size=chunk_size)
+    x = torch.randn(n)
+    plan = fn.plan(x)
+    assert f.calls == 0  # planning runs f on fake tensors only
+    if strategy == "auto" and chunk_size is None:
+        assert plan.strategy == shape
+    fn(x)
+    # Where auto chose forward mode, the first call on new shapes times it against reverse
+    # mode: f runs once per mode, that once.
+    assert f.calls == (2 if strategy == "auto" and plan.strategy == "jacfwd" else 1)
+    f.calls = 0
+    fn(x)
+    assert f.calls == 1
+
+
+def test_plan_runs_f_for_real_only_when_shapes_are_data_dependent():
+    calls = []
+
+    def data_dependent(t):
+        calls.append(is_fake(t))
+        return t[: int(t.abs().sum() > 0) + 1].sin()
+
+    plan = funcgrad.compose_heads(data_dependent, [lambda y: y.sum()] * 9).plan(torch.randn(4))
+    assert plan.m == 2
+    assert calls.count(False) <= 1
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])
+def test_f_python_body_runs_as_often_as_plan_says(strategy, check):
+    runs = []
+
+    def f(x):  # n = 2, m = 5, k = 16: forward mode is a candidate under auto
+        runs.append(1)
+        return torch.tanh(x @ SIDE_W)
+
+    x = torch.randn(2, dtype=torch.float64)
+    fn = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=check)
+    for call in range(3):
+        plan = fn.plan(x)
+        runs.clear()
+        fn(x)
+        assert len(runs) == plan.f_runs, (call, plan)
+    timed = fn.plan(x).measured  # auto: the first call timed forward against reverse mode
+    assert strategy != "auto" or timed is None or timed.startswith("reverse mode")
+    if strategy == "jacfwd" and check:  # check's unbatched JVP calls at columns 0 and 1
+        assert plan.f_runs == 3 and "f's Python body runs 3 times" in repr(plan)
+
+    # Without plan(), the first call on new shapes where forward mode is a candidate also
+    # runs f on fake tensors once (for y's size), as the README says.
+    fresh = funcgrad.compose_heads(f, SIDE_HEADS, strategy=strategy, check=check)
+    counts = []
+    for _ in range(3):
+        runs.clear()
+        fresh(x)
+        counts.append(len(runs))
+    later = fresh.plan(x)  # after the first call
+    assert counts[1:] == [later.f_runs, later.f_runs]
+    expected = 1 + 2 * (strategy == "jacfwd" and check)
+    # auto: on fake tensors, forward mode (and check's two JVP calls), reverse mode.
+    assert counts[0] == (3 + 2 * check if strategy == "auto" else expected)
+
+
+def test_auto_times_forward_mode_against_reverse_mode_on_the_first_call():
+    counter, calls = BackwardCounter(), []
+    w = torch.randn(40, 2)
+
+    def f(x):
+        calls.append(1)
+        return torch.tanh(w @ counted(x, counter))
+
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(30)]  # 2 n = 4 < k, m
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(2)
+    assert fn.plan(x).strategy == "jacfwd"  # (f on fake tensors)
+    calls.clear()
+    values, grads = fn(x)  # runs both modes on the same draws, keeps the faster one's answer
+    assert len(calls) == 2
+    want_values, want_grads = autograd_reference(f, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+    plan = fn.plan(x)  # whichever won, later calls run it, and the plan says so
+    assert plan.strategy == "jacfwd" or plan.measured.startswith("reverse mode")
+    calls.clear()
+    counter.reset()
+    fn(x)
+    assert len(calls) == 1
+    assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
+
+
+# -- plan() stays cheap, and leaves no trace -------------------------------------------------
+
+
+def test_plan_of_a_long_python_loop_costs_at_most_two_forwards():
+    steps = []
+
+    def simulate(theta):  # RK4 on dy/dt = -theta[0] y + theta[1] sin(t), in a Python loop
+        y, dt = torch.ones(3), 0.01
+        for i in range(2000):
+            steps.append(1)
+            t = i * dt
+            k1 = -theta[0] * y + theta[1] * math.sin(t)
+            k2 = -theta[0] * (y + dt / 2 * k1) + theta[1] * math.sin(t + dt / 2)
+            k3 = -theta[0] * (y + dt / 2 * k2) + theta[1] * math.sin(t + dt / 2)
+            k4 = -theta[0] * (y + dt * k3) + theta[1] * math.sin(t + dt)
+            y = y + dt / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return y
+
+    heads = [lambda y, i=i: y[i % 3] * (i + 1) for i in range(6)]  # 2 n = 4 < k = 6
+    fn = funcgrad.compose_heads(simulate, heads)
+    plan = fn.plan(torch.tensor([0.5, 0.2]))
+    assert len(steps) <= 2 * 2000  # a shape-only run stopped early, then one real forward
+    assert (plan.m, plan.n) == (3, 2)
+
+
+def test_plan_leaves_no_trace():
+    model = _dropout_batchnorm()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    stats = model[2].running_mean.clone(), int(model[2].num_batches_tracked)
+
+    def f(p, x):
+        return torch.func.functional_call(model, p, (x,))
+
+    # 9 heads: forward mode could win, m needed
+    fn = funcgrad.compose_heads(f, DROPOUT_BN_HEADS * 3)
+    x = torch.randn(6, 4)
+    state = torch.get_rng_state()
+    plan = fn.plan(params, x)
+    assert plan.m == 18
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(model[2].running_mean, stats[0])
+    assert int(model[2].num_batches_tracked) == stats[1]
+
+
+def test_plan_leaves_a_captured_counter_alone():
+    calls = torch.zeros((), dtype=torch.long)  # a write that does not depend on x
+    w = torch.randn(5, 2)
+
+    def f(x):
+        calls.add_(1)
+        y = w @ x
+        for _ in range(200):  # too long for the shape-only run: plan() runs f for real
+            y = torch.tanh(y)
+        return y
+
+    heads = [lambda y, i=i: y[i] * y.sum() for i in range(5)]  # 2 n < k: m is needed
+    plan = funcgrad.compose_heads(f, heads).plan(torch.randn(2))
+    assert plan.m == 5 and int(calls) == 0
+    with pytest.warns(funcgrad.FuncgradWarning, match="captured tensor in place"):
+        funcgrad.compose_heads(f, heads)(torch.randn(2))  # the call updates it, once
+    assert int(calls) == 1
+
+
+def test_plan_leaves_a_user_generator_alone():
+    generator = torch.Generator().manual_seed(0)
+
+    def data_dependent(t):  # y's size depends on values: plan() runs one real forward
+        y = t[: int(t.abs().sum() > 0) + 1].sin()
+        return y * torch.rand(y.shape, generator=generator)
+
+    fn = funcgrad.compose_heads(data_dependent, [lambda y: y.sum()] * 9)
+    state = generator.get_state()
+    assert fn.plan(torch.randn(4)).m == 2
+    assert torch.equal(generator.get_state(), state)
