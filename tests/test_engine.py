@@ -12,6 +12,7 @@ import torch
 from helpers import HEADS, autograd_reference
 
 import funcgrad
+from funcgrad import _engine
 
 # -- check: each batched pullback compared against unbatched calls ------------------------
 
@@ -173,3 +174,78 @@ def test_loop_strategy_needs_no_vmap():
         warnings.simplefilter("error")
         _, grads = funcgrad.compose_heads(f, HEADS, strategy="loop")(x)
     torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+
+
+# -- Basis: orthonormal directions of y's space, kept with their pullbacks ---------------------
+
+
+def _units(rows):
+    return rows / rows.norm(dim=1, keepdim=True)
+
+
+def _assert_orthonormal(q):
+    torch.testing.assert_close(q @ q.T, torch.eye(q.shape[0], dtype=q.dtype))
+
+
+def _assert_spans(q, rows):
+    """Every row is its own projection onto the rows of q."""
+    torch.testing.assert_close((rows @ q.T) @ q, rows, rtol=0, atol=1e-12)
+
+
+def test_basis_new_directions_are_orthonormal_and_span_the_rows_at_their_rank():
+    basis = _engine.Basis(6)
+    r0, r1 = torch.randn(2, 6)
+    units = _units(torch.stack([r0, r1, 2 * r0 - 3 * r1]))  # rank 2
+    new = basis.new_directions(units)
+    assert new.shape == (2, 6) == (torch.linalg.matrix_rank(units), 6)
+    _assert_orthonormal(new)
+    _assert_spans(new, units)
+    assert basis.rank == 0  # new_directions keeps nothing; add does
+    images = (torch.randn(2, 3),)
+    basis.add(new, images)
+    assert basis.rank == 2 and basis.images[0] is images[0]
+    assert basis.new_directions(units[1:]) is None  # nothing outside the span
+    assert basis.new_directions(torch.zeros(2, 6)) is None  # zero rows are never new
+
+
+def test_basis_adds_only_what_is_outside_its_span_and_at_most_m_directions():
+    basis = _engine.Basis(5)
+    first = _units(torch.randn(2, 5))
+    basis.add(basis.new_directions(first), (torch.randn(2, 4),))
+    later = _units(torch.cat([first[:1], torch.randn(1, 5)]))  # one kept row, one new
+    new = basis.new_directions(later)
+    assert new.shape == (1, 5)
+    torch.testing.assert_close(basis.q @ new.T, torch.zeros(2, 1), rtol=0, atol=1e-12)
+    basis.add(new, (torch.randn(1, 4),))
+    assert basis.rank == 3 and basis.images[0].shape == (3, 4)
+    _assert_orthonormal(basis.q)
+    _assert_spans(basis.q, torch.cat([first, later]))
+    many = _units(torch.randn(4, 5))  # 4 new rows, room for m - r = 2
+    new = basis.new_directions(many)
+    assert new.shape == (2, 5)
+    basis.add(new, (torch.randn(2, 4),))
+    _assert_orthonormal(basis.q)
+    _assert_spans(basis.q, many)  # the whole space
+    assert basis.new_directions(many) is None  # full rank: nothing is new
+
+
+@pytest.mark.parametrize("k", [4, 7])
+def test_a_fresh_basis_facing_k_at_least_m_rows_takes_the_unit_basis(k):
+    units = _units(torch.randn(k, 4))
+    torch.testing.assert_close(_engine.Basis(4).new_directions(units), torch.eye(4))
+    assert _engine.Basis(4).new_directions(units[:3]).shape == (3, 4)
+
+
+def test_basis_fits_a_budget_of_bytes_and_clears():
+    x_like = (torch.empty(3), torch.empty(2, dtype=torch.float32))
+    per_row = 4 * 8 + 3 * 8 + 2 * 4  # a direction of y (m = 4) and its image
+    basis = _engine.Basis(4, max_bytes=2 * per_row)
+    assert basis.nbytes == 0
+    assert basis.fits(torch.empty(2, 4), x_like) and not basis.fits(torch.empty(3, 4), x_like)
+    basis.add(torch.eye(4)[:1], (torch.empty(1, 3), torch.empty(1, 2, dtype=torch.float32)))
+    assert basis.nbytes == per_row
+    assert basis.fits(torch.empty(1, 4), x_like) and not basis.fits(torch.empty(2, 4), x_like)
+    basis.clear(enabled=False)
+    assert (basis.rank, basis.nbytes, basis.images, basis.enabled) == (0, 0, (), False)
+    basis.clear()
+    assert basis.enabled

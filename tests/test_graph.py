@@ -1,0 +1,173 @@
+"""Walking an autograd graph (``funcgrad._graph``), against what torch's own backward does on
+the same graph: the leaves and edges a walk reaches (torch.autograd.grad, with the stop
+tensor detached), the reentrant checkpoints it finds (torch's refusal of ``.grad()`` through
+one), and the marks of a spent graph (a later backward raises as torch's does on the graph
+it freed, before anything is written)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from funcgrad import _graph
+
+
+def _edges(*tensors):
+    return {_graph.edge(t): i for i, t in enumerate(tensors)}
+
+
+def _reached(output, leaves):
+    """The indices of the leaves that torch's backward of ``output`` gives a gradient."""
+    grads = torch.autograd.grad(output, leaves, allow_unused=True, retain_graph=True)
+    return {i for i, g in enumerate(grads) if g is not None}
+
+
+# -- walk -----------------------------------------------------------------------------------
+
+
+def test_walk_reaches_what_autograd_reaches_and_goes_no_further_than_a_stop_edge():
+    x, w, b = (torch.randn(3, requires_grad=True) for _ in range(3))
+    h = torch.tanh(x * w)  # the stop: x is reached only through it, w also around it
+    z = (h * b).sum() + w.sum()
+    found, stopped = _graph.walk([_graph.edge(z)], _edges(x, w, b), _edges(h))
+    assert found == _reached((h.detach() * b).sum() + w.sum(), [x, w, b]) == {1, 2}
+    assert stopped == {0}
+    found, stopped = _graph.walk([_graph.edge(z)], _edges(x, w, b), {})
+    assert found == _reached(z, [x, w, b]) == {0, 1, 2} and stopped == set()
+
+    leaves: dict = {}
+    _graph.walk([_graph.edge(z)], {}, _edges(h), leaves)
+    assert sorted(id(t) for t in leaves.values()) == sorted([id(w), id(b)])
+
+
+def test_walk_tells_the_outputs_of_one_node_apart_by_their_edges():
+    x = torch.randn(2, 3, requires_grad=True)
+    a, b = torch.sin(x).unbind(0)  # one node, two edges
+    assert a.grad_fn is b.grad_fn
+    assert _graph.walk([_graph.edge(a.sum())], _edges(x), _edges(a)) == (set(), {0})
+    assert _graph.walk([_graph.edge(b.sum())], _edges(x), _edges(a)) == ({0}, set())
+
+
+def test_walk_records_which_nodes_pass_gradient_into_each_node():
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    t = torch.tanh(y)
+    z = t.sum() + y.sum()  # y's node gets gradient from two nodes
+    into: dict = {}
+    _graph.walk([_graph.edge(z)], {}, {}, into=into)
+    add = z.grad_fn
+    sum_t, sum_y = (node for node, _ in add.next_functions)
+    assert into[sum_t] == [add] and into[sum_y] == [add]
+    assert into[t.grad_fn] == [sum_t]
+    assert sorted(map(id, into[y.grad_fn])) == sorted(map(id, [t.grad_fn, sum_y]))
+    accumulate = y.grad_fn.next_functions[0][0]
+    assert accumulate.variable is x and into[accumulate] == [y.grad_fn]
+
+
+# -- through and its paths -----------------------------------------------------------------
+
+
+def test_through_lists_distinct_independent_tensors():
+    x = torch.randn(3, requires_grad=True)
+    h, g = torch.sin(x), torch.cos(x)
+    assert _graph.through_edges((h, g), "call") == {_graph.edge(h): 0, _graph.edge(g): 1}
+    with pytest.raises(ValueError, match=r"call: through\[1\] is the same tensor as through\[0\]"):
+        _graph.through_edges((h, h), "call")
+    with pytest.raises(ValueError, match=r"call: through\[1\] is computed from through\[0\]"):
+        _graph.through_edges((h, h * 2), "call")
+
+
+def test_check_paths_refuses_what_the_pullback_through_through_would_miss():
+    x, u = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    y = torch.sin(x)
+    _graph.check_paths((y.sum(), y[0]), (x,), (y,), False, "call")
+    with pytest.raises(ValueError, match=r"outputs\[1\] does not depend on `through`"):
+        _graph.check_paths((y.sum(), x.sum()), (x,), (y,), False, "call")
+    with pytest.raises(ValueError, match=r"outputs\[0\] depends on inputs\[0\] other than through"):
+        _graph.check_paths((y.sum() + x.sum(),), (x,), (y,), False, "call")
+    with pytest.raises(ValueError, match=r"`through` does not depend on inputs\[1\]"):
+        _graph.check_paths((y.sum(),), (x, u), (y,), False, "call")
+    _graph.check_paths((y.sum(),), (x, u), (y,), True, "call")
+
+
+# -- reentrant checkpoints -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False, None], ids=["reentrant", "not", "none"])
+def test_a_reentrant_checkpoint_is_found_where_torch_refuses_grad_through_it(use_reentrant):
+    layer = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    if use_reentrant is None:
+        h = layer(x)
+    else:
+        h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
+    out = torch.tanh(h).sum()
+    found = _graph.has_reentrant_checkpoint([out])
+    try:  # torch's own answer: .grad() cannot run through a reentrant checkpoint
+        torch.autograd.grad(out, x, retain_graph=True)
+        refused = False
+    except RuntimeError as error:
+        assert "incompatible with .grad()" in str(error)
+        refused = True
+    assert found == refused == (use_reentrant is True)
+    assert not _graph.has_reentrant_checkpoint([x, torch.randn(2)])  # no grad_fn: no graph
+
+
+# -- a spent graph ---------------------------------------------------------------------------
+
+
+THROUGH = {
+    "tanh": lambda x: torch.tanh(x * 3),  # tanh saves its result: torch's backward frees it
+    "add": lambda x: x + 1,  # saves no tensor: torch frees nothing, a backward runs again
+}
+
+
+def _forward(kind):
+    torch.manual_seed(0)
+    x = torch.randn(4, requires_grad=True)
+    b = torch.zeros((), requires_grad=True)  # added to a loss: reached before any freed node
+    through = THROUGH[kind](x)
+    return x, b, through, [through.sum() + b, through[:2].sum()]
+
+
+def _torch_refuses_a_second_backward(kind):
+    x, _, _, outputs = _forward(kind)
+    torch.autograd.grad(outputs, x)  # frees what it can, as a call without retain_graph does
+    try:
+        torch.autograd.grad(outputs, x)
+    except RuntimeError as error:
+        assert "backward through the graph a second time" in str(error)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("kind", list(THROUGH))
+def test_a_spent_graph_refuses_a_later_backward_as_torch_does_before_writing(kind):
+    refuses = _torch_refuses_a_second_backward(kind)
+    assert refuses == (kind == "tanh")
+    x, b, through, outputs = _forward(kind)
+    graph = _graph.check_paths(tuple(outputs), (x,), (through,), False, "call")
+    assert bool(graph.freed) == refuses
+    assert _graph.spent(graph) is None
+    _graph.spend(graph, "the first call")
+    assert _graph.spent(graph) == ("the first call" if refuses else None)
+    if refuses:
+        with pytest.raises(RuntimeError, match="the first call already ran the backward"):
+            sum(outputs).backward()
+        assert x.grad is None and b.grad is None  # torch itself would have written b.grad
+    else:
+        sum(outputs).backward()  # runs again, as in torch
+        fresh, _, _, again = _forward(kind)
+        torch.testing.assert_close(x.grad, torch.autograd.grad(sum(again), fresh)[0])
+        assert b.grad == 1
+
+
+def test_a_second_spend_keeps_the_first_calls_mark():
+    x, _, through, outputs = _forward("tanh")
+    graph = _graph.check_paths(tuple(outputs), (x,), (through,), False, "call")
+    _graph.spend(graph, "the first call")
+    _graph.spend(graph, "the second call")
+    assert _graph.spent(graph) == "the first call"
+    with pytest.raises(RuntimeError, match="the first call already ran"):
+        sum(outputs).backward()
