@@ -300,3 +300,132 @@ def test_random_draws_are_those_of_one_eager_forward(strategy):
         values, grad, weights = combined(x)
         torch.testing.assert_close(values, want_values)
         torch.testing.assert_close(grad, torch.einsum("k,k...->...", weights, want))
+
+
+# -- the engine: torch.func or eager autograd, weighed by auto (issue 29, item 1) ----------
+
+
+@pytest.mark.parametrize(("margin", "engine"), [(1e9, "autograd"), (0.0, "torch.func")])
+def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
+    monkeypatch, margin, engine
+):
+    # The margin replaces the clock: with 1e9 eager autograd always wins, with 0 never.
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", margin)
+    counter, runs = funcgrad.PassCounter(), []
+    w = torch.randn(6, 4, dtype=torch.float64)
+
+    def f(x):
+        runs.append(1)
+        return torch.tanh(w @ counter(x))
+
+    heads = {"a": lambda y: y.sin().sum(), "b": lambda y: (y**2).sum(), "c": lambda y: y[0]}
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(4, dtype=torch.float64)
+    want_values, want_grads = autograd_reference(f, list(heads.values()), (x,))
+    engines = []
+    for call in range(4):
+        plan = fn.plan(x)
+        assert plan.engine_trial == (call == 1)
+        engines.append(plan.engine)
+        counter.reset()
+        runs.clear()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes and len(runs) == 1  # f runs once a call
+        for i, key in enumerate(heads):
+            torch.testing.assert_close(values[key], want_values[i])
+            torch.testing.assert_close(grads[key], want_grads[i])
+            assert not grads[key].requires_grad
+    assert engines == ["torch.func", "autograd", engine, engine]
+    if engine == "autograd":
+        assert "eager autograd" in plan.measured and "on eager autograd" in repr(plan)
+
+
+def test_eager_autograd_runs_the_passes_it_plans(monkeypatch):
+    # On eager autograd each head is pulled through the heads and f at once, vmapped over
+    # the heads (the first calls time one more unbatched direction).
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    counter = funcgrad.PassCounter()
+    w = torch.randn(5, 3, dtype=torch.float64)
+    heads = [lambda y: y.sum(), lambda y: (y**2).mean(), lambda y: y.max()]
+    fn = funcgrad.compose_heads(lambda x: w @ counter(x), heads)
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(3):
+        plan = fn.plan(x)
+        counter.reset()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes
+    want_values, want_grads = autograd_reference(lambda x: w @ x, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+    assert fn.plan(x).engine == "autograd"
+
+
+def test_no_head_reaching_y_gives_zeros_on_eager_autograd(monkeypatch):
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    heads = [lambda y: torch.ones(()), lambda y: torch.zeros(())]
+    fn = funcgrad.compose_heads(torch.sin, heads)
+    x = torch.randn(3)
+    for _ in range(3):
+        values, grads = fn(x)
+    assert fn.plan(x).engine == "autograd"
+    torch.testing.assert_close(values, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(grads, torch.zeros(2, 3))
+
+
+def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]], create_graph=True)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        plan = fn.plan(x)
+        assert plan.engine == "torch.func" and not plan.engine_trial
+        _, grads = fn(x)
+    # second order: d/dx of sum(grad of head 0) = sum(-sin(x))
+    (second,) = torch.autograd.grad(grads[0].sum(), x)
+    torch.testing.assert_close(second, -torch.sin(x))
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_lstm_parameters_equal_the_per_head_loop(calls):
+    # The CPU LSTM decides from the global grad mode whether to keep its backward's
+    # workspace: torch.func's pullback failed on it without a graph of the results.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, batch_first=True).double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    params = dict(lstm.named_parameters())
+
+    def f(p):
+        return torch.func.functional_call(lstm, p, (x,))[0]
+
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(3)]
+    fn = funcgrad.compose_heads(f, heads)
+    for _ in range(calls):
+        values, grads = fn(params)
+    want_values, want_grads = autograd_reference(f, heads, (params,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    for i in range(3):
+        assert_tree_close(tree_index(grads, i), want_grads[i])
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_combine_heads_one_pullback_runs_on_eager_autograd_without_a_result_graph(create_graph):
+    # One pullback of the summed heads: the eager forward and backward are the floor.
+    w = torch.randn(5, 3, dtype=torch.float64)
+    heads = [lambda y: y.sin().sum(), lambda y: (y**2).sum()]
+    fn = funcgrad.combine_heads(lambda x: w @ x, heads, create_graph=create_graph)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    plan = fn.plan(x)
+    assert plan.strategy == "weighted"
+    assert plan.engine == ("torch.func" if create_graph else "autograd")
+    values, grad, _ = fn(x)
+    want = torch.autograd.grad(sum(h(w @ x) for h in heads), x)[0]
+    torch.testing.assert_close(grad, want)
+    assert grad.requires_grad == create_graph
