@@ -38,8 +38,9 @@ from ._validate import values_readable
 
 # What the heads give for f's output: their values (k,) and cotangents (leaves (k, ...)).
 CotangentsOf = Callable[[Tensors], tuple[torch.Tensor, Tensors]]
-# The heads' k scalar values on f's output, recorded on autograd's graph (list heads only).
-ValuesOf = Callable[[Tensors], list[torch.Tensor]]
+# The heads' k scalar values on f's output, recorded on autograd's graph: one per head, or
+# stacked (k,) where the heads ran in one vmap.
+ValuesOf = Callable[[Tensors], list[torch.Tensor] | torch.Tensor]
 # The plan for y's real size m; with True, the reverse-mode plan that replaces a forward-mode
 # one that could not run.
 Planner = Callable[[int, bool], Plan]
@@ -548,10 +549,11 @@ def through_heads(
     the cotangents first, then pulling them through f."""
     with torch.enable_grad():
         outputs = values_of(lin.attached)
-        values = torch.stack(outputs)
-    k, inputs = len(outputs), lin.inputs
+        values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
+    k, inputs = values.shape[0], lin.inputs
     if plan.strategy == "loop" or not lin.can_vmap or k == 1:
-        return values.detach(), output_grads(outputs, inputs)
+        rows = outputs if isinstance(outputs, list) else list(values.unbind())
+        return values.detach(), output_grads(rows, inputs)
     if not values.requires_grad:  # no head reaches f's output
         return values, zeros(k, lin.x_like)
 

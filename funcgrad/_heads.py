@@ -185,6 +185,25 @@ def _heads_eager(
     return torch.stack(values).detach(), grads
 
 
+def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[..., torch.Tensor]:
+    """One stacked head's value on y, from its parameter leaves (for vmap over the heads)."""
+
+    def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
+        value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
+        return _scalar(value, "stacked head_fn", call)
+
+    return stacked_head
+
+
+def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
+    """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
+    with _naming("stacked head_fn", call):
+        values: torch.Tensor = torch.func.vmap(
+            _stacked_head(heads, out_def, call), in_dims=(0, None)
+        )(heads.params, y)
+    return values
+
+
 def _head_cotangents(
     heads: Any, keys: list[Any] | None, flat: FlatFunction, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
@@ -197,11 +216,7 @@ def _head_cotangents(
     """
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
-
-        def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
-            value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
-            return _scalar(value, "stacked head_fn", call)
-
+        stacked_head = _stacked_head(heads, out_def, call)
         with _naming("stacked head_fn", call):
             grads, values = torch.func.vmap(
                 torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
@@ -682,13 +697,13 @@ class Composition:
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
         return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
 
-    def values_of(self, flat: FlatFunction) -> _engine.ValuesOf | None:
-        """The heads' values on f's output, on its autograd graph (list heads; stacked
-        heads batch their cotangents in one vmap instead)."""
-        if isinstance(self.heads, StackedHeads):
-            return None
-        heads, keys = self.heads, self.keys
-        return lambda out: _head_values(heads, keys, flat.out_def, out, self.call)
+    def values_of(self, flat: FlatFunction) -> _engine.ValuesOf:
+        """The heads' values on f's output, on its autograd graph: list heads one by one,
+        stacked heads in one vmap."""
+        heads, call = self.heads, self.call
+        if isinstance(heads, StackedHeads):
+            return lambda out: _stacked_values(heads, flat.out_def, out, call)
+        return lambda out: _head_values(heads, self.keys, flat.out_def, out, call)
 
     def per_head(
         self, flat: FlatFunction, check: CheckMode
