@@ -425,7 +425,7 @@ def test_combine_heads_one_pullback_runs_on_eager_autograd_without_a_result_grap
     plan = fn.plan(x)
     assert plan.strategy == "weighted"
     assert plan.engine == ("torch.func" if create_graph else "autograd")
-    values, grad, _ = fn(x)
+    _, grad, _ = fn(x)
     want = torch.autograd.grad(sum(h(w @ x) for h in heads), x)[0]
     torch.testing.assert_close(grad, want)
     assert grad.requires_grad == create_graph
