@@ -72,7 +72,9 @@ class CombinedHeads:
         ``w @ V``) at level ``"features"`` or without a weighting, else the per-head plan of
         `compose_heads` (see `ComposedHeads.plan` for what it costs)."""
         c = self._composition
-        return c.plan(c.flat(args), weighted=self._one_pullback(self.rule))
+        flat = c.flat(args)
+        with result_graph(self._create_graph, flat.leaves):
+            return c.plan(flat, weighted=self._one_pullback(self.rule))
 
     def __call__(self, *args: Any) -> Any:
         check_not_inference_mode(_CALL)
@@ -105,6 +107,7 @@ class CombinedHeads:
         check = c.resolved_check()
         rule = self.rule
         if self._one_pullback(rule):
+            flat.autograd = c.one_pullback_on_autograd(flat)
             lin = c.watching(
                 flat, lambda: _linearize.of_function(flat, _linearize.RandomState(flat))
             )

@@ -38,6 +38,9 @@ from ._validate import values_readable
 
 # What the heads give for f's output: their values (k,) and cotangents (leaves (k, ...)).
 CotangentsOf = Callable[[Tensors], tuple[torch.Tensor, Tensors]]
+# The heads' k scalar values on f's output, recorded on autograd's graph: one per head, or
+# stacked (k,) where the heads ran in one vmap.
+ValuesOf = Callable[[Tensors], list[torch.Tensor] | torch.Tensor]
 # The plan for y's real size m; with True, the reverse-mode plan that replaces a forward-mode
 # one that could not run.
 Planner = Callable[[int, bool], Plan]
@@ -536,15 +539,44 @@ def forward_columns(
     return None
 
 
+def through_heads(
+    lin: Linearization, values_of: ValuesOf, plan: Plan, check: bool | str
+) -> tuple[torch.Tensor, Tensors]:
+    """(values (k,), per-head gradients) on eager autograd with the heads on f's graph: each
+    head's value pulled back through the heads and f in one backward, as the loop a user
+    writes (``torch.autograd.grad(value_i, inputs, retain_graph=True)``), k of them or one
+    vmapped over the k unit directions, by the plan. Half the backward calls of forming
+    the cotangents first, then pulling them through f."""
+    with torch.enable_grad():
+        outputs = values_of(lin.attached)
+        values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
+    k, inputs = values.shape[0], lin.inputs
+    if plan.strategy == "loop" or not lin.can_vmap or k == 1:
+        rows = outputs if isinstance(outputs, list) else list(values.unbind())
+        return values.detach(), output_grads(rows, inputs)
+    if not values.requires_grad:  # no head reaches f's output
+        return values, zeros(k, lin.x_like)
+
+    def vjp(direction: Tensors) -> Tensors:
+        return _linearize.autograd_grad((values,), inputs, direction, retain_graph=True)
+
+    heads = Linearization((values.detach(),), lin.x_like, vjp, True, lin.what)
+    unit = (torch.eye(k, dtype=values.dtype, device=values.device),)
+    return values.detach(), pull(heads, unit, plan.chunk_size, check)
+
+
 def per_head(
     flat: FlatFunction,
     planner: Planner,
     forward_first: bool,
     cotangents_of: CotangentsOf,
     check: bool | str,
+    values_of: ValuesOf | None = None,
 ) -> tuple[Plan, torch.Tensor, Tensors, Tensors]:
     """(plan, values (k,), per-head gradient leaves (k, ...), aux tensors): f run, the heads'
-    cotangents formed on its output, and pulled back by the plan.
+    cotangents formed on its output, and pulled back by the plan; on eager autograd without
+    a graph of the results, with ``values_of`` and k cotangents to pull (``vjp``,
+    ``loop``), each head is pulled through the heads and f at once (:func:`through_heads`).
 
     ``forward_first``: the plan is ``jacfwd``, which must be known before f runs (forward
     mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
@@ -570,6 +602,12 @@ def per_head(
         instead_of_forward = True
     lin = _linearize.of_function(flat, rng)
     plan = planner(_coords.real_size(lin.out), instead_of_forward)
+    if plan.engine != lin.engine:  # the engine that ran (torch.func may have fallen back)
+        plan = dataclasses.replace(plan, engine=lin.engine)
+    fused = values_of is not None and lin.attached and plan.strategy in ("vjp", "loop")
+    if fused and not nothing_to_pull(plan.k, lin.out, lin.x_like):
+        assert values_of is not None
+        return plan, *through_heads(lin, values_of, plan, check), lin.aux
     values, cotangents = cotangents_of(lin.out)
     return plan, values, by_plan(plan, lin, cotangents, check), lin.aux
 

@@ -108,6 +108,9 @@ class FlatFunction:
         # dropout on a non-contiguous tensor: see _linearize.of_function).
         self.drew = False
         self.eager = False
+        # Whether the caller's timing chose eager autograd for f's linearisation (see
+        # _heads.Composition): used where no graph of the results is wanted.
+        self.autograd = False
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""

@@ -19,8 +19,8 @@ from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
 from ._linearize import RandomState
-from ._plan import FIT_RANGES, FORWARD_MODE_PENALTY, Plan, make_plan
-from ._types import ChunkSize, Strategy, Tensors
+from ._plan import ENGINE_MARGIN, FIT_RANGES, FORWARD_MODE_PENALTY, Plan, make_plan
+from ._types import ChunkSize, Engine, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
     check_callable,
@@ -159,6 +159,18 @@ def _naming(where: str, call: str) -> Iterator[None]:
         raise
 
 
+def _head_values(
+    heads: list[Any], keys: list[Any] | None, out_def: Any, y: Tensors, call: str
+) -> list[torch.Tensor]:
+    """Every head's value on y (each checked to be a real scalar, named where it raises)."""
+    values = []
+    for index, head in enumerate(heads):
+        where = f"head {index}" if keys is None else f"head {keys[index]!r}"
+        with _naming(where, call):
+            values.append(_scalar(head(_tree.unflatten(out_def, y)), where, call))
+    return values
+
+
 def _heads_eager(
     heads: list[Any], keys: list[Any] | None, out_def: Any, out: Tensors, call: str
 ) -> tuple[torch.Tensor, Tensors]:
@@ -168,13 +180,28 @@ def _heads_eager(
     µs a head than ``torch.func.grad`` on the CPU)."""
     y = tuple(leaf.detach().requires_grad_() for leaf in out)
     with torch.enable_grad():
-        values = []
-        for index, head in enumerate(heads):
-            where = f"head {index}" if keys is None else f"head {keys[index]!r}"
-            with _naming(where, call):
-                values.append(_scalar(head(_tree.unflatten(out_def, y)), where, call))
+        values = _head_values(heads, keys, out_def, y, call)
         grads = _engine.output_grads(values, y)
     return torch.stack(values).detach(), grads
+
+
+def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[..., torch.Tensor]:
+    """One stacked head's value on y, from its parameter leaves (for vmap over the heads)."""
+
+    def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
+        value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
+        return _scalar(value, "stacked head_fn", call)
+
+    return stacked_head
+
+
+def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
+    """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
+    with _naming("stacked head_fn", call):
+        values: torch.Tensor = torch.func.vmap(
+            _stacked_head(heads, out_def, call), in_dims=(0, None)
+        )(heads.params, y)
+    return values
 
 
 def _head_cotangents(
@@ -189,11 +216,7 @@ def _head_cotangents(
     """
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
-
-        def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
-            value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
-            return _scalar(value, "stacked head_fn", call)
-
+        stacked_head = _stacked_head(heads, out_def, call)
         with _naming("stacked head_fn", call):
             grads, values = torch.func.vmap(
                 torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
@@ -379,6 +402,12 @@ class Signature:
     # Whether f draws random numbers (seen in a watched run): then it is linearised on eager
     # autograd (same draws as one eager forward), and forward mode is no candidate.
     random: bool = False
+    # auto, no graph of the results: what f's linearisation runs on (None: not decided yet;
+    # the first call runs on torch.func, timed as func_s, the second on eager autograd).
+    engine: Engine | None = None
+    func_s: float | None = None
+    engine_why: str | None = None
+    plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
 
 
 class Signatures:
@@ -496,6 +525,9 @@ class Composition:
         measure = self._measured_here(flat)
         chunk = self._chunk(flat)
         not_forward = record.not_forward if record is not None else None
+        engine: Engine = "autograd" if self._on_autograd(flat) else "torch.func"
+        trial = self._engine_trial(flat)
+        why = record.engine_why if record is not None else None
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
@@ -512,9 +544,58 @@ class Composition:
                 measure=measure,
                 not_forward=not_forward,
                 call=self.call,
+                engine=engine,
+                engine_trial=trial,
+                engine_why=why,
             )
 
         return plan
+
+    def _engines_timed(self, flat: FlatFunction) -> Signature | None:
+        """The record where auto weighs torch.func against eager autograd for this call: no
+        graph of the results wanted (the call's grad mode is off), values readable, f known
+        not to draw random numbers (else it is on eager autograd anyway); else None."""
+        if self.strategy != "auto" or torch.is_grad_enabled():
+            return None
+        record = self.signature(flat)
+        if record is None or record.random:
+            return None
+        return record
+
+    def _engine_trial(self, flat: FlatFunction) -> bool:
+        """Whether this call runs on eager autograd to time it (the second on its shapes)."""
+        record = self._engines_timed(flat)
+        return record is not None and record.engine is None and record.func_s is not None
+
+    def _on_autograd(self, flat: FlatFunction) -> bool:
+        """Whether this call linearises f on eager autograd by the timing (decided, or the
+        trial); draws and torch.func's failures take it there too (see _linearize)."""
+        record = self._engines_timed(flat)
+        if record is None:
+            return False
+        return record.engine == "autograd" or (record.engine is None and record.func_s is not None)
+
+    @staticmethod
+    def _time_engine(record: Signature, ran: Engine, seconds: float) -> None:
+        """Record a timed call: the first on torch.func, the second (the trial) on eager
+        autograd; after the trial, later calls run on the faster one (eager autograd only
+        where faster by ENGINE_MARGIN: the first call also pays one-time costs). Where
+        torch.func fell back to eager autograd (it cannot differentiate f), eager autograd
+        it is. (Whether vmap beats unbatched calls is timed on these calls too, whatever the
+        engine: both batch by the same rules.)"""
+        if record.func_s is None and ran == "torch.func":
+            record.func_s = seconds
+            return
+        if record.func_s is None:
+            record.engine = "autograd"
+            return
+        faster = ran == "autograd" and seconds < ENGINE_MARGIN * record.func_s
+        record.engine = "autograd" if faster else "torch.func"
+        if faster:
+            record.engine_why = (
+                f"eager autograd {1e3 * seconds:.3g} ms a call, torch.func "
+                f"{1e3 * record.func_s:.3g} ms (the first two calls)"
+            )
 
     def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
         """chunk_size="auto": the record of this call signature (every input's tree, shape,
@@ -548,7 +629,8 @@ class Composition:
             return False
         rng = RandomState(flat)
         try:
-            out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
+            with torch.enable_grad():  # as of_function runs it
+                out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
             # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
             made = _coords.unit_rows(out, 0, FIT_RANGES[-1][1]) if plan.strategy == "vjp" else None
 
@@ -571,7 +653,8 @@ class Composition:
         return True
 
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
-        """The plan that a call on these arguments runs, from shapes only."""
+        """The plan that a call on these arguments runs, from shapes only (in the grad mode
+        the call runs in: see `result_graph`)."""
         forward, m_before = self.before_f(flat)
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
@@ -587,8 +670,18 @@ class Composition:
         if not weighted and self._measure_fit(flat, plan):
             plan = self.planner(flat, m_before)(m, False)
         if weighted:
-            return make_plan(self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True)
+            engine: Engine = "autograd" if self.one_pullback_on_autograd(flat) else "torch.func"
+            return make_plan(
+                self.strategy, self.k, m, plan.n, self.chunk_size, weighted=True, engine=engine
+            )
         return dataclasses.replace(plan, f_runs=self.f_runs(flat, forward, plan.n))
+
+    @staticmethod
+    def one_pullback_on_autograd(flat: FlatFunction) -> bool:
+        """One pullback of ``w @ V`` (combine_heads) with no graph of the results: on eager
+        autograd, whose forward and backward are the floor (one direction: nothing to
+        batch); torch.func where a graph of the results is wanted or inside transforms."""
+        return not torch.is_grad_enabled() and values_readable(flat.leaves)
 
     def f_runs(self, flat: FlatFunction, forward: bool, n: int) -> int:
         """How many times a call on these arguments runs f's Python body, as planned (a
@@ -603,6 +696,14 @@ class Composition:
 
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
         return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
+
+    def values_of(self, flat: FlatFunction) -> _engine.ValuesOf:
+        """The heads' values on f's output, on its autograd graph: list heads one by one,
+        stacked heads in one vmap."""
+        heads, call = self.heads, self.call
+        if isinstance(heads, StackedHeads):
+            return lambda out: _stacked_values(heads, flat.out_def, out, call)
+        return lambda out: _head_values(heads, self.keys, flat.out_def, out, call)
 
     def per_head(
         self, flat: FlatFunction, check: CheckMode
@@ -630,16 +731,24 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         record = self.signature(flat) if self._measured_here(flat) else None
+        timed = None if forward else self._engines_timed(flat)
+        if timed is not None and timed.engine is not None:
+            timed = None  # decided
+        flat.autograd = self._on_autograd(flat)
         with contextlib.ExitStack() as stack:
             if self.chunk_size == "auto" and values_readable(flat.leaves):
                 stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
             if forward and record is not None and not record.forward_timed:
                 return self._forward_against_reverse(flat, planner, record, check)
             log = stack.enter_context(_engine.measuring()) if record is not None else None
-            _, values, grads, aux = _engine.per_head(
-                flat, planner, forward, self.cotangents_of(flat), check
+            start = time.perf_counter()
+            plan, values, grads, aux = _engine.per_head(
+                flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
-        if log and record is not None:  # a batched call was measured
+            seconds = time.perf_counter() - start
+        if timed is not None:
+            self._time_engine(timed, plan.engine, seconds)
+        if log and record is not None and not record.measured:  # a batched call was measured
             self._remember(record, log[0])
         return values, grads, aux
 
@@ -706,7 +815,7 @@ class Composition:
         if self.strategy != "auto":
             return False
         record = self.signature(flat)
-        return record is not None and not record.measured
+        return record is not None and (not record.measured or self._engine_trial(flat))
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""
@@ -780,7 +889,9 @@ class ComposedHeads(Generic[R]):
         measurement, so ``passes`` is its count.
         """
         composition = self._composition
-        return composition.plan(composition.flat(args))
+        flat = composition.flat(args)
+        with result_graph(self._create_graph, flat.leaves):
+            return composition.plan(flat)
 
     def __call__(self, *args: Any) -> R:
         c = self._composition

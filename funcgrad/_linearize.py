@@ -24,7 +24,7 @@ import torch
 from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
-from ._types import Tensors
+from ._types import Engine, Tensors
 from ._validate import outside_transforms, values_readable
 
 
@@ -153,6 +153,11 @@ class Linearization:
     aux: Tensors = ()
     last_vjp: Callable[[Tensors], Tensors] | None = None
     accumulate: Callable[[Tensors], None] | None = None
+    engine: Engine = "autograd"  # of_function's torch.func.vjp: "torch.func"
+    # Eager autograd without a graph of the results: f's outputs still on the graph, and the
+    # inputs it was recorded for (heads can then be pulled through f in one backward each).
+    attached: Tensors = ()
+    inputs: Tensors = ()
 
 
 def autograd_grad(
@@ -239,12 +244,12 @@ def of_graph(
     )
 
 
-def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], Tensors, bool]:
-    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph): (out, vjp,
-    aux, whether vjp can be vmapped). Where grad mode is on (the caller wants the graph of
-    the results: ``create_graph=True``), the results keep it, as torch.func's ``vjp_fn``
-    builds it then: the inputs that require grad are differentiated as they are (their
-    graph goes on), and vjp builds its own graph (then one call a direction)."""
+def _eager(flat: FlatFunction, what: str) -> Linearization:
+    """The contract of ``torch.func.vjp``, on plain autograd (one retained graph). Where
+    grad mode is on (the caller wants the graph of the results: ``create_graph=True``), the
+    results keep it, as torch.func's ``vjp_fn`` builds it then: the inputs that require grad
+    are differentiated as they are (their graph goes on), and vjp builds its own graph (then
+    one call a direction, not vmapped)."""
     differentiable = torch.is_grad_enabled()
     inputs = tuple(
         leaf if differentiable and leaf.requires_grad else leaf.detach().requires_grad_()
@@ -254,7 +259,10 @@ def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], T
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
 
-    if _graph.has_reentrant_checkpoint(out):
+    # f's graph holds a reentrant checkpoint or not whatever the values: walked once per
+    # call signature (the caller's record, where there is one).
+    record = flat.signature
+    if not getattr(record, "plain_graph", False) and _graph.has_reentrant_checkpoint(out):
         raise ValueError(
             f"{flat.call}: f runs a reentrant checkpoint (torch.utils.checkpoint with "
             "use_reentrant=True, transformers' default gradient checkpointing). Its backward "
@@ -265,36 +273,48 @@ def _eager(flat: FlatFunction) -> tuple[Tensors, Callable[[Tensors], Tensors], T
             "False})), or build the graph yourself and use funcgrad.backward."
         )
 
+    if record is not None:
+        record.plain_graph = True
+
     def vjp(cotangents: Tensors) -> Tensors:
         graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
         return autograd_grad(out, inputs, cotangents, retain_graph=True, create_graph=graph)
 
     if differentiable:
-        return tuple(out), vjp, tuple(aux), False
-    return tuple(o.detach() for o in out), vjp, tuple(a.detach() for a in aux), True
+        return Linearization(tuple(out), flat.leaves, vjp, False, what, tuple(aux))
+    detached = tuple(o.detach() for o in out)
+    aux = tuple(a.detach() for a in aux)
+    return Linearization(
+        detached, flat.leaves, vjp, True, what, aux, attached=tuple(out), inputs=inputs
+    )
 
 
 def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
     can, the same on eager autograd (the random draws replayed), with one warning."""
     what = "f's pullback"
-    # f draws random numbers, and no graph of the results is wanted: linearise it on eager
-    # autograd, so that its values, gradients and generators are those of one eager forward
-    # (torch.func draws other numbers for some ops: dropout on a non-contiguous tensor).
+    # No graph of the results is wanted, outside transforms: eager autograd can linearise f.
+    # It does where f draws random numbers, so that its values, gradients and generators are
+    # those of one eager forward (torch.func draws other numbers for some ops: dropout on a
+    # non-contiguous tensor), and where the caller's timing chose it (flat.autograd).
     drawing = not torch.is_grad_enabled() and values_readable(flat.leaves)
-    if drawing and (flat.eager or flat.drew):  # known to draw (a record, the fake run)
-        flat.eager = True
-        out, vjp, aux, batchable = _eager(flat)
-        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
+    if drawing and (flat.eager or flat.drew or flat.autograd):  # known to draw, or chosen
+        flat.eager = flat.eager or flat.drew
+        return _eager(flat, what)
     try:
-        result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
+        # f's forward in grad mode whatever the caller's: some kernels decide from the global
+        # grad mode whether to save what their backward needs (the CPU LSTM's workspace,
+        # without which torch.func's pullback fails). Without a graph wanted, the results are
+        # detached below; vjp_fn builds a graph only where the caller's grad mode is on.
+        with torch.enable_grad():
+            result: Any = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)
     except (RuntimeError, NotImplementedError) as error:
         name = torch_limit(error)
         if name is None or not TORCH_LIMITS[name].eager or not outside_transforms(flat.leaves):
             raise
         mutates = name == "mutates a captured tensor"
         rng.restore()  # the failed attempt may have drawn random numbers (dropout)
-        out, vjp, aux, batchable = _eager(flat)
+        lin = _eager(flat, what)
         if mutates:
             why = (
                 "f updates a captured tensor in place, such as BatchNorm's running statistics "
@@ -306,7 +326,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
                 "explicitly"
             )
             warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
-            return Linearization(out, flat.leaves, vjp, batchable, what, aux)
+            return lin
         warnings.warn(
             f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
             "fell back to eager torch.autograd.grad, one backward pass per direction. "
@@ -315,17 +335,15 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
             FuncgradWarning,
             stacklevel=5,
         )
-        return Linearization(out, flat.leaves, vjp, False, what, aux)
+        return dataclasses.replace(lin, can_vmap=False)
     if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
         rng.restore()
         flat.eager = True
-        out, vjp, aux, batchable = _eager(flat)
-        return Linearization(out, flat.leaves, vjp, batchable, what, aux)
-    if flat.has_aux:
-        out, vjp, aux = result
-        return Linearization(out, flat.leaves, vjp, True, what, aux)
-    out, vjp = result
-    return Linearization(out, flat.leaves, vjp, True, what)
+        return _eager(flat, what)
+    out, vjp, aux = result if flat.has_aux else (*result, ())
+    if not torch.is_grad_enabled():
+        out, aux = tuple(o.detach() for o in out), tuple(a.detach() for a in aux)
+    return Linearization(tuple(out), flat.leaves, vjp, True, what, tuple(aux), engine="torch.func")
 
 
 def jvp_of(flat: FlatFunction) -> Callable[..., Tensors]:

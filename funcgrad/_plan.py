@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._types import ChunkSize, Executed, Strategy
+from ._types import ChunkSize, Engine, Executed, Strategy
 
 # chunk_size="auto": the directions run to measure a fit, directions 0-1 then 2-4, both
 # vmapped (one direction alone is an unbatched call, whose peak differs from a vmapped
@@ -27,6 +27,10 @@ FIT_MIN = FIT_RANGES[-1][1]
 FORWARD_MODE_PENALTY = 2
 
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
+# Where no graph of the results is wanted, outside transforms: auto runs its first call on
+# new shapes on torch.func and its second on eager autograd, each timed, and later calls run
+# on the faster one (by ENGINE_MARGIN: the first call also pays one-time costs).
+ENGINE_MARGIN = 0.9
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
 _FORWARD = "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode"
@@ -67,13 +71,26 @@ class Plan:
         fallbacks: what the engine does, with one warning, where this strategy cannot run
             as planned; each entry reads "condition -> what runs instead".
         measured: why an earlier call on these shapes changed the plan, else None: reverse
-            mode measured faster than forward mode, or unbatched calls faster than vmap
-            (which loops inside for an op without a batching rule, or is slow anyway).
+            mode measured faster than forward mode, unbatched calls faster than vmap
+            (which loops inside for an op without a batching rule, or is slow anyway), or
+            eager autograd faster than torch.func.
         measure: the call times its first batched call against one unbatched call (the
             first call on new shapes under ``"auto"``, and the second where the first found
             unbatched calls faster: each side's fastest of the two decides): one direction
             more through f, in ``passes``; the result decides how later calls on these
             shapes run.
+        engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``, vmapped
+            pulls) or ``"autograd"`` (one eager forward that records an autograd graph, then
+            ``torch.autograd.grad`` per direction or vmapped over them, as the loop a user
+            writes, with autograd's fused backward kernels: RNNs, attention). Under
+            ``"auto"``, where the call builds no graph of its results and runs outside
+            transforms, the first call on new shapes runs on torch.func and the second on
+            eager autograd, each timed (`engine_trial`); later calls run on the faster one
+            (``measured`` says why). Where f draws random numbers, or torch.func cannot
+            differentiate it, always ``"autograd"``; ``"weighted"`` plans with no result
+            graph run on ``"autograd"`` (one pullback: the eager backward is the floor).
+        engine_trial: this call is the second on its shapes and runs on eager autograd to
+            time it against the first call's torch.func (f runs once, as in any call).
         f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
             first call on new shapes where ``"auto"`` chose forward mode (it times forward
             against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
@@ -102,6 +119,8 @@ class Plan:
     measured: str | None = None
     measure: bool = False
     f_runs: int = 1
+    engine: Engine = "torch.func"
+    engine_trial: bool = False
 
     @property
     def directions(self) -> int:
@@ -157,6 +176,9 @@ class Plan:
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
         measuring = "; times vmap against one unbatched call (this call)" * self.measure
+        if self.engine_trial:
+            measuring += "; times eager autograd against torch.func (this call)"
+        what += " on eager autograd" * (self.engine == "autograd")
         runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
         return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
 
@@ -174,6 +196,9 @@ def make_plan(
     measure: bool = False,
     not_forward: str | None = None,
     call: str = "funcgrad",
+    engine: Engine = "torch.func",
+    engine_trial: bool = False,
+    engine_why: str | None = None,
 ) -> Plan:
     """The plan for k cotangents on an m-dimensional y and n-dimensional inputs.
 
@@ -186,6 +211,8 @@ def make_plan(
     then the fewer of k pullbacks (``loop``) or m rows one at a time (``jacrev``, chunks of 1).
     ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
     ``not_forward``: why an earlier call measured reverse mode faster than forward mode.
+    ``engine``, ``engine_trial``: see :class:`Plan`; ``engine_why``: why the timed calls
+    chose eager autograd.
     """
     one_batch = chunk_size is None or chunk_size == "auto" or chunk_size >= n
     if requested == "jacfwd" and not one_batch:
@@ -215,6 +242,10 @@ def make_plan(
         strategy = "loop" if k <= m else "jacrev"
         chunk_size = None if strategy == "loop" else 1
         measured = unbatched if measured is None else f"{measured}; {unbatched}"
+    if engine_why is not None and requested == "auto" and not weighted:
+        measured = engine_why if measured is None else f"{measured}; {engine_why}"
+    if strategy == "jacfwd":  # forward mode runs f itself, on torch.func
+        engine, engine_trial = "torch.func", False
     batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
     measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
     fallbacks = _FALLBACKS[strategy]
@@ -229,4 +260,6 @@ def make_plan(
         fallbacks,
         measured,
         measure,
+        engine=engine,
+        engine_trial=engine_trial and requested == "auto" and not weighted,
     )

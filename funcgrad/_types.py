@@ -18,6 +18,9 @@ forward mode), `"loop"` (one unbatched backward per head), or `"auto"` (the fewe
 from the shapes, then measured on the first call on new shapes)."""
 # What a plan runs ("weighted": one pullback of w @ V).
 Executed = Literal["vjp", "jacrev", "jacfwd", "loop", "weighted"]
+Engine = Literal["torch.func", "autograd"]
+"""What f's linearisation runs on: torch.func's `vjp` (composable with transforms) or one eager
+autograd graph (autograd's own fused backward kernels: RNNs, attention, cuDNN)."""
 Level: TypeAlias = Literal["params", "features"]
 """Where the Gramian of the task gradients is formed: `"params"`, on the shared parameters
 (exact Jacobian descent, k directions through the shared part); `"features"`, on the features

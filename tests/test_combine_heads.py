@@ -121,3 +121,19 @@ def test_combine_heads_builds_no_graph_of_its_results(level):
     assert not _requires_grad((values, grad, weights))
     fn = funcgrad.combine_heads(model, heads, weighting, level=level, create_graph=True)
     assert fn(x)[1].requires_grad
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_combine_heads_one_pullback_runs_on_eager_autograd_without_a_result_graph(create_graph):
+    # One pullback of the summed heads: the eager forward and backward are the floor.
+    w = torch.randn(5, 3, dtype=torch.float64)
+    heads = [lambda y: y.sin().sum(), lambda y: (y**2).sum()]
+    fn = funcgrad.combine_heads(lambda x: w @ x, heads, create_graph=create_graph)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    plan = fn.plan(x)
+    assert plan.strategy == "weighted"
+    assert plan.engine == ("torch.func" if create_graph else "autograd")
+    _, grad, _ = fn(x)
+    want = torch.autograd.grad(sum(h(w @ x) for h in heads), x)[0]
+    torch.testing.assert_close(grad, want)
+    assert grad.requires_grad == create_graph

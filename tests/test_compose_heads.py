@@ -673,3 +673,42 @@ def test_bad_stacked_params():
         funcgrad.stacked_heads(lambda p, y: y.sum(), {"s": torch.tensor(1.0)})
     with pytest.raises(TypeError, match=r"`head_fn` must be callable"):
         funcgrad.stacked_heads("f", torch.ones(3))
+
+
+# -- on eager autograd, and torch.func's pullback in grad mode ----------------------------------
+
+
+def test_no_head_reaching_y_gives_zeros_on_eager_autograd(monkeypatch):
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    heads = [lambda y: torch.ones(()), lambda y: torch.zeros(())]
+    fn = funcgrad.compose_heads(torch.sin, heads)
+    x = torch.randn(3)
+    for _ in range(3):
+        values, grads = fn(x)
+    assert fn.plan(x).engine == "autograd"
+    torch.testing.assert_close(values, torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(grads, torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("calls", [1, 3])
+def test_lstm_parameters_equal_the_per_head_loop(calls):
+    # The CPU LSTM decides from the global grad mode whether to keep its backward's
+    # workspace: torch.func's pullback failed on it without a graph of the results.
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(4, 6, batch_first=True).double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    params = dict(lstm.named_parameters())
+
+    def f(p):
+        return torch.func.functional_call(lstm, p, (x,))[0]
+
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(3)]
+    fn = funcgrad.compose_heads(f, heads)
+    for _ in range(calls):
+        values, grads = fn(params)
+    want_values, want_grads = autograd_reference(f, heads, (params,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    for i in range(3):
+        assert_tree_close(tree_index(grads, i), want_grads[i])

@@ -19,7 +19,7 @@ from helpers import (
 from torch._subclasses.fake_tensor import is_fake
 
 import funcgrad
-from funcgrad import _engine
+from funcgrad import _engine, _heads
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._types import STRATEGIES
 
@@ -140,6 +140,7 @@ def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch,
         return result
 
     monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
     counter, w = BackwardCounter(), torch.randn(6, 4)
     heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
     fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
@@ -365,3 +366,80 @@ def test_plan_leaves_a_user_generator_alone():
     state = generator.get_state()
     assert fn.plan(torch.randn(4)).m == 2
     assert torch.equal(generator.get_state(), state)
+
+
+# -- the engine that auto weighs: torch.func or eager autograd, as the plan says ------------
+
+
+@pytest.mark.parametrize(("margin", "engine"), [(1e9, "autograd"), (0.0, "torch.func")])
+def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
+    monkeypatch, margin, engine
+):
+    # The margin replaces the clock: with 1e9 eager autograd always wins, with 0 never.
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", margin)
+    counter, runs = funcgrad.PassCounter(), []
+    w = torch.randn(6, 4, dtype=torch.float64)
+
+    def f(x):
+        runs.append(1)
+        return torch.tanh(w @ counter(x))
+
+    heads = {"a": lambda y: y.sin().sum(), "b": lambda y: (y**2).sum(), "c": lambda y: y[0]}
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(4, dtype=torch.float64)
+    want_values, want_grads = autograd_reference(f, list(heads.values()), (x,))
+    engines = []
+    for call in range(4):
+        plan = fn.plan(x)
+        assert plan.engine_trial == (call == 1)
+        engines.append(plan.engine)
+        counter.reset()
+        runs.clear()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes and len(runs) == 1  # f runs once a call
+        for i, key in enumerate(heads):
+            torch.testing.assert_close(values[key], want_values[i])
+            torch.testing.assert_close(grads[key], want_grads[i])
+            assert not grads[key].requires_grad
+    assert engines == ["torch.func", "autograd", engine, engine]
+    if engine == "autograd":
+        assert "eager autograd" in plan.measured and "on eager autograd" in repr(plan)
+
+
+def test_eager_autograd_runs_the_passes_it_plans(monkeypatch):
+    # On eager autograd each head is pulled through the heads and f at once, vmapped over
+    # the heads (the first calls time one more unbatched direction).
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    counter = funcgrad.PassCounter()
+    w = torch.randn(5, 3, dtype=torch.float64)
+    heads = [lambda y: y.sum(), lambda y: (y**2).mean(), lambda y: y.max()]
+    fn = funcgrad.compose_heads(lambda x: w @ counter(x), heads)
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(3):
+        plan = fn.plan(x)
+        counter.reset()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes
+    want_values, want_grads = autograd_reference(lambda x: w @ x, heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+    assert fn.plan(x).engine == "autograd"
+
+
+def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+    fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]], create_graph=True)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    for _ in range(3):
+        plan = fn.plan(x)
+        assert plan.engine == "torch.func" and not plan.engine_trial
+        _, grads = fn(x)
+    # second order: d/dx of sum(grad of head 0) = sum(-sin(x))
+    (second,) = torch.autograd.grad(grads[0].sum(), x)
+    torch.testing.assert_close(second, -torch.sin(x))
