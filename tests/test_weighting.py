@@ -1,6 +1,9 @@
 """Weightings (``funcgrad._weighting``): what a weighting sees (the Gramian of the task
 gradients at either level), how it is called (in the caller's grad mode, its result
-detached), and the errors on what it returns, before any ``.grad`` is written."""
+detached), and the errors on what it returns, before any ``.grad`` is written; then the
+module's own steps called directly: which rule each kind of weighting gets (as TorchJD's
+``jac_to_grad`` runs it), the Gramian of column blocks, the aggregation of a Jacobian and the
+weighted sum, against TorchJD and plain products."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from helpers import _counted_graph, _grads, _raises, _setup
 from torchjd import aggregation as tjd
 
 import funcgrad
+from funcgrad import _weighting
 
 
 def test_returned_weights_equal_weighting_of_the_gramian():
@@ -135,3 +139,113 @@ def test_a_weighting_may_differentiate_inside_itself(level):
     )
     _, _, weights = fn(x, torch.randn(5, 4))
     assert weights.shape == (2,) and not weights.requires_grad
+
+
+# -- the module's own steps, called directly ------------------------------------------------
+
+CALL = "funcgrad.backward(losses, through=...)"
+
+
+def _hooked_upgrad():
+    aggregator = tjd.UPGrad()
+    aggregator.register_forward_hook(lambda module, inputs, output: output)
+    return aggregator
+
+
+RULES = {
+    "none": (lambda: None, "sum"),
+    "callable": (lambda: lambda g: g.diagonal(), "gramian"),
+    "Gramian weighting": (tjd.UPGradWeighting, "gramian"),
+    "Gramian-weighted aggregator": (tjd.UPGrad, "gramian"),
+    "hooked aggregator": (_hooked_upgrad, "matrix"),
+    "weighted aggregator": (tjd.Mean, "matrix"),
+    "Jacobian weighting": (tjd.MeanWeighting, "jacobian"),
+    "aggregator without weights": (tjd.GradDrop, "vector"),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_each_kind_of_weighting_is_run_as_jac_to_grad_runs_it(name):
+    make, kind = RULES[name]
+    weighting = make()
+    rule = _weighting.resolve(weighting, "params", CALL)
+    assert rule.kind == kind
+    assert rule.needs_jacobian == (kind in ("jacobian", "matrix", "vector"))
+    assert rule.update_is_weighted == (kind not in ("vector",) and name != "hooked aggregator")
+    if name == "Gramian-weighted aggregator":  # jac_to_grad's shortcut: its Gramian weighting
+        assert rule.fn is weighting.gramian_weighting
+
+
+def test_resolve_refuses_what_is_no_weighting_before_any_pass():
+    with pytest.raises(TypeError, match=r"got the class UPGrad\. Pass UPGrad\(\)"):
+        _weighting.resolve(tjd.UPGrad, "params", CALL)
+    with pytest.raises(TypeError, match=r"`weighting` must be None, a callable"):
+        _weighting.resolve(3, "params", CALL)
+    with pytest.raises(ValueError, match=r"GradDrop is a TorchJD Aggregator without weights"):
+        _weighting.resolve(tjd.GradDrop(), "features", CALL)
+    with pytest.raises(ValueError, match=r"reads the Jacobian, and at level='features'"):
+        _weighting.resolve(tjd.MeanWeighting(), "features", CALL, distributed=True)
+    with pytest.raises(ValueError, match=r"unknown `level`"):
+        _weighting.resolve(None, "both", CALL)
+
+
+def test_the_gramian_of_column_blocks_is_that_of_the_whole_jacobian():
+    blocks = [torch.randn(3, 4), torch.randn(3, 1), torch.randn(3, 6)]
+    whole = torch.cat(blocks, dim=1)
+    torch.testing.assert_close(_weighting.gramian(blocks), whole @ whole.T)
+    half = _weighting.gramian([b.to(torch.bfloat16) for b in blocks])
+    assert half.dtype == torch.float32  # a half-precision Gramian overflows
+    want = whole.to(torch.bfloat16).float()
+    torch.testing.assert_close(half, want @ want.T)
+
+
+def test_weights_from_the_gramian_are_computed_with_grad_and_come_back_detached():
+    seen = {}
+
+    def descended(g):
+        seen["grad mode"], seen["input has a graph"] = torch.is_grad_enabled(), g.requires_grad
+        w = torch.ones(g.shape[0], requires_grad=True)
+        (step,) = torch.autograd.grad(w @ g @ w, w, create_graph=True)
+        return w - 0.1 * step
+
+    g = torch.randn(3, 3, requires_grad=True)
+    g2 = (g @ g.T).detach().requires_grad_()
+    with torch.no_grad():
+        weights = _weighting.weights_from_gramian(_weighting.Rule("gramian", descended), g2, CALL)
+    assert seen == {"grad mode": True, "input has a graph": False}
+    assert not weights.requires_grad
+    torch.testing.assert_close(weights, 1 - 0.1 * (g2 + g2.T).detach() @ torch.ones(3))
+
+
+def test_aggregate_equals_the_aggregator_called_on_the_jacobian():
+    rows = torch.randn(3, 7)
+    hooked = _hooked_upgrad()
+    weights, update = _weighting.aggregate(_weighting.resolve(hooked, "params", CALL), rows, CALL)
+    torch.testing.assert_close(update, tjd.UPGrad()(rows))
+    torch.testing.assert_close(weights @ rows, update)
+    weights, update = _weighting.aggregate(
+        _weighting.resolve(tjd.MeanWeighting(), "params", CALL), rows, CALL
+    )
+    assert update is None
+    torch.testing.assert_close(weights, torch.full((3,), 1 / 3))
+    weights, update = _weighting.aggregate(
+        _weighting.Rule("vector", lambda j: j.sum(0)), rows, CALL
+    )
+    assert weights is None
+    torch.testing.assert_close(update, rows.sum(0))
+
+
+def test_weighted_sum_leaf_by_leaf_and_the_checks_of_weights():
+    weights = torch.tensor([0.5, -1.0, 2.0])
+    grads = (torch.randn(3, 2, 4), torch.randn(3, 5, dtype=torch.float32))
+    got = _weighting.weighted_sum(weights, grads)
+    for g, leaf in zip(got, grads):
+        assert g.dtype == leaf.dtype
+        torch.testing.assert_close(g, sum(w * row for w, row in zip(weights.tolist(), leaf)))
+    assert not _weighting.checked_shape(weights.requires_grad_(), 3, "G", CALL).requires_grad
+    with pytest.raises(ValueError, match=r"must return weights of shape \(3,\)"):
+        _weighting.checked_shape(torch.ones(2), 3, "G", CALL)
+    with pytest.raises(TypeError, match=r"must return real floating-point weights"):
+        _weighting.checked_shape(torch.ones(3, dtype=torch.long), 3, "G", CALL)
+    with pytest.raises(ValueError, match=r"non-finite weights \[1.0, nan, 1.0\]"):
+        _weighting.check_finite(torch.tensor([1.0, float("nan"), 1.0]), "G", CALL)
