@@ -55,9 +55,59 @@ class CannotBatch(Exception):
 SLOW_PATH = ".*There is a performance drop because we have not yet implemented the batching rule"
 
 
-def _loop(fn: Callable[..., Tensors], args: Sequence[torch.Tensor]) -> Tensors:
-    results = [fn(*(arg[i] for arg in args)) for i in range(args[0].shape[0])]
+def _loop(
+    fn: Callable[..., Tensors],
+    args: Sequence[torch.Tensor],
+    last_fn: Callable[..., Tensors] | None = None,
+) -> Tensors:
+    n = args[0].shape[0]
+    calls = [last_fn if last_fn is not None and i == n - 1 else fn for i in range(n)]
+    results = [call(*(arg[i] for arg in args)) for i, call in enumerate(calls)]
     return tuple(torch.stack(outputs) for outputs in zip(*results))
+
+
+def _vmap_last(
+    fn: Callable[..., Tensors],
+    last_fn: Callable[..., Tensors],
+    args: Sequence[torch.Tensor],
+    chunk_size: int | None,
+) -> Tensors:
+    """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
+    function over every chunk)."""
+    spans = chunks(args[0].shape[0], chunk_size)
+    if len(spans) == 1:
+        return _vmap(last_fn, args, None, "error")
+    parts = [
+        _vmap(last_fn if i == len(spans) - 1 else fn, [a[start:stop] for a in args], None, "error")
+        for i, (start, stop) in enumerate(spans)
+    ]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
+def _loop_after(
+    fn: Callable[..., Tensors],
+    args: Sequence[torch.Tensor],
+    last_fn: Callable[..., Tensors] | None,
+    why: str,
+    freer: str | None,
+) -> Tensors:
+    """The loop of unbatched calls after a batched attempt that went wrong (``why``). Where
+    that attempt ran ``last_fn`` (``freer``: the call that did), the last pass through an
+    autograd graph, which frees it (``retain_graph=False``), the nodes it ran may have freed
+    their saved tensors: then a clear error, before any ``.grad`` is written. Otherwise the
+    loop's own error, if any, is the one to see."""
+    try:
+        return _loop(fn, args, last_fn)
+    except RuntimeError as error:
+        if freer is None or _linearize.FREED_GRAPH not in str(error):
+            raise
+        raise RuntimeError(
+            f"funcgrad: {why}, but the loop of unbatched calls that would give the answer "
+            f"cannot run: {freer}, the last pass through the graph (retain_graph=False), had "
+            "already freed part of it. Nothing was written. Pass retain_graph=True (the graph "
+            "is then kept for the loop, and freed when you drop its outputs), or chunk_size=1 "
+            "(a loop from the start, whose last direction frees the graph)."
+        ) from error
 
 
 def _vmap(
@@ -295,6 +345,7 @@ def batched(
     what: str,
     can_vmap: bool = True,
     may_loop: bool = True,
+    last_fn: Callable[..., Tensors] | None = None,
 ) -> Tensors:
     """``fn`` over the leading dim of ``args`` (one vmap, one per chunk, or a loop).
 
@@ -302,6 +353,9 @@ def batched(
     gets the leading batch dim. With ``may_loop=False`` (forward mode, where each call runs
     f's forward and would draw new random numbers) the map is one vmap with
     ``randomness="same"`` or nothing: where that fails, :class:`CannotBatch` is raised.
+    ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
+    map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
+    call before it is ``fn``.
     """
     batch = args[0].shape[0]
     if chunk_size == "auto":
@@ -317,17 +371,30 @@ def batched(
             if parts:
                 rest = [arg[FIT_RANGES[-1][1] :] for arg in args]
                 parts.append(
-                    batched(fn, rest, chunk_size=fit, check=check, what=what, can_vmap=can_vmap)
+                    batched(
+                        fn,
+                        rest,
+                        chunk_size=fit,
+                        check=check,
+                        what=what,
+                        can_vmap=can_vmap,
+                        last_fn=last_fn,
+                    )
                 )
                 return tuple(torch.cat(outputs) for outputs in zip(*parts))
             chunk_size = fit
     if may_loop and (batch == 1 or chunk_size == 1 or not can_vmap):
-        return _loop(fn, args)
-    log = _measurements.get() if may_loop and values_readable(args) else None
+        return _loop(fn, args, last_fn)
+    checking = bool(check) and values_readable(args)
+    # With check, the vmap keeps the graph for the comparisons; the last of them frees it.
+    freeing = last_fn if may_loop and not checking else None
+    log = _measurements.get() if may_loop and last_fn is None and values_readable(args) else None
     if log:  # one measurement per block: the first batched call's
         log = None
     try:
-        if log is None:
+        if freeing is not None:
+            result = _vmap_last(fn, freeing, args, chunk_size)
+        elif log is None:
             result = _vmap(
                 fn, args, chunk_size if may_loop else None, "error" if may_loop else "same"
             )
@@ -339,7 +406,11 @@ def batched(
             raise
         if not may_loop:
             raise CannotBatch(first_line(error)) from error
-        looped = _loop(fn, args)  # if the loop fails too, its error is the one to see
+        why = f"vmap could not batch {what} ({first_line(error)})"
+        ran_last = freeing is not None and _linearize.FREED_GRAPH not in str(error)
+        looped = _loop_after(
+            fn, args, last_fn, why, "the failed batched call" if ran_last else None
+        )
         warnings.warn(
             f"funcgrad: vmap could not batch {what} ({first_line(error)}); "
             "fell back to a loop of unbatched calls, which gives the right answer more slowly. "
@@ -349,9 +420,12 @@ def batched(
         )
         return looped
     # The comparison reads values: eager only (not inside vmap/grad or a compiled region).
-    if check and values_readable(args):
+    if checking:
+        unbatched: list[Tensors] = []
         for index in sorted({0, batch // 2, batch - 1}):
-            problem = _mismatch(result, fn(*(arg[index] for arg in args)), index)
+            call = last_fn if last_fn is not None and index == batch - 1 else fn
+            unbatched.append(call(*(arg[index] for arg in args)))
+            problem = _mismatch(result, unbatched[-1], index)
             if problem is None:
                 continue
             message = (
@@ -362,8 +436,14 @@ def batched(
                 raise BatchingMismatchError(message + " Use strategy='loop' to avoid vmap.")
             if not may_loop:
                 raise CannotBatch(message)
+            if len(unbatched) == batch:  # every direction ran unbatched: the loop's answer
+                looped = tuple(torch.stack(outputs) for outputs in zip(*unbatched))
+            else:
+                why = f"check found that vmap computed {what} wrongly ({problem})"
+                freer = "the unbatched call of the last direction" if call is not fn else None
+                looped = _loop_after(fn, args, last_fn, why, freer)
             warnings.warn(message + " Fell back to a loop.", FuncgradWarning, stacklevel=4)
-            return _loop(fn, args)
+            return looped
     return result
 
 
@@ -410,9 +490,13 @@ def pull(
     check: bool | str,
     *,
     loop: bool = False,
+    last: bool = False,
 ) -> Tensors:
     """``J^T d`` for a batch of directions (leaves with a leading batch dim): one vmapped
-    call of the linearisation, one per chunk, or a loop."""
+    call of the linearisation, one per chunk, or a loop. ``last``: no pull through ``lin``
+    follows, so the last pass of this one runs ``lin.last_vjp`` (on an autograd graph it
+    frees the graph unless the user asked to retain it, as ``weighted``'s one pull does)."""
+    last_vjp = lin.last_vjp if last else None
     try:
         return batched(
             lambda *direction: lin.vjp(direction),
@@ -421,6 +505,7 @@ def pull(
             check=check,
             what=lin.what,
             can_vmap=lin.can_vmap and not loop,
+            last_fn=None if last_vjp is None else (lambda *direction: last_vjp(direction)),
         )
     except RuntimeError as error:
         if _linearize.torch_limit(error) != "donated buffers":
@@ -736,6 +821,7 @@ def by_linearity(
     keep: bool,
     chunk_size: ChunkSize,
     check: bool | str,
+    last: bool = False,
 ) -> tuple[Tensors, int]:
     """``J^T v_i`` for k cotangents, sending through f only directions outside ``basis``.
 
@@ -750,20 +836,23 @@ def by_linearity(
     values (a QR, host reads) and pays off only where the shapes say so. With more
     cotangents than y has coordinates (k > m) it pulls y's m unit directions and combines
     them, with one read to check the product is finite; else the k cotangents themselves.
+    ``last`` (one-shot calls): no pull through ``lin`` follows (see :func:`pull`); the k
+    cotangents themselves then go through f also where k > m, as nothing could be
+    recomputed after that pull.
     """
     k, m = cotangents[0].shape[0], basis.m
     out_like, x_like = lin.out, lin.x_like
     if nothing_to_pull(k, out_like, x_like):
         return zeros(k, x_like), 0
     if not values_readable(cotangents):  # reuse reads values: eager mode only
-        return pull(lin, cotangents, chunk_size, check), k
+        return pull(lin, cotangents, chunk_size, check, last=last), k
     coords = _coords.to_coords(cotangents, k)
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check), pulled + k
+        return pull(lin, cotangents, chunk_size, check, last=last), pulled + k
 
     if not keep:
-        if k <= m:
+        if k <= m or last:
             return direct()
         images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check)
         result = _coords.combine(coords, images)

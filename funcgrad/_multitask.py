@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -240,6 +240,19 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+@contextlib.contextmanager
+def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
+    """Around what follows the last pull through the shared part: where that pull freed
+    the graph (``freed``) and the body raises (a weighting's error), the graph is counted
+    as spent, so that a retry through it raises a clear error up front, before any pass."""
+    try:
+        yield
+    except BaseException:
+        if freed:
+            _graph.spend(graph, _CALL)
+        raise
+
+
 @_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
@@ -281,7 +294,8 @@ def backward(
             ``jac_to_grad(model.parameters(), ...)``): another leaf that requires grad, such
             as an input, gets ``w @`` its per-task gradients without changing ``w``.
         retain_graph: keep the graph after the call, as ``torch.autograd.backward`` does.
-            Without it the graph counts as freed from the losses down (see Notes).
+            Without it the last pass through the shared part frees its saved tensors, and
+            the graph counts as freed from the losses down (see Notes).
         chunk_size: at level ``"params"``, at most this many directions per batched
             backward through the shared part (1: a loop).
         check: compare the batched backward through the shared part with unbatched ones
@@ -317,17 +331,27 @@ def backward(
         Cost: one backward of each loss to ``through`` (cheap, head by head), then through
         the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
         (along ``w @ V``), and at ``level="params"`` one batched backward along the k
-        cotangents (``through``'s unit directions where k > ``numel(through)``),
-        after which the update needs no further pass. It runs in stages: validate (the
-        graph is walked once) and, with a process group, agree across ranks; collect (V and
-        the task-specific gradients); weigh (the Gramian and the weights); apply. Nothing
-        is written before the apply stage, so an error anywhere before it leaves every
-        ``.grad`` unchanged. At level ``"params"`` (without DDP or FSDP) the batched
-        backward keeps the graph of the shared part whatever ``retain_graph``: its saved
-        tensors go when ``through`` and the losses go (``del`` them before the next forward
-        to keep peak memory at one graph). With ``retain_graph=False`` the graph counts as
-        freed where ``sum(losses).backward()`` would free it, the heads' part (which
-        funcgrad keeps for each loss's gradient on ``through``) included: a second call
+        cotangents (with ``retain_graph=True``, ``through``'s unit directions where k >
+        ``numel(through)``), after which the update needs no further pass. It runs in
+        stages: validate (the graph is walked once) and, with a process group, agree across
+        ranks; collect (V and the task-specific gradients); weigh (the Gramian and the
+        weights); apply. Nothing is written before the apply stage, so an error anywhere
+        before it leaves every ``.grad`` unchanged.
+
+        Without ``retain_graph``, the last pass through the shared part frees its saved
+        tensors, as ``sum(losses).backward()`` does, at both levels and with every
+        ``process_group``: the one backward of ``w @ V``, or at level ``"params"`` the
+        batched backward (the last chunk of ``chunk_size``, the last direction of a loop or
+        through a reentrant checkpoint, the last of ``check``'s comparisons; no pass is
+        added). So the previous step's activations are gone before the next forward, though
+        you still hold ``through`` and the losses. At level ``"params"`` the weighting runs
+        after that pass: a retry after its error needs a new forward (or
+        ``retain_graph=True``). Where vmap cannot batch that backward and fails after it
+        freed part of the graph, the loop that would answer cannot run: a clear error says
+        so, before any ``.grad`` is written (pass ``retain_graph=True``, or ``chunk_size=1``
+        for a loop from the start). The graph counts as freed where
+        ``sum(losses).backward()`` would free it, the heads' part (which funcgrad keeps for
+        each loss's gradient on ``through``, until the losses go) included: a second call
         through it, or the user's own ``.backward()``, raises torch's error before any
         ``.grad`` is written.
     """
@@ -373,22 +397,26 @@ def backward(
         if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
             update = sync.average(_engine.weighted(lin, coefficients, rows))
     else:
+        # The last pull through the shared part frees its graph (unless retain_graph), as
+        # sum(losses).backward() would; under a DDP wrap, the backward of w @ V follows it.
+        last = not sync.by_backward(one_pull=False)
 
         def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
             basis = _engine.Basis(_coords.real_size(lin.out))
             grads, _ = _engine.by_linearity(
-                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
+                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
             )
             return grads
 
         task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
-        # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
-        # w @ P, and the update written back sparse, as .grad would be.
-        sparse = [g.is_sparse for g in task_grads]
-        task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
-        what = "with respect to the shared parameters"
-        weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
-        update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
+        with _spent_if_raising(task.graph, freed=last and not retain_graph):
+            # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
+            # w @ P, and the update written back sparse, as .grad would be.
+            sparse = [g.is_sparse for g in task_grads]
+            task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
+            what = "with respect to the shared parameters"
+            weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
+            update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
         if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
             update = None  # which its reducer averages into w @ (global per-task gradients)
 

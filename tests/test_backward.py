@@ -17,7 +17,7 @@ from torchjd import aggregation as tjd
 from torchjd.autojac import jac_to_grad, mtl_backward
 
 import funcgrad
-from funcgrad._counting import BackwardCounter
+from funcgrad._counting import BackwardCounter, counted
 
 
 def _torchjd(aggregator, k=3, two_features=False, seed=None):
@@ -691,3 +691,339 @@ def test_backward_collects_the_losses_gradients_as_autograd(level):
     funcgrad.backward(losses, through=features, level=level)
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad, w, equal_nan=True)
+
+
+# -- the shared graph is freed by the last pass, as by sum(losses).backward() ------------
+
+
+class _Saved:
+    """The tensors a forward saves for backward, each packed in a box that only the graph
+    holds (see test_a_spent_graph_goes_when_dropped): a node drops its boxes when a
+    backward without retain_graph runs it, so ``alive()`` counts the saved tensors the graph
+    still holds while the user still holds its outputs."""
+
+    def __init__(self):
+        self.refs = []
+
+    def pack(self, tensor):
+        box = _Box(tensor.detach())
+        self.refs.append(weakref.ref(box))
+        return box
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda box: box.tensor)
+
+    def alive(self):
+        gc.collect()
+        return sum(ref() is not None for ref in self.refs)
+
+
+def _freeing_model(shared):
+    """(encoder: x -> features, its parameters, 3 heads, x, targets) in float64. "mlp": a
+    plain encoder; "checkpoint": the same inside a reentrant checkpoint (pulled by
+    .backward(), one direction at a time); "narrow": 2 features for 3 tasks (k > m)."""
+    torch.manual_seed(0)
+    width = 2 if shared == "narrow" else 6
+    layers = torch.nn.Sequential(
+        torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, width), torch.nn.Tanh()
+    ).double()
+    heads = torch.nn.ModuleList(torch.nn.Linear(width, 1) for _ in range(3)).double()
+    x, targets = torch.randn(10, 5, dtype=torch.float64), torch.randn(10, 3, dtype=torch.float64)
+    x.requires_grad_(shared == "checkpoint")  # (a reentrant checkpoint needs such an input)
+
+    def encoder(inputs):
+        if shared == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(layers, inputs, use_reentrant=True)
+        return layers(inputs)
+
+    return encoder, list(layers.parameters()), heads, x, targets
+
+
+def _freeing_losses(heads, features, targets):
+    return [(head(features) - targets[:, i : i + 1]).pow(2).mean() for i, head in enumerate(heads)]
+
+
+@pytest.mark.parametrize("shared", ["mlp", "checkpoint", "narrow"])
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_backward_frees_the_shared_graph_as_sum_backward_does(level, shared):
+    """retain_graph=False: the shared part's saved tensors are gone once backward returns,
+    while the user still holds `through` and the losses, as after sum(losses).backward()
+    (the previous step's activations no longer live through the next forward); the
+    gradients are TorchJD's (params) or w @ the per-head autograd gradients (features), in
+    one batched pass through the shared part (one per direction through a reentrant
+    checkpoint)."""
+    encoder, params, heads, x, targets = _freeing_model(shared)
+    saved = _Saved()
+    with saved.hooks():
+        features = encoder(x)
+    losses = _freeing_losses(heads, features, targets)
+    sum(losses).backward()
+    assert saved.refs and saved.alive() == 0  # torch's own backward: the reference
+
+    want = []
+    for i in range(3):  # per-head autograd, on a graph of its own (.backward(): a reentrant
+        for p in params:  # checkpoint hides its parameters from torch.autograd.grad)
+            p.grad = None
+        _freeing_losses(heads, encoder(x), targets)[i].backward()
+        want.append([p.grad for p in params])
+    for p in [*params, *heads.parameters()]:
+        p.grad = None
+    saved, counter = _Saved(), BackwardCounter()
+    with saved.hooks():
+        features = counted(encoder(x), counter)
+    losses = _freeing_losses(heads, features, targets)
+    weights = funcgrad.backward(
+        losses, through=features, weighting=tjd.UPGradWeighting(), level=level, inputs=params
+    )
+    assert saved.alive() == 0, f"{saved.alive()} of {len(saved.refs)} saved tensors still held"
+    assert counter.backward == (3 if shared == "checkpoint" and level == "params" else 1)
+    assert features.grad_fn is not None and all(loss.grad_fn is not None for loss in losses)
+    for j, p in enumerate(params):
+        torch.testing.assert_close(p.grad, sum(w * g[j] for w, g in zip(weights, want)))
+    if level == "params" and shared != "checkpoint":  # TorchJD's mtl_backward + jac_to_grad
+        # (on a forward of its own; TorchJD cannot go through a reentrant checkpoint)
+        got = [p.grad for p in params]
+        for p in [*params, *heads.parameters()]:
+            p.grad = None
+        features = encoder(x)
+        mtl_backward(_freeing_losses(heads, features, targets), features)
+        jac_to_grad(params, tjd.UPGrad())
+        for p, g in zip(params, got):
+            torch.testing.assert_close(g, p.grad)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_retain_graph_keeps_the_shared_graph_for_a_second_call(level):
+    encoder, params, heads, x, targets = _freeing_model("mlp")
+    saved = _Saved()
+    with saved.hooks():
+        features = encoder(x)
+    losses = _freeing_losses(heads, features, targets)
+    weighting = tjd.UPGradWeighting()
+    funcgrad.backward(losses, through=features, weighting=weighting, level=level, retain_graph=True)
+    assert saved.alive() == len(saved.refs) > 0
+    once = [p.grad.clone() for p in params]
+    funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    for p, g in zip(params, once):
+        torch.testing.assert_close(p.grad, 2 * g)
+    assert saved.alive() == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "passes"),
+    [
+        ({"chunk_size": 1}, 3),  # a loop: its last direction frees
+        ({"chunk_size": 2}, 2),  # two vmapped chunks: the last one frees
+        ({"chunk_size": "auto"}, 1),
+        ({"check": True}, 4),  # one vmap, then 3 unbatched comparisons: the last one frees
+    ],
+)
+def test_every_way_of_pulling_the_params_level_frees_with_its_last_pass(options, passes):
+    """No pass is added to free the graph: the last one through it does."""
+    encoder, params, heads, x, targets = _freeing_model("mlp")
+    saved, counter = _Saved(), BackwardCounter()
+    with saved.hooks():
+        features = counted(encoder(x), counter)
+    losses = _freeing_losses(heads, features, targets)
+    weights = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    funcgrad.backward(losses, through=features, weighting=lambda g: weights, **options)
+    assert saved.alive() == 0
+    assert counter.backward == passes
+    got = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    sum(
+        w * loss for w, loss in zip(weights, _freeing_losses(heads, encoder(x), targets))
+    ).backward()
+    for p, g in zip(params, got):
+        torch.testing.assert_close(g, p.grad)
+
+
+def _sparse_model(deep):
+    """A sparse embedding (vmap cannot batch its sparse gradient), as `through` itself
+    (its backward is the first one run) or under a layer that saves tensors (run before)."""
+    torch.manual_seed(0)
+    emb = torch.nn.EmbeddingBag(10, 4, mode="sum", sparse=True).double()
+    layer = torch.nn.Linear(4, 5).double()
+    heads = torch.nn.ModuleList(torch.nn.Linear(5 if deep else 4, 1) for _ in range(3)).double()
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4])
+
+    def encoder():
+        bags = emb(idx, offsets)
+        return torch.tanh(layer(bags)) if deep else bags
+
+    return encoder, [emb.weight, *(layer.parameters() if deep else ())], heads
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_graph_vmap_cannot_batch_gives_the_answer_or_a_clear_error(deep):
+    """vmap fails at the sparse embedding's backward. Where nothing ran before it, the
+    loop that follows answers (autograd's gradients, the graph freed by its last
+    direction). Where a layer that saves tensors ran first, the failed batched backward
+    (retain_graph=False) has freed them: a clear error naming the cause and the fixes,
+    every .grad untouched; each fix then answers."""
+    encoder, params, heads = _sparse_model(deep)
+    weights = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)
+    weighting = lambda g: weights  # noqa: E731
+    features = encoder()
+    sum(w * head(features).sum() for w, head in zip(weights, heads)).backward()
+    want = [p.grad.to_dense() for p in params]
+    for p in [*params, *heads.parameters()]:
+        p.grad = None
+
+    saved = _Saved()
+    with saved.hooks():
+        features = encoder()
+    losses = [head(features).sum() for head in heads]
+    if deep:
+        with pytest.raises(RuntimeError, match=r"vmap could not batch .*freed.*") as error:
+            funcgrad.backward(losses, through=features, weighting=weighting)
+        assert "retain_graph=True" in str(error.value) and "chunk_size=1" in str(error.value)
+        assert all(p.grad is None for p in [*params, *heads.parameters()])
+        fixes = [{"retain_graph": True}, {"chunk_size": 1}]
+    else:
+        fixes = [{}]
+    for fix in fixes:
+        saved = _Saved()
+        with saved.hooks():
+            features = encoder()
+        losses = [head(features).sum() for head in heads]
+        expect_warning = fix.get("chunk_size") != 1
+        with (
+            pytest.warns(funcgrad.FuncgradWarning, match="vmap could not batch")
+            if expect_warning
+            else contextlib.nullcontext()
+        ):
+            funcgrad.backward(losses, through=features, weighting=weighting, **fix)
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.grad.to_dense(), w)
+        kept = fix.get("retain_graph", False)
+        assert saved.alive() == (len(saved.refs) if kept else 0)
+        for p in [*params, *heads.parameters()]:
+            p.grad = None
+
+
+def test_a_retry_after_a_weighting_error_on_a_freed_graph_is_refused_up_front():
+    """At level "params" the weighting runs after the pull that freed the shared part: a
+    retry through that graph is torch's error, raised before any pass and any write; with
+    retain_graph=True the graph is kept and the retry answers."""
+    counter, model, features, losses = _counted_graph()
+    with pytest.raises(ValueError, match="non-finite weights"):
+        funcgrad.backward(losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0)
+    counter.reset()
+    with pytest.raises(funcgrad.SecondBackwardError, match="backward through the graph a second"):
+        funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+    assert counter.backward == 0 and not _grads(model)
+
+    counter, model, features, losses = _counted_graph()
+    with pytest.raises(ValueError, match="non-finite weights"):
+        funcgrad.backward(
+            losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0, retain_graph=True
+        )
+    funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+    assert _grads(model)
+
+
+def _freeing_ranks(rank, store):
+    """On each of 2 gloo ranks, for each Sync policy (a ProcessGroup, a DDP module that is
+    the shared encoder or only part of it, an FSDP2 encoder) at both levels: two steps in a
+    row, each freeing the shared part's saved tensors (DDP's reducer and FSDP's hooks still
+    reduce the second step), every .grad the one process's on the whole batch."""
+    import copy
+    import os
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from funcgrad.bench._ddp import gloo_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    with gloo_group(30, init_method=f"file://{store}", rank=rank, world_size=2):
+        mesh = init_device_mesh("cpu", (2,))
+        generator = torch.Generator().manual_seed(1)
+        x, y = torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator)
+        shard = slice(rank * 4, rank * 4 + 4)
+        for wrap in ("group", "ddp", "ddp part", "fsdp"):
+            for level in ("params", "features"):
+                torch.manual_seed(0)
+                encoder = torch.nn.Sequential(
+                    torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6), torch.nn.Tanh()
+                )
+                heads = torch.nn.ModuleList(torch.nn.Linear(6, 1) for _ in range(3))
+                reference = copy.deepcopy((encoder, heads))
+                if wrap == "fsdp":
+                    group = fully_shard(encoder, mesh=mesh)
+                    run = encoder
+                elif wrap == "ddp":
+                    run = group = torch.nn.parallel.DistributedDataParallel(encoder)
+                elif wrap == "ddp part":
+                    group = torch.nn.parallel.DistributedDataParallel(encoder[0])
+                    run = torch.nn.Sequential(group, *encoder[1:])
+                else:
+                    run, group = encoder, dist.group.WORLD
+                for step in range(2):
+                    label = f"{wrap} {level} step {step}"
+                    saved = _Saved()
+                    with saved.hooks():
+                        features = run(x[shard])
+                    losses = [
+                        F.mse_loss(h(features), y[shard, i : i + 1]) for i, h in enumerate(heads)
+                    ]
+                    funcgrad.backward(
+                        losses,
+                        through=features,
+                        weighting=tjd.UPGradWeighting(),
+                        level=level,
+                        process_group=group,
+                    )
+                    assert saved.alive() == 0, label
+                    features = reference[0](x)
+                    losses = [
+                        F.mse_loss(h(features), y[:, i : i + 1]) for i, h in enumerate(reference[1])
+                    ]
+                    funcgrad.backward(
+                        losses, through=features, weighting=tjd.UPGradWeighting(), level=level
+                    )
+                    pairs = zip(
+                        [*encoder.parameters(), *heads.parameters()],
+                        [*reference[0].parameters(), *reference[1].parameters()],
+                    )
+                    for p, q in pairs:
+                        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                        torch.testing.assert_close(got, q.grad, rtol=1e-7, atol=1e-9, msg=label)
+
+
+@pytest.mark.slow
+def test_every_sync_policy_frees_the_shared_graph(tmp_path):
+    torch.multiprocessing.spawn(_freeing_ranks, args=(str(tmp_path / "store"),), nprocs=2)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_check_that_catches_a_wrong_batch_answers_and_frees(k):
+    """check=True on a shared part whose batched backward torch gets wrong (cdist): the
+    unbatched calls answer (with k <= 3 they are the comparisons themselves, the last of
+    which freed the graph; else a loop whose last direction frees it)."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    x, points = torch.randn(5, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    scales = torch.linspace(-1, 1, 20, dtype=torch.float64).reshape(5, 4)
+    weights = torch.linspace(0.5, 2.0, k, dtype=torch.float64)
+
+    def losses_of(features):
+        return [(features * scales**i).sum() for i in range(k)]
+
+    sum(w * loss for w, loss in zip(weights, losses_of(torch.cdist(x @ weight, points)))).backward()
+    want, weight.grad = weight.grad, None
+    saved = _Saved()
+    with saved.hooks():
+        features = torch.cdist(x @ weight, points)
+    with pytest.warns(funcgrad.FuncgradWarning, match="check found that vmap computed"):
+        funcgrad.backward(
+            losses_of(features), through=features, weighting=lambda g: weights, check=True
+        )
+    torch.testing.assert_close(weight.grad, want)
+    assert saved.alive() == 0

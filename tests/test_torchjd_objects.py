@@ -445,7 +445,10 @@ def test_an_aggregator_that_reports_no_weights_cannot_update_leaves_it_did_not_s
     with pytest.raises(ValueError, match=r"Halved reported no weights.*Pass inputs="):
         funcgrad.backward(task_losses, through=features, weighting=Halved(tjd.MeanWeighting()))
     assert x.grad is None and all(p.grad is None for p in encoder.parameters())
-    # With every leaf in `inputs`, the aggregator sees them all, as jac_to_grad would.
+    # With every leaf in `inputs`, the aggregator sees them all, as jac_to_grad would (on a
+    # new forward: the pull before the error freed the graph, as a backward does).
+    features = encoder(x)
+    task_losses = [head(features).pow(2).mean() for head in heads]
     leaves = [x, *encoder.parameters()]
     per_task = [torch.autograd.grad(loss, leaves, retain_graph=True) for loss in task_losses]
     funcgrad.backward(
