@@ -640,11 +640,11 @@ def _finite(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([s.to(sums[0].device) for s in sums]).all()
 
 
-def _conditioning(dtype: torch.dtype) -> float:
-    """The smallest singular value of the held directions' residual (rows of norm <= 1) for
-    their pullbacks to be derived by linearity: a derived image is off by about eps / this
-    times the Jacobian's scale, so eps**(3/4) at worst (float64: 2e-12, float32: 7e-6)."""
-    return math.sqrt(math.sqrt(torch.finfo(dtype).eps))
+def _error_level(dtype: torch.dtype) -> float:
+    """How far off a derived image (see :meth:`Basis.extension`) may be, in eps times the
+    Jacobian's scale: eps**(-1/4), an error of eps**(3/4) at most (float64: 2e-12, float32:
+    7e-6); past it, the direction goes through f."""
+    return 1 / math.sqrt(math.sqrt(torch.finfo(dtype).eps))
 
 
 @dataclasses.dataclass
@@ -654,7 +654,8 @@ class _Extension:
 
     q: torch.Tensor  # (s, m) rows, orthogonal to the basis
     images: Tensors  # their pullbacks, leaves (s, ...)
-    sound: torch.Tensor  # all finite, the smallest singular value above _conditioning
+    level: torch.Tensor  # a bound on their images' error, in eps times J's scale
+    sound: torch.Tensor  # all finite, the level within _error_level
     broken: torch.Tensor  # finite held cotangents with non-finite pullbacks: J is not finite
     rest: torch.Tensor  # (t, m) rows of the held span outside q and these, to be pulled
 
@@ -676,6 +677,9 @@ class Basis:
         self.m, self.max_bytes = m, max_bytes
         self.q: torch.Tensor | None = None  # (r, m), orthonormal rows
         self.images: Tensors = ()  # pullbacks of the rows, leaves (r, *x_leaf.shape)
+        # A bound on each image's error, in eps times the Jacobian's scale (r,): 1 for an
+        # image pulled through f, more for one derived by linearity (see extension).
+        self.levels: torch.Tensor | None = None
         # Cotangents pulled back as they were, not yet in q: (their leaves (p, ...) and
         # their pullbacks (p, ...), detached).
         self.held: tuple[Tensors, Tensors] | None = None
@@ -710,6 +714,7 @@ class Basis:
 
     def clear(self, enabled: bool = True) -> None:
         self.q, self.images, self.held, self.enabled = None, (), None, enabled
+        self.levels = None
 
     def hold(self, cotangents: Tensors, images: Tensors) -> None:
         """Keep cotangents pulled back as they are (at most ``m - rank`` of them), with their
@@ -722,10 +727,12 @@ class Basis:
         by linearity: with ``Z = D P - C Q`` (P the held rows, D their unit scales, C their
         coordinates on q, projected twice for orthogonality) and ``Z = U S Vh``, the new
         directions are ``Vh = S^-1 U^T Z``, whose pullbacks are the same combination of the
-        held pullbacks and q's images. ``all_rows``: every singular direction (no read; the
-        flags say whether to trust them); else those above :func:`_conditioning` (a read),
-        and in ``rest`` the directions of the held span whose pullbacks cannot be derived
-        precisely (singular values between roundoff and :func:`_conditioning`)."""
+        held pullbacks and q's images. Their error is bounded by ``||S^-1||`` (the held
+        images' roundoff) plus ``||S^-1 U^T C||`` times q's own error levels: past
+        :func:`_error_level` they are not sound. ``all_rows``: every singular direction (no
+        read; the flags say whether to trust them); else (reads) those that keep the level
+        within bounds, and in ``rest`` the other directions of the held span above roundoff,
+        whose pullbacks must go through f."""
         assert self.held is not None
         held, held_images = self.held
         coords = _coords.to_coords(held, held[0].shape[0])
@@ -741,14 +748,24 @@ class Basis:
             projection = first + second
         finite = torch.isfinite(coords).all()  # (the SVD refuses NaN: zeros, then not sound)
         u, s, vh = torch.linalg.svd(torch.where(finite, residual, 0), full_matrices=False)
-        threshold = _conditioning(coords.dtype)
-        rest = vh[:0]
-        if not all_rows:
-            kept = int((s > threshold).sum())
-            rest = vh[kept : int((s > _roundoff(coords.dtype, s.shape[0] - 1)).sum())]
+        rest, limit = vh[:0], _error_level(coords.dtype)
+
+        def level(u: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            mix = u.T / torch.where(s > 0, s, 1)[:, None]
+            bound = mix.norm()
+            if projection is not None and self.levels is not None:
+                bound = bound + ((mix @ projection) * self.levels).norm()
+            return mix, bound
+
+        if not all_rows:  # the directions that keep the error level in bounds
+            above = int((s > _roundoff(coords.dtype, s.shape[0] - 1)).sum())
+            kept = int((s > 1 / limit).sum())
+            if kept and float(level(u[:, :kept], s[:kept])[1]) > limit:
+                kept = 0
+            rest = vh[kept:above]
             u, s, vh = u[:, :kept], s[:kept], vh[:kept]
         # Vh = S^-1 U^T D P - S^-1 U^T C Q
-        mix = u.T / torch.where(s > 0, s, 1)[:, None]
+        mix, bound = level(u, s)
         images = _coords.combine(mix * scales.T, held_images)
         if projection is not None and self.q is not None:
             images = tuple(
@@ -758,7 +775,8 @@ class Basis:
         return _Extension(
             vh,
             images,
-            sound=finite & images_finite & (s > threshold).all(),
+            level=bound,
+            sound=finite & images_finite & (bound <= limit) & (s > 1 / limit).all(),
             broken=finite & ~images_finite,
             rest=rest,
         )
@@ -767,7 +785,7 @@ class Basis:
         """Add ``ext``'s directions; the held rows are then spent."""
         self.held = None
         if ext.q.shape[0]:
-            self.add(ext.q, ext.images)
+            self.add(ext.q, ext.images, ext.level.expand(ext.q.shape[0]))
 
     def settle(self, pull_rows: Callable[[torch.Tensor], Tensors], x_like: Tensors) -> int:
         """Turn the held rows into directions now (host reads): by linearity where that is
@@ -788,6 +806,9 @@ class Basis:
         rest = ext.rest
         if not rest.shape[0] or not self.fits(rest.shape[0], held, x_like):
             return 0
+        if self.q is not None:  # small singular directions: once more against q, for orthogonality
+            rest = rest - (rest @ self.q.T) @ self.q
+            rest = torch.linalg.qr(rest.T).Q.T
         pulled = pull_rows(rest)
         if all_finite(pulled):
             self.add(rest, pulled)
@@ -821,12 +842,16 @@ class Basis:
             new = torch.linalg.qr(new.T).Q.T
         return new if new.shape[0] else None
 
-    def add(self, new: torch.Tensor, images: Tensors) -> None:
-        if self.q is None:
-            self.q, self.images = new, images
+    def add(self, new: torch.Tensor, images: Tensors, levels: torch.Tensor | None = None) -> None:
+        """Add directions and their images (pulled through f, unless ``levels`` says how
+        far off they may be)."""
+        levels = new.new_ones(new.shape[0]) if levels is None else levels.to(new.dtype)
+        if self.q is None or self.levels is None:
+            self.q, self.images, self.levels = new, images, levels
         else:
             self.q = torch.cat([self.q, new])
             self.images = tuple(torch.cat([a, b]) for a, b in zip(self.images, images))
+            self.levels = torch.cat([self.levels, levels])
 
 
 def _roundoff(dtype: torch.dtype, rank: int) -> float:
