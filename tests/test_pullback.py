@@ -375,3 +375,23 @@ def test_the_second_pullback_of_a_signature_does_not_keep_f_alive():
     del f
     gc.collect()
     assert ref() is None
+
+
+def test_zero_and_nearly_dependent_complex_cotangents_across_calls_match_autograd():
+    """A held zero row gives no direction; directions settled from nearly dependent held
+    rows stay orthogonal to the kept ones (complex y: two real coordinates an entry)."""
+    w = torch.randn(5, 4, dtype=torch.complex128)
+    f = lambda z: torch.exp(w @ z)  # noqa: E731
+    z = torch.randn(4, dtype=torch.complex128)
+    _, pb = funcgrad.pullback(f, z)
+    a, b = torch.randn(2, 5, dtype=torch.complex128)
+    calls = [
+        torch.stack([torch.zeros(5, dtype=a.dtype), a]),
+        torch.stack([3 * a + 1e-7 * b, b, a - b]),
+        torch.randn(3, 5, dtype=a.dtype),
+        torch.randn(4, 5, dtype=a.dtype),
+    ]
+    for cotangents in calls:
+        (got,) = pb.many(cotangents)
+        expected = torch.stack([autograd_vjp(f, z, v) for v in cotangents])
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())
