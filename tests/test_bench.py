@@ -170,13 +170,9 @@ def test_per_example_case_runs_and_agrees(tmp_path):
 
 
 # Methods of the real-stacks case that raise today, with why: (model, method) -> reason.
-REAL_STACKS_ERRORS = {
-    (model, "funcgrad auto"): "RuntimeError: Expected a proper Tensor but got None"
-    for model in ("lstm",)
-    # funcgrad pulls torch.func's pullback under torch.no_grad; the backward of CPU float32
-    # nn.LSTM (mkldnn's RNN) then finds no workspace. Raw torch.func (pulled with grad
-    # enabled) and the loop work.
-}
+# Methods known to raise on a model, (model, method) -> the start of their error: none since
+# torch.func's vjp runs f in grad mode (the CPU float32 LSTM kept no workspace under no_grad).
+REAL_STACKS_ERRORS: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.slow  # transformers models
