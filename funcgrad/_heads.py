@@ -375,7 +375,7 @@ class Signature:
     # None where vmap was faster (or nothing was batched), else why unbatched calls were.
     measured: bool = False
     unbatched: str | None = None
-    tentative: _engine.Timing | None = None  # unbatched looked faster once: time again
+    tentative: _engine.Timing | None = None  # the first timed call's: the next decides
     # Where auto chose forward mode: timed against reverse mode on the first call, and None
     # where forward mode was faster, else why reverse mode was (then planned).
     forward_timed: bool = False
@@ -731,8 +731,9 @@ class Composition:
                 flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
             seconds = time.perf_counter() - start
-        if timed is not None:
-            self._time_engine(timed, plan.engine, seconds)
+        if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
+            measuring_s = sum(timing.single for timing in log) if log else 0.0
+            self._time_engine(timed, plan.engine, max(seconds - measuring_s, 0.0))
         if log and record is not None and not record.measured:  # a batched call was measured
             self._remember(record, log[0])
         return values, grads, aux
@@ -782,21 +783,21 @@ class Composition:
         return values, grads, aux
 
     def _remember(self, record: Signature, timing: _engine.Timing) -> None:
-        """Decide from a call's timing, or time the next call too: where unbatched calls
-        looked faster on one call, the next call (warm) is timed as well, and each side's
-        fastest decides."""
-        if record.tentative is not None:
-            timing, record.tentative = timing.merged(record.tentative), None
-        elif timing.unbatched_faster:
+        """Decide from two timed calls: the first call's timing is kept, the next call is
+        timed as well, and each side's fastest decides. One call alone is biased either way:
+        its vmapped call pays vmap's warm-up (spread over the directions), its unbatched call
+        the one-time costs of the unbatched shapes (a convnet's kernels), so neither a
+        first-call win of the loop nor one of vmap is trusted alone."""
+        if record.tentative is None:
             record.tentative = timing
             return
+        timing, record.tentative = timing.merged(record.tentative), None
         record.measured = True
         record.unbatched = timing.why() if timing.unbatched_faster else None
 
     def _measured_here(self, flat: FlatFunction) -> bool:
-        """Whether this call is timed under auto (the first call on these shapes, and the
-        second where the first found unbatched calls faster: it times its first batched
-        call against one unbatched call)."""
+        """Whether this call is timed under auto (the first two calls on these shapes: each
+        times its first batched call against one unbatched call)."""
         if self.strategy != "auto":
             return False
         record = self.signature(flat)

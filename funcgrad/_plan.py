@@ -75,8 +75,8 @@ class Plan:
             (which loops inside for an op without a batching rule, or is slow anyway), or
             eager autograd faster than torch.func.
         measure: the call times its first batched call against one unbatched call (the
-            first call on new shapes under ``"auto"``, and the second where the first found
-            unbatched calls faster: each side's fastest of the two decides): one direction
+            first two calls on new shapes under ``"auto"``: each side's fastest of the two
+            decides, so that neither side's one-time costs decide alone): one direction
             more through f, in ``passes``; the result decides how later calls on these
             shapes run.
         engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``, vmapped
