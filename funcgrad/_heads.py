@@ -339,7 +339,15 @@ def _forward_size(flat: FlatFunction) -> int:
     nothing = torch.zeros(())
 
     def output(*leaves: torch.Tensor) -> Any:
-        result = flat(*leaves)
+        # Only the explicit generators f draws from are watched (for rng.restore), not
+        # which ops draw: nothing here records that, and a dispatch mode on every op cost
+        # 4x f's forward on a Python loop of small ops (plan() on the ODE simulator).
+        watch, flat.watch = flat.watch, False
+        try:
+            with _function._Draws(flat.generators) if watch else contextlib.nullcontext():
+                result = flat(*leaves)
+        finally:
+            flat.watch = watch
         return result[0] if flat.has_aux else result
 
     def in_inference_mode(_: torch.Tensor) -> Any:

@@ -449,3 +449,30 @@ def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
     plan = fn.plan(x)
     # 7 ms against 4 ms: eager autograd is not 10% faster than torch.func without measuring
     assert plan.engine == "torch.func" and (plan.measured is None or "eager" not in plan.measured)
+
+
+def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
+    # A Python loop past the shape-only run's budget: plan() takes y's size from one real
+    # forward, which watches only the generators f draws from (to restore them), not every
+    # op (a dispatch mode on each op cost 4x f's forward on the ODE simulator).
+    from funcgrad import _function
+
+    seen, dispatch = [], _function.Random.__torch_dispatch__
+
+    def counting(self, func, types, args=(), kwargs=None):
+        seen.append(func)
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(_function.Random, "__torch_dispatch__", counting)
+    gen = torch.Generator().manual_seed(0)
+
+    def f(x):
+        for _ in range(200):
+            x = torch.sin(x) + 0.1
+        return x + torch.rand(x.shape, generator=gen)
+
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
+    state = gen.get_state()
+    assert fn.plan(torch.zeros(3)).m == 3
+    assert len(seen) <= _heads.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
+    assert torch.equal(gen.get_state(), state)  # the real forward's draw restored
