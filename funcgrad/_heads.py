@@ -399,6 +399,7 @@ class Signature:
     # the first call runs on torch.func, timed as func_s, the second on eager autograd).
     engine: Engine | None = None
     func_s: float | None = None
+    autograd_s: float | None = None  # the trial's, where faster: torch.func re-timed, warm
     engine_why: str | None = None
     plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
 
@@ -558,7 +559,12 @@ class Composition:
     def _engine_trial(self, flat: FlatFunction) -> bool:
         """Whether this call runs on eager autograd to time it (the second on its shapes)."""
         record = self._engines_timed(flat)
-        return record is not None and record.engine is None and record.func_s is not None
+        return (
+            record is not None
+            and record.engine is None
+            and record.func_s is not None
+            and record.autograd_s is None
+        )
 
     def _on_autograd(self, flat: FlatFunction) -> bool:
         """Whether this call linearises f on eager autograd by the timing (decided, or the
@@ -566,28 +572,44 @@ class Composition:
         record = self._engines_timed(flat)
         if record is None:
             return False
-        return record.engine == "autograd" or (record.engine is None and record.func_s is not None)
+        return record.engine == "autograd" or self._engine_trial(flat)
 
     @staticmethod
-    def _time_engine(record: Signature, ran: Engine, seconds: float) -> None:
-        """Record a timed call: the first on torch.func, the second (the trial) on eager
-        autograd; after the trial, later calls run on the faster one (eager autograd only
-        where faster by ENGINE_MARGIN: the first call also pays one-time costs). Where
+    def _time_engine(record: Signature, ran: Engine, seconds: float, unbatched: bool) -> None:
+        """Record a timed call (seconds without its measuring): the first on torch.func, the
+        second (the trial) on eager autograd. Where the trial was not faster by
+        ENGINE_MARGIN, torch.func it is. Where it was, the first call's one-time costs
+        (which eager autograd's second call does not pay) may be why: the third call runs
+        on torch.func again, warm, and torch.func's faster call is weighed against the
+        trial. Where the second call turned the plan unbatched, eager autograd is kept then
+        (the third call would run another plan; the loop a user writes is eager's). Where
         torch.func fell back to eager autograd (it cannot differentiate f), eager autograd
-        it is. (Whether vmap beats unbatched calls is timed on these calls too, whatever the
-        engine: both batch by the same rules.)"""
+        it is. (Whether vmap beats unbatched calls is timed on the first two calls, whatever
+        the engine: both batch by the same rules.)"""
         if record.func_s is None and ran == "torch.func":
             record.func_s = seconds
             return
         if record.func_s is None:
             record.engine = "autograd"
             return
-        faster = ran == "autograd" and seconds < ENGINE_MARGIN * record.func_s
+        if record.autograd_s is None:  # the trial
+            if ran != "autograd" or not seconds < ENGINE_MARGIN * record.func_s:
+                record.engine = "torch.func"
+                return
+            record.autograd_s = seconds
+            if not unbatched:
+                return  # torch.func re-timed on the next call
+            calls = "the first two calls"
+        else:
+            if ran == "torch.func":
+                record.func_s = min(record.func_s, seconds)
+            calls = "the first three calls"
+        faster = record.autograd_s < ENGINE_MARGIN * record.func_s
         record.engine = "autograd" if faster else "torch.func"
         if faster:
             record.engine_why = (
-                f"eager autograd {1e3 * seconds:.3g} ms a call, torch.func "
-                f"{1e3 * record.func_s:.3g} ms (the first two calls)"
+                f"eager autograd {1e3 * record.autograd_s:.3g} ms a call, torch.func "
+                f"{1e3 * record.func_s:.3g} ms ({calls})"
             )
 
     def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
@@ -739,11 +761,12 @@ class Composition:
                 flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
             seconds = time.perf_counter() - start
-        if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
-            measuring_s = sum(timing.single for timing in log) if log else 0.0
-            self._time_engine(timed, plan.engine, max(seconds - measuring_s, 0.0))
         if log and record is not None and not record.measured:  # a batched call was measured
             self._remember(record, log[0])
+        if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
+            measuring_s = sum(timing.single for timing in log) if log else 0.0
+            unbatched = timed.unbatched is not None
+            self._time_engine(timed, plan.engine, max(seconds - measuring_s, 0.0), unbatched)
         return values, grads, aux
 
     def _forward_against_reverse(

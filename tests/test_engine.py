@@ -476,3 +476,37 @@ def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
     assert fn.plan(torch.zeros(3)).m == 3
     assert len(seen) <= _heads.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
     assert torch.equal(gen.get_state(), state)  # the real forward's draw restored
+
+
+@pytest.mark.parametrize(("third_ms", "engine"), [(4.0, "torch.func"), (9.0, "autograd")])
+def test_eager_autograd_faster_than_a_cold_first_call_is_weighed_against_a_warm_one(
+    monkeypatch, third_ms, engine
+):
+    # The clock says: torch.func's first call 10 ms (its one-time costs), eager autograd's
+    # 5 ms, each with 1 ms of measuring; the third call re-times torch.func, warm, and the
+    # faster decides (4 ms against 4: torch.func; 9 against 4: eager autograd).
+    given = iter([(1e-3, 1e-3), (1e-3, 1e-3)])
+    real, clock = _engine._vmap_measured, iter([0.0, 10e-3, 0.0, 5e-3, 0.0, third_ms * 1e-3])
+
+    def timed(fn, args, chunk_size, what, log):
+        result = real(fn, args, chunk_size, what, [])
+        log.append(_engine.Timing(what, *next(given)))
+        return result
+
+    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    w = torch.randn(6, 4, dtype=torch.float64)
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ x), heads)
+    x = torch.randn(4, dtype=torch.float64)
+    engines = []
+    for _ in range(3):
+        engines.append(fn.plan(x).engine)
+        values, grads = fn(x)
+    monkeypatch.undo()
+    plan = fn.plan(x)
+    assert engines == ["torch.func", "autograd", "torch.func"] and plan.engine == engine
+    assert plan.strategy == "vjp" and not plan.measure
+    want_values, want_grads = autograd_reference(lambda x: torch.tanh(w @ x), heads, (x,))
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
