@@ -85,8 +85,9 @@ class Plan:
             writes, with autograd's fused backward kernels: RNNs, attention). Under
             ``"auto"``, where the call builds no graph of its results and runs outside
             transforms, the first call on new shapes runs on torch.func and the second on
-            eager autograd, each timed (`engine_trial`); later calls run on the faster one
-            (``measured`` says why). Where f draws random numbers, or torch.func cannot
+            eager autograd, each timed (`engine_trial`); where eager autograd looked faster
+            the third call re-times torch.func, warm (the first call pays one-time costs);
+            later calls run on the faster one (``measured`` says why). Where f draws random numbers, or torch.func cannot
             differentiate it, always ``"autograd"``; ``"weighted"`` plans with no result
             graph run on ``"autograd"`` (one pullback: the eager backward is the floor).
         engine_trial: this call is the second on its shapes and runs on eager autograd to
