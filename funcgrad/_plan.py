@@ -87,9 +87,10 @@ class Plan:
             transforms, the first call on new shapes runs on torch.func and the second on
             eager autograd, each timed (`engine_trial`); where eager autograd looked faster
             the third call re-times torch.func, warm (the first call pays one-time costs);
-            later calls run on the faster one (``measured`` says why). Where f draws random numbers, or torch.func cannot
-            differentiate it, always ``"autograd"``; ``"weighted"`` plans with no result
-            graph run on ``"autograd"`` (one pullback: the eager backward is the floor).
+            later calls run on the faster one (``measured`` says why). Where f draws
+            random numbers, or torch.func cannot differentiate it, always ``"autograd"``;
+            ``"weighted"`` plans with no result graph run on ``"autograd"`` (one pullback:
+            the eager backward is the floor).
         engine_trial: this call is the second on its shapes and runs on eager autograd to
             time it against the first call's torch.func (f runs once, as in any call).
         f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
