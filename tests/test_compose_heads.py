@@ -325,7 +325,7 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
     x = torch.randn(4, dtype=torch.float64)
     want_values, want_grads = autograd_reference(f, list(heads.values()), (x,))
     engines = []
-    for call in range(4):
+    for call in range(5):
         plan = fn.plan(x)
         assert plan.engine_trial == (call == 1)
         engines.append(plan.engine)
@@ -337,7 +337,8 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
             torch.testing.assert_close(values[key], want_values[i])
             torch.testing.assert_close(grads[key], want_grads[i])
             assert not grads[key].requires_grad
-    assert engines == ["torch.func", "autograd", engine, engine]
+    # where eager autograd was faster, the third call re-times torch.func (warm)
+    assert engines == ["torch.func", "autograd", "torch.func", engine, engine]
     if engine == "autograd":
         assert "eager autograd" in plan.measured and "on eager autograd" in repr(plan)
 
