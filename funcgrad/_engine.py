@@ -721,6 +721,15 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def _unit_scales(coords: torch.Tensor) -> torch.Tensor:
+    """The factor (k, 1) that makes each row of norm 1 (1 for zero rows), computed without
+    over- or underflow: each row is first divided by its largest entry."""
+    amax = coords.abs().amax(dim=1, keepdim=True)
+    amax = torch.where(amax > 0, amax, 1)
+    norms = (coords / amax).norm(dim=1, keepdim=True)
+    return 1 / amax / torch.where(norms > 0, norms, 1)
+
+
 def _unit_rows(coords: torch.Tensor) -> torch.Tensor:
     """Every row divided by its norm (zero rows stay zero), computed without over- or
     underflow: each row is first divided by its largest entry. Rank detection on these rows
@@ -745,39 +754,190 @@ def _clearly_independent(rows: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def _finite(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Whether every entry is finite, as a device boolean (read nothing): NaN and inf
+    survive a sum (an overflow to inf only costs a needless, still correct, recomputation)."""
+    sums = [torch.isfinite(leaf.sum()) for leaf in leaves if leaf.numel()]
+    if not sums:
+        return torch.ones((), dtype=torch.bool, device=leaves[0].device)
+    return torch.stack([s.to(sums[0].device) for s in sums]).all()
+
+
+def _error_level(dtype: torch.dtype) -> float:
+    """How far off a derived image (see :meth:`Basis.extension`) may be, in eps times the
+    Jacobian's scale: eps**(-1/4), an error of eps**(3/4) at most (float64: 2e-12, float32:
+    7e-6); past it, the direction goes through f."""
+    return 1 / math.sqrt(math.sqrt(torch.finfo(dtype).eps))
+
+
+@dataclasses.dataclass
+class _Extension:
+    """Orthonormal directions spanning held rows outside a basis, with their pullbacks
+    derived by linearity (no pass through f), and device flags for whether to trust them."""
+
+    q: torch.Tensor  # (s, m) rows, orthogonal to the basis
+    images: Tensors  # their pullbacks, leaves (s, ...)
+    level: torch.Tensor  # a bound on their images' error, in eps times J's scale
+    sound: torch.Tensor  # all finite, the level within _error_level
+    broken: torch.Tensor  # finite held cotangents with non-finite pullbacks: J is not finite
+    rest: torch.Tensor  # (t, m) rows of the held span outside q and these, to be pulled
+
+
 class Basis:
     """Orthonormal directions of y's space (rows, real coordinates) and their pullbacks.
 
-    Bounded: it holds at most ``max_bytes`` (directions and images together); past that,
-    cotangents outside its span are pulled back as they are and nothing new is kept.
+    Lazy: the cotangents pulled back as they are (a first call, or a call whose cotangents
+    all lie outside the basis) are held with their pullbacks, unchecked; the next call turns
+    them into orthonormal directions by linearity, with no pass through f, in the same host
+    read as its own rank test (:func:`by_linearity`).
+
+    Bounded: it holds at most ``max_bytes`` (directions and images together, held rows
+    included); past that, cotangents outside its span are pulled back as they are and
+    nothing new is kept.
     """
 
     def __init__(self, m: int, max_bytes: int = DEFAULT_BASIS_BYTES) -> None:
         self.m, self.max_bytes = m, max_bytes
         self.q: torch.Tensor | None = None  # (r, m), orthonormal rows
         self.images: Tensors = ()  # pullbacks of the rows, leaves (r, *x_leaf.shape)
+        # A bound on each image's error, in eps times the Jacobian's scale (r,): 1 for an
+        # image pulled through f, more for one derived by linearity (see extension).
+        self.levels: torch.Tensor | None = None
+        # Cotangents pulled back as they were, not yet in q: (their leaves (p, ...) and
+        # their pullbacks (p, ...), detached).
+        self.held: tuple[Tensors, Tensors] | None = None
         self.enabled = True
+        self._row_bytes: int | None = None  # a direction and its image, once known
 
     @property
     def rank(self) -> int:
+        """The orthonormal directions kept (held rows not included: see :meth:`settle`)."""
         return 0 if self.q is None else self.q.shape[0]
 
     @property
-    def nbytes(self) -> int:
-        if self.q is None:
-            return 0
-        return self.q.numel() * self.q.element_size() + sum(
-            i.numel() * i.element_size() for i in self.images
-        )
+    def kept(self) -> int:
+        """Directions kept: the orthonormal ones and the held rows."""
+        return self.rank + (0 if self.held is None else self.held[0][0].shape[0])
 
-    def fits(self, new: torch.Tensor, x_like: Sequence[torch.Tensor]) -> bool:
-        per_row = new.shape[1] * new.element_size() + sum(
-            x.numel() * x.element_size() for x in x_like
-        )
-        return self.nbytes + new.shape[0] * per_row <= self.max_bytes
+    @property
+    def nbytes(self) -> int:
+        parts = [] if self.q is None else [self.q, *self.images]
+        if self.held is not None:
+            parts += [*self.held[0], *self.held[1]]
+        return sum(p.numel() * p.element_size() for p in parts)
+
+    def fits(self, rows: int, out_like: Tensors, x_like: Tensors) -> bool:
+        """Whether ``rows`` more directions and their images fit the budget."""
+        if self._row_bytes is None:  # a direction in the work dtype, its image as the inputs
+            item = torch.finfo(_work_dtype(_coords.real_dtype([o.dtype for o in out_like])))
+            self._row_bytes = self.m * item.bits // 8 + sum(
+                x.numel() * x.element_size() for x in x_like
+            )
+        return self.nbytes + rows * self._row_bytes <= self.max_bytes
 
     def clear(self, enabled: bool = True) -> None:
-        self.q, self.images, self.enabled = None, (), enabled
+        self.q, self.images, self.held, self.enabled = None, (), None, enabled
+        self.levels = None
+
+    def hold(self, cotangents: Tensors, images: Tensors) -> None:
+        """Keep cotangents pulled back as they are (at most ``m - rank`` of them), with their
+        pullbacks, to be turned into directions by the next call."""
+        assert self.held is None and cotangents[0].shape[0] <= self.m - self.rank
+        self.held = tuple(c.detach() for c in cotangents), tuple(i.detach() for i in images)
+
+    def extension(self, all_rows: bool = True) -> _Extension:
+        """The held rows' orthonormal directions outside ``q`` and their pullbacks, derived
+        by linearity: with ``Z = D P - C Q`` (P the held rows, D their unit scales, C their
+        coordinates on q, projected twice for orthogonality) and ``Z = U S Vh``, the new
+        directions are ``Vh = S^-1 U^T Z``, whose pullbacks are the same combination of the
+        held pullbacks and q's images. Their error is bounded by ``||S^-1||`` (the held
+        images' roundoff) plus ``||S^-1 U^T C||`` times q's own error levels: past
+        :func:`_error_level` they are not sound. ``all_rows``: every singular direction (no
+        read; the flags say whether to trust them); else (reads) those that keep the level
+        within bounds, and in ``rest`` the other directions of the held span above roundoff,
+        whose pullbacks must go through f."""
+        assert self.held is not None
+        held, held_images = self.held
+        coords = _coords.to_coords(held, held[0].shape[0])
+        coords = coords.to(_work_dtype(coords.dtype))
+        scales = _unit_scales(coords)
+        residual = coords * scales
+        projection = None
+        if self.q is not None:
+            first = residual @ self.q.T
+            residual = residual - first @ self.q
+            second = residual @ self.q.T
+            residual = residual - second @ self.q
+            projection = first + second
+        finite = torch.isfinite(coords).all()  # (the SVD refuses NaN: zeros, then not sound)
+        u, s, vh = torch.linalg.svd(torch.where(finite, residual, 0), full_matrices=False)
+        rest, limit = vh[:0], _error_level(coords.dtype)
+
+        def level(u: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            mix = u.T / torch.where(s > 0, s, 1)[:, None]
+            bound = mix.norm()
+            if projection is not None and self.levels is not None:
+                bound = bound + ((mix @ projection) * self.levels).norm()
+            return mix, bound
+
+        if not all_rows:  # the directions that keep the error level in bounds
+            above = int((s > _roundoff(coords.dtype, s.shape[0] - 1)).sum())
+            kept = int((s > 1 / limit).sum())
+            if kept and float(level(u[:, :kept], s[:kept])[1]) > limit:
+                kept = 0
+            rest = vh[kept:above]
+            u, s, vh = u[:, :kept], s[:kept], vh[:kept]
+        # Vh = S^-1 U^T D P - S^-1 U^T C Q
+        mix, bound = level(u, s)
+        images = _coords.combine(mix * scales.T, held_images)
+        if projection is not None and self.q is not None:
+            images = tuple(
+                a - b for a, b in zip(images, _coords.combine(mix @ projection, self.images))
+            )
+        images_finite = _finite(held_images)
+        return _Extension(
+            vh,
+            images,
+            level=bound,
+            sound=finite & images_finite & (bound <= limit) & (s > 1 / limit).all(),
+            broken=finite & ~images_finite,
+            rest=rest,
+        )
+
+    def extend(self, ext: _Extension) -> None:
+        """Add ``ext``'s directions; the held rows are then spent."""
+        self.held = None
+        if ext.q.shape[0]:
+            self.add(ext.q, ext.images, ext.level.expand(ext.q.shape[0]))
+
+    def settle(self, pull_rows: Callable[[torch.Tensor], Tensors], x_like: Tensors) -> int:
+        """Turn the held rows into directions now (host reads): by linearity where that is
+        well conditioned, the rest of their span pulled through f (``pull_rows``), as a
+        fresh call would have; a non-finite pullback stops the reuse. Returns the
+        directions pulled."""
+        if self.held is None:
+            return 0
+        held, images = self.held
+        code = int(_finite(held) + 2 * _finite(images))
+        if code != 3:
+            if code == 1:  # finite cotangents, non-finite pullbacks: J is not finite
+                self.clear(enabled=False)  # (it would smear NaN over every combination)
+            self.held = None  # non-finite cotangents: nothing to learn from them
+            return 0
+        ext = self.extension(all_rows=False)
+        self.extend(ext)
+        rest = ext.rest
+        if not rest.shape[0] or not self.fits(rest.shape[0], held, x_like):
+            return 0
+        if self.q is not None:  # small singular directions: once more against q, for orthogonality
+            rest = rest - (rest @ self.q.T) @ self.q
+            rest = torch.linalg.qr(rest.T).Q.T
+        pulled = pull_rows(rest)
+        if all_finite(pulled):
+            self.add(rest, pulled)
+        else:
+            self.clear(enabled=False)
+        return rest.shape[0]
 
     def new_directions(self, units: torch.Tensor) -> torch.Tensor | None:
         """Orthonormal directions that, added to the kept ones, span the rows of ``units``
@@ -790,13 +950,13 @@ class Basis:
         if r == 0 and k >= self.m:
             return torch.eye(self.m, dtype=units.dtype, device=units.device)
         residual = units if self.q is None else units - (units @ self.q.T) @ self.q
-        eps = torch.finfo(units.dtype).eps
-        outside = residual.norm(dim=1) > 16 * eps * math.sqrt(r + 1)
+        outside = residual.norm(dim=1) > _roundoff(units.dtype, r)
         if not bool(outside.any()):
             return None
         residual = residual[outside]
         new = _clearly_independent(residual)
         if new is None:  # the rank is in doubt: the SVD tells it
+            eps = torch.finfo(units.dtype).eps
             _, singular, vh = torch.linalg.svd(residual, full_matrices=False)
             keep = singular > 16 * eps * math.sqrt(residual.shape[0])
             new = vh[: int(keep.sum())][: self.m - r]
@@ -805,12 +965,21 @@ class Basis:
             new = torch.linalg.qr(new.T).Q.T
         return new if new.shape[0] else None
 
-    def add(self, new: torch.Tensor, images: Tensors) -> None:
-        if self.q is None:
-            self.q, self.images = new, images
+    def add(self, new: torch.Tensor, images: Tensors, levels: torch.Tensor | None = None) -> None:
+        """Add directions and their images (pulled through f, unless ``levels`` says how
+        far off they may be)."""
+        levels = new.new_ones(new.shape[0]) if levels is None else levels.to(new.dtype)
+        if self.q is None or self.levels is None:
+            self.q, self.images, self.levels = new, images, levels
         else:
             self.q = torch.cat([self.q, new])
             self.images = tuple(torch.cat([a, b]) for a, b in zip(self.images, images))
+            self.levels = torch.cat([self.levels, levels])
+
+
+def _roundoff(dtype: torch.dtype, rank: int) -> float:
+    """A unit row's residual outside ``rank`` orthonormal directions below this is roundoff."""
+    return 16 * float(torch.finfo(dtype).eps) * math.sqrt(rank + 1)
 
 
 def by_linearity(
@@ -839,6 +1008,17 @@ def by_linearity(
     ``last`` (one-shot calls): no pull through ``lin`` follows (see :func:`pull`); the k
     cotangents themselves then go through f also where k > m, as nothing could be
     recomputed after that pull.
+
+    A kept basis (``keep=True``: a `Pullback`) reads at most one value in the usual calls:
+    - nothing kept yet and k < m: the k cotangents go through f as they are (no read), and
+      are held (:meth:`Basis.hold`);
+    - nothing kept and k >= m: y's m unit directions, combined (one read: finite?);
+    - else one read tells, at once, whether the held rows turned into directions soundly,
+      whether the cotangents are finite, how many lie outside the kept span and whether
+      their product is finite. Inside the span: the product. All outside, and at most
+      ``m - r`` of them: the cotangents go through f as they are, and are held. A mix of
+      both, or more than ``m - r``: the rank is detected (a few reads), and only the new
+      orthonormal directions go through f.
     """
     k, m = cotangents[0].shape[0], basis.m
     out_like, x_like = lin.out, lin.x_like
@@ -846,6 +1026,12 @@ def by_linearity(
         return zeros(k, x_like), 0
     if not values_readable(cotangents):  # reuse reads values: eager mode only
         return pull(lin, cotangents, chunk_size, check, last=last), k
+    if keep and basis.enabled and basis.kept == 0 and k <= m:
+        # Nothing kept yet: pulled as they are (no read), held for the next call.
+        result = pull(lin, cotangents, chunk_size, check)
+        if basis.fits(k, out_like, x_like):
+            basis.hold(cotangents, result)
+        return result, k
     coords = _coords.to_coords(cotangents, k)
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
@@ -860,19 +1046,119 @@ def by_linearity(
         # the cotangents themselves then go through f, as autograd would.
         return (result, m) if all_finite(result) else direct(m)
 
-    if not basis.enabled or not bool(torch.isfinite(coords).all()):
-        # NaN/inf cotangents go through f as they are, so they propagate as in autograd.
+    if not basis.enabled:
         return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))
-    new = basis.new_directions(_unit_rows(work))
+    if basis.kept == 0:
+        return _unit_basis(lin, cotangents, coords, basis, chunk_size, check)
+
+    def pull_rows(rows: torch.Tensor) -> Tensors:
+        return pull(lin, _coords.from_coords(rows, out_like), chunk_size, check)
+
+    settled = 0
+    if coords.requires_grad:  # (create_graph) a product must not project their derivative
+        settled = basis.settle(pull_rows, x_like)
+        if basis.rank < m:
+            return direct(settled)
+    if basis.held is None and basis.rank == m:  # y's whole space: a product
+        assert basis.q is not None
+        coefficients = (coords if coords.requires_grad else work).to(basis.q.dtype) @ basis.q.T
+        result = _coords.combine(coefficients, basis.images)
+        return (result, settled) if bool(_finite([work, *result])) else direct(settled)
+
+    # One read: the held rows' directions, the cotangents' residual and their product.
+    q, images = basis.q, basis.images
+    ext = basis.extension() if basis.held is not None else None
+    if ext is not None:
+        q = ext.q if q is None else torch.cat([q, ext.q])
+        images = ext.images if not images else tuple(map(torch.cat, zip(images, ext.images)))
+    assert q is not None
+    units = _unit_rows(work)
+    residual = units - (units @ q.T) @ q
+    outside = (residual.norm(dim=1) > _roundoff(work.dtype, q.shape[0])).sum()
+    result = _coords.combine(work.to(q.dtype) @ q.T, images)
+    flags = [_finite([work]), _finite(result)]
+    if ext is not None:
+        flags += [ext.broken, ext.sound]
+    packed = outside << 4  # the count of rows outside above four flag bits
+    for bit, flag in enumerate(flags):
+        packed = packed + flag * (1 << bit)
+    code = int(packed)
+    finite, product_finite, outside_count = code & 1, code & 2, code >> 4
+    if ext is not None:
+        if code & 4:
+            basis.clear(enabled=False)  # a non-finite Jacobian would smear NaN everywhere
+            return direct()
+        if code & 8:
+            basis.extend(ext)
+        else:  # dependent, ill-conditioned or non-finite held rows (host reads)
+            settled = basis.settle(pull_rows, x_like)
+            outside_count = -1  # the product above used other directions: detect the rank
+            if not basis.enabled:
+                return direct(settled)
+    if not finite:  # NaN/inf cotangents go through f as they are, as in autograd
+        return direct(settled)
+    if outside_count == 0:
+        return (result, 0) if product_finite else direct()
+    if outside_count == k and k <= m - basis.rank:  # all new: pulled as they are, held
+        result, pulled = direct()
+        if basis.fits(k, out_like, x_like):
+            basis.hold(cotangents, result)
+        return result, pulled
+    result, pulled = _new_directions(lin, cotangents, coords, units, basis, chunk_size, check)
+    return result, settled + pulled
+
+
+def _unit_basis(
+    lin: Linearization,
+    cotangents: Tensors,
+    coords: torch.Tensor,
+    basis: Basis,
+    chunk_size: ChunkSize,
+    check: bool | str,
+) -> tuple[Tensors, int]:
+    """A fresh basis facing k >= m cotangents: y's m unit directions through f, combined;
+    one read (whether the images and the product are finite)."""
+    m = basis.m
+    images = pull(lin, _coords.unit_rows(lin.out, 0, m), chunk_size, check)
+    result = _coords.combine(coords, images)
+    code = int(_finite(images).int() + 2 * _finite([coords.detach(), *result]).int())
+    if code & 1:
+        eye = torch.eye(m, dtype=_work_dtype(coords.dtype), device=coords.device)
+        if basis.fits(m, lin.out, lin.x_like):
+            basis.add(eye, tuple(image.detach() for image in images))
+    else:
+        basis.clear(enabled=False)  # a non-finite Jacobian would smear NaN everywhere
+    if code & 2:
+        return result, m
+    return pull(lin, cotangents, chunk_size, check), m + coords.shape[0]
+
+
+def _new_directions(
+    lin: Linearization,
+    cotangents: Tensors,
+    coords: torch.Tensor,
+    units: torch.Tensor,
+    basis: Basis,
+    chunk_size: ChunkSize,
+    check: bool | str,
+) -> tuple[Tensors, int]:
+    """Cotangents partly outside the kept span, or more of them than the span lacks: the rank
+    is detected (host reads), and only the new orthonormal directions go through f."""
+    k, m, x_like = coords.shape[0], basis.m, lin.x_like
+
+    def direct(pulled: int = 0) -> tuple[Tensors, int]:
+        return pull(lin, cotangents, chunk_size, check), pulled + k
+
+    new = basis.new_directions(units)
     full = basis.rank + (0 if new is None else new.shape[0]) == m
     if coords.requires_grad and not full:
         return direct()
     pulled = 0
     if new is not None:
-        if (not keep and new.shape[0] >= k) or not basis.fits(new, x_like):
+        if not basis.fits(new.shape[0], lin.out, x_like):
             return direct()
-        images = pull(lin, _coords.from_coords(new, out_like), chunk_size, check)
+        images = pull(lin, _coords.from_coords(new, lin.out), chunk_size, check)
         pulled = new.shape[0]
         if not all_finite(images):
             # A non-finite Jacobian would smear NaN over every combination: stop reusing.
@@ -881,8 +1167,8 @@ def by_linearity(
         basis.add(new, images)
     if basis.q is None:  # every cotangent is zero
         return zeros(k, x_like), pulled
-    coefficients = (coords if coords.requires_grad else work).to(basis.q.dtype) @ basis.q.T
-    result = _coords.combine(coefficients, basis.images)
+    work = coords if coords.requires_grad else coords.detach().to(_work_dtype(coords.dtype))
+    result = _coords.combine(work.to(basis.q.dtype) @ basis.q.T, basis.images)
     if not all_finite(result):  # an overflow in the product that autograd may not have
         return direct(pulled)
     return result, pulled

@@ -245,6 +245,10 @@ class Graph:
     checkpoint: bool
     into: dict[Any, list[Any]]  # node -> the nodes that pass gradients into it
     upper: set[Any]  # the nodes above ``through`` and its own nodes
+    # A sparse embedding's backward runs (Embedding/EmbeddingBag with sparse=True): vmap
+    # cannot batch its sparse gradient (a batched pull would fail there, after freeing the
+    # nodes above it where it frees the graph), so the pulls loop.
+    sparse: bool = False
 
     @classmethod
     def of(
@@ -271,7 +275,11 @@ class Graph:
                     runs.add(node)
                     todo.append(node)
         freed = [node for node in runs if _saves_tensors(node)]
-        return cls(freed, bool(checkpoints), into, upper)
+        sparse = any(
+            type(node).__name__.startswith("Embedding") and getattr(node, "_saved_sparse", False)
+            for node in runs
+        )
+        return cls(freed, bool(checkpoints), into, upper, sparse)
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,

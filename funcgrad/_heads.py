@@ -354,7 +354,15 @@ def _forward_size(flat: FlatFunction) -> int:
     nothing = torch.zeros(())
 
     def output(*leaves: torch.Tensor) -> Any:
-        result = flat(*leaves)
+        # Only the explicit generators f draws from are watched (for rng.restore), not
+        # which ops draw: nothing here records that, and a dispatch mode on every op cost
+        # 4x f's forward on a Python loop of small ops (plan() on the ODE simulator).
+        watch, flat.watch = flat.watch, False
+        try:
+            with _function._Draws(flat.generators) if watch else contextlib.nullcontext():
+                result = flat(*leaves)
+        finally:
+            flat.watch = watch
         return result[0] if flat.has_aux else result
 
     def in_inference_mode(_: torch.Tensor) -> Any:
@@ -390,7 +398,7 @@ class Signature:
     # None where vmap was faster (or nothing was batched), else why unbatched calls were.
     measured: bool = False
     unbatched: str | None = None
-    tentative: _engine.Timing | None = None  # unbatched looked faster once: time again
+    tentative: _engine.Timing | None = None  # the first timed call's: the next decides
     # Where auto chose forward mode: timed against reverse mode on the first call, and None
     # where forward mode was faster, else why reverse mode was (then planned).
     forward_timed: bool = False
@@ -406,6 +414,7 @@ class Signature:
     # the first call runs on torch.func, timed as func_s, the second on eager autograd).
     engine: Engine | None = None
     func_s: float | None = None
+    autograd_s: float | None = None  # the trial's, where faster: torch.func re-timed, warm
     engine_why: str | None = None
     plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
 
@@ -565,7 +574,12 @@ class Composition:
     def _engine_trial(self, flat: FlatFunction) -> bool:
         """Whether this call runs on eager autograd to time it (the second on its shapes)."""
         record = self._engines_timed(flat)
-        return record is not None and record.engine is None and record.func_s is not None
+        return (
+            record is not None
+            and record.engine is None
+            and record.func_s is not None
+            and record.autograd_s is None
+        )
 
     def _on_autograd(self, flat: FlatFunction) -> bool:
         """Whether this call linearises f on eager autograd by the timing (decided, or the
@@ -573,28 +587,44 @@ class Composition:
         record = self._engines_timed(flat)
         if record is None:
             return False
-        return record.engine == "autograd" or (record.engine is None and record.func_s is not None)
+        return record.engine == "autograd" or self._engine_trial(flat)
 
     @staticmethod
-    def _time_engine(record: Signature, ran: Engine, seconds: float) -> None:
-        """Record a timed call: the first on torch.func, the second (the trial) on eager
-        autograd; after the trial, later calls run on the faster one (eager autograd only
-        where faster by ENGINE_MARGIN: the first call also pays one-time costs). Where
+    def _time_engine(record: Signature, ran: Engine, seconds: float, unbatched: bool) -> None:
+        """Record a timed call (seconds without its measuring): the first on torch.func, the
+        second (the trial) on eager autograd. Where the trial was not faster by
+        ENGINE_MARGIN, torch.func it is. Where it was, the first call's one-time costs
+        (which eager autograd's second call does not pay) may be why: the third call runs
+        on torch.func again, warm, and torch.func's faster call is weighed against the
+        trial. Where the second call turned the plan unbatched, eager autograd is kept then
+        (the third call would run another plan; the loop a user writes is eager's). Where
         torch.func fell back to eager autograd (it cannot differentiate f), eager autograd
-        it is. (Whether vmap beats unbatched calls is timed on these calls too, whatever the
-        engine: both batch by the same rules.)"""
+        it is. (Whether vmap beats unbatched calls is timed on the first two calls, whatever
+        the engine: both batch by the same rules.)"""
         if record.func_s is None and ran == "torch.func":
             record.func_s = seconds
             return
         if record.func_s is None:
             record.engine = "autograd"
             return
-        faster = ran == "autograd" and seconds < ENGINE_MARGIN * record.func_s
+        if record.autograd_s is None:  # the trial
+            if ran != "autograd" or not seconds < ENGINE_MARGIN * record.func_s:
+                record.engine = "torch.func"
+                return
+            record.autograd_s = seconds
+            if not unbatched:
+                return  # torch.func re-timed on the next call
+            calls = "the first two calls"
+        else:
+            if ran == "torch.func":
+                record.func_s = min(record.func_s, seconds)
+            calls = "the first three calls"
+        faster = record.autograd_s < ENGINE_MARGIN * record.func_s
         record.engine = "autograd" if faster else "torch.func"
         if faster:
             record.engine_why = (
-                f"eager autograd {1e3 * seconds:.3g} ms a call, torch.func "
-                f"{1e3 * record.func_s:.3g} ms (the first two calls)"
+                f"eager autograd {1e3 * record.autograd_s:.3g} ms a call, torch.func "
+                f"{1e3 * record.func_s:.3g} ms ({calls})"
             )
 
     def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
@@ -741,15 +771,17 @@ class Composition:
             if forward and record is not None and not record.forward_timed:
                 return self._forward_against_reverse(flat, planner, record, check)
             log = stack.enter_context(_engine.measuring()) if record is not None else None
-            start = time.perf_counter()
+            start = time.perf_counter() if timed is not None else 0.0  # (not in compiled code)
             plan, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
-            seconds = time.perf_counter() - start
-        if timed is not None:
-            self._time_engine(timed, plan.engine, seconds)
+            seconds = time.perf_counter() - start if timed is not None else 0.0
         if log and record is not None and not record.measured:  # a batched call was measured
             self._remember(record, log[0])
+        if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
+            measuring_s = sum(timing.single for timing in log) if log else 0.0
+            unbatched = timed.unbatched is not None
+            self._time_engine(timed, plan.engine, max(seconds - measuring_s, 0.0), unbatched)
         return values, grads, aux
 
     def _forward_against_reverse(
@@ -797,21 +829,21 @@ class Composition:
         return values, grads, aux
 
     def _remember(self, record: Signature, timing: _engine.Timing) -> None:
-        """Decide from a call's timing, or time the next call too: where unbatched calls
-        looked faster on one call, the next call (warm) is timed as well, and each side's
-        fastest decides."""
-        if record.tentative is not None:
-            timing, record.tentative = timing.merged(record.tentative), None
-        elif timing.unbatched_faster:
+        """Decide from two timed calls: the first call's timing is kept, the next call is
+        timed as well, and each side's fastest decides. One call alone is biased either way:
+        its vmapped call pays vmap's warm-up (spread over the directions), its unbatched call
+        the one-time costs of the unbatched shapes (a convnet's kernels), so neither a
+        first-call win of the loop nor one of vmap is trusted alone."""
+        if record.tentative is None:
             record.tentative = timing
             return
+        timing, record.tentative = timing.merged(record.tentative), None
         record.measured = True
         record.unbatched = timing.why() if timing.unbatched_faster else None
 
     def _measured_here(self, flat: FlatFunction) -> bool:
-        """Whether this call is timed under auto (the first call on these shapes, and the
-        second where the first found unbatched calls faster: it times its first batched
-        call against one unbatched call)."""
+        """Whether this call is timed under auto (the first two calls on these shapes: each
+        times its first batched call against one unbatched call)."""
         if self.strategy != "auto":
             return False
         record = self.signature(flat)

@@ -400,11 +400,14 @@ def backward(
         # The last pull through the shared part frees its graph (unless retain_graph), as
         # sum(losses).backward() would; under a DDP wrap, the backward of w @ V follows it.
         last = not sync.by_backward(one_pull=False)
+        # vmap cannot batch a sparse embedding's gradient, and a batched pass that frees the
+        # graph would fail there after freeing the nodes above it: a loop from the start.
+        chunk = 1 if task.graph.sparse else chunk_size
 
         def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
             basis = _engine.Basis(_coords.real_size(lin.out))
             grads, _ = _engine.by_linearity(
-                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
+                lin, cotangents, basis, keep=False, chunk_size=chunk, check=mode, last=last
             )
             return grads
 

@@ -75,8 +75,8 @@ class Plan:
             (which loops inside for an op without a batching rule, or is slow anyway), or
             eager autograd faster than torch.func.
         measure: the call times its first batched call against one unbatched call (the
-            first call on new shapes under ``"auto"``, and the second where the first found
-            unbatched calls faster: each side's fastest of the two decides): one direction
+            first two calls on new shapes under ``"auto"``: each side's fastest of the two
+            decides, so that neither side's one-time costs decide alone): one direction
             more through f, in ``passes``; the result decides how later calls on these
             shapes run.
         engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``, vmapped
@@ -85,10 +85,12 @@ class Plan:
             writes, with autograd's fused backward kernels: RNNs, attention). Under
             ``"auto"``, where the call builds no graph of its results and runs outside
             transforms, the first call on new shapes runs on torch.func and the second on
-            eager autograd, each timed (`engine_trial`); later calls run on the faster one
-            (``measured`` says why). Where f draws random numbers, or torch.func cannot
-            differentiate it, always ``"autograd"``; ``"weighted"`` plans with no result
-            graph run on ``"autograd"`` (one pullback: the eager backward is the floor).
+            eager autograd, each timed (`engine_trial`); where eager autograd looked faster
+            the third call re-times torch.func, warm (the first call pays one-time costs);
+            later calls run on the faster one (``measured`` says why). Where f draws
+            random numbers, or torch.func cannot differentiate it, always ``"autograd"``;
+            ``"weighted"`` plans with no result graph run on ``"autograd"`` (one pullback:
+            the eager backward is the floor).
         engine_trial: this call is the second on its shapes and runs on eager autograd to
             time it against the first call's torch.func (f runs once, as in any call).
         f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -27,8 +29,9 @@ class PullbackStats:
         cotangents: cotangents answered (k for each ``pb.many`` of k cotangents).
         vjps: directions actually pulled back through f. Answers that are linear combinations
             of earlier directions cost none.
-        kept: directions kept in the basis (the rank of what was pulled back, up to the
-            budget).
+        kept: directions kept: the orthonormal basis, and the last call's cotangents held
+            to join it (their rank is known at the next call, or when ``pb.rank`` is read),
+            up to the budget.
         kept_bytes: memory held by the kept directions and their images.
     """
 
@@ -47,6 +50,16 @@ class Pullback:
     in the span of earlier ones is answered by a product, without a new pass through f. Once
     the basis spans y's whole space (m directions), every cotangent is answered that way.
     The basis is bounded by ``max_basis_bytes`` (see `pullback`).
+
+    It reads values (a host read, a stall of the stream on a GPU) only where that can pay
+    off. The first call reads nothing: its cotangents (k <= m) go through f as they are, and
+    are held with their images. Each later call reads ONE value, which tells at once how the
+    held cotangents extend ``Q`` (by linearity, with no pass through f), whether the new
+    cotangents lie in the span, and whether they and their product are finite: in the span,
+    the answer is the product; all outside, they go through f as they are and are held in
+    turn. Only a call that mixes both, that brings more cotangents than ``Q`` lacks
+    directions, or whose held cotangents were (nearly) dependent, detects the rank with a
+    few reads more, sending through f only the new directions.
     """
 
     def __init__(
@@ -66,7 +79,19 @@ class Pullback:
 
     @property
     def rank(self) -> int:
-        """How many independent directions have been pulled back through f and are kept."""
+        """How many independent directions have been pulled back through f and are kept.
+
+        Reading it turns the cotangents held from the last call into directions now (a few
+        host reads), which the next call would otherwise do in its one read."""
+        if self._lin is not None:
+            lin = self._lin
+
+            def pull_rows(rows: torch.Tensor) -> Tensors:
+                return _engine.pull(lin, _coords.from_coords(rows, lin.out), None, False)
+
+            with torch.no_grad():
+                self.stats.vjps += self._basis.settle(pull_rows, lin.x_like)
+            self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
         return self._basis.rank
 
     @property
@@ -108,9 +133,12 @@ class Pullback:
     ) -> tuple[Any, ...]:
         """Pull back k cotangents at once: every leaf carries a leading batch dimension k.
 
-        Same values as ``torch.stack([pb(v) for v in cotangents])`` leaf by leaf, but only
-        directions outside the span of those already pulled back go through f: at most
-        ``min(k, m)`` new ones, in one vmapped backward (or ``chunk_size`` at a time).
+        Same values as ``torch.stack([pb(v) for v in cotangents])`` leaf by leaf, but
+        cotangents in the span of those already pulled back cost no pass through f: at most
+        ``min(k, m)`` directions go through f, in one vmapped backward (or ``chunk_size`` at
+        a time). Cotangents all outside the span (a first call) go as they are, without a
+        rank test; k > m, or a mix of both, send only the new directions (y's m unit
+        directions on a first call with k > m).
 
         Args:
             cotangents: f's output structure, each leaf of shape ``(k, *leaf.shape)``.
@@ -146,6 +174,15 @@ class Pullback:
             )
         batch = None
         for index, (leaf, ref) in enumerate(zip(leaves, self._out_like)):
+            if (
+                isinstance(leaf, torch.Tensor)
+                and leaf.dtype == ref.dtype
+                and leaf.shape[batched:] == ref.shape
+                and (batch is None or leaf.shape[0] == batch or not batched)
+                and leaf.dim() == ref.dim() + batched
+            ):  # the usual case, checked at once; the messages below say what is wrong
+                batch = leaf.shape[0] if batched else 1
+                continue
             where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
@@ -185,10 +222,12 @@ class Pullback:
         assert self._lin is not None  # checked by _check_cotangent
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(result_graph(create_graph, self._flat.leaves))
-            if chunk_size == "auto" and values_readable(cotangents):
-                stack.enter_context(_engine.remembering_chunks(self._fit))
+        with (
+            result_graph(create_graph, self._flat.leaves),
+            _engine.remembering_chunks(self._fit)
+            if chunk_size == "auto" and values_readable(cotangents)
+            else contextlib.nullcontext(),
+        ):
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 grads = _engine.pull(self._lin, cotangents, chunk_size, check)
                 pulled = cotangents[0].shape[0]
@@ -202,7 +241,7 @@ class Pullback:
                     check=check,
                 )
         self.stats.vjps += pulled
-        self.stats.kept, self.stats.kept_bytes = self._basis.rank, self._basis.nbytes
+        self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
         return grads
 
     def __repr__(self) -> str:
@@ -214,6 +253,53 @@ class Pullback:
             f"{self.stats.vjps} direction(s) pulled through f for {self.stats.cotangents} "
             f"cotangent(s), {self.rank} kept)"
         )
+
+
+@dataclasses.dataclass
+class _Signature:
+    """What the first ``pullback`` of one f on one call signature learnt of f; no tensor."""
+
+    draws: bool  # f drew from an explicit torch.Generator (later runs watch f's ops for one)
+    random: bool  # f drew random numbers (then it is linearised on eager autograd)
+
+
+class _Signatures:
+    """``pullback``'s per-signature cache, as a jit cache: one record per f and call
+    signature (the primals' trees, and every leaf's shape, dtype, device and requires_grad),
+    the least recently used dropped past ``size`` per f. f is held weakly (a record goes with
+    its f); an f that takes no weak reference (a builtin) is not cached, only watched."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._by_f: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, _Signature]]
+        self._by_f = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def key(flat: FlatFunction) -> Any:
+        leaves = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.leaves)
+        return flat.has_aux, tuple(flat.in_defs), leaves
+
+    def get(self, f: Any, key: Any) -> _Signature | None:
+        try:
+            records = self._by_f.get(f)
+        except TypeError:  # no weak reference to f
+            return None
+        if records is None or key not in records:
+            return None
+        records.move_to_end(key)
+        return records[key]
+
+    def put(self, f: Any, key: Any, record: _Signature) -> None:
+        try:
+            records = self._by_f.setdefault(f, collections.OrderedDict())
+        except TypeError:
+            return
+        records[key] = record
+        if len(records) > self.size:
+            records.popitem(last=False)
+
+
+_signatures = _Signatures()
 
 
 @overload
@@ -272,12 +358,16 @@ def pullback(
 
     Notes:
         Costs one forward of f with its saved tensors kept alive until ``pb`` is released or
-        dropped, then one backward of f per new independent direction: at most
-        ``m = numel(y)`` in all. Memory: the kept basis holds ``r`` images, one per
-        direction, each the size of the primals, up to ``max_basis_bytes``. Rank detection
-        is invariant to each cotangent's scale and runs in float32 for half-precision
-        cotangents; non-finite cotangents, images or products are answered by pulling the
-        cotangents themselves back, so NaN and inf come out as in autograd.
+        dropped, then one backward of f per cotangent outside the span of those already
+        pulled back, batched; once ``m = numel(y)`` independent directions are kept, none.
+        Memory: the kept basis holds ``r`` images, one per direction, each the size of the
+        primals, up to ``max_basis_bytes``. Host reads: none on the first call, one on each
+        later call in the usual cases (see `Pullback`). Rank detection is invariant to each
+        cotangent's scale and runs in float32 for half-precision cotangents; non-finite
+        cotangents, images or products are answered by pulling the cotangents themselves
+        back, so NaN and inf come out as in autograd. The first ``pullback`` of an f on a
+        call signature watches f's ops for explicit ``torch.Generator`` draws (for a re-run
+        with the same draws); later ones only where f drew from one then (f is held weakly).
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)
@@ -290,7 +380,17 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
+    # After the first call on a signature, f's ops are watched for explicit generators (for
+    # a re-run of f with the same draws) only where f drew from one then: ~1-2 us an op.
+    cached = values_readable(flat.leaves)
+    key = _signatures.key(flat) if cached else None
+    record = _signatures.get(f, key) if cached else None
+    if record is not None:
+        flat.watch = record.draws
+        flat.eager = flat.drew = record.random
     lin = _linearize.of_function(flat, _linearize.RandomState(flat))
+    if cached and record is None:
+        _signatures.put(f, key, _Signature(bool(flat.generators), flat.drew or flat.eager))
     pb = Pullback(flat, lin, reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)

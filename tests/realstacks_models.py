@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from funcgrad.bench import _models
+
 
 def import_or_skip(name: str) -> Any:
     """pytest.importorskip, but any failure to import skips (not only ImportError): the
@@ -63,11 +65,9 @@ class Case:
             return self.features().shape[-1]
 
 
-# -- transformers -----------------------------------------------------------------------------
+# -- transformers (the modules: funcgrad/bench/_models.py, which the bench times) ------------
 
-_TINY = dict(
-    vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
-)
+_TINY = dict(hidden=16, layers=1, heads=2)
 
 
 def _ids(batch: int = 2, seq: int = 5, vocab: int = 50) -> torch.Tensor:
@@ -78,64 +78,43 @@ def _eval64(model: nn.Module) -> nn.Module:
     return model.to(torch.float64).eval()
 
 
+def _bert(attn: str = "eager") -> nn.Module:
+    import_or_skip("transformers")
+    return _models.bert(attn, **_TINY, intermediate=32, vocab=50, positions=16)
+
+
 def bert(attn: str = "eager") -> Case:
-    tf = import_or_skip("transformers")
-    config = tf.BertConfig(**_TINY, max_position_embeddings=16, attn_implementation=attn)
-    model = _eval64(tf.BertModel(config))
-    return Case(model, (_ids(),), lambda out: out.pooler_output)
+    return Case(_eval64(_bert(attn)), (_ids(),), lambda out: out.pooler_output)
 
 
 def gpt2(attn: str = "eager") -> Case:
-    tf = import_or_skip("transformers")
-    config = tf.GPT2Config(
-        vocab_size=50,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=16,
-        bos_token_id=None,
-        eos_token_id=None,
-        attn_implementation=attn,
-    )
-    model = _eval64(tf.GPT2Model(config))
+    import_or_skip("transformers")
+    model = _eval64(_models.gpt2(attn, **_TINY, vocab=50, positions=16))
     return Case(model, (_ids(),), lambda out: out.last_hidden_state.mean(1))
 
 
 def gpt2_lm_tied() -> Case:
     """GPT2LMHeadModel with lm_head.weight tied to transformer.wte.weight: the features are
     the last position's logits, so the tied weight is reached along both paths."""
-    tf = import_or_skip("transformers")
-    config = tf.GPT2Config(
-        vocab_size=50,
-        n_embd=16,
-        n_layer=1,
-        n_head=2,
-        n_positions=16,
-        bos_token_id=None,
-        eos_token_id=None,
-        tie_word_embeddings=True,
-        attn_implementation="eager",
-    )
-    model = _eval64(tf.GPT2LMHeadModel(config))
+    import_or_skip("transformers")
+    model = _eval64(_models.gpt2("eager", **_TINY, vocab=50, positions=16, lm_head=True))
     assert model.lm_head.weight is model.transformer.wte.weight
     return Case(model, (_ids(),), lambda out: out.logits[:, -1])
 
 
 def vit(attn: str = "eager") -> Case:
-    tf = import_or_skip("transformers")
-    config = tf.ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        attn_implementation=attn,
-    )
-    model = _eval64(tf.ViTModel(config))
+    import_or_skip("transformers")
+    model = _eval64(_models.vit(attn, image=8, patch=4, **_TINY, intermediate=32))
     pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     return Case(model, (pixels,), lambda out: out.pooler_output)
+
+
+def resnet() -> Case:
+    """transformers' ResNetModel (basic blocks, BatchNorm in eval), the one the bench times."""
+    import_or_skip("transformers")
+    model = _eval64(_models.resnet(embedding=4, widths=[4, 8], depths=[1, 1]))
+    pixels = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    return Case(model, (pixels,), lambda out: out.pooler_output.flatten(1))
 
 
 def bert_checkpointed(use_reentrant: bool) -> Case:
@@ -143,15 +122,7 @@ def bert_checkpointed(use_reentrant: bool) -> Case:
     checkpointing: a forward hook that calls requires_grad_() on the embeddings' output, and
     torch.utils.checkpoint (reentrant: an autograd.Function; non-reentrant: saved-tensor
     hooks)."""
-    tf = import_or_skip("transformers")
-    config = tf.BertConfig(
-        **_TINY,
-        max_position_embeddings=16,
-        attn_implementation="eager",
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    model = tf.BertModel(config).to(torch.float64)
+    model = _bert().to(torch.float64)
     with warnings.catch_warnings():  # deprecated alias of activation_checkpointing_enable (5.x)
         warnings.filterwarnings(
             "ignore", "`gradient_checkpointing_enable` is deprecated", FutureWarning
@@ -225,13 +196,13 @@ def nn_resnet(train: bool) -> Case:
 
 def lstm() -> Case:
     torch.manual_seed(5)
-    model = nn.LSTM(5, 8, num_layers=1, batch_first=True).to(torch.float64)
+    model = _models.rnn("lstm", features=5, hidden=8).to(torch.float64)
     return Case(model, (torch.randn(3, 4, 5, dtype=torch.float64),), lambda out: out[0][:, -1])
 
 
 def gru() -> Case:
     torch.manual_seed(5)
-    model = nn.GRU(5, 8, num_layers=1, batch_first=True).to(torch.float64)
+    model = _models.rnn("gru", features=5, hidden=8).to(torch.float64)
     return Case(model, (torch.randn(3, 4, 5, dtype=torch.float64),), lambda out: out[0][:, -1])
 
 
@@ -346,6 +317,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "gpt2": gpt2,
     "gpt2-lm-tied": gpt2_lm_tied,
     "vit": vit,
+    "resnet": resnet,
     "bert-ckpt-reentrant": lambda: bert_checkpointed(True),
     "bert-ckpt-nonreentrant": lambda: bert_checkpointed(False),
     "timm-resnet-train": lambda: timm_resnet(True),

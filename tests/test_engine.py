@@ -241,10 +241,11 @@ def test_basis_fits_a_budget_of_bytes_and_clears():
     per_row = 4 * 8 + 3 * 8 + 2 * 4  # a direction of y (m = 4) and its image
     basis = _engine.Basis(4, max_bytes=2 * per_row)
     assert basis.nbytes == 0
-    assert basis.fits(torch.empty(2, 4), x_like) and not basis.fits(torch.empty(3, 4), x_like)
+    out_like = (torch.empty(4),)  # y: m = 4, float64
+    assert basis.fits(2, out_like, x_like) and not basis.fits(3, out_like, x_like)
     basis.add(torch.eye(4)[:1], (torch.empty(1, 3), torch.empty(1, 2, dtype=torch.float32)))
     assert basis.nbytes == per_row
-    assert basis.fits(torch.empty(1, 4), x_like) and not basis.fits(torch.empty(2, 4), x_like)
+    assert basis.fits(1, out_like, x_like) and not basis.fits(2, out_like, x_like)
     basis.clear(enabled=False)
     assert (basis.rank, basis.nbytes, basis.images, basis.enabled) == (0, 0, (), False)
     basis.clear()

@@ -358,3 +358,148 @@ def test_many_needs_a_leading_batch_dimension():
 def test_pb_single_call_rejects_a_batch():
     with pytest.raises(ValueError, match=r"For k cotangents at once, stack them and call pb.many"):
         _pb()({"a": torch.ones(2, 3), "b": torch.tensor(1.0)})
+
+
+# -- the lazy basis: cotangents pulled as they are, turned into directions by the next call
+
+
+def _tanh_case(m=6, n=5):
+    w = torch.randn(m, n)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(n)
+    return f, x
+
+
+def _expected(f, x, cotangents):
+    return torch.stack([autograd_vjp(f, x, v) for v in cotangents])
+
+
+def test_a_first_call_pulls_its_cotangents_as_they_are_and_the_next_reuses_them():
+    f, x = _tanh_case()
+    _, pb = funcgrad.pullback(f, x)
+    a, b = torch.randn(2, 6)
+    (got,) = pb.many(torch.stack([a, b]))
+    torch.testing.assert_close(got, _expected(f, x, [a, b]))
+    assert (pb.stats.vjps, pb.stats.kept) == (2, 2)  # held, not yet orthonormalised
+    combos = torch.stack([3 * a - b, -a, torch.zeros(6)])
+    (got,) = pb.many(combos)
+    torch.testing.assert_close(got, _expected(f, x, combos))
+    assert pb.stats.vjps == 2 and pb.rank == 2
+
+
+def test_dependent_held_cotangents_give_one_direction():
+    f, x = _tanh_case()
+    _, pb = funcgrad.pullback(f, x)
+    a = torch.randn(6)
+    held = torch.stack([a, 2 * a, -a])
+    (got,) = pb.many(held)
+    torch.testing.assert_close(got, _expected(f, x, held))
+    assert pb.stats.vjps == 3  # a fresh pullback detects no rank
+    torch.testing.assert_close(pb(5 * a)[0], autograd_vjp(f, x, 5 * a))
+    assert pb.stats.vjps == 3 and pb.rank == 1
+
+
+@pytest.mark.parametrize("gap", [1e-3, 1e-7, 1e-12])
+def test_nearly_dependent_held_cotangents_stay_exact(gap):
+    """Held directions too close to derive by linearity are pulled through f instead."""
+    f, x = _tanh_case()
+    _, pb = funcgrad.pullback(f, x)
+    a, b = torch.randn(2, 6)
+    pb.many(torch.stack([a, a + gap * b]))
+    for v in (5 * a, b, a - 2 * b, torch.randn(6)):
+        torch.testing.assert_close(pb(v)[0], autograd_vjp(f, x, v), rtol=1e-9, atol=1e-12)
+    assert pb.rank <= 6
+
+
+def test_a_mixed_batch_pulls_only_its_new_directions():
+    f, x = _tanh_case()
+    _, pb = funcgrad.pullback(f, x)
+    a, b = torch.randn(2, 6)
+    pb(a)
+    batch = torch.stack([2 * a, b, a + b])  # one new direction among three cotangents
+    (got,) = pb.many(batch)
+    torch.testing.assert_close(got, _expected(f, x, batch))
+    assert pb.stats.vjps == 2 and pb.rank == 2
+
+
+def test_non_finite_cotangents_come_out_as_autograd_and_leave_the_reuse_on():
+    f, x = _tanh_case()
+    _, pb = funcgrad.pullback(f, x)
+    a = torch.randn(6)
+    bad = a.clone()
+    bad[0] = float("nan")
+    torch.testing.assert_close(pb(bad)[0], autograd_vjp(f, x, bad), equal_nan=True)
+    torch.testing.assert_close(pb(a)[0], autograd_vjp(f, x, a))
+    inf = 0 * a
+    inf[1] = float("inf")
+    torch.testing.assert_close(pb(inf)[0], autograd_vjp(f, x, inf), equal_nan=True)
+    vjps = pb.stats.vjps
+    torch.testing.assert_close(pb(-3 * a)[0], autograd_vjp(f, x, -3 * a))
+    assert pb.stats.vjps == vjps and pb.rank == 1
+
+
+def test_a_non_finite_jacobian_turns_the_reuse_off():
+    x = torch.tensor([0.0, 1.0, 4.0])  # sqrt's derivative is inf at 0
+    _, pb = funcgrad.pullback(torch.sqrt, x)
+    vs = [torch.tensor([1.0, 2.0, 0.0]), torch.tensor([0.0, 1.0, 1.0]), torch.ones(3)]
+    for v in [*vs, 2 * vs[1]]:
+        torch.testing.assert_close(pb(v)[0], autograd_vjp(torch.sqrt, x, v), equal_nan=True)
+    assert pb.rank == 0 and pb.stats.vjps == 4  # every cotangent pulled as it is
+
+
+def test_a_float32_pullback_reused_across_calls_matches_autograd():
+    f, x = _tanh_case(m=40, n=30)
+    f32 = lambda x: f(x.double()).float()  # noqa: E731
+    x = x.float()
+    _, pb = funcgrad.pullback(f32, x)
+    vs = torch.randn(12, 40, dtype=torch.float32)
+    for i in range(0, 12, 3):
+        pb.many(vs[i : i + 3])
+    combos = torch.randn(5, 12, dtype=torch.float32) @ vs
+    (got,) = pb.many(combos)
+    assert pb.stats.vjps == 12
+    expected = _expected(f, x.double(), combos.double())
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_kept_directions_and_held_cotangents_stay_within_the_budget():
+    f, x = _tanh_case(m=6, n=5)
+    per_direction = 6 * 8 + 5 * 8  # a direction (float64) and its image
+    _, pb = funcgrad.pullback(f, x, max_basis_bytes=2 * per_direction)
+    vs = torch.randn(5, 6)
+    for v in vs:
+        torch.testing.assert_close(pb(v)[0], autograd_vjp(f, x, v))
+        assert pb.stats.kept_bytes <= 2 * per_direction
+    assert pb.stats.kept == 2
+
+
+def test_the_second_pullback_of_a_signature_does_not_keep_f_alive():
+    def f(x):
+        return torch.sin(x)
+
+    for _ in range(2):
+        funcgrad.pullback(f, torch.randn(3))
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None
+
+
+def test_zero_and_nearly_dependent_complex_cotangents_across_calls_match_autograd():
+    """A held zero row gives no direction; directions settled from nearly dependent held
+    rows stay orthogonal to the kept ones (complex y: two real coordinates an entry)."""
+    w = torch.randn(5, 4, dtype=torch.complex128)
+    f = lambda z: torch.exp(w @ z)  # noqa: E731
+    z = torch.randn(4, dtype=torch.complex128)
+    _, pb = funcgrad.pullback(f, z)
+    a, b = torch.randn(2, 5, dtype=torch.complex128)
+    calls = [
+        torch.stack([torch.zeros(5, dtype=a.dtype), a]),
+        torch.stack([3 * a + 1e-7 * b, b, a - b]),
+        torch.randn(3, 5, dtype=a.dtype),
+        torch.randn(4, 5, dtype=a.dtype),
+    ]
+    for cotangents in calls:
+        (got,) = pb.many(cotangents)
+        expected = torch.stack([autograd_vjp(f, z, v) for v in cotangents])
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())

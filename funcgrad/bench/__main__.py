@@ -51,12 +51,16 @@ from ._per_example import per_example_case
 from ._planner import cells as planner_cells
 from ._planner import planner_case
 from ._real_model import real_model_case
+from ._real_stacks import CELLS as REAL_STACKS_CELLS
+from ._real_stacks import TARGETS as REAL_STACKS_TARGETS
+from ._real_stacks import real_stacks_case
 
 # A builder makes the case of one cell: (k, quick), or (k, quick, variant) for the cases
 # with several functions or settings.
 BUILDERS: dict[str, Callable[..., Case]] = {
     **STANDARD_BUILDERS,
     "real-model": real_model_case,
+    "real-stacks": real_stacks_case,
     "planner": planner_case,
     "overhead": overhead_case,
     "per-example": per_example_case,
@@ -81,6 +85,7 @@ TARGETS = [
     ("mtl-weighting k=8", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.85),
     ("mtl-weighting k=32", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.5),
     *PER_EXAMPLE_TARGETS,
+    *REAL_STACKS_TARGETS,
 ]
 OVERHEAD_TARGETS = [
     (f"overhead {name} k=8", "funcgrad", "recipe", 1.2) for name in overhead_names()
@@ -110,6 +115,8 @@ def _cells(name: str, mode: str) -> list[tuple[str, int]]:
         return planner_cells(mode)
     if name == "real-model":
         return REAL_MODEL_CELLS[mode]
+    if name == "real-stacks":
+        return REAL_STACKS_CELLS[mode]
     if name == "per-example":
         return PER_EXAMPLE_CELLS[mode]
     if name == "overhead":
@@ -138,7 +145,11 @@ def _agreement(case: Case, results: dict[str, Any]) -> dict[str, str]:
     for name, result in results.items():
         if name in case.reference_only or name in references:
             continue
-        reference = _leaves(results[case.reference_for.get(name, "naive")])
+        wanted = case.reference_for.get(name, "naive")
+        if wanted not in results:
+            verdicts[name] = f"not checked: its reference {wanted!r} errored"
+            continue
+        reference = _leaves(results[wanted])
         leaves = _leaves(result)
         overall = max((want.abs().max().item() for want in reference if want.numel()), default=0)
         worst = 0.0
@@ -277,13 +288,19 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
     results: dict[str, Any] = {}
     first_call: dict[str, float] = {}
     start = time.perf_counter()
+    errors: dict[str, str] = {}
     for method, fn in list(case.methods.items()):  # warm-up, and the agreement check
-        if not case.drop_on_warning:
-            results[method] = _first_call(fn, first_call, method)
+        try:
+            if not case.drop_on_warning:
+                results[method] = _first_call(fn, first_call, method)
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", funcgrad.FuncgradWarning)
+                results[method] = _first_call(fn, first_call, method)
+        except Exception as error:  # an error cell in the report, not a crash of the run
+            del case.methods[method]
+            errors[method] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
             continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", funcgrad.FuncgradWarning)
-            results[method] = _first_call(fn, first_call, method)
         fallbacks = [w for w in caught if issubclass(w.category, funcgrad.FuncgradWarning)]
         for other in caught:  # the rest as they would have been
             if other not in fallbacks:
@@ -297,7 +314,10 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
     report["disagreements"] += [
         f"{case.label}: {m}: {v}" for m, v in agreement.items() if v != "ok"
     ]
-    plans = {method: _plan_record(plan()) for method, plan in case.plans.items()}
+    report.setdefault("errors", []).extend(f"{case.label}: {m}: {e}" for m, e in errors.items())
+    plans = {
+        method: _plan_record(plan()) for method, plan in case.plans.items() if method not in errors
+    }
     reads = _host_reads(case) if case.count_reads else None
     threads = torch.get_num_threads()
     torch.set_num_threads(case.threads or threads)
@@ -325,6 +345,7 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
         "rounds": case_rounds,
         "more_rounds": {"rounds": more_rounds, "methods": contenders} if more_rounds else None,
         "agreement": agreement,
+        "errors": errors,
         "skipped": case.skipped,
         "untimed": list(case.untimed),
         "plans": plans,
@@ -581,10 +602,11 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
-        if entry.get("planner") is not None or entry["name"] == "overhead":  # own tables below
-            continue
+        if entry.get("planner") is not None or entry["name"] in ("overhead", "real-stacks"):
+            continue  # their own tables below
         methods = entry["methods"]  # empty when the whole case was skipped
-        naive = methods[entry.get("baseline", "naive")]["median"] if methods else None
+        # None when the whole case was skipped, or its baseline raised
+        naive = (methods.get(entry.get("baseline", "naive")) or {}).get("median")
         for name, stats in methods.items():
             peak = (entry.get("peak_mib") or {}).get(name)
             shown = f"{name} ({entry['auto']})" if name == "funcgrad auto" else name
@@ -601,7 +623,7 @@ def _markdown(report: dict[str, Any]) -> str:
                 shown,
                 f"{stats['median'] * 1e3:.2f}",
                 f"{stats['min'] * 1e3:.2f}-{stats['max'] * 1e3:.2f}",
-                f"{stats['median'] / naive:.3f}",
+                "—" if naive is None else f"{stats['median'] / naive:.3f}",
                 "" if peak is None else f"{peak:.1f}",
                 entry["agreement"].get(
                     name,
@@ -618,6 +640,8 @@ def _markdown(report: dict[str, Any]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
         for name, why in entry["skipped"].items():
             lines.append(f"| {label} | {name} | skipped: {why} | | | | |")
+        for name, error in (entry.get("errors") or {}).items():
+            lines.append(f"| {label} | {name} | error: {error} | | | | |")
     if any(e["name"] == "ddp" and e.get("methods") for e in report["cases"].values()):
         lines += ["", DDP_NOTE]
     plans = [
@@ -630,6 +654,7 @@ def _markdown(report: dict[str, Any]) -> str:
         lines += ["", "Plans (`fn.plan(...)` after the warm-up call):", "", *plans]
     lines += _planner_markdown(report.get("planner") or {})
     lines += _overhead_markdown(report["cases"])
+    lines += _real_stacks_markdown(report["cases"])
     lines += ["", "## Targets", "", "| case | target | ratio | met |", "|---|---|---:|---|"]
     for t in report["targets"]:
         ratio = "" if t["ratio"] is None else f"{t['ratio']:.3f}"
@@ -671,6 +696,69 @@ def _overhead_markdown(entries: dict[str, dict[str, Any]]) -> list[str]:
             f"{theirs * 1e6:.0f} | {ours / theirs:.2f} | {shown} | "
             f"{entry['agreement'].get('funcgrad', '?')} |"
         )
+    return lines
+
+
+def _real_stacks_markdown(entries: dict[str, dict[str, Any]]) -> list[str]:
+    cells = {label: e for label, e in entries.items() if e["name"] == "real-stacks"}
+    if not cells:
+        return []
+    methods = ("naive", "funcgrad auto", "torch.func vjp+vmap")
+    lines = [
+        "",
+        "## Real stacks: per-task gradients of a model's parameters",
+        "",
+        "k task heads on a real model's pooled output, the k gradients w.r.t. its parameters "
+        "(docs/benchmarks_real_model.md): `funcgrad.compose_heads` (auto) and raw torch.func "
+        "(`vjp`, then `vmap` of the pullback over the heads' cotangents) on "
+        "`functional_call`, against the loop a user writes (one eager forward, then "
+        "`torch.autograd.grad(loss_i, params, retain_graph=True)` per task). Median ms; "
+        "ratios to the loop; peak MiB in the order loop / auto / torch.func; agrees: each "
+        "method's answer against the loop's before timing.",
+        "",
+        "| model | k | loop ms | auto ms | torch.func ms | auto / loop | torch.func / loop "
+        "| peak MiB | auto's plan | agrees |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    notes = []
+    for label, entry in cells.items():
+        if entry["skipped"].get("all"):
+            lines.append(
+                f"| {entry['variant']} | {entry['k']} | skipped: {entry['skipped']['all']} "
+                "| | | | | | | |"
+            )
+            continue
+        times = {m: entry["methods"][m]["median"] for m in methods if m in entry["methods"]}
+        errors = entry.get("errors") or {}
+        shown = [
+            f"{times[m] * 1e3:.2f}" if m in times else ("error" if m in errors else "—")
+            for m in methods
+        ]
+        loop = times.get("naive")
+        ratios = [f"{times[m] / loop:.2f}" if loop and m in times else "—" for m in methods[1:]]
+        if loop and "funcgrad auto" in times and times["funcgrad auto"] > 1.2 * loop:
+            ratios[0] += " **>1.2**"
+        peaks = entry.get("peak_mib") or {}
+        peak = (
+            "/".join("?" if peaks.get(m) is None else f"{peaks[m]:.0f}" for m in methods)
+            if peaks
+            else ""
+        )
+        plan = (entry.get("plans") or {}).get("funcgrad auto")
+        planned = f"{plan['strategy']}, {plan['passes']} passes" if plan else "—"
+        agrees = [
+            f"{m}: {entry['agreement'][m]}"
+            for m in methods[1:]
+            if entry["agreement"].get(m, "ok") != "ok"
+        ]
+        lines.append(
+            f"| {entry['variant']} | {entry['k']} | "
+            + " | ".join(shown + ratios)
+            + f" | {peak} | {planned} | {'; '.join(agrees) or 'ok'} |"
+        )
+        notes += [f"- {label}, {m}: {e}" for m, e in errors.items()]
+    if notes:
+        lines += ["", "Errors (the warm-up call raised; the method was not timed):", "", *notes]
     return lines
 
 
@@ -844,7 +932,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="only these functions or settings of the cases that have several (planner: "
-        "'seed', 'ode n=2', ...; real-model: eager, sdpa)",
+        "'seed', 'ode n=2', ...; real-model: eager, sdpa; real-stacks: "
+        + ", ".join(model for model, _ in REAL_STACKS_CELLS["full"][::2])
+        + ")",
     )
     parser.add_argument(
         "--heads",
@@ -890,6 +980,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": versions,
         "cases": {},
         "disagreements": [],
+        "errors": [],
     }
     try:
         from importlib.metadata import version
@@ -944,8 +1035,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     for problem in report["disagreements"]:
         print(f"DISAGREEMENT: {problem}")
+    for problem in report["errors"]:
+        print(f"ERROR: {problem}")
     print(f"wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
-    return 1 if report["disagreements"] else 0
+    return 1 if report["disagreements"] or report["errors"] else 0
 
 
 if __name__ == "__main__":

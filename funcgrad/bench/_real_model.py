@@ -18,6 +18,7 @@ import torch
 
 import funcgrad
 
+from . import _models
 from ._cases import Case, SkipCase, built, on
 
 MISSING_TRANSFORMERS = (
@@ -36,25 +37,23 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
     own variant, ``"bert-eager"``, as the peak-memory subprocess passes it back)."""
     variant = variant.removeprefix("bert-")
     try:
-        from transformers import BertConfig, BertModel
+        import transformers  # noqa: F401
     except ImportError:
         raise SkipCase(MISSING_TRANSFORMERS) from None
     size = SIZES["quick" if quick else "full"]
     hidden, batch = size["hidden"], size["batch"]
     torch.manual_seed(0)
-    options: dict[str, Any] = {"attn_implementation": variant}  # not in BertConfig's stubs
-    config = BertConfig(
-        **options,
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=ATTENTION_HEADS,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=2 * SEQ,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    model = built(
+        lambda: _models.bert(
+            variant,
+            hidden=hidden,
+            layers=LAYERS,
+            heads=ATTENTION_HEADS,
+            intermediate=4 * hidden,
+            vocab=VOCAB,
+            positions=2 * SEQ,
+        ).eval()
     )
-    model = built(lambda: BertModel(config).eval())
     ids = on(torch.randint(0, VOCAB, (batch, SEQ), device="cpu"))
     mask = torch.ones(batch, SEQ, dtype=torch.long, device="cpu")
     for i in range(batch):  # padded sequences of different lengths
@@ -91,10 +90,10 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
         f"head{t}.{n}" for t, h in enumerate(heads) for n, _ in h.named_parameters()
     ]
 
-    def update(run: Callable[[], None]) -> Callable[[], dict[str, torch.Tensor]]:
+    def update(run: Callable[[], None]) -> Callable[[], dict[str, torch.Tensor | None]]:
         """An imperative method from zeroed grads: the update it wrote into every .grad."""
 
-        def method() -> dict[str, torch.Tensor]:
+        def method() -> dict[str, torch.Tensor | None]:
             for p in leaves:
                 p.grad = None
             run()
