@@ -188,18 +188,17 @@ def _validate(
 
 def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
     """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
-    ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each
-    (:func:`~funcgrad._engine.output_grads`)."""
+    ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each, into
+    ``through`` and that loss's own leaves only (the rows of a batched backward would be
+    zeros for the other losses' leaves, made and summed for nothing)."""
     mids = task.through
-    owned = [leaf for own in task.own for leaf in own]
     with sync.collecting():
-        grads = _engine.output_grads(task.losses, mids + tuple(owned))
-    cotangents = grads[: len(mids)]
-    own_grads, start = [], len(mids)
-    for i, own in enumerate(task.own):  # each loss's own leaves: row i of theirs
-        own_grads.append([g[i] for g in grads[start : start + len(own)]])
-        start += len(own)
-    flat = sync.average([g for grads in own_grads for g in grads])
+        grads = [
+            _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
+            for loss, own in zip(task.losses, task.own)
+        ]
+    cotangents = tuple(torch.stack([g[j] for g in grads]) for j in range(len(mids)))
+    flat = sync.average([g for row in grads for g in row[len(mids) :]])
     averaged, start = [], 0
     for own in task.own:
         averaged.append(flat[start : start + len(own)])
