@@ -24,6 +24,9 @@ Edge = tuple[Any, int]
 def edge(t: torch.Tensor) -> Edge:
     """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
     a view, which inference mode would leave without a graph: the view is made outside it.)"""
+    node = t.grad_fn
+    if node is not None:  # (what get_gradient_edge gives, without its view and token)
+        return node, t.output_nr
     with torch.inference_mode(False):
         e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
@@ -52,18 +55,26 @@ def walk(
     found: set[int] = set()
     stopped: set[int] = set()
     seen, todo = set(starts), list(starts)
+    # (The hot loop of every call's validation: one read of next_functions per edge, an
+    # AccumulateGrad node, a leaf, is the only kind without parents.)
     while todo:
         e = todo.pop()
-        if e in stop:
+        if stop and e in stop:
             stopped.add(stop[e])
             continue
-        if e in targets:
+        if targets and e in targets:
             found.add(targets[e])
-        if leaves is not None and hasattr(e[0], "variable"):  # AccumulateGrad: a leaf
-            leaves.setdefault(e, e[0].variable)
-        for parent in _parents(e):
+        node = e[0]
+        parents = node.next_functions
+        if not parents:
+            if leaves is not None and hasattr(node, "variable"):
+                leaves.setdefault(e, node.variable)
+            continue
+        for parent in parents:
+            if parent[0] is None:
+                continue
             if into is not None:
-                into.setdefault(parent[0], []).append(e[0])
+                into.setdefault(parent[0], []).append(node)
             if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
@@ -276,50 +287,67 @@ class Graph:
                     todo.append(node)
         freed = [node for node in runs if _saves_tensors(node)]
         sparse = any(
-            type(node).__name__.startswith("Embedding") and getattr(node, "_saved_sparse", False)
-            for node in runs
+            getattr(node, "_saved_sparse", False) for node in runs if _is_embedding(type(node))
         )
         return cls(freed, bool(checkpoints), into, upper, sparse)
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,
         and when: at a freed node always (None: torch raises there); at a node above
-        ``through`` (the losses' own included) or ``through``'s own node from which freed
-        ones are reached, when the backward will run one of the first freed nodes below it
-        (listed; as the engine prunes, ``torch.autograd.grad(loss, log_var)`` may avoid
-        them). A backward from the outputs runs those nodes first, before any leaf; torch
-        would raise only at the freed node, after accumulating into a leaf that a path
-        saving nothing reaches first (a parameter added to a loss)."""
+        ``through`` (the losses' own included) or ``through``'s own node, when the backward
+        will run one of the first freed nodes below it (listed; as the engine prunes,
+        ``torch.autograd.grad(loss, log_var)`` may avoid them). A backward from the outputs
+        runs those nodes first, before any leaf; torch would raise only at the freed node,
+        after accumulating into a leaf that a path saving nothing reaches first (a parameter
+        added to a loss). The search goes down from those nodes no further than the first
+        freed ones (usually ``through``'s own node): it never walks the shared part."""
         freed = set(self.freed)
-        doomed, todo = set(freed), list(freed)  # the nodes from which a freed one is reached
-        while todo:
-            for node in self.into.get(todo.pop(), ()):
-                if node not in doomed:
-                    doomed.add(node)
-                    todo.append(node)
         refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
-        first: dict[Any, set[Any]] = {}  # a doomed node -> the first freed nodes below it
-        for start in (self.upper & doomed) - freed:
+        if not freed:
+            return refusing
+        first: dict[Any, set[Any]] = {}  # a node -> the first freed nodes below it
+        parents_of: dict[Any, list[Any]] = {}
+        for start in self.upper - freed:
             stack = [start]
             while stack:
                 node = stack[-1]
                 if node in first:
                     stack.pop()
                     continue
-                parents = [p for p, _ in node.next_functions if p in doomed]
+                parents = parents_of.get(node)
+                if parents is None:
+                    parents = [p for p, _ in node.next_functions if p is not None]
+                    parents_of[node] = parents
                 pending = [p for p in parents if p not in freed and p not in first]
                 if pending:
                     stack.extend(pending)
                     continue
                 stack.pop()
-                first[node] = set().union(*({p} if p in freed else first[p] for p in parents))
-            refusing[start] = list(first[start])
+                below: set[Any] = set()
+                for p in parents:
+                    if p in freed:
+                        below.add(p)
+                    else:
+                        below |= first[p]
+                first[node] = below
+            if first[start]:
+                refusing[start] = list(first[start])
         return refusing
 
 
 # Per node type: whether it saves tensors for backward (those a backward frees, and torch
 # refuses to run twice); an add saves none, a matmul or tanh does.
 _SAVES: dict[type, bool] = {}
+
+
+_EMBEDDING: dict[type, bool] = {}
+
+
+def _is_embedding(kind: type) -> bool:
+    """An embedding's backward node (its ``_saved_sparse`` says whether it is sparse)."""
+    if kind not in _EMBEDDING:
+        _EMBEDDING[kind] = kind.__name__.startswith("Embedding")
+    return _EMBEDDING[kind]
 
 
 def _saves_tensors(node: Any) -> bool:
@@ -369,8 +397,9 @@ def spend(graph: Graph, call: str) -> None:
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
     for node, below in graph.refusing().items():
-        if _REFUSES not in node.metadata:
-            node.metadata[_REFUSES] = True
+        metadata = node.metadata
+        if _REFUSES not in metadata:
+            metadata[_REFUSES] = True
             node.register_prehook(refuse if below is None else refuse_before(below))
 
 
