@@ -186,10 +186,10 @@ def no_autocast(device: torch.device) -> Iterator[None]:
     """Autocast off on ``device``: a caller's ``torch.autocast`` region is for its forward,
     and under it the Gramian ``b @ b.T``, a weighting's own products and ``w @ P`` would run
     in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy)."""
-    if torch.amp.is_autocast_available(device.type):
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
         with torch.autocast(device.type, enabled=False):
             yield
-    else:  # a device without autocast (meta, ...): nothing to turn off
+    else:  # autocast off already, or a device without it (meta, ...): nothing to turn off
         yield
 
 
