@@ -182,7 +182,7 @@ def split_leaves(
     below_into: dict[Any, list[Any]] = {}
     walk(list(stops), {}, {}, below, below_into)
     leaf_names: dict[Edge, str] = {}
-    hidden = _checkpoints(stops, below_into)
+    hidden = _checkpoints(stops, below_into)  # (passed on to Graph.of)
     if hidden and inputs is None:
         raise ValueError(
             f"{call}: the graph below `through` holds a reentrant checkpoint "
@@ -235,13 +235,13 @@ def split_leaves(
                 )
         per_task.append(own)
     targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
-    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets)
+    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets, hidden)
 
 
 def _checkpoints(stops: Mapping[Edge, int], into: Mapping[Any, list[Any]]) -> list[Any]:
     """The reentrant checkpoints among the nodes of a walk from ``stops`` (see :func:`walk`)."""
     nodes = {e[0] for e in stops} | into.keys()
-    return [node for node in nodes if type(node).__name__ == REENTRANT_CHECKPOINT]
+    return [node for node in nodes if _kind(node).checkpoint]
 
 
 @dataclasses.dataclass
@@ -256,6 +256,7 @@ class Graph:
     checkpoint: bool
     into: dict[Any, list[Any]]  # node -> the nodes that pass gradients into it
     upper: set[Any]  # the nodes above ``through`` and its own nodes
+    heads: set[Any]  # the nodes above ``through`` (not its own)
     # A sparse embedding's backward runs (Embedding/EmbeddingBag with sparse=True): vmap
     # cannot batch its sparse gradient (a batched pull would fail there, after freeing the
     # nodes above it where it frees the graph), so the pulls loop.
@@ -268,13 +269,17 @@ class Graph:
         below: dict[Any, list[Any]],
         stops: Mapping[Edge, int],
         targets: set[Any],
+        checkpoints: list[Any] | None = None,
     ) -> Graph:
         """From the walks above ``through`` (stopped at its ``stops``) and below it (see
-        :func:`walk`'s ``into``), and the nodes of the wanted gradients (``targets``). A
+        :func:`walk`'s ``into``), and the nodes of the wanted gradients (``targets``);
+        ``checkpoints``: those of :func:`_checkpoints` below, where the caller has them. A
         reentrant checkpoint runs whatever it reaches: its own backward reaches leaves that
         the walk cannot see."""
-        checkpoints = _checkpoints(stops, below)
-        upper = {node for nodes in above.values() for node in nodes} | {e[0] for e in stops}
+        if checkpoints is None:
+            checkpoints = _checkpoints(stops, below)
+        heads = {node for nodes in above.values() for node in nodes}
+        upper = heads | {e[0] for e in stops}
         into = below
         for node, nodes in above.items():
             into.setdefault(node, []).extend(nodes)
@@ -285,11 +290,14 @@ class Graph:
                 if node not in runs:
                     runs.add(node)
                     todo.append(node)
-        freed = [node for node in runs if _saves_tensors(node)]
-        sparse = any(
-            getattr(node, "_saved_sparse", False) for node in runs if _is_embedding(type(node))
-        )
-        return cls(freed, bool(checkpoints), into, upper, sparse)
+        freed, sparse = [], False
+        for node in runs:
+            kind = _kind(node)
+            if kind.saves or (kind.custom and _custom_saves(node)):
+                freed.append(node)
+            if kind.embedding and getattr(node, "_saved_sparse", False):
+                sparse = True
+        return cls(freed, bool(checkpoints), into, upper, heads, sparse)
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,
@@ -335,33 +343,42 @@ class Graph:
         return refusing
 
 
-# Per node type: whether it saves tensors for backward (those a backward frees, and torch
-# refuses to run twice); an add saves none, a matmul or tanh does.
-_SAVES: dict[type, bool] = {}
+@dataclasses.dataclass(frozen=True)
+class _Kind:
+    """What a type of backward node is, for the walk's bookkeeping (cached per type)."""
+
+    saves: bool  # saves tensors for backward (freed by a backward, refused a second time)
+    custom: bool  # a custom autograd.Function: whether it saves depends on the call
+    embedding: bool  # an embedding's backward (``_saved_sparse`` says whether sparse)
+    checkpoint: bool  # a reentrant checkpoint's backward (see REENTRANT_CHECKPOINT)
 
 
-_EMBEDDING: dict[type, bool] = {}
+_KINDS: dict[type, _Kind] = {}
 
 
-def _is_embedding(kind: type) -> bool:
-    """An embedding's backward node (its ``_saved_sparse`` says whether it is sparse)."""
-    if kind not in _EMBEDDING:
-        _EMBEDDING[kind] = kind.__name__.startswith("Embedding")
-    return _EMBEDDING[kind]
+def _kind(node: Any) -> _Kind:
+    kind = _KINDS.get(type(node))
+    if kind is None:
+        custom = isinstance(node, torch.autograd.function.BackwardCFunction)
+        name = type(node).__name__
+        saves = (
+            not custom
+            and not hasattr(node, "variable")
+            and any(  # (AccumulateGrad: a leaf)
+                attr.startswith("_raw_saved") or attr == "saved_tensors" for attr in dir(node)
+            )
+        )  # (an add saves none, a matmul or tanh does)
+        kind = _Kind(saves, custom, name.startswith("Embedding"), name == REENTRANT_CHECKPOINT)
+        _KINDS[type(node)] = kind
+    return kind
 
 
-def _saves_tensors(node: Any) -> bool:
-    if isinstance(node, torch.autograd.function.BackwardCFunction):  # a custom Function:
-        try:  # what this call saved (a gradient reversal saves nothing)
-            return len(node._raw_saved_tensors) > 0
-        except RuntimeError:  # already freed by a backward
-            return True
-    kind = type(node)
-    if kind not in _SAVES:
-        _SAVES[kind] = not hasattr(node, "variable") and any(  # (AccumulateGrad: a leaf)
-            name.startswith("_raw_saved") or name == "saved_tensors" for name in dir(node)
-        )
-    return _SAVES[kind]
+def _custom_saves(node: Any) -> bool:
+    """Whether this call of a custom Function saved tensors (a gradient reversal saves none)."""
+    try:
+        return len(node._raw_saved_tensors) > 0
+    except RuntimeError:  # already freed by a backward
+        return True
 
 
 _SPENT = "funcgrad: spent"
@@ -396,11 +413,44 @@ def spend(graph: Graph, call: str) -> None:
 
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
+    # Where the call's last pass freed the shared part for real (backward without
+    # retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept alive
+    # need a hook (a hook costs ~1-2 us a node: a real model's shared part has thousands).
+    shared = [node for node in graph.freed if node not in graph.heads]
+    torch_refuses = bool(shared) and _released(shared[0])
     for node, below in graph.refusing().items():
+        if below is None and torch_refuses and node not in graph.heads:
+            continue
         metadata = node.metadata
         if _REFUSES not in metadata:
             metadata[_REFUSES] = True
             node.register_prehook(refuse if below is None else refuse_before(below))
+
+
+_SAVED_NAME: dict[type, str | None] = {}
+
+
+def _released(node: Any) -> bool:
+    """Whether a backward without retain_graph has freed the tensors ``node`` saved (every
+    node that backward ran is then freed: torch raises at each of them)."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        try:
+            node.saved_tensors  # noqa: B018 (raises once freed)
+        except RuntimeError:
+            return True
+        return False
+    kind = type(node)
+    if kind not in _SAVED_NAME:  # a tensor it saves, by the name that raises once freed
+        raw = next((n for n in dir(node) if n.startswith("_raw_saved_")), None)
+        _SAVED_NAME[kind] = None if raw is None else "_saved_" + raw.removeprefix("_raw_saved_")
+    name = _SAVED_NAME[kind]
+    if name is None:
+        return False
+    try:
+        getattr(node, name)
+    except RuntimeError:
+        return True
+    return False
 
 
 SECOND_BACKWARD = (
