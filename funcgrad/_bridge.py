@@ -41,9 +41,15 @@ def grads(
         retain_graph: as in ``torch.autograd.grad`` (None: ``create_graph``). Without it,
             the graph counts as freed after the call, where ``torch.autograd.grad`` would
             free it: a later ``grads``, ``backward`` or ``.backward()`` through it raises
-            torch's error, before any ``.grad`` is written. The graph itself is kept during
-            the call (batching, ``check`` and the non-finite recompute may need it more than
-            once); its memory goes when you drop the outputs and ``through``.
+            torch's error, before any ``.grad`` is written. Where k <= numel(through), the
+            one batched backward from ``through`` frees the part below it, as torch's own
+            backward does (the last chunk, the last direction of a loop, the last of
+            ``check``'s comparisons); else (``through``'s unit directions, whose product may
+            need the cotangents pulled again) that part's memory goes when you drop the
+            outputs and ``through``. The heads' part is kept until then. Where vmap cannot
+            batch that backward and fails after it freed part of the graph, the loop that
+            would answer cannot run: a clear error says so, before any ``.grad`` is written
+            (pass ``retain_graph=True``, or ``chunk_size=1`` for a loop from the start).
         create_graph: build the graph of the gradients, for higher order.
         allow_unused: give zeros for inputs that ``through`` does not depend on, instead of
             an error.
@@ -94,11 +100,17 @@ def grads(
     cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
 
     # Through -> inputs (slow): min(k, numel(through)) directions.
-    lin = _linearize.of_graph(mids, ins, create_graph=create_graph, by_backward=graph.checkpoint)
-    basis = _engine.Basis(_coords.real_size(lin.out))
-    result, _ = _engine.by_linearity(
-        lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode
+    retain = create_graph if retain_graph is None else retain_graph
+    lin = _linearize.of_graph(
+        mids, ins, create_graph=create_graph, retain_graph=retain, by_backward=graph.checkpoint
     )
-    if not (create_graph if retain_graph is None else retain_graph):
+    basis = _engine.Basis(_coords.real_size(lin.out))
+    # Where the k cotangents themselves go through (k <= numel(through)), that one batched
+    # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
+    last = not retain and len(outs) <= basis.m
+    result, _ = _engine.by_linearity(
+        lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
+    )
+    if not retain:
         _graph.spend(graph, _CALL)  # as torch.autograd.grad frees it: see Args
     return result

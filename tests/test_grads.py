@@ -139,8 +139,7 @@ def _raises(fn):
 def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_graph):
     """retain_graph as in torch.autograd.grad (default: create_graph): without it, a second
     call or the user's own backward through the graph raises torch's error, before any
-    .grad is written; with it, both run again. (The graph is kept during the call for
-    `check` and the non-finite recompute.)"""
+    .grad is written; with it, both run again."""
     kwargs = {"retain_graph": retain_graph, "create_graph": create_graph}
     x, w, y, zs = _head_graph()
     (want,) = torch.autograd.grad(zs, x, **kwargs)
@@ -158,6 +157,22 @@ def test_grads_frees_the_graph_as_torch_autograd_grad_does(retain_graph, create_
     else:
         torch.testing.assert_close(x.grad, want)
     torch.testing.assert_close(torch.autograd.grad(zs[1], w)[0], only_w)
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_grads_frees_the_part_below_through_with_its_last_pass(k):
+    """Without retain_graph, where the k cotangents themselves are pulled (k <= numel(y) = 4),
+    the batched pull frees the saved tensors below `through`, as torch.autograd.grad does;
+    where y's unit directions are (k > 4), that part is kept until the user drops it (the
+    cotangents may have to be pulled again). Either way the graph counts as freed."""
+    x = torch.randn(3, requires_grad=True)
+    w = torch.randn(4, 3)
+    y = torch.tanh(w @ x)  # TanhBackward0 saves its result
+    zs = [(y * (i + 1)).pow(2).sum() for i in range(k)]
+    funcgrad.grads(zs, x, through=y)
+    freed = _raises(lambda: y.grad_fn._saved_result)
+    assert freed == (k <= 4)
+    assert _raises(lambda: funcgrad.grads(zs, x, through=y))
 
 
 def test_grads_in_inference_mode_as_torch():
