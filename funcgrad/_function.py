@@ -48,6 +48,70 @@ class _Draws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class Writes(Exception):
+    """Internal: f was stopped before it wrote into a tensor it did not make (see
+    :class:`NoOutsideWrites`)."""
+
+
+# The in-place methods that torch functions name without a trailing underscore.
+_IN_PLACE_DUNDERS = frozenset(
+    [
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__imatmul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    ]
+)
+
+
+class NoOutsideWrites(_Draws):
+    """:class:`_Draws`, and f stopped (:class:`Writes`, before the op runs) where it would
+    write into a tensor it did not make in this run: under ``torch.inference_mode``, every
+    tensor f makes is an inference tensor, so a write into any other (an argument, a
+    captured buffer or counter) is one that must not happen. Writes are told by the torch
+    function: an in-place method or function (a trailing underscore, ``x[i] = ...``,
+    ``+=``), an ``out=`` tensor, a batch or instance norm that updates running statistics.
+    A TorchFunctionMode costs ~1 us an op; ``torch.func.vjp``, which refuses such writes at
+    the dispatcher, costs as much again on a Python loop of small ops."""
+
+    def __init__(self, seen: dict[torch.Generator, torch.Tensor], args: Sequence[Any]) -> None:
+        super().__init__(seen)
+        self.args = {id(t) for t in args if isinstance(t, torch.Tensor)}
+
+    def _outside(self, value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return any(self._outside(v) for v in value)
+        return isinstance(value, torch.Tensor) and (
+            not value.is_inference() or id(value) in self.args
+        )
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if kwargs and "out" in kwargs and self._outside(kwargs["out"]):
+            raise Writes(name)
+        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
+            if args and self._outside(args[0]):
+                raise Writes(name)
+        elif "batch_norm" in name or "instance_norm" in name:
+            # (F.batch_norm's training, F.instance_norm's use_input_stats: argument 5)
+            flag = (kwargs or {}).get("training", (kwargs or {}).get("use_input_stats"))
+            if flag is None:
+                flag = args[5] if len(args) > 5 else "instance_norm" in name
+            if flag:
+                raise Writes(name)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
 class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records whether f ran an op that draws random numbers (ATen's ``nondeterministic_seeded``
     tag: dropout's bernoulli, rand*, normal, multinomial, ...), at the level torch.func

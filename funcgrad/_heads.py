@@ -311,9 +311,18 @@ class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 elif i < len(args) and self._foreign(args[i]):
                     args[i] = args[i].clone()
         out = func(*args, **kwargs)
+        # A view (select, for x[i] = v) shares its input's storage: it is made only where
+        # that input was.
+        given = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor):
-                self.made.add(tensor.untyped_storage().data_ptr())
+                storage = tensor.untyped_storage().data_ptr()
+                if storage not in given:
+                    self.made.add(storage)
         return out
 
 
@@ -344,14 +353,13 @@ def _output_size(flat: FlatFunction, limit: int | None = FAKE_RUN_OPS) -> int | 
 def _forward_size(flat: FlatFunction) -> int:
     """m from one real forward of f that leaves no trace, the random number generators
     restored (the default ones and every ``torch.Generator`` f draws from). First in
-    inference mode inside a ``torch.func.vjp`` of nothing: the transform refuses, before
-    anything is mutated, to write into a tensor f captured (a buffer, a counter), and
-    inference mode records no graph, so it costs ~1.5 eager forwards against ~2.5 for a vjp
-    of f. Where f needs gradients inside, the vjp of f; else, without
-    gradients, every such write made on a copy (BatchNorm's running statistics in training
-    mode) at ~4 eager forwards."""
+    inference mode, f stopped before it writes into a tensor it did not make (a buffer, a
+    counter: :class:`~funcgrad._function.NoOutsideWrites`): inference mode records no graph,
+    so it costs ~2 eager forwards on a Python loop of small ops (the mode's ~1 us an op),
+    and less on larger ops. Where f writes such a tensor, every such write made on a copy
+    (BatchNorm's running statistics in training mode) at ~4 eager forwards; where f needs
+    gradients inside, the vjp of f (it refuses most such writes, and then that copy)."""
     rng = RandomState(flat)
-    nothing = torch.zeros(())
 
     def output(*leaves: torch.Tensor) -> Any:
         # Only the explicit generators f draws from are watched (for rng.restore), not
@@ -365,21 +373,31 @@ def _forward_size(flat: FlatFunction) -> int:
             flat.watch = watch
         return result[0] if flat.has_aux else result
 
-    def in_inference_mode(_: torch.Tensor) -> Any:
-        with torch.inference_mode():
+    def in_inference_mode() -> Any:
+        watch, flat.watch = flat.watch, False
+        try:
+            with torch.inference_mode(), _function.NoOutsideWrites(flat.generators, flat.leaves):
+                result = flat(*flat.leaves)
+        finally:
+            flat.watch = watch
+        return result[0] if flat.has_aux else result
+
+    def on_copies() -> Any:
+        rng.restore()
+        with torch.no_grad(), _NoMutation():
             return output(*flat.leaves)
 
     try:
         try:
-            out = torch.func.vjp(in_inference_mode, nothing)[0]
-        except RuntimeError:
+            out = in_inference_mode()
+        except _function.Writes:  # (torch.func lets some writes through: x[i] = 1.0)
+            out = on_copies()
+        except RuntimeError:  # f needs gradients inside
             rng.restore()
             try:
                 out = torch.func.vjp(output, *flat.leaves)[0]
             except RuntimeError:
-                rng.restore()
-                with torch.no_grad(), _NoMutation():
-                    out = output(*flat.leaves)
+                out = on_copies()
     finally:
         rng.restore()
     return _coords.real_size(out)

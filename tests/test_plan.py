@@ -356,6 +356,41 @@ def test_plan_leaves_a_captured_counter_alone():
     assert int(calls) == 1
 
 
+@pytest.mark.parametrize("write", ["setitem", "iadd", "out", "batch_norm", "arg_add_"])
+def test_plan_leaves_captured_tensors_and_arguments_alone(write):
+    """plan()'s real forward (f too long for the shape-only run) is stopped before any write
+    into a tensor f did not make, however the write is spelled, and f then runs where such
+    writes are refused or made on a copy: nothing changes, and m is right. In-place ops on
+    f's own intermediates run as they are."""
+    captured = torch.zeros(5)
+    stats = torch.zeros(5), torch.ones(5)
+    w = torch.randn(5, 2)
+
+    def f(x):
+        y = w @ x
+        if write == "setitem":
+            captured[0] = 1.0
+        elif write == "iadd":
+            captured.__iadd__(1.0)  # (as `captured += 1` in f's body)
+        elif write == "out":
+            torch.add(y, 1.0, out=captured)
+        elif write == "batch_norm":
+            y = torch.nn.functional.batch_norm(torch.stack([y, 2 * y]), *stats, training=True)[0]
+        else:
+            x.add_(0.0)
+        for _ in range(200):  # too long for the shape-only run: plan() runs f for real
+            y = torch.tanh(y).relu_()  # in place on its own intermediate: allowed
+        return y
+
+    heads = [lambda y, i=i: y[i] * y.sum() for i in range(5)]  # 2 n < k: m is needed
+    x = torch.randn(2)
+    before = captured.clone(), stats[0].clone(), stats[1].clone(), x.clone()
+    plan = funcgrad.compose_heads(f, heads).plan(x)
+    assert plan.m == 5
+    for now, then in zip((captured, *stats, x), before):
+        assert torch.equal(now, then)
+
+
 def test_plan_leaves_a_user_generator_alone():
     generator = torch.Generator().manual_seed(0)
 
