@@ -108,9 +108,14 @@ def grads(
     # Where the k cotangents themselves go through (k <= numel(through)), that one batched
     # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
     last = not retain and len(outs) <= basis.m
-    result, _ = _engine.by_linearity(
-        lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
-    )
+    try:
+        result, _ = _engine.by_linearity(
+            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
+        )
+    except BaseException:
+        if last:  # it may have freed part of the graph: a later backward raises up front
+            _graph.spend(graph, _CALL)
+        raise
     if not retain:
-        _graph.spend(graph, _CALL)  # as torch.autograd.grad frees it: see Args
+        _graph.spend(graph, _CALL, shared_freed=last)  # as torch.autograd.grad: see Args
     return result

@@ -391,14 +391,15 @@ def spent(graph: Graph) -> str | None:
     return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
-def spend(graph: Graph, call: str) -> None:
+def spend(graph: Graph, call: str, *, shared_freed: bool = False) -> None:
     """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
     ``retain_graph``), so that a later call through them raises before any pass (on every
     rank: see :func:`spent`), and make any later backward, the user's own included, raise
     as torch's would on the freed graph, before it writes anything (see
     :meth:`Graph.refusing`). funcgrad keeps parts of
     the graph alive (the heads' part for each loss's gradient on ``through``, the shared
-    part for its batched pulls), so torch itself would not raise there."""
+    part for its batched pulls), so torch itself would not raise there; ``shared_freed``:
+    the call's last pass freed the shared part (below ``through``) itself."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -413,44 +414,18 @@ def spend(graph: Graph, call: str) -> None:
 
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
-    # Where the call's last pass freed the shared part for real (backward without
-    # retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept alive
-    # need a hook (a hook costs ~1-2 us a node: a real model's shared part has thousands).
-    shared = [node for node in graph.freed if node not in graph.heads]
-    torch_refuses = bool(shared) and _released(shared[0])
+    # Where the call's last pass freed the shared part for real (``shared_freed``: a pull
+    # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
+    # alive need a hook (a hook costs ~2 us a node: a real model's shared part has
+    # thousands). (The caller knows; reading a saved tensor to find out would run its
+    # unpack hook: a non-reentrant checkpoint's recomputation.)
     for node, below in graph.refusing().items():
-        if below is None and torch_refuses and node not in graph.heads:
+        if below is None and shared_freed and node not in graph.heads:
             continue
         metadata = node.metadata
         if _REFUSES not in metadata:
             metadata[_REFUSES] = True
             node.register_prehook(refuse if below is None else refuse_before(below))
-
-
-_SAVED_NAME: dict[type, str | None] = {}
-
-
-def _released(node: Any) -> bool:
-    """Whether a backward without retain_graph has freed the tensors ``node`` saved (every
-    node that backward ran is then freed: torch raises at each of them)."""
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        try:
-            node.saved_tensors  # noqa: B018 (raises once freed)
-        except RuntimeError:
-            return True
-        return False
-    kind = type(node)
-    if kind not in _SAVED_NAME:  # a tensor it saves, by the name that raises once freed
-        raw = next((n for n in dir(node) if n.startswith("_raw_saved_")), None)
-        _SAVED_NAME[kind] = None if raw is None else "_saved_" + raw.removeprefix("_raw_saved_")
-    name = _SAVED_NAME[kind]
-    if name is None:
-        return False
-    try:
-        getattr(node, name)
-    except RuntimeError:
-        return True
-    return False
 
 
 SECOND_BACKWARD = (

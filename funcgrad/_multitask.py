@@ -241,9 +241,10 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 @contextlib.contextmanager
 def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
-    """Around what follows the last pull through the shared part: where that pull freed
-    the graph (``freed``) and the body raises (a weighting's error), the graph is counted
-    as spent, so that a retry through it raises a clear error up front, before any pass."""
+    """Around the last pull through the shared part and what follows it: where that pull
+    frees the graph (``freed``) and the body raises (the pull failing past a freed node, a
+    weighting's error), the graph is counted as spent, so that a retry through it, or the
+    user's own backward, raises a clear error up front, before any pass or write."""
     try:
         yield
     except BaseException:
@@ -394,7 +395,8 @@ def backward(
         weights: torch.Tensor | None
         weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
         if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
-            update = sync.average(_engine.weighted(lin, coefficients, rows))
+            with _spent_if_raising(task.graph, freed=not retain_graph):
+                update = sync.average(_engine.weighted(lin, coefficients, rows))
     else:
         # The last pull through the shared part frees its graph (unless retain_graph), as
         # sum(losses).backward() would; under a DDP wrap, the backward of w @ V follows it.
@@ -410,8 +412,8 @@ def backward(
             )
             return grads
 
-        task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
         with _spent_if_raising(task.graph, freed=last and not retain_graph):
+            task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
             # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
             # w @ P, and the update written back sparse, as .grad would be.
             sparse = [g.is_sparse for g in task_grads]
@@ -434,7 +436,8 @@ def backward(
         for leaf, grad in zip(own, grads):
             _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
-        _graph.spend(task.graph, _CALL)
+        # (the last pass through the shared part freed it: torch refuses there itself)
+        _graph.spend(task.graph, _CALL, shared_freed=True)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}
