@@ -171,3 +171,51 @@ def test_a_second_spend_keeps_the_first_calls_mark():
     assert _graph.spent(graph) == "the first call"
     with pytest.raises(RuntimeError, match="the first call already ran"):
         sum(outputs).backward()
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_spend_hooks_the_shared_part_only_where_torch_kept_it(retain):
+    """Where the call's last pass freed the shared part (no retain_graph), torch raises there
+    itself: no hook on its nodes; where it was kept, every freed node refuses. Either way the
+    user's backward raises before b (added to an output) gets a .grad."""
+    x, b, through, outputs = _forward("tanh")
+    graph = _graph.check_paths(tuple(outputs), (x,), (through,), False, "call")
+    torch.autograd.grad(through, x, torch.ones_like(through), retain_graph=retain)
+    _graph.spend(graph, "the first call")
+    assert (_graph._REFUSES in through.grad_fn.metadata) == retain
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(outputs).backward()
+    assert x.grad is None and b.grad is None
+
+
+def test_released_tells_a_freed_node_whose_first_saved_slot_is_empty():
+    """x @ w with a data x: MmBackward0 saves x (for w's gradient) and leaves its `mat2`
+    slot empty, which reads None whether freed or not. Once torch freed the node, _released
+    must say so (else spend hooks every node of the shared part again, the cost the probe
+    is there to save; and which node is probed depends on a set's order, so the saving comes
+    and goes from run to run)."""
+    w = torch.randn(3, 4, requires_grad=True)
+    y = torch.randn(5, 3) @ w
+    node = y.grad_fn
+    assert not _graph._released(node)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        node._saved_self  # noqa: B018 (torch freed it)
+    assert _graph._released(node)
+
+
+def test_released_runs_no_unpack_hook_on_a_live_graph():
+    """Probing whether torch freed a node must not unpack its saved tensors: on a live graph
+    that runs the user's unpack hooks outside any backward (a non-reentrant checkpoint's hook
+    recomputes its whole forward; an offloading hook copies back, or gives its tensor away)."""
+    unpacked = []
+
+    def unpack(tensor):
+        unpacked.append(1)
+        return tensor
+
+    w = torch.randn(4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        y = torch.tanh(w)
+    assert not _graph._released(y.grad_fn)
+    assert not unpacked, "the probe ran the unpack hook of a live graph"
