@@ -1175,3 +1175,43 @@ def test_retain_graph_twice_then_without_then_refused(level):
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             again()
         assert _same_grads(leaves, before)
+
+
+class _Unbatchable(torch.autograd.Function):
+    """Saves its input; its backward reads a value (.item()), which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        float(grad.sum().item())
+        return grad * 2
+
+
+def test_a_call_that_failed_after_freeing_the_graph_leaves_it_refusing_before_writing():
+    """vmap cannot batch the shared part's backward and fails after the batched (last) pull
+    freed the nodes above the failing one: backward's clear error, nothing written. The
+    graph is then freed in part, and a later backward through it must still raise before
+    any .grad moves (as after a call that succeeded); torch's own would first accumulate
+    into the heads' parameters, then raise at the freed node."""
+
+    def forward():
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+        heads = [nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(3)]
+        x = torch.randn(5, 3, dtype=torch.float64)
+        features = torch.tanh(_Unbatchable.apply(x @ w.T))
+        return [w, *heads], features, [(features @ h).pow(2).mean() for h in heads]
+
+    leaves, features, losses = forward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match=r"cannot run.*Nothing was written"):
+            funcgrad.backward(losses, through=features, weighting=lambda g: g.new_ones(3))
+    assert all(leaf.grad is None for leaf in leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
+    assert all(leaf.grad is None for leaf in leaves), "the heads' .grad were written"
