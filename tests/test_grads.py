@@ -337,3 +337,25 @@ def test_a_grads_call_that_failed_after_freeing_leaves_the_graph_refusing():
         funcgrad.grads(outputs, x, through=y)
     assert _raises(lambda: sum(outputs).backward())
     assert x.grad is None and w.grad is None, "w.grad was written before the error"
+
+
+def test_grads_unpacks_no_saved_tensor_more_than_with_retain_graph():
+    """k > numel(through) without retain_graph keeps the part below `through`: the call
+    must unpack its saved tensors no more often than with retain_graph=True (an offloading
+    hook would copy back, or give its tensor away, outside any backward)."""
+    unpacked = []
+
+    def unpack(tensor):
+        unpacked.append(1)
+        return tensor
+
+    def run(**kwargs):
+        w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = torch.tanh(w).repeat(2)  # m = 6; TanhBackward0 saves its result
+        outputs = [(y * (i + 1)).pow(2).sum() for i in range(8)]  # k = 8
+        unpacked.clear()
+        funcgrad.grads(outputs, w, through=y, **kwargs)
+        return len(unpacked)
+
+    assert run() == run(retain_graph=True)
