@@ -142,7 +142,7 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
     """Where the batched result's row ``index`` differs from an unbatched call, if anywhere."""
     for j, (b, r) in enumerate(zip(batched, reference)):
         rtol, atol = _tolerances(r.dtype)
-        scale = r.abs().max().item() if r.numel() else 0.0
+        scale = r.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if r.numel() else 0.0
         if not torch.allclose(b[index], r, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True):
             diff = (b[index] - r).abs().max().item()
             return f"output {j} of direction {index} differs by up to {diff:.3g}"

@@ -1008,3 +1008,210 @@ def test_check_that_catches_a_wrong_batch_answers_and_frees(k):
         )
     torch.testing.assert_close(weight.grad, want)
     assert saved.alive() == 0
+
+
+# -- graph shapes: the cheap side per loss, and the refusal after a call -------------------
+
+
+class _Cube(torch.autograd.Function):
+    """A custom Function that saves its input (torch refuses a second backward through it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * grad
+
+
+def _shape_forward(shape):
+    """(every leaf, through, the losses) of a small float64 forward of the given shape."""
+    g = torch.Generator().manual_seed(0)
+
+    def param(*size):
+        return nn.Parameter(torch.randn(*size, generator=g, dtype=torch.float64))
+
+    w, w2, x = param(5, 3), param(5, 5), torch.randn(4, 3, generator=g, dtype=torch.float64)
+    h1, h2, h3 = param(5), param(5), param(5)
+    log_vars = param(3)
+    extra: list[torch.Tensor] = []
+    features = torch.tanh(x @ w.T)
+    through: torch.Tensor | tuple[torch.Tensor, ...] = features
+    if shape == "leaf shared by two losses":  # h3: in losses 0 and 1 (its .grad: their sum)
+        losses = [
+            (features @ h1 + features @ h3).pow(2).mean(),
+            ((features @ h2) * (features @ h3)).mean(),
+            (features @ h2).sin().mean(),
+        ]
+    elif shape == "leaf used twice by a loss":
+        f = features @ h1
+        losses = [(f * f.sin() + h1.pow(2).sum()).mean(), (features * h2).exp().mean()]
+    elif shape == "shared normalisation above through":
+        normed = nn.functional.layer_norm(features, (5,))
+        losses = [(normed @ h).pow(2).mean() for h in (h1, h2, h3)]
+    elif shape == "multi-output ops":
+        columns = features.unbind(1)
+        first, rest = features.split([2, 3], dim=1)
+        top, _ = features.max(dim=1)
+        losses = [
+            (columns[0] * h1[:4]).pow(2).sum(),
+            (rest.sum(1) * h2[:4]).sin().sum(),
+            (top * h3[:4]).exp().sum(),
+            columns[3].sum() * first.pow(2).sum(),
+        ]
+    elif shape == "view through":
+        through = features.view(2, 10)
+        losses = [(through @ torch.cat([h, h])).pow(2).sum() for h in (h1, h2)]
+    elif shape == "two through":
+        u = param(2, 3)
+        extra.append(u)
+        other = torch.sigmoid(x @ u.T)
+        through = (features, other)
+        losses = [
+            (features @ h1).pow(2).sum(),
+            (other.sum(1) * (features @ h2)).sum(),
+            other.pow(3).sum() * h3.sum(),
+        ]
+    elif shape == "custom Function in the shared part":
+        through = _Cube.apply(features @ w2)
+        losses = [(through @ h).pow(2).sum() for h in (h1, h2)]
+    elif shape == "custom Functions in the heads":
+        losses = [_Cube.apply(features @ h1).sum(), _ReverseGradient.apply(features @ h2).sum()]
+    elif shape == "non-reentrant checkpoint":
+        through = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(t @ w2.T), features, use_reentrant=False
+        )
+        losses = [(through @ h).pow(2).sum() for h in (h1, h2)]
+    else:  # uncertainty weighting: a log-variance added to each loss
+        assert shape == "log-variances"
+        losses = [
+            (features @ h).pow(2).mean() * torch.exp(-s) + s for h, s in zip((h1, h2, h3), log_vars)
+        ]
+    leaves = [w, w2, h1, h2, h3, log_vars, *extra]
+    return leaves, through, losses
+
+
+SHAPES = [
+    "leaf shared by two losses",
+    "leaf used twice by a loss",
+    "shared normalisation above through",
+    "multi-output ops",
+    "view through",
+    "two through",
+    "custom Function in the shared part",
+    "custom Functions in the heads",
+    "non-reentrant checkpoint",
+    "log-variances",
+]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"level": "features"},
+        {"level": "params"},
+        {"level": "params", "chunk_size": 1},
+        {"level": "params", "check": True},
+    ],
+    ids=lambda o: "-".join(f"{v}" for v in o.values()),
+)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_graph_shapes_give_sum_backward_and_refuse_a_second_backward_before_writing(shape, options):
+    """With all-ones weights, backward's .grad is sum(losses).backward()'s in float64 on
+    graphs whose cheap side (one torch.autograd.grad per loss, into `through` and that loss's
+    own leaves) or whose bookkeeping of the freed graph could go wrong; then every later
+    backward through the graph raises torch's error before any .grad moves: a second call,
+    sum(losses).backward(), one loss's .backward(), and torch.autograd.grad."""
+    leaves, _, losses = _shape_forward(shape)
+    sum(losses).backward()
+    want = [leaf.grad for leaf in leaves]
+
+    leaves, through, losses = _shape_forward(shape)
+    k = len(losses)
+    funcgrad.backward(losses, through=through, weighting=lambda g: g.new_ones(k), **options)
+    for leaf, g in zip(leaves, want):
+        if g is None:
+            assert leaf.grad is None
+        else:
+            torch.testing.assert_close(leaf.grad, g, rtol=1e-10, atol=1e-12)
+    before = _leaves(*leaves)
+    for again in (
+        lambda: funcgrad.backward(losses, through=through, **options),
+        lambda: sum(losses).backward(),
+        lambda: losses[0].backward(),
+        lambda: torch.autograd.grad(sum(losses), leaves[0]),
+    ):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            again()
+        assert _same_grads(leaves, before)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_retain_graph_twice_then_without_then_refused(level):
+    """Two calls with retain_graph=True, a third without (the .grad of three
+    sum(losses).backward()), then a fourth call or the user's backward raises before any
+    .grad moves, a log-variance added to a loss included."""
+    leaves, _, losses = _shape_forward("log-variances")
+    for retain in (True, True, False):
+        sum(losses).backward(retain_graph=retain)
+    want = [leaf.grad for leaf in leaves]
+    leaves, through, losses = _shape_forward("log-variances")
+    weighting = lambda g: g.new_ones(3)  # noqa: E731
+    for retain in (True, True, False):
+        funcgrad.backward(
+            losses, through=through, weighting=weighting, level=level, retain_graph=retain
+        )
+    for leaf, g in zip(leaves, want):
+        if g is not None:
+            torch.testing.assert_close(leaf.grad, g, rtol=1e-10, atol=1e-12)
+    before = _leaves(*leaves)
+    for again in (
+        lambda: funcgrad.backward(losses, through=through, weighting=weighting, level=level),
+        lambda: sum(losses).backward(),
+    ):
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            again()
+        assert _same_grads(leaves, before)
+
+
+class _Unbatchable(torch.autograd.Function):
+    """Saves its input; its backward reads a value (.item()), which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        float(grad.sum().item())
+        return grad * 2
+
+
+def test_a_call_that_failed_after_freeing_the_graph_leaves_it_refusing_before_writing():
+    """vmap cannot batch the shared part's backward and fails after the batched (last) pull
+    freed the nodes above the failing one: backward's clear error, nothing written. The
+    graph is then freed in part, and a later backward through it must still raise before
+    any .grad moves (as after a call that succeeded); torch's own would first accumulate
+    into the heads' parameters, then raise at the freed node."""
+
+    def forward():
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+        heads = [nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(3)]
+        x = torch.randn(5, 3, dtype=torch.float64)
+        features = torch.tanh(_Unbatchable.apply(x @ w.T))
+        return [w, *heads], features, [(features @ h).pow(2).mean() for h in heads]
+
+    leaves, features, losses = forward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match=r"cannot run.*Nothing was written"):
+            funcgrad.backward(losses, through=features, weighting=lambda g: g.new_ones(3))
+    assert all(leaf.grad is None for leaf in leaves)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
+    assert all(leaf.grad is None for leaf in leaves), "the heads' .grad were written"

@@ -3,7 +3,9 @@ intermediate, against ``torch.autograd.grad`` output by output in float64."""
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -205,3 +207,155 @@ def test_grads_allow_unused_and_errors():
         funcgrad.grads([y.sum()], torch.randn(3), through=y)
     with pytest.raises(TypeError, match=r"`outputs` must be a tensor or a non-empty sequence"):
         funcgrad.grads([], x, through=y)
+
+
+def _zero_column_graph(k, **kwargs):
+    """(W, y, outputs) where y[.., 0] = 0 and the first output is sqrt(y).sum(): its
+    cotangent on y is inf at 0, and autograd's own backward of it gives 0 * inf = NaN."""
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64)
+    w[:, 0] = 0
+    w.requires_grad_()
+    x = torch.randn(3, dtype=torch.float64)
+    y = (x @ w).pow(2)  # m = 4, y[0] = 0
+    outputs = [y.sqrt().sum()] + [(y * (i + 1)).sin().sum() for i in range(k - 1)]
+    return w, y, outputs
+
+
+@pytest.mark.parametrize("k", [2, 6], ids=lambda k: f"k={k}")
+@pytest.mark.parametrize("check", [True, "strict"])
+def test_check_compares_non_finite_gradients_as_autograd_gives_them(k, check):
+    """check=True with a head whose backward gives NaN on one output (as per-output autograd
+    gives it): the comparison of the batched rows with unbatched ones must treat NaN as
+    equal to NaN, not fail on its own tolerance (`atol` NaN from a NaN scale)."""
+    w, y, outputs = _zero_column_graph(k)
+    want = torch.stack([torch.autograd.grad(z, w, retain_graph=True)[0] for z in outputs])
+    assert want.isnan().any()
+    w, y, outputs = _zero_column_graph(k)
+    (got,) = funcgrad.grads(outputs, w, through=y, check=check)
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("k", [2, 6], ids=lambda k: f"k={k}")
+@pytest.mark.parametrize("options", [{}, {"chunk_size": 1}, {"chunk_size": 2}])
+def test_non_finite_gradients_come_out_as_autograd_and_the_graph_is_spent(k, options):
+    """NaN where autograd gives NaN (0 * inf in the shared part's backward), at k <= m (the
+    cotangents pulled, the last pull freeing the part below `through`) and k > m (a product
+    first, then the cotangents); either way a later backward raises before any .grad."""
+    w, y, outputs = _zero_column_graph(k)
+    want = torch.stack([torch.autograd.grad(z, w, retain_graph=True)[0] for z in outputs])
+    w, y, outputs = _zero_column_graph(k)
+    (got,) = funcgrad.grads(outputs, w, through=y, **options)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert _raises(lambda: sum(outputs).backward())
+    assert w.grad is None
+
+
+class _Box:
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+@pytest.mark.parametrize("k", [2, 6], ids=lambda k: f"k={k}")
+def test_a_spent_grads_graph_goes_when_dropped(k):
+    """The refusing hooks hold no reference cycle: every tensor the graph saved is freed when
+    the user drops the outputs and `through` (k <= m: the part below `through` already is)."""
+    saved = []
+
+    def pack(tensor):
+        box = _Box(tensor.detach())
+        saved.append(weakref.ref(box))  # the graph holds the only reference
+        return box
+
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor):
+        y = torch.tanh(torch.randn(2, 3, dtype=torch.float64) @ w).sum(0)  # m = 4
+        outputs = [(y * (i + 1)).sin().sum() for i in range(k)]
+    funcgrad.grads(outputs, w, through=y)
+    below = 2  # mm's input and tanh's result
+    assert sum(ref() is not None for ref in saved) == len(saved) - (below if k <= 4 else 0)
+    del y, outputs
+    gc.collect()
+    assert saved and all(ref() is None for ref in saved)
+
+
+def test_grads_runs_no_saved_tensor_unpack_hook_of_a_kept_graph():
+    """k > numel(through) without retain_graph keeps the part below `through` (it is not
+    freed: see Args): telling whether torch freed it must not unpack its saved tensors, which
+    runs the user's unpack hooks outside any backward (a non-reentrant checkpoint then
+    recomputes its forward: an extra forward, whose activations stay alive with the graph,
+    and BatchNorm's running statistics updated once more)."""
+    torch.manual_seed(0)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    forwards = []
+
+    def block(t):  # (every node's first saved slot is filled: whichever is probed)
+        forwards.append(1)
+        return torch.tanh(w).sin() * t
+
+    def run(**kwargs):
+        y = torch.utils.checkpoint.checkpoint(
+            block, torch.randn(2, 3, dtype=torch.float64), use_reentrant=False
+        )  # m = 6
+        outputs = [(y * (i + 1)).pow(2).sum() for i in range(8)]  # k = 8 > m
+        forwards.clear()
+        funcgrad.grads(outputs, w, through=y, **kwargs)
+        return len(forwards), outputs
+
+    kept, _ = run(retain_graph=True)
+    assert kept == 1  # the one batched pull's recomputation
+    spent, outputs = run()
+    assert spent == kept, (
+        f"{spent - kept} forward(s) of the checkpointed block run outside backward"
+    )
+    assert _raises(lambda: sum(outputs).backward())
+
+
+class _Unbatchable(torch.autograd.Function):
+    """Saves its input; its backward reads a value (.item()), which vmap cannot batch."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        float(grad.sum().item())
+        return grad * 2
+
+
+def test_a_grads_call_that_failed_after_freeing_leaves_the_graph_refusing():
+    """k <= m: the batched last pull fails in vmap after freeing tanh's node above the
+    unbatchable one: the clear error of the Args. The user's backward through that graph
+    must then raise before any .grad moves (w, a head's parameter, included)."""
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    y = torch.tanh(_Unbatchable.apply(x.repeat(2)[:4]))  # m = 4
+    outputs = [(w * y).sum(), (y**2).sum()]  # k = 2
+    with pytest.raises(RuntimeError, match=r"cannot run.*Nothing was written"):
+        funcgrad.grads(outputs, x, through=y)
+    assert _raises(lambda: sum(outputs).backward())
+    assert x.grad is None and w.grad is None, "w.grad was written before the error"
+
+
+def test_grads_unpacks_no_saved_tensor_more_than_with_retain_graph():
+    """k > numel(through) without retain_graph keeps the part below `through`: the call
+    must unpack its saved tensors no more often than with retain_graph=True (an offloading
+    hook would copy back, or give its tensor away, outside any backward)."""
+    unpacked = []
+
+    def unpack(tensor):
+        unpacked.append(1)
+        return tensor
+
+    def run(**kwargs):
+        w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = torch.tanh(w).repeat(2)  # m = 6; TanhBackward0 saves its result
+        outputs = [(y * (i + 1)).pow(2).sum() for i in range(8)]  # k = 8
+        unpacked.clear()
+        funcgrad.grads(outputs, w, through=y, **kwargs)
+        return len(unpacked)
+
+    assert run() == run(retain_graph=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
+import funcgrad
 from funcgrad import _graph
 
 
@@ -171,3 +172,38 @@ def test_a_second_spend_keeps_the_first_calls_mark():
     assert _graph.spent(graph) == "the first call"
     with pytest.raises(RuntimeError, match="the first call already ran"):
         sum(outputs).backward()
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_spend_hooks_the_shared_part_only_where_torch_kept_it(retain):
+    """Where the call's last pass freed the shared part (no retain_graph), torch raises there
+    itself: no hook on its nodes; where it was kept, every freed node refuses. Either way the
+    user's backward raises before b (added to an output) gets a .grad."""
+    x, b, through, outputs = _forward("tanh")
+    graph = _graph.check_paths(tuple(outputs), (x,), (through,), False, "call")
+    torch.autograd.grad(through, x, torch.ones_like(through), retain_graph=retain)
+    _graph.spend(graph, "the first call")
+    assert (_graph._REFUSES in through.grad_fn.metadata) == retain
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(outputs).backward()
+    assert x.grad is None and b.grad is None
+
+
+def test_no_hook_on_a_shared_part_that_torch_freed_a_bias_free_linear():
+    """through = x @ w with a data x (a bias-free linear: MmBackward0 saves x for w's
+    gradient and leaves its `mat2` slot empty, which reads None whether freed or not): after
+    a call without retain_graph torch has freed that node and raises there itself, so spend
+    puts no hook on it (the cost the probe of torch's freeing is there to save; where the
+    probe lands on such a node, which depends on a set's order, every node of the shared
+    part is hooked again)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    heads = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    through = torch.randn(5, 3) @ w.T
+    losses = [(through @ h).tanh().sum() for h in heads]
+    funcgrad.backward(losses, through=through, weighting=lambda g: g.new_ones(3))
+    with pytest.raises(RuntimeError, match="second time"):
+        through.grad_fn._saved_self  # noqa: B018 (torch freed it)
+    assert _graph._REFUSES not in through.grad_fn.metadata
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        sum(losses).backward()
