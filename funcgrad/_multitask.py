@@ -437,7 +437,8 @@ def backward(
             _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
         # (the last pass through the shared part freed it: torch refuses there itself)
-        _graph.spend(task.graph, _CALL, shared_freed=True)
+        pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)
+        _graph.spend(task.graph, _CALL, shared_freed=pulled)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

@@ -182,7 +182,7 @@ def test_spend_hooks_the_shared_part_only_where_torch_kept_it(retain):
     x, b, through, outputs = _forward("tanh")
     graph = _graph.check_paths(tuple(outputs), (x,), (through,), False, "call")
     torch.autograd.grad(through, x, torch.ones_like(through), retain_graph=retain)
-    _graph.spend(graph, "the first call")
+    _graph.spend(graph, "the first call", shared_freed=not retain)
     assert (_graph._REFUSES in through.grad_fn.metadata) == retain
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(outputs).backward()
