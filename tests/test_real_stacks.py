@@ -353,6 +353,21 @@ def _backward_reference(case: Case, tasks: Tasks, level: str, weighted: bool):
     return shared, task_grads
 
 
+def _funcgrad_backward(name: str, case: Case, tasks: Tasks, weighting, level: str) -> None:
+    """funcgrad.backward on one seeded forward of the model under test (recorded)."""
+    with _recorded(name):
+        _seeded(case)
+        y = case.features()
+        funcgrad.backward(
+            tasks.losses(y),
+            through=y,
+            weighting=weighting,
+            level=level,
+            # reentrant checkpointing hides the parameters inside it from the graph walk
+            inputs=list(case.model.parameters()) if name == REENTRANT else None,
+        )
+
+
 @_xfail(
     "backward",
     {
@@ -367,17 +382,7 @@ def test_backward(name, level, weighted):
     want_shared, want_tasks = _backward_reference(case, tasks, level, weighted)
     _zero(case.model, tasks)
     try:
-        with _recorded(name):
-            _seeded(case)
-            y = case.features()
-            funcgrad.backward(
-                tasks.losses(y),
-                through=y,
-                weighting=tjd.UPGradWeighting() if weighted else None,
-                level=level,
-                # reentrant checkpointing hides the parameters inside it from the graph walk
-                inputs=list(case.model.parameters()) if name == REENTRANT else None,
-            )
+        _funcgrad_backward(name, case, tasks, tjd.UPGradWeighting() if weighted else None, level)
     except RuntimeError as error:  # exact, or this clear error with nothing written
         refused = REFUSED.get((name, f"backward-{level}"))
         assert weighted and refused is not None and refused in str(error), error
@@ -411,15 +416,7 @@ def test_backward_params_equals_torchjd(name):
     want = _grads_of(model)
     want_tasks = {n: p.grad for n, p in theirs_tasks.named_parameters()}
     _zero(case.model, tasks)
-    with _recorded(name):
-        _seeded(case)
-        y = case.features()
-        funcgrad.backward(
-            tasks.losses(y),
-            through=y,
-            weighting=tjd.UPGradWeighting(),
-            inputs=list(case.model.parameters()) if name == REENTRANT else None,
-        )
+    _funcgrad_backward(name, case, tasks, tjd.UPGradWeighting(), "params")
     _close(case, _grads_of(case.model), want, "shared")
     _close(case, {n: p.grad for n, p in tasks.named_parameters()}, want_tasks, "tasks")
 
