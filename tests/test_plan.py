@@ -39,14 +39,28 @@ def _vmap_timings_given(monkeypatch, timings):
 
 
 def _tanh_with_sin_heads(counter=None, dtype=None):
-    """compose_heads of f(x) = tanh(w @ x) (w: 6 x 4, drawn here) with 3 heads
-    sum(sin((i + 1) y)), its input counted by ``counter`` where one is given; also f
-    uncounted and the heads, for the autograd reference."""
+    """compose_heads of f(x) = tanh(w @ x) (w: 6 x 4) with 3 heads sum(sin((i + 1) y)), its
+    input counted by ``counter`` where one is given; also f uncounted and the heads, for the
+    autograd reference, and an x (w, then x drawn here)."""
     w = torch.randn(6, 4, dtype=dtype)
     f = lambda x: torch.tanh(w @ x)  # noqa: E731
     heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
     counted_f = f if counter is None else lambda x: f(counted(x, counter))
-    return funcgrad.compose_heads(counted_f, heads), f, heads
+    return funcgrad.compose_heads(counted_f, heads), f, heads, torch.randn(4, dtype=dtype)
+
+
+def _assert_timed_twice_then_runs(fn, counter, x, calls, strategy):
+    """``calls`` calls of ``fn`` at ``x``: the first two are timed (on vmap), no later one,
+    and every later one runs ``strategy``; each makes the backward passes its plan says.
+    The last plan, values and gradients."""
+    for call in range(calls):
+        plan = fn.plan(x)
+        assert plan.measure == (call < 2)
+        assert plan.strategy == ("vjp" if call < 2 else strategy)
+        counter.reset()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes
+    return plan, values, grads
 
 
 # -- what auto chooses from the shapes ------------------------------------------------------
@@ -160,15 +174,8 @@ def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch,
     _vmap_timings_given(monkeypatch, timings)
     monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
     counter = BackwardCounter()
-    fn, _, _ = _tanh_with_sin_heads(counter)
-    x = torch.randn(4)
-    for call in range(3):
-        plan = fn.plan(x)
-        assert plan.measure == (call < 2)  # timed on the first two calls
-        assert plan.strategy == ("vjp" if call < 2 else strategy)
-        counter.reset()
-        fn(x)
-        assert counter.backward == plan.passes
+    fn, _, _, x = _tanh_with_sin_heads(counter)
+    plan, _, _ = _assert_timed_twice_then_runs(fn, counter, x, 3, strategy)
     if strategy == "loop":
         assert "fastest of 2 calls" in plan.measured
     else:
@@ -480,15 +487,8 @@ def test_the_loop_or_vmap_is_decided_by_two_timed_calls_never_one(monkeypatch, t
     _vmap_timings_given(monkeypatch, timings)
     monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
     counter = BackwardCounter()
-    fn, f, heads = _tanh_with_sin_heads(counter)
-    x = torch.randn(4)
-    for call in range(4):
-        plan = fn.plan(x)
-        assert plan.measure == (call < 2)  # the first two calls are timed, no later one
-        assert plan.strategy == ("vjp" if call < 2 else strategy)
-        counter.reset()
-        values, grads = fn(x)
-        assert counter.backward == plan.passes
+    fn, f, heads, x = _tanh_with_sin_heads(counter)
+    _, values, grads = _assert_timed_twice_then_runs(fn, counter, x, 4, strategy)
     want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
@@ -501,8 +501,7 @@ def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
     _vmap_timings_given(monkeypatch, [(1e-3, 6e-3), (1e-3, 1e-3)])
     clock = iter([0.0, 10e-3, 0.0, 8e-3])
     monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    fn, _, _ = _tanh_with_sin_heads(dtype=torch.float64)
-    x = torch.randn(4, dtype=torch.float64)
+    fn, _, _, x = _tanh_with_sin_heads(dtype=torch.float64)
     fn(x)
     fn(x)
     monkeypatch.undo()
@@ -548,8 +547,7 @@ def test_eager_autograd_faster_than_a_cold_first_call_is_weighed_against_a_warm_
     _vmap_timings_given(monkeypatch, [(1e-3, 1e-3), (1e-3, 1e-3)])
     clock = iter([0.0, 10e-3, 0.0, 5e-3, 0.0, third_ms * 1e-3])
     monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    fn, f, heads = _tanh_with_sin_heads(dtype=torch.float64)
-    x = torch.randn(4, dtype=torch.float64)
+    fn, f, heads, x = _tanh_with_sin_heads(dtype=torch.float64)
     engines = []
     for _ in range(3):
         engines.append(fn.plan(x).engine)
