@@ -67,6 +67,28 @@ def autograd_vjp(f, primal, cotangent):
     return optree.tree_unflatten(treedef, grads)
 
 
+def one_input_function(forward, backward):
+    """A ``torch.autograd.Function`` of one tensor ``x``: ``forward(x)``, and in its backward
+    ``backward(x, grad)`` with ``x`` saved. It has no jvp and no vmap rule, which is what the
+    tests that use it need (forward mode or vmap must fail on it)."""
+
+    class OneInput(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return forward(x)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return backward(x, grad)
+
+    return OneInput
+
+
 def assert_rows_close(got, expected, rtol):
     """Row by row, each against its own scale: a small head is not judged by a big one."""
     for g, e in zip(got, expected):

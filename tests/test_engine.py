@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers import HEADS, autograd_reference
+from helpers import HEADS, autograd_reference, one_input_function
 
 import funcgrad
 from funcgrad import _engine
@@ -138,21 +138,11 @@ def test_checking_is_per_thread():
 # -- vmap cannot batch f's pullback: a loop of unbatched ones ---------------------------------
 
 
-class NumpySin(torch.autograd.Function):
-    """Its backward leaves PyTorch: vmap cannot batch it."""
-
-    @staticmethod
-    def forward(x):
-        return torch.from_numpy(np.sin(x.detach().numpy()))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return torch.from_numpy(grad.detach().numpy() * np.cos(x.detach().numpy()))
+# Its backward leaves PyTorch: vmap cannot batch it.
+NumpySin = one_input_function(
+    lambda x: torch.from_numpy(np.sin(x.detach().numpy())),
+    lambda x, grad: torch.from_numpy(grad.detach().numpy() * np.cos(x.detach().numpy())),
+)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev"])

@@ -24,6 +24,7 @@ from helpers import (
     SIDE_W,
     _dropout_batchnorm,
     autograd_reference,
+    one_input_function,
 )
 from torch import nn
 
@@ -202,21 +203,8 @@ def test_buffers_are_updated_once_per_call(strategy):
         torch.testing.assert_close(model[1].running_var, once[1].running_var)
 
 
-class _Square(torch.autograd.Function):
-    """No jvp: forward mode cannot differentiate it, reverse mode can."""
-
-    @staticmethod
-    def forward(x):
-        return x * x
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[0])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
+# No jvp: forward mode cannot differentiate it, reverse mode can.
+_Square = one_input_function(lambda x: x * x, lambda x, grad: 2 * x * grad)
 
 
 def _generator_f(generator, *, batchnorm=None, no_jvp=False):

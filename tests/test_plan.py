@@ -24,6 +24,45 @@ from funcgrad import _engine, _heads
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._types import STRATEGIES
 
+
+def _vmap_timings_given(monkeypatch, timings):
+    """Replace the clock of the vmap-or-loop timing by ``timings``: per timed call, the
+    seconds of (a direction in one vmap, one unbatched call); the calls still run."""
+    given, real = iter(timings), _engine._vmap_measured
+
+    def timed(fn, args, chunk_size, what, log):
+        result = real(fn, args, chunk_size, what, [])
+        log.append(_engine.Timing(what, *next(given)))
+        return result
+
+    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+
+
+def _tanh_with_sin_heads(counter=None, dtype=None):
+    """compose_heads of f(x) = tanh(w @ x) (w: 6 x 4) with 3 heads sum(sin((i + 1) y)), its
+    input counted by ``counter`` where one is given; also f uncounted and the heads, for the
+    autograd reference, and an x (w, then x drawn here)."""
+    w = torch.randn(6, 4, dtype=dtype)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
+    counted_f = f if counter is None else lambda x: f(counted(x, counter))
+    return funcgrad.compose_heads(counted_f, heads), f, heads, torch.randn(4, dtype=dtype)
+
+
+def _assert_timed_twice_then_runs(fn, counter, x, calls, strategy):
+    """``calls`` calls of ``fn`` at ``x``: the first two are timed (on vmap), no later one,
+    and every later one runs ``strategy``; each makes the backward passes its plan says.
+    The last plan, values and gradients."""
+    for call in range(calls):
+        plan = fn.plan(x)
+        assert plan.measure == (call < 2)
+        assert plan.strategy == ("vjp" if call < 2 else strategy)
+        counter.reset()
+        values, grads = fn(x)
+        assert counter.backward == plan.passes
+    return plan, values, grads
+
+
 # -- what auto chooses from the shapes ------------------------------------------------------
 
 
@@ -131,28 +170,12 @@ def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
     ],
 )
 def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch, timings, strategy):
-    # The clock is replaced by given (a direction in one vmap, one unbatched call) seconds,
-    # so that the decision, the plans and the passes are checked without timing anything.
-    given, real = iter(timings), _engine._vmap_measured
-
-    def timed(fn, args, chunk_size, what, log):
-        result = real(fn, args, chunk_size, what, [])
-        log.append(_engine.Timing(what, *next(given)))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    # The decision, the plans and the passes are checked without timing anything.
+    _vmap_timings_given(monkeypatch, timings)
     monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
-    counter, w = BackwardCounter(), torch.randn(6, 4)
-    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
-    x = torch.randn(4)
-    for call in range(3):
-        plan = fn.plan(x)
-        assert plan.measure == (call < 2)  # timed on the first two calls
-        assert plan.strategy == ("vjp" if call < 2 else strategy)
-        counter.reset()
-        fn(x)
-        assert counter.backward == plan.passes
+    counter = BackwardCounter()
+    fn, _, _, x = _tanh_with_sin_heads(counter)
+    plan, _, _ = _assert_timed_twice_then_runs(fn, counter, x, 3, strategy)
     if strategy == "loop":
         assert "fastest of 2 calls" in plan.measured
     else:
@@ -496,28 +519,12 @@ def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
     ],
 )
 def test_the_loop_or_vmap_is_decided_by_two_timed_calls_never_one(monkeypatch, timings, strategy):
-    # The clock is replaced by given (a direction in one vmap, one unbatched call) seconds.
-    given, real = iter(timings), _engine._vmap_measured
-
-    def timed(fn, args, chunk_size, what, log):
-        result = real(fn, args, chunk_size, what, [])
-        log.append(_engine.Timing(what, *next(given)))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    _vmap_timings_given(monkeypatch, timings)
     monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
-    counter, w = BackwardCounter(), torch.randn(6, 4)
-    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
-    x = torch.randn(4)
-    for call in range(4):
-        plan = fn.plan(x)
-        assert plan.measure == (call < 2)  # the first two calls are timed, no later one
-        assert plan.strategy == ("vjp" if call < 2 else strategy)
-        counter.reset()
-        values, grads = fn(x)
-        assert counter.backward == plan.passes
-    want_values, want_grads = autograd_reference(lambda x: torch.tanh(w @ x), heads, (x,))
+    counter = BackwardCounter()
+    fn, f, heads, x = _tanh_with_sin_heads(counter)
+    _, values, grads = _assert_timed_twice_then_runs(fn, counter, x, 4, strategy)
+    want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
 
@@ -526,20 +533,10 @@ def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
     # Both timed calls run one unbatched call more, to time vmap; the engines are compared
     # on what a call costs without it. Here the clock says: torch.func's first call took
     # 10 ms of which 6 ms timed the unbatched call; eager autograd's 8 ms, of which 1 ms.
-    given = iter([(1e-3, 6e-3), (1e-3, 1e-3)])
-    real, clock = _engine._vmap_measured, iter([0.0, 10e-3, 0.0, 8e-3])
-
-    def timed(fn, args, chunk_size, what, log):
-        result = real(fn, args, chunk_size, what, [])
-        log.append(_engine.Timing(what, *next(given)))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    _vmap_timings_given(monkeypatch, [(1e-3, 6e-3), (1e-3, 1e-3)])
+    clock = iter([0.0, 10e-3, 0.0, 8e-3])
     monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    w = torch.randn(6, 4, dtype=torch.float64)
-    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ x), heads)
-    x = torch.randn(4, dtype=torch.float64)
+    fn, _, _, x = _tanh_with_sin_heads(dtype=torch.float64)
     fn(x)
     fn(x)
     monkeypatch.undo()
@@ -582,20 +579,10 @@ def test_eager_autograd_faster_than_a_cold_first_call_is_weighed_against_a_warm_
     # The clock says: torch.func's first call 10 ms (its one-time costs), eager autograd's
     # 5 ms, each with 1 ms of measuring; the third call re-times torch.func, warm, and the
     # faster decides (4 ms against 4: torch.func; 9 against 4: eager autograd).
-    given = iter([(1e-3, 1e-3), (1e-3, 1e-3)])
-    real, clock = _engine._vmap_measured, iter([0.0, 10e-3, 0.0, 5e-3, 0.0, third_ms * 1e-3])
-
-    def timed(fn, args, chunk_size, what, log):
-        result = real(fn, args, chunk_size, what, [])
-        log.append(_engine.Timing(what, *next(given)))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
+    _vmap_timings_given(monkeypatch, [(1e-3, 1e-3), (1e-3, 1e-3)])
+    clock = iter([0.0, 10e-3, 0.0, 5e-3, 0.0, third_ms * 1e-3])
     monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    w = torch.randn(6, 4, dtype=torch.float64)
-    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ x), heads)
-    x = torch.randn(4, dtype=torch.float64)
+    fn, f, heads, x = _tanh_with_sin_heads(dtype=torch.float64)
     engines = []
     for _ in range(3):
         engines.append(fn.plan(x).engine)
@@ -604,6 +591,6 @@ def test_eager_autograd_faster_than_a_cold_first_call_is_weighed_against_a_warm_
     plan = fn.plan(x)
     assert engines == ["torch.func", "autograd", "torch.func"] and plan.engine == engine
     assert plan.strategy == "vjp" and not plan.measure
-    want_values, want_grads = autograd_reference(lambda x: torch.tanh(w @ x), heads, (x,))
+    want_values, want_grads = autograd_reference(f, heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))

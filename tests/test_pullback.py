@@ -374,26 +374,33 @@ def _expected(f, x, cotangents):
     return torch.stack([autograd_vjp(f, x, v) for v in cotangents])
 
 
-def test_a_first_call_pulls_its_cotangents_as_they_are_and_the_next_reuses_them():
+def _tanh_pullback():
+    """f, x and a fresh pullback of f at x (nothing held yet)."""
     f, x = _tanh_case()
     _, pb = funcgrad.pullback(f, x)
+    return f, x, pb
+
+
+def _assert_many_is_autograd(pb, f, x, cotangents):
+    (got,) = pb.many(cotangents)
+    torch.testing.assert_close(got, _expected(f, x, cotangents))
+
+
+def test_a_first_call_pulls_its_cotangents_as_they_are_and_the_next_reuses_them():
+    f, x, pb = _tanh_pullback()
     a, b = torch.randn(2, 6)
-    (got,) = pb.many(torch.stack([a, b]))
-    torch.testing.assert_close(got, _expected(f, x, [a, b]))
+    _assert_many_is_autograd(pb, f, x, torch.stack([a, b]))
     assert (pb.stats.vjps, pb.stats.kept) == (2, 2)  # held, not yet orthonormalised
     combos = torch.stack([3 * a - b, -a, torch.zeros(6)])
-    (got,) = pb.many(combos)
-    torch.testing.assert_close(got, _expected(f, x, combos))
+    _assert_many_is_autograd(pb, f, x, combos)
     assert pb.stats.vjps == 2 and pb.rank == 2
 
 
 def test_dependent_held_cotangents_give_one_direction():
-    f, x = _tanh_case()
-    _, pb = funcgrad.pullback(f, x)
+    f, x, pb = _tanh_pullback()
     a = torch.randn(6)
     held = torch.stack([a, 2 * a, -a])
-    (got,) = pb.many(held)
-    torch.testing.assert_close(got, _expected(f, x, held))
+    _assert_many_is_autograd(pb, f, x, held)
     assert pb.stats.vjps == 3  # a fresh pullback detects no rank
     torch.testing.assert_close(pb(5 * a)[0], autograd_vjp(f, x, 5 * a))
     assert pb.stats.vjps == 3 and pb.rank == 1
@@ -402,8 +409,7 @@ def test_dependent_held_cotangents_give_one_direction():
 @pytest.mark.parametrize("gap", [1e-3, 1e-7, 1e-12])
 def test_nearly_dependent_held_cotangents_stay_exact(gap):
     """Held directions too close to derive by linearity are pulled through f instead."""
-    f, x = _tanh_case()
-    _, pb = funcgrad.pullback(f, x)
+    f, x, pb = _tanh_pullback()
     a, b = torch.randn(2, 6)
     pb.many(torch.stack([a, a + gap * b]))
     for v in (5 * a, b, a - 2 * b, torch.randn(6)):
@@ -412,19 +418,16 @@ def test_nearly_dependent_held_cotangents_stay_exact(gap):
 
 
 def test_a_mixed_batch_pulls_only_its_new_directions():
-    f, x = _tanh_case()
-    _, pb = funcgrad.pullback(f, x)
+    f, x, pb = _tanh_pullback()
     a, b = torch.randn(2, 6)
     pb(a)
     batch = torch.stack([2 * a, b, a + b])  # one new direction among three cotangents
-    (got,) = pb.many(batch)
-    torch.testing.assert_close(got, _expected(f, x, batch))
+    _assert_many_is_autograd(pb, f, x, batch)
     assert pb.stats.vjps == 2 and pb.rank == 2
 
 
 def test_non_finite_cotangents_come_out_as_autograd_and_leave_the_reuse_on():
-    f, x = _tanh_case()
-    _, pb = funcgrad.pullback(f, x)
+    f, x, pb = _tanh_pullback()
     a = torch.randn(6)
     bad = a.clone()
     bad[0] = float("nan")

@@ -176,6 +176,27 @@ def reference_cotangents(case: Case, tasks: Tasks) -> torch.Tensor:
     return torch.stack([torch.autograd.grad(loss, y)[0] for loss in tasks.losses(y)])
 
 
+def reference_weighted(case: Case, tasks: Tasks, weighting, level: str, per_head=None):
+    """(the weights, the update of the shared parameters) that a weighting gives by hand:
+    ``w @ P`` on the per-task gradients at level "params" (``per_head``, computed here where
+    not given), the pull of ``w @ V`` through a copy of the model at level "features"; ``w``
+    from the Gramian of the same rows."""
+    if level == "params":
+        if per_head is None:
+            _, per_head = reference_per_head(case, tasks)
+        rows = _flat(per_head)
+        weights = weighting(rows @ rows.T)
+        update = {
+            n: torch.einsum("k,k...->...", weights.to(g.dtype), g) for n, g in per_head.items()
+        }
+        return weights, update
+    v = reference_cotangents(case, tasks)
+    flat = v.reshape(K, -1)
+    weights = weighting(flat @ flat.T)
+    wv = torch.einsum("k,k...->...", weights.to(v.dtype), v)
+    return weights, _pull(case, lambda y: (y * wv).sum(), copy.deepcopy(case.model))
+
+
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(K, -1) for g in grads.values()], dim=1)
 
@@ -245,16 +266,7 @@ def test_combine_heads(name, level):
     tasks = _tasks(case)
     weighting = tjd.UPGradWeighting()
     want_values, per_head = reference_per_head(case, tasks)
-    if level == "params":
-        rows = _flat(per_head)
-        weights = weighting(rows @ rows.T)
-        want = {n: torch.einsum("k,k...->...", weights.to(g.dtype), g) for n, g in per_head.items()}
-    else:
-        v = reference_cotangents(case, tasks)
-        flat = v.reshape(K, -1)
-        weights = weighting(flat @ flat.T)
-        wv = torch.einsum("k,k...->...", weights.to(v.dtype), v)
-        want = _pull(case, lambda y: (y * wv).sum(), copy.deepcopy(case.model))
+    weights, want = reference_weighted(case, tasks, weighting, level, per_head)
     fn = funcgrad.combine_heads(case.functional, tasks.heads(), weighting, level=level)
     if _refused(name, lambda: fn(_params(case))):
         return
@@ -336,19 +348,24 @@ def _backward_reference(case: Case, tasks: Tasks, level: str, weighted: bool):
         task_grads = {f"task.{n}": p.grad.clone() for n, p in tasks.named_parameters()}
         _zero(tasks)
         return shared, task_grads
-    weighting = tjd.UPGradWeighting()
-    if level == "params":
-        _, per_head = reference_per_head(case, tasks)
-        rows = _flat(per_head)
-        w = weighting(rows @ rows.T)
-        shared = {n: torch.einsum("k,k...->...", w.to(g.dtype), g) for n, g in per_head.items()}
-    else:
-        v = reference_cotangents(case, tasks)
-        flat = v.reshape(K, -1)
-        wv = torch.einsum("k,k...->...", weighting(flat @ flat.T).to(v.dtype), v)
-        shared = _pull(case, lambda y: (y * wv).sum(), copy.deepcopy(case.model))
+    _, shared = reference_weighted(case, tasks, tjd.UPGradWeighting(), level)
     _zero(tasks)
     return shared, task_grads
+
+
+def _funcgrad_backward(name: str, case: Case, tasks: Tasks, weighting, level: str) -> None:
+    """funcgrad.backward on one seeded forward of the model under test (recorded)."""
+    with _recorded(name):
+        _seeded(case)
+        y = case.features()
+        funcgrad.backward(
+            tasks.losses(y),
+            through=y,
+            weighting=weighting,
+            level=level,
+            # reentrant checkpointing hides the parameters inside it from the graph walk
+            inputs=list(case.model.parameters()) if name == REENTRANT else None,
+        )
 
 
 @_xfail(
@@ -365,17 +382,7 @@ def test_backward(name, level, weighted):
     want_shared, want_tasks = _backward_reference(case, tasks, level, weighted)
     _zero(case.model, tasks)
     try:
-        with _recorded(name):
-            _seeded(case)
-            y = case.features()
-            funcgrad.backward(
-                tasks.losses(y),
-                through=y,
-                weighting=tjd.UPGradWeighting() if weighted else None,
-                level=level,
-                # reentrant checkpointing hides the parameters inside it from the graph walk
-                inputs=list(case.model.parameters()) if name == REENTRANT else None,
-            )
+        _funcgrad_backward(name, case, tasks, tjd.UPGradWeighting() if weighted else None, level)
     except RuntimeError as error:  # exact, or this clear error with nothing written
         refused = REFUSED.get((name, f"backward-{level}"))
         assert weighted and refused is not None and refused in str(error), error
@@ -409,15 +416,7 @@ def test_backward_params_equals_torchjd(name):
     want = _grads_of(model)
     want_tasks = {n: p.grad for n, p in theirs_tasks.named_parameters()}
     _zero(case.model, tasks)
-    with _recorded(name):
-        _seeded(case)
-        y = case.features()
-        funcgrad.backward(
-            tasks.losses(y),
-            through=y,
-            weighting=tjd.UPGradWeighting(),
-            inputs=list(case.model.parameters()) if name == REENTRANT else None,
-        )
+    _funcgrad_backward(name, case, tasks, tjd.UPGradWeighting(), "params")
     _close(case, _grads_of(case.model), want, "shared")
     _close(case, {n: p.grad for n, p in tasks.named_parameters()}, want_tasks, "tasks")
 

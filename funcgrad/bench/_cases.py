@@ -413,6 +413,34 @@ def _mtl_heads(k: int, width: int, batch: int) -> list[Callable[..., torch.Tenso
     return heads
 
 
+def linear_task_heads(
+    k: int, width: int, batch: int, generator: torch.Generator | None = None
+) -> tuple[list[torch.nn.Module], list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """k task heads on (batch, width) features, alternating ``nn.Linear`` to 1 output with MSE
+    and to 5 classes with cross-entropy: the heads (built, then placed) and each task's loss
+    on the features. The heads' weights come from torch's global generator, the targets from
+    ``generator`` (the global one where None), drawn on the CPU after every head."""
+    heads = [
+        built(functools.partial(torch.nn.Linear, width, 1 if t % 2 == 0 else 5)) for t in range(k)
+    ]
+    targets = [
+        on(
+            torch.randn(batch, 1, generator=generator, device="cpu")
+            if t % 2 == 0
+            else torch.randint(0, 5, (batch,), generator=generator, device="cpu")
+        )
+        for t in range(k)
+    ]
+
+    def loss(t: int, features: torch.Tensor) -> torch.Tensor:
+        out = heads[t](features)
+        if t % 2 == 0:
+            return torch.nn.functional.mse_loss(out, targets[t])
+        return torch.nn.functional.cross_entropy(out, targets[t])
+
+    return heads, [functools.partial(loss, t) for t in range(k)]
+
+
 def probes_case(k: int, quick: bool) -> Case:
     # A 2048 -> 2048 -> 64 MLP; the ratio to raw vmap falls as f's backward gets dearer
     # relative to the fixed (k, m) @ (m, n) product: about m/k + m/hidden in flops.

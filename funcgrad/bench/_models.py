@@ -22,6 +22,22 @@ def _transformers() -> Any:
     return transformers
 
 
+def _bert_encoder(
+    attn: str, hidden: int, layers: int, heads: int, intermediate: int
+) -> dict[str, Any]:
+    """The encoder's fields of a BERT-style config (``BertConfig`` and ``ViTConfig`` name them
+    alike; GPT-2's config names its own): its sizes, its attention, no dropout."""
+    return {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "intermediate_size": intermediate,
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "attn_implementation": attn,
+    }
+
+
 def bert(
     attn: str = "eager",
     *,
@@ -36,14 +52,8 @@ def bert(
     tf = _transformers()
     config = tf.BertConfig(
         vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
         max_position_embeddings=positions,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation=attn,
+        **_bert_encoder(attn, hidden, layers, heads, intermediate),
     )
     return tf.BertModel(config)
 
@@ -94,13 +104,7 @@ def vit(
         image_size=image,
         patch_size=patch,
         num_channels=3,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation=attn,
+        **_bert_encoder(attn, hidden, layers, heads, intermediate),
     )
     return tf.ViTModel(config)
 

@@ -9,7 +9,6 @@ per-task gradients of the encoder's parameters (``funcgrad.compose_heads`` on
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,7 @@ import torch
 import funcgrad
 
 from . import _models
-from ._cases import Case, SkipCase, built, on
+from ._cases import Case, SkipCase, built, linear_task_heads, on
 
 MISSING_TRANSFORMERS = (
     'transformers is not installed (pip install "torch==2.13.0" -e ".[test]" provides it)'
@@ -59,26 +58,10 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
     for i in range(batch):  # padded sequences of different lengths
         mask[i, SEQ - i % (SEQ // 2) :] = 0
     mask = on(mask)
-    heads = [
-        built(functools.partial(torch.nn.Linear, hidden, 1 if t % 2 == 0 else 5)) for t in range(k)
-    ]
-    targets = [
-        on(
-            torch.randn(batch, 1, device="cpu")
-            if t % 2 == 0
-            else torch.randint(0, 5, (batch,), device="cpu")
-        )
-        for t in range(k)
-    ]
-
-    def loss(t: int, features: torch.Tensor) -> torch.Tensor:
-        out = heads[t](features)
-        if t % 2 == 0:
-            return torch.nn.functional.mse_loss(out, targets[t])
-        return torch.nn.functional.cross_entropy(out, targets[t])
+    heads, task_heads = linear_task_heads(k, hidden, batch)
 
     def losses_on(features: torch.Tensor) -> list[torch.Tensor]:
-        return [loss(t, features) for t in range(k)]
+        return [head(features) for head in task_heads]
 
     def pooled() -> torch.Tensor:
         return model(ids, attention_mask=mask).pooler_output
@@ -115,7 +98,6 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
     def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.functional_call(model, p, (ids,), {"attention_mask": mask}).pooler_output
 
-    task_heads = [lambda y, t=t: loss(t, y) for t in range(k)]
     auto = funcgrad.compose_heads(f, task_heads, strategy="auto")
     vjp = funcgrad.compose_heads(f, task_heads, strategy="vjp")
     case = Case("real-model", k, batch * hidden, sum(p.numel() for p in shared), {})

@@ -21,7 +21,6 @@ parameters, three ways:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 import funcgrad
 
 from . import _models
-from ._cases import Case, SkipCase, built, on, vjp
+from ._cases import Case, SkipCase, built, linear_task_heads, on, vjp
 
 MODELS = ("lstm", "gru", "bert-eager", "bert-sdpa", "resnet", "vit-sdpa", "gpt2-sdpa")
 HEAD_COUNTS = (3, 8)
@@ -142,26 +141,7 @@ def real_stacks_case(k: int, quick: bool, variant: str) -> Case:
     module, inputs, kwargs, pool = model.module, model.inputs, model.kwargs, model.pool
     with torch.no_grad():
         batch, width = pool(module(*inputs, **kwargs)).shape
-    heads = [
-        built(functools.partial(torch.nn.Linear, width, 1 if t % 2 == 0 else 5)) for t in range(k)
-    ]
-    generator = _generator()
-    targets = [
-        on(
-            torch.randn(batch, 1, generator=generator)
-            if t % 2 == 0
-            else torch.randint(0, 5, (batch,), generator=generator)
-        )
-        for t in range(k)
-    ]
-
-    def loss(t: int, features: torch.Tensor) -> torch.Tensor:
-        out = heads[t](features)
-        if t % 2 == 0:
-            return torch.nn.functional.mse_loss(out, targets[t])
-        return torch.nn.functional.cross_entropy(out, targets[t])
-
-    task_heads = [functools.partial(loss, t) for t in range(k)]
+    _, task_heads = linear_task_heads(k, width, batch, _generator())
     names = [name for name, _ in module.named_parameters()]
     shared = [p for _, p in module.named_parameters()]
     params = {name: p.detach() for name, p in zip(names, shared)}
