@@ -261,8 +261,9 @@ def _shape_key(args: Sequence[Any]) -> Any:
 # (about 8 ms), and plan() takes y's size from one real forward instead.
 FAKE_RUN_OPS = 100
 
-# auto's engine trial: this many timed calls on each engine, in turn (see _time_engine).
-TRIAL_CALLS = 2
+# auto's engine trial: this many timed calls on each engine, in turn (see _time_engine):
+# two that time vmap against an unbatched call, then one that runs the plan they chose.
+TRIAL_CALLS = 3
 
 
 class _Stop(Exception):
@@ -444,9 +445,10 @@ class Signature:
     random: bool = False
     # auto, no graph of the results: what f's linearisation runs on (None: not decided yet;
     # the trial runs the first calls on torch.func and eager autograd in turn, and keeps
-    # each call's seconds, without its measuring, by engine).
+    # each call's seconds, without its measuring, by engine, with whether it ran vmap to
+    # time it against an unbatched call).
     engine: Engine | None = None
-    trial_s: dict[Engine, list[float]] = dataclasses.field(default_factory=dict)
+    trial_s: dict[Engine, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
     engine_why: str | None = None
     plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
 
@@ -458,8 +460,8 @@ class Signature:
         return record
 
     def trial_next(self) -> Engine:
-        """The engine the next call of the trial runs: torch.func, eager autograd, torch.func,
-        eager autograd (each engine's first call pays its one-time costs, its second not)."""
+        """The engine the next call of the trial runs: torch.func and eager autograd in
+        turn, torch.func first."""
         func, eager = (len(self.trial_s.get(e, ())) for e in ("torch.func", "autograd"))
         return "torch.func" if func <= eager else "autograd"
 
@@ -618,8 +620,8 @@ class Composition:
         return record
 
     def _engine_trial(self, flat: FlatFunction) -> bool:
-        """Whether this call is one of the trial's, which time the engines (the first
-        ``2 * TRIAL_CALLS`` on its shapes, on torch.func and eager autograd in turn)."""
+        """Whether this call is one of the trial's, which time the engines (the first six
+        on its shapes, on torch.func and eager autograd in turn)."""
         record = self._engines_timed(flat)
         return record is not None and record.engine is None
 
@@ -641,33 +643,37 @@ class Composition:
         return "autograd" if on_autograd else "torch.func"
 
     @staticmethod
-    def _time_engine(record: Signature, ran: Engine, seconds: float, directions: int) -> None:
-        """Record a call of the trial (``seconds`` without its measuring). The trial runs
-        torch.func, eager autograd, torch.func, eager autograd (TRIAL_CALLS each): every
-        engine's first call pays its one-time costs (torch.func's transforms, eager
-        autograd's walk of f's graph and its first vmap), and its second does not, so each
-        engine is weighed by its fastest call, like with like. Where an engine's own two
-        calls found unbatched calls faster than vmap, its later calls run the loop: its cost
-        is then its vmapped call's, with each direction at the unbatched call's time
-        instead of its share of the vmap (``directions`` of them). Eager autograd is kept
-        where it is faster by ENGINE_MARGIN. Where torch.func fell back to eager autograd
-        (it cannot differentiate f), eager autograd it is."""
+    def _time_engine(
+        record: Signature, ran: Engine, seconds: float, measured: bool, directions: int
+    ) -> None:
+        """Record a call of the trial (``seconds`` without its measuring; ``measured``: it
+        timed vmap against an unbatched call). The trial runs torch.func and eager autograd
+        in turn, TRIAL_CALLS calls each: the first two on an engine time vmap against an
+        unbatched call (each side's fastest decides how that engine batches), the third
+        runs the plan they chose, warm. Every engine's first call pays its one-time costs
+        (torch.func's transforms; eager autograd's walk of f's graph, its first vmap), so
+        each engine is weighed by its fastest call, like with like; where an engine's plan
+        turned unbatched, its vmapped calls count at the loop's estimated cost (each of the
+        ``directions`` at the unbatched call's time instead of its share of the vmap).
+        Eager autograd is kept where it is faster by ENGINE_MARGIN. Where torch.func fell
+        back to eager autograd (it cannot differentiate f), eager autograd it is."""
         if ran != record.trial_next():  # torch.func fell back to eager autograd
             record.engine = "autograd"
             return
-        record.trial_s.setdefault(ran, []).append(seconds)
+        record.trial_s.setdefault(ran, []).append((seconds, measured))
         if any(len(record.trial_s.get(e, ())) < TRIAL_CALLS for e in ("torch.func", "autograd")):
             return
         costs: dict[Engine, float] = {}
         looped: list[str] = []
         for engine in ("torch.func", "autograd"):
-            cost = min(record.trial_s[engine])
             batching = record.batching(engine)
-            if batching.unbatched is not None and batching.timing is not None:
-                timing = batching.timing
-                cost = max(cost + directions * (timing.single - timing.batched), 0.0)
+            timing = batching.timing if batching.unbatched is not None else None
+            if timing is not None:
                 looped.append("eager autograd" if engine == "autograd" else engine)
-            costs[engine] = cost
+            loop_s = 0.0 if timing is None else directions * (timing.single - timing.batched)
+            costs[engine] = min(
+                max(s + loop_s, 0.0) if vmapped else s for s, vmapped in record.trial_s[engine]
+            )
         faster = costs["autograd"] < ENGINE_MARGIN * costs["torch.func"]
         record.engine = "autograd" if faster else "torch.func"
         if faster:
@@ -833,7 +839,7 @@ class Composition:
         if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
             measuring_s = sum(timing.single for timing in log) if log else 0.0
             seconds = max(seconds - measuring_s, 0.0)
-            self._time_engine(timed, plan.engine, seconds, plan.directions)
+            self._time_engine(timed, plan.engine, seconds, bool(log), plan.directions)
         return values, grads, aux
 
     def _forward_against_reverse(

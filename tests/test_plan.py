@@ -429,7 +429,7 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
     x = torch.randn(4, dtype=torch.float64)
     want_values, want_grads = autograd_reference(f, list(heads.values()), (x,))
     engines, trials = [], []
-    for _ in range(6):
+    for _ in range(8):
         plan = fn.plan(x)
         engines.append(plan.engine)
         trials.append(plan.engine_trial)
@@ -442,12 +442,12 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
             torch.testing.assert_close(grads[key], want_grads[i])
             assert not grads[key].requires_grad
     if engine == "autograd":
-        # the trial: two calls on each engine, in turn (each one's first call is cold)
-        assert engines == ["torch.func", "autograd"] * 2 + ["autograd"] * 2
-        assert trials == [True] * 4 + [False] * 2
+        # the trial: three calls on each engine, in turn (each one's first call is cold)
+        assert engines == ["torch.func", "autograd"] * 3 + ["autograd"] * 2
+        assert trials == [True] * 6 + [False] * 2
         assert "eager autograd" in plan.measured and "on eager autograd" in repr(plan)
     else:
-        assert engines == ["torch.func"] * 6 and not any(trials)
+        assert engines == ["torch.func"] * 8 and not any(trials)
 
 
 def test_eager_autograd_runs_the_passes_it_plans(monkeypatch):
@@ -527,17 +527,35 @@ def test_the_loop_or_vmap_is_decided_by_two_timed_calls_never_one(monkeypatch, t
     torch.testing.assert_close(grads, torch.stack(want_grads))
 
 
+@pytest.mark.parametrize(
+    ("batched_ms", "single_ms", "directions", "faster"),
+    [
+        (0.5, 0.4, 3, True),  # 0.3 ms saved over the three directions of the timed vmap
+        (0.5, 0.4, 2, False),  # 0.2 ms: within the noise of a timed call
+        (0.5, 0.46, 100, False),  # more than 10% a direction, or vmap is kept
+        (3.0, 2.0, 1, True),
+    ],
+)
+def test_a_loop_must_save_a_quarter_ms_over_the_timed_batch(
+    batched_ms, single_ms, directions, faster
+):
+    timing = _engine.Timing("f", batched_ms * 1e-3, single_ms * 1e-3, directions=directions)
+    assert timing.unbatched_faster == faster
+    assert timing.merged(timing).unbatched_faster == faster
+
+
 def _engine_trial(monkeypatch, calls_ms, timings_ms, k=3):
-    """Run compose_heads' four trial calls and one more with the clock replaced: each call
-    lasts calls_ms[i] ms, of which its unbatched call (timing vmap) timings_ms[i][1] ms, and
-    its vmap timings_ms[i][0] ms a direction. Returns the engines run, and the plan after."""
+    """Run compose_heads' six trial calls and one more with the clock replaced: call i
+    lasts calls_ms[i] ms; the first four also time vmap against an unbatched call, with
+    timings_ms[i] = (ms a direction in the vmap, ms of the unbatched call), which the call's
+    time includes. Returns the engine after the trial, and the plan."""
     given = iter([(b * 1e-3, u * 1e-3) for b, u in timings_ms])
     real = _engine._vmap_measured
     clock = iter([t for ms in calls_ms for t in (0.0, ms * 1e-3)])
 
     def timed(fn, args, chunk_size, what, log):
         result = real(fn, args, chunk_size, what, [])
-        log.append(_engine.Timing(what, *next(given)))
+        log.append(_engine.Timing(what, *next(given), directions=args[0].shape[0]))
         return result
 
     monkeypatch.setattr(_engine, "_vmap_measured", timed)
@@ -551,7 +569,8 @@ def _engine_trial(monkeypatch, calls_ms, timings_ms, k=3):
         if call == len(calls_ms):
             monkeypatch.undo()  # the call after the trial: the real clock, nothing timed
         plan = fn.plan(x)
-        assert plan.measure == (call < len(calls_ms)) and plan.engine_trial == plan.measure
+        assert plan.measure == (call < len(timings_ms))
+        assert plan.engine_trial == (call < len(calls_ms))
         engines.append(plan.engine)
         counter.reset()
         values, grads = fn(x)
@@ -559,15 +578,16 @@ def _engine_trial(monkeypatch, calls_ms, timings_ms, k=3):
     want_values, want_grads = autograd_reference(lambda x: torch.tanh(w @ x), heads, (x,))
     torch.testing.assert_close(values, torch.stack(want_values))
     torch.testing.assert_close(grads, torch.stack(want_grads))
-    assert engines[:4] == ["torch.func", "autograd", "torch.func", "autograd"]
-    return engines[4], fn.plan(x)
+    assert engines[:6] == ["torch.func", "autograd"] * 3
+    return engines[6], fn.plan(x)
 
 
 def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
-    # Every trial call runs one unbatched call more, to time vmap; the engines are compared
-    # on what a call costs without it: torch.func's calls took 10 ms of which 6 ms timed the
-    # unbatched call, eager autograd's 8 ms, of which 1 ms: 7 ms against 4 ms.
-    engine, plan = _engine_trial(monkeypatch, [10, 8, 10, 8], [(1, 6), (1, 1)] * 2)
+    # The first four calls run one unbatched call more, to time vmap; the engines are
+    # compared on what a call costs without it: torch.func's took 10 ms of which 6 ms timed
+    # the unbatched call, eager autograd's 8 ms, of which 1 ms: 7 ms against 4 ms (the
+    # third calls, 20 ms each, were slowed by something else).
+    engine, plan = _engine_trial(monkeypatch, [10, 8, 10, 8, 20, 20], [(1, 6), (1, 1)] * 2)
     assert engine == "torch.func" and plan.engine == "torch.func"
     assert plan.measured is None and plan.strategy == "vjp" and not plan.engine_trial
 
@@ -576,47 +596,58 @@ def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
     ("calls_ms", "engine"),
     [
         # eager autograd's first call pays more one-time costs than torch.func's (the walk
-        # of f's graph, its first vmap): its warm call wins (the rule of two cold calls kept
+        # of f's graph, its first vmap): warm, it wins (the rule of two cold calls kept
         # torch.func here, and stacked_heads ran at 1.5x its recipe)
-        ([11, 13, 6, 4], "autograd"),
+        ([11, 13, 6, 4, 5, 3.5], "autograd"),
         # a cold first torch.func call: warm, torch.func is as fast
-        ([11, 6, 5, 5], "torch.func"),
-        ([5, 5, 5, 4.7], "torch.func"),  # within the margin: torch.func kept
-        ([5, 5, 5, 4.4], "autograd"),  # by more than 10%, on each engine's fastest call
+        ([11, 6, 5, 5, 4, 4], "torch.func"),
+        ([5, 5, 5, 5, 4, 3.7], "torch.func"),  # within the margin: torch.func kept
+        ([5, 5, 5, 5, 4, 3.5], "autograd"),  # by more than 10%, on each engine's fastest
     ],
 )
-def test_each_engine_is_weighed_by_its_fastest_of_a_cold_and_a_warm_call(
-    monkeypatch, calls_ms, engine
-):
-    # Each call includes 1 ms timing the unbatched call, which is left out.
+def test_each_engine_is_weighed_by_its_fastest_call(monkeypatch, calls_ms, engine):
+    # Each of the first four calls includes 1 ms timing the unbatched call, left out.
     chosen, plan = _engine_trial(monkeypatch, calls_ms, [(1, 1)] * 4)
     assert chosen == engine and plan.engine == engine and plan.strategy == "vjp"
     if engine == "autograd":
-        best = min(calls_ms[1::2]) - 1, min(calls_ms[::2]) - 1
+        seconds = [ms - (i < 4) for i, ms in enumerate(calls_ms)]
+        best = min(seconds[1::2]), min(seconds[::2])
         assert f"eager autograd {best[0]:.3g} ms a call, torch.func {best[1]:.3g} ms" in (
             plan.measured
         )
 
 
-@pytest.mark.parametrize(("eager_single_ms", "strategy"), [(0.5, "loop"), (1.9, "vjp")])
+@pytest.mark.parametrize(
+    ("eager_single_ms", "eager_third_ms", "engine", "strategy"),
+    [
+        # eager autograd's calls find the loop faster (0.5 ms unbatched, 2 ms a direction
+        # in one vmap): its vmapped calls' 5 ms count as 5 + 3 * (0.5 - 2) = 0.5 ms
+        (0.5, 4.0, "autograd", "loop"),
+        # the loop found faster by less (1.75 ms): 4.25 ms estimated, against torch.func's
+        # 3 ms; the third call, which runs the loop, decides: 2 ms, or 3 ms
+        (1.75, 2.0, "autograd", "loop"),
+        (1.75, 3.0, "torch.func", "vjp"),
+        # vmap kept on eager autograd (1.9 ms unbatched: within the margin); torch.func
+        # faster
+        (1.9, 4.0, "torch.func", "vjp"),
+    ],
+)
 def test_each_engine_decides_vmap_or_the_loop_on_its_own_calls(
-    monkeypatch, eager_single_ms, strategy
+    monkeypatch, eager_single_ms, eager_third_ms, engine, strategy
 ):
-    # torch.func's calls find vmap faster (1 ms a direction, 1 ms unbatched) and take 4 ms
-    # without measuring; eager autograd's take 5 ms, its vmap 2 ms a direction: with 0.5 ms
-    # unbatched calls its loop would take 5 + 3 * (0.5 - 2) = 0.5 ms, and eager autograd
-    # runs it; with 1.9 ms unbatched calls vmap is kept (within the margin), and torch.func
-    # is faster.
+    # torch.func's calls find vmap faster (1 ms a direction, 1 ms unbatched) and take 3 ms
+    # without that unbatched call, and 4 ms on the third call; eager autograd's vmapped
+    # calls 5 ms without theirs. The later calls plan with the chosen engine's own timing.
     u = eager_single_ms
+    calls_ms = [4, 5 + u, 4, 5 + u, 4, eager_third_ms]
     timings = [(1, 1), (2, u), (1, 1), (2, u)]
-    chosen, plan = _engine_trial(monkeypatch, [5, 5 + u, 5, 5 + u], timings)
-    assert plan.strategy == strategy
-    if strategy == "loop":
-        assert chosen == "autograd" and plan.passes == 3
-        assert "as a loop of unbatched calls" in plan.measured
-        assert "0.5 ms unbatched" in plan.measured  # eager autograd's own timing
+    chosen, plan = _engine_trial(monkeypatch, calls_ms, timings)
+    assert chosen == engine and plan.strategy == strategy
+    if engine == "autograd":
+        assert plan.passes == 3 and "as a loop of unbatched calls" in plan.measured
+        assert f"{u:.2g} ms unbatched" in plan.measured  # eager autograd's own timing
     else:
-        assert chosen == "torch.func" and plan.measured is None
+        assert plan.measured is None
 
 
 def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
