@@ -27,9 +27,10 @@ FIT_MIN = FIT_RANGES[-1][1]
 FORWARD_MODE_PENALTY = 2
 
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
-# Where no graph of the results is wanted, outside transforms: auto runs its first four calls
+# Where no graph of the results is wanted, outside transforms: auto runs its first six calls
 # on new shapes on torch.func and eager autograd in turn, each timed, and later calls run on
-# eager autograd where its fastest call beat torch.func's by this factor (0: never).
+# eager autograd where its fastest call beat torch.func's by this factor (0: never, and no
+# call is spent on it).
 ENGINE_MARGIN = 0.9
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
@@ -84,16 +85,18 @@ class Plan:
             ``torch.autograd.grad`` per direction or vmapped over them, as the loop a user
             writes, with autograd's fused backward kernels: RNNs, attention). Under
             ``"auto"``, where the call builds no graph of its results and runs outside
-            transforms, the first four calls on new shapes run on torch.func, eager
-            autograd, torch.func, eager autograd, each timed (`engine_trial`): each engine's
-            first call pays its one-time costs and its second does not, and each engine is
-            weighed by its fastest call (as the loop of unbatched calls where its own calls
-            found that faster than vmap); later calls run on eager autograd where it was
-            faster by 10%, else on torch.func (``measured`` says why). Where f draws
+            transforms, the first six calls on new shapes run on torch.func and eager
+            autograd in turn, each timed (`engine_trial`): on each engine, two that time
+            vmap against one unbatched call (``measure``: each engine batches by its own),
+            then one that runs the plan they chose. Each engine's first call pays its
+            one-time costs, so each is weighed by its fastest call (a vmapped call counted
+            at the loop's estimated cost where that engine's plan turned unbatched); later
+            calls run on eager autograd where it was faster by 10%, else on torch.func
+            (``measured`` says why). Where f draws
             random numbers, or torch.func cannot differentiate it, always ``"autograd"``;
             ``"weighted"`` plans with no result graph run on ``"autograd"`` (one pullback:
             the eager backward is the floor).
-        engine_trial: this call is one of the four that time the engines, on ``engine``
+        engine_trial: this call is one of the six that time the engines, on ``engine``
             (f runs once, as in any call).
         f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
             first call on new shapes where ``"auto"`` chose forward mode (it times forward
