@@ -577,11 +577,11 @@ class Composition:
         known before f ran (or jacfwd was requested)."""
         n = _coords.real_size(flat.leaves)
         record = self.signature(flat)
-        unbatched = record.batching(self._batching_engine(flat)).unbatched if record else None
+        engine = self._planned_engine(flat)
+        unbatched = record.batching(engine).unbatched if record is not None else None
         measure = self._measured_here(flat)
         chunk = self._chunk(flat)
         not_forward = record.not_forward if record is not None else None
-        engine: Engine = "autograd" if self._on_autograd(flat) else "torch.func"
         trial = self._engine_trial(flat)
         why = record.engine_why if record is not None else None
 
@@ -635,12 +635,13 @@ class Composition:
             return record.engine == "autograd"
         return record.trial_next() == "autograd"
 
-    def _batching_engine(self, flat: FlatFunction) -> Engine:
-        """Whose batching record this call plans with and fills: the engine it is planned
-        on (f that draws random numbers runs on eager autograd)."""
+    def _planned_engine(self, flat: FlatFunction) -> Engine:
+        """The engine this call is planned on (and whose batching record it plans with and
+        fills): the trial's or the timing's choice, or eager autograd where f is known to
+        draw random numbers and no graph of the results is wanted (see _linearize)."""
         record = self.signature(flat)
-        on_autograd = self._on_autograd(flat) or (record is not None and record.random)
-        return "autograd" if on_autograd else "torch.func"
+        drawing = record is not None and record.random and not torch.is_grad_enabled()
+        return "autograd" if drawing or self._on_autograd(flat) else "torch.func"
 
     @staticmethod
     def _time_engine(
@@ -817,7 +818,7 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         record = self.signature(flat) if self._measured_here(flat) else None
-        batching = record.batching(self._batching_engine(flat)) if record is not None else None
+        batching = record.batching(self._planned_engine(flat)) if record is not None else None
         timed = None if forward else self._engines_timed(flat)
         if timed is not None and timed.engine is not None:
             timed = None  # decided
@@ -912,7 +913,7 @@ class Composition:
         if self.strategy != "auto":
             return False
         record = self.signature(flat)
-        return record is not None and not record.batching(self._batching_engine(flat)).measured
+        return record is not None and not record.batching(self._planned_engine(flat)).measured
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""

@@ -487,6 +487,32 @@ def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
     torch.testing.assert_close(second, -torch.sin(x))
 
 
+def test_f_that_draws_is_planned_on_eager_autograd_as_it_runs():
+    # f draws random numbers: no graph of the results wanted, it runs on eager autograd
+    # (one eager forward's draws), with no trial; plan() says so before the first call.
+    counter, w = funcgrad.PassCounter(), torch.randn(6, 4, dtype=torch.float64)
+
+    def f(x):
+        return torch.nn.functional.dropout(torch.tanh(w @ counter(x)), 0.5, training=True)
+
+    heads = [lambda y: y.sum(), lambda y: (y**2).sum(), lambda y: y[0]]
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(4, dtype=torch.float64)
+    for _ in range(4):
+        plan = fn.plan(x)
+        assert plan.engine == "autograd" and not plan.engine_trial
+        counter.reset()
+        torch.manual_seed(0)
+        values, grads = fn(x)
+        assert counter.backward == plan.passes
+    torch.manual_seed(0)  # the reference: one eager forward, one backward per head
+    xr = x.clone().requires_grad_()
+    y = f(xr)
+    want = [torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads]
+    torch.testing.assert_close(values, torch.stack([h(y) for h in heads]).detach())
+    torch.testing.assert_close(grads, torch.stack(want))
+
+
 # -- planner rules: two timed calls decide vmap or the loop, and the engines ------------------
 
 
