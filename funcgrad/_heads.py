@@ -261,6 +261,10 @@ def _shape_key(args: Sequence[Any]) -> Any:
 # (about 8 ms), and plan() takes y's size from one real forward instead.
 FAKE_RUN_OPS = 100
 
+# auto's engine trial: this many timed calls on each engine, in turn (see _time_engine):
+# two that time vmap against an unbatched call, then one that runs the plan they chose.
+TRIAL_CALLS = 3
+
 
 class _Stop(Exception):
     """Internal: a shape-only run of f went past its budget."""
@@ -404,6 +408,18 @@ def _forward_size(flat: FlatFunction) -> int:
 
 
 @dataclasses.dataclass
+class Batching:
+    """auto's timing of a batched call against one unbatched call on one engine, over two
+    calls (:meth:`Composition._remember`): measured, and ``unbatched`` None where vmap was
+    faster (or nothing was batched), else why unbatched calls were."""
+
+    measured: bool = False
+    unbatched: str | None = None
+    tentative: _engine.Timing | None = None  # the first timed call's: the next decides
+    timing: _engine.Timing | None = None  # both calls' fastest, once measured
+
+
+@dataclasses.dataclass
 class Signature:
     """What a :class:`Composition` has learnt of one call signature (every argument's tree,
     shapes, dtypes, devices and requires_grad: :func:`_shape_key`), from calls and
@@ -412,11 +428,10 @@ class Signature:
     fake_tried: bool = False
     fake_size: int | None = None  # y's size from f on fake tensors (None: not told that way)
     forward_size: int | None = None  # y's size from one real forward, for plan() alone
-    # auto's first-call timing of a batched call against an unbatched one: measured, and
-    # None where vmap was faster (or nothing was batched), else why unbatched calls were.
-    measured: bool = False
-    unbatched: str | None = None
-    tentative: _engine.Timing | None = None  # the first timed call's: the next decides
+    # auto's timing of a batched call against an unbatched one, per engine the calls run on
+    # (both batch by the same rules, but not equally well: vmap over eager autograd loops
+    # inside for the fused RNN backward, torch.func's decomposed one batches).
+    batchings: dict[Engine, Batching] = dataclasses.field(default_factory=dict)
     # Where auto chose forward mode: timed against reverse mode on the first call, and None
     # where forward mode was faster, else why reverse mode was (then planned).
     forward_timed: bool = False
@@ -429,12 +444,26 @@ class Signature:
     # autograd (same draws as one eager forward), and forward mode is no candidate.
     random: bool = False
     # auto, no graph of the results: what f's linearisation runs on (None: not decided yet;
-    # the first call runs on torch.func, timed as func_s, the second on eager autograd).
+    # the trial runs the first calls on torch.func and eager autograd in turn, and keeps
+    # each call's seconds, without its measuring, by engine, with whether it ran vmap to
+    # time it against an unbatched call).
     engine: Engine | None = None
-    func_s: float | None = None
-    autograd_s: float | None = None  # the trial's, where faster: torch.func re-timed, warm
+    trial_s: dict[Engine, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
     engine_why: str | None = None
     plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
+
+    def batching(self, engine: Engine) -> Batching:
+        """The batching record of calls on ``engine``."""
+        record = self.batchings.get(engine)
+        if record is None:
+            record = self.batchings[engine] = Batching()
+        return record
+
+    def trial_next(self) -> Engine:
+        """The engine the next call of the trial runs: torch.func and eager autograd in
+        turn, torch.func first."""
+        func, eager = (len(self.trial_s.get(e, ())) for e in ("torch.func", "autograd"))
+        return "torch.func" if func <= eager else "autograd"
 
 
 class Signatures:
@@ -548,11 +577,11 @@ class Composition:
         known before f ran (or jacfwd was requested)."""
         n = _coords.real_size(flat.leaves)
         record = self.signature(flat)
-        unbatched = record.unbatched if record is not None else None
+        engine = self._planned_engine(flat)
+        unbatched = record.batching(engine).unbatched if record is not None else None
         measure = self._measured_here(flat)
         chunk = self._chunk(flat)
         not_forward = record.not_forward if record is not None else None
-        engine: Engine = "autograd" if self._on_autograd(flat) else "torch.func"
         trial = self._engine_trial(flat)
         why = record.engine_why if record is not None else None
 
@@ -581,8 +610,9 @@ class Composition:
     def _engines_timed(self, flat: FlatFunction) -> Signature | None:
         """The record where auto weighs torch.func against eager autograd for this call: no
         graph of the results wanted (the call's grad mode is off), values readable, f known
-        not to draw random numbers (else it is on eager autograd anyway); else None."""
-        if self.strategy != "auto" or torch.is_grad_enabled():
+        not to draw random numbers (else it is on eager autograd anyway), and eager autograd
+        able to win (``ENGINE_MARGIN > 0``); else None."""
+        if self.strategy != "auto" or torch.is_grad_enabled() or not ENGINE_MARGIN > 0:
             return None
         record = self.signature(flat)
         if record is None or record.random:
@@ -590,59 +620,68 @@ class Composition:
         return record
 
     def _engine_trial(self, flat: FlatFunction) -> bool:
-        """Whether this call runs on eager autograd to time it (the second on its shapes)."""
+        """Whether this call is one of the trial's, which time the engines (the first six
+        on its shapes, on torch.func and eager autograd in turn)."""
         record = self._engines_timed(flat)
-        return (
-            record is not None
-            and record.engine is None
-            and record.func_s is not None
-            and record.autograd_s is None
-        )
+        return record is not None and record.engine is None
 
     def _on_autograd(self, flat: FlatFunction) -> bool:
         """Whether this call linearises f on eager autograd by the timing (decided, or the
-        trial); draws and torch.func's failures take it there too (see _linearize)."""
+        trial's turn); draws and torch.func's failures take it there too (see _linearize)."""
         record = self._engines_timed(flat)
         if record is None:
             return False
-        return record.engine == "autograd" or self._engine_trial(flat)
+        if record.engine is not None:
+            return record.engine == "autograd"
+        return record.trial_next() == "autograd"
+
+    def _planned_engine(self, flat: FlatFunction) -> Engine:
+        """The engine this call is planned on (and whose batching record it plans with and
+        fills): the trial's or the timing's choice, or eager autograd where f is known to
+        draw random numbers and no graph of the results is wanted (see _linearize)."""
+        record = self.signature(flat)
+        drawing = record is not None and record.random and not torch.is_grad_enabled()
+        return "autograd" if drawing or self._on_autograd(flat) else "torch.func"
 
     @staticmethod
-    def _time_engine(record: Signature, ran: Engine, seconds: float, unbatched: bool) -> None:
-        """Record a timed call (seconds without its measuring): the first on torch.func, the
-        second (the trial) on eager autograd. Where the trial was not faster by
-        ENGINE_MARGIN, torch.func it is. Where it was, the first call's one-time costs
-        (which eager autograd's second call does not pay) may be why: the third call runs
-        on torch.func again, warm, and torch.func's faster call is weighed against the
-        trial. Where the second call turned the plan unbatched, eager autograd is kept then
-        (the third call would run another plan; the loop a user writes is eager's). Where
-        torch.func fell back to eager autograd (it cannot differentiate f), eager autograd
-        it is. (Whether vmap beats unbatched calls is timed on the first two calls, whatever
-        the engine: both batch by the same rules.)"""
-        if record.func_s is None and ran == "torch.func":
-            record.func_s = seconds
-            return
-        if record.func_s is None:
+    def _time_engine(
+        record: Signature, ran: Engine, seconds: float, measured: bool, directions: int
+    ) -> None:
+        """Record a call of the trial (``seconds`` without its measuring; ``measured``: it
+        timed vmap against an unbatched call). The trial runs torch.func and eager autograd
+        in turn, TRIAL_CALLS calls each: the first two on an engine time vmap against an
+        unbatched call (each side's fastest decides how that engine batches), the third
+        runs the plan they chose, warm. Every engine's first call pays its one-time costs
+        (torch.func's transforms; eager autograd's walk of f's graph, its first vmap), so
+        each engine is weighed by its fastest call, like with like; where an engine's plan
+        turned unbatched, its vmapped calls count at the loop's estimated cost (each of the
+        ``directions`` at the unbatched call's time instead of its share of the vmap).
+        Eager autograd is kept where it is faster by ENGINE_MARGIN. Where torch.func fell
+        back to eager autograd (it cannot differentiate f), eager autograd it is."""
+        if ran != record.trial_next():  # torch.func fell back to eager autograd
             record.engine = "autograd"
             return
-        if record.autograd_s is None:  # the trial
-            if ran != "autograd" or not seconds < ENGINE_MARGIN * record.func_s:
-                record.engine = "torch.func"
-                return
-            record.autograd_s = seconds
-            if not unbatched:
-                return  # torch.func re-timed on the next call
-            calls = "the first two calls"
-        else:
-            if ran == "torch.func":
-                record.func_s = min(record.func_s, seconds)
-            calls = "the first three calls"
-        faster = record.autograd_s < ENGINE_MARGIN * record.func_s
+        record.trial_s.setdefault(ran, []).append((seconds, measured))
+        if any(len(record.trial_s.get(e, ())) < TRIAL_CALLS for e in ("torch.func", "autograd")):
+            return
+        costs: dict[Engine, float] = {}
+        looped: list[str] = []
+        for engine in ("torch.func", "autograd"):
+            batching = record.batching(engine)
+            timing = batching.timing if batching.unbatched is not None else None
+            if timing is not None:
+                looped.append("eager autograd" if engine == "autograd" else engine)
+            loop_s = 0.0 if timing is None else directions * (timing.single - timing.batched)
+            costs[engine] = min(
+                max(s + loop_s, 0.0) if vmapped else s for s, vmapped in record.trial_s[engine]
+            )
+        faster = costs["autograd"] < ENGINE_MARGIN * costs["torch.func"]
         record.engine = "autograd" if faster else "torch.func"
         if faster:
+            loops = f"; {' and '.join(looped)} as a loop of unbatched calls" if looped else ""
             record.engine_why = (
-                f"eager autograd {1e3 * record.autograd_s:.3g} ms a call, torch.func "
-                f"{1e3 * record.func_s:.3g} ms ({calls})"
+                f"eager autograd {1e3 * costs['autograd']:.3g} ms a call, torch.func "
+                f"{1e3 * costs['torch.func']:.3g} ms (fastest of {TRIAL_CALLS} calls each{loops})"
             )
 
     def _fit(self, flat: FlatFunction) -> _engine.ChunkFit:
@@ -779,6 +818,7 @@ class Composition:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
         record = self.signature(flat) if self._measured_here(flat) else None
+        batching = record.batching(self._planned_engine(flat)) if record is not None else None
         timed = None if forward else self._engines_timed(flat)
         if timed is not None and timed.engine is not None:
             timed = None  # decided
@@ -787,23 +827,29 @@ class Composition:
             if self.chunk_size == "auto" and values_readable(flat.leaves):
                 stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
             if forward and record is not None and not record.forward_timed:
-                return self._forward_against_reverse(flat, planner, record, check)
+                assert batching is not None
+                return self._forward_against_reverse(flat, planner, record, batching, check)
             log = stack.enter_context(_engine.measuring()) if record is not None else None
             start = time.perf_counter() if timed is not None else 0.0  # (not in compiled code)
             plan, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
             seconds = time.perf_counter() - start if timed is not None else 0.0
-        if log and record is not None and not record.measured:  # a batched call was measured
-            self._remember(record, log[0])
+        if log and batching is not None and not batching.measured:  # a batched call measured
+            self._remember(batching, log[0])
         if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
             measuring_s = sum(timing.single for timing in log) if log else 0.0
-            unbatched = timed.unbatched is not None
-            self._time_engine(timed, plan.engine, max(seconds - measuring_s, 0.0), unbatched)
+            seconds = max(seconds - measuring_s, 0.0)
+            self._time_engine(timed, plan.engine, seconds, bool(log), plan.directions)
         return values, grads, aux
 
     def _forward_against_reverse(
-        self, flat: FlatFunction, planner: _engine.Planner, record: Signature, check: CheckMode
+        self,
+        flat: FlatFunction,
+        planner: _engine.Planner,
+        record: Signature,
+        batching: Batching,
+        check: CheckMode,
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         """The first call on new shapes where auto chose forward mode: forward mode, then
         the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
@@ -840,32 +886,34 @@ class Composition:
             else None
         )
         if log and faster:
-            self._remember(record, log[0])
+            self._remember(batching, log[0])
         else:
-            record.measured, record.unbatched = True, None
+            batching.measured, batching.unbatched = True, None
         _, values, grads, aux = reverse_result if faster else forward_result
         return values, grads, aux
 
-    def _remember(self, record: Signature, timing: _engine.Timing) -> None:
-        """Decide from two timed calls: the first call's timing is kept, the next call is
-        timed as well, and each side's fastest decides. One call alone is biased either way:
-        its vmapped call pays vmap's warm-up (spread over the directions), its unbatched call
-        the one-time costs of the unbatched shapes (a convnet's kernels), so neither a
-        first-call win of the loop nor one of vmap is trusted alone."""
+    @staticmethod
+    def _remember(record: Batching, timing: _engine.Timing) -> None:
+        """Decide from two timed calls on one engine: the first call's timing is kept, the
+        next call on that engine is timed as well, and each side's fastest decides. One call
+        alone is biased either way: its vmapped call pays vmap's warm-up (spread over the
+        directions), its unbatched call the one-time costs of the unbatched shapes (a
+        convnet's kernels), so neither a first-call win of the loop nor one of vmap is
+        trusted alone."""
         if record.tentative is None:
             record.tentative = timing
             return
         timing, record.tentative = timing.merged(record.tentative), None
-        record.measured = True
+        record.measured, record.timing = True, timing
         record.unbatched = timing.why() if timing.unbatched_faster else None
 
     def _measured_here(self, flat: FlatFunction) -> bool:
-        """Whether this call is timed under auto (the first two calls on these shapes: each
-        times its first batched call against one unbatched call)."""
+        """Whether this call is timed under auto (the first two calls on these shapes on the
+        engine it runs on: each times its first batched call against one unbatched call)."""
         if self.strategy != "auto":
             return False
         record = self.signature(flat)
-        return record is not None and (not record.measured or self._engine_trial(flat))
+        return record is not None and not record.batching(self._planned_engine(flat)).measured
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:
         """Gradient leaves back into the structure of the differentiated argument(s)."""

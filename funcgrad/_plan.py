@@ -27,9 +27,10 @@ FIT_MIN = FIT_RANGES[-1][1]
 FORWARD_MODE_PENALTY = 2
 
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
-# Where no graph of the results is wanted, outside transforms: auto runs its first call on
-# new shapes on torch.func and its second on eager autograd, each timed, and later calls run
-# on the faster one (by ENGINE_MARGIN: the first call also pays one-time costs).
+# Where no graph of the results is wanted, outside transforms: auto runs its first six calls
+# on new shapes on torch.func and eager autograd in turn, each timed, and later calls run on
+# eager autograd where its fastest call beat torch.func's by this factor (0: never, and no
+# call is spent on it).
 ENGINE_MARGIN = 0.9
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
@@ -75,24 +76,28 @@ class Plan:
             (which loops inside for an op without a batching rule, or is slow anyway), or
             eager autograd faster than torch.func.
         measure: the call times its first batched call against one unbatched call (the
-            first two calls on new shapes under ``"auto"``: each side's fastest of the two
-            decides, so that neither side's one-time costs decide alone): one direction
-            more through f, in ``passes``; the result decides how later calls on these
-            shapes run.
+            first two calls on new shapes under ``"auto"`` on each engine they run on: each
+            side's fastest of the two decides, so that neither side's one-time costs decide
+            alone): one direction more through f, in ``passes``; the result decides how
+            later calls on these shapes run on that engine.
         engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``, vmapped
             pulls) or ``"autograd"`` (one eager forward that records an autograd graph, then
             ``torch.autograd.grad`` per direction or vmapped over them, as the loop a user
             writes, with autograd's fused backward kernels: RNNs, attention). Under
             ``"auto"``, where the call builds no graph of its results and runs outside
-            transforms, the first call on new shapes runs on torch.func and the second on
-            eager autograd, each timed (`engine_trial`); where eager autograd looked faster
-            the third call re-times torch.func, warm (the first call pays one-time costs);
-            later calls run on the faster one (``measured`` says why). Where f draws
+            transforms, the first six calls on new shapes run on torch.func and eager
+            autograd in turn, each timed (`engine_trial`): on each engine, two that time
+            vmap against one unbatched call (``measure``: each engine batches by its own),
+            then one that runs the plan they chose. Each engine's first call pays its
+            one-time costs, so each is weighed by its fastest call (a vmapped call counted
+            at the loop's estimated cost where that engine's plan turned unbatched); later
+            calls run on eager autograd where it was faster by 10%, else on torch.func
+            (``measured`` says why). Where f draws
             random numbers, or torch.func cannot differentiate it, always ``"autograd"``;
             ``"weighted"`` plans with no result graph run on ``"autograd"`` (one pullback:
             the eager backward is the floor).
-        engine_trial: this call is the second on its shapes and runs on eager autograd to
-            time it against the first call's torch.func (f runs once, as in any call).
+        engine_trial: this call is one of the six that time the engines, on ``engine``
+            (f runs once, as in any call).
         f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
             first call on new shapes where ``"auto"`` chose forward mode (it times forward
             against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
@@ -179,7 +184,9 @@ class Plan:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
         measuring = "; times vmap against one unbatched call (this call)" * self.measure
         if self.engine_trial:
-            measuring += "; times eager autograd against torch.func (this call)"
+            other = "torch.func" if self.engine == "autograd" else "eager autograd"
+            engine = "eager autograd" if self.engine == "autograd" else "torch.func"
+            measuring += f"; times {engine} against {other} (this call)"
         what += " on eager autograd" * (self.engine == "autograd")
         runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
         return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
