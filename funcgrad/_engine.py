@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -151,10 +152,11 @@ def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
 
 # A loop must beat vmap by this factor a direction, and save this much over the directions
 # of the timed batch, to be chosen: below either, the difference is within the noise of a
-# timed call, and vmap (one call) is kept. (Per direction, 0.25 ms kept vmap on small
-# models whose loop was 20-25% faster: an LSTM or a convnet with k = 2-3.)
+# timed call, and vmap (one call) is kept. (0.25 ms kept vmap on small models whose loop
+# was 20-60% faster: an LSTM or a convnet with k = 2-3, a tiny f whose call takes 0.3 ms;
+# each side is now the fastest of two calls.)
 LOOP_MARGIN = 0.9
-LOOP_MIN_SAVING_S = 2.5e-4
+LOOP_MIN_SAVING_S = 2e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,15 +214,20 @@ def _vmap_measured(
     chunk_size: int | None,
     what: str,
     log: list[Timing],
+    single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
-    backward; an RNN's backward is slow under vmap without saying so)."""
+    backward; an RNN's backward is slow under vmap without saying so). ``single``: the
+    unbatched call a loop would make, where it is not ``fn`` on one direction."""
     start = time.perf_counter()
     result = _vmap(fn, args, chunk_size, "error")
     batched_s = time.perf_counter() - start
     start = time.perf_counter()
-    fn(*(arg[0] for arg in args))
+    if single is None:
+        fn(*(arg[0] for arg in args))
+    else:
+        single()
     single_s = time.perf_counter() - start
     directions = args[0].shape[0]
     log.append(Timing(what, batched_s / directions, single_s, directions=directions))
@@ -350,6 +357,7 @@ def batched(
     can_vmap: bool = True,
     may_loop: bool = True,
     last_fn: Callable[..., Tensors] | None = None,
+    single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``fn`` over the leading dim of ``args`` (one vmap, one per chunk, or a loop).
 
@@ -359,7 +367,8 @@ def batched(
     ``randomness="same"`` or nothing: where that fails, :class:`CannotBatch` is raised.
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
-    call before it is ``fn``.
+    call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
+    make instead, timed against the vmap where the first batched call is measured.
     """
     batch = args[0].shape[0]
     if chunk_size == "auto":
@@ -403,7 +412,7 @@ def batched(
                 fn, args, chunk_size if may_loop else None, "error" if may_loop else "same"
             )
         else:
-            result = _vmap_measured(fn, args, chunk_size, what, log)
+            result = _vmap_measured(fn, args, chunk_size, what, log, single)
     except (RuntimeError, NotImplementedError) as error:
         # Not a batching problem: a loop would fail the same way.
         if _linearize.is_torch_func_limit(error):
@@ -495,6 +504,7 @@ def pull(
     *,
     loop: bool = False,
     last: bool = False,
+    single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``J^T d`` for a batch of directions (leaves with a leading batch dim): one vmapped
     call of the linearisation, one per chunk, or a loop. ``last``: no pull through ``lin``
@@ -510,6 +520,7 @@ def pull(
             what=lin.what,
             can_vmap=lin.can_vmap and not loop,
             last_fn=None if last_vjp is None else (lambda *direction: last_vjp(direction)),
+            single=single,
         )
     except RuntimeError as error:
         if _linearize.torch_limit(error) != "donated buffers":
@@ -651,7 +662,12 @@ def through_heads(
 
     heads = Linearization((values.detach(),), lin.x_like, vjp, True, lin.what)
     unit = (torch.eye(k, dtype=values.dtype, device=values.device),)
-    return values.detach(), pull(heads, unit, plan.chunk_size, check)
+    # The loop pulls each head's own value (through its head and f, not every head's with
+    # zero cotangents): that is the unbatched call to time against the vmap.
+    with torch.enable_grad():  # (a row of the stacked values, on the graph)
+        first = outputs[0] if isinstance(outputs, list) else values[0]
+    single = functools.partial(output_grads, [first], inputs)
+    return values.detach(), pull(heads, unit, plan.chunk_size, check, single=single)
 
 
 def per_head(
