@@ -96,20 +96,38 @@ class NoOutsideWrites(_Draws):
         )
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if kwargs and "out" in kwargs and self._outside(kwargs["out"]):
-            raise Writes(name)
-        if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
-            if args and self._outside(args[0]):
-                raise Writes(name)
-        elif "batch_norm" in name or "instance_norm" in name:
+        # (Once per op of f: the usual op, no keyword and not a write, costs a dict lookup.)
+        kind = _WRITE_KINDS.get(func)
+        if kind is None:
+            kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
+        if kind == _IN_PLACE and args and self._outside(args[0]):
+            raise Writes(func.__name__)
+        if kind == _NORM:
             # (F.batch_norm's training, F.instance_norm's use_input_stats: argument 5)
             flag = (kwargs or {}).get("training", (kwargs or {}).get("use_input_stats"))
             if flag is None:
-                flag = args[5] if len(args) > 5 else "instance_norm" in name
+                flag = args[5] if len(args) > 5 else "instance_norm" in func.__name__
             if flag:
-                raise Writes(name)
+                raise Writes(func.__name__)
+        if not kwargs:
+            return func(*args)
+        if "out" in kwargs and self._outside(kwargs["out"]):
+            raise Writes(getattr(func, "__name__", ""))
         return super().__torch_function__(func, types, args, kwargs)
+
+
+_PLAIN, _IN_PLACE, _NORM = 0, 1, 2
+_WRITE_KINDS: dict[Any, int] = {}
+
+
+def _write_kind(name: str) -> int:
+    """Whether a torch function writes into its first argument, updates a norm's running
+    statistics (where training), or neither, by its name."""
+    if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
+        return _IN_PLACE
+    if "batch_norm" in name or "instance_norm" in name:
+        return _NORM
+    return _PLAIN
 
 
 class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
