@@ -10,7 +10,6 @@ same inputs, so the plan reported is the plan run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from ._types import ChunkSize, Engine, Executed, Strategy
@@ -193,9 +192,6 @@ class Plan:
         return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
 
 
-# Pure in its arguments, and asked again on every call of a signature: memoised (a Plan is
-# frozen), as a jit cache keeps what depends on the signature alone.
-@functools.lru_cache(maxsize=1024)
 def make_plan(
     requested: Strategy,
     k: int,
