@@ -378,7 +378,12 @@ def backward(
         sync.configure(task.shared, task.level, task.rule, task.graph.checkpoint)
     except (TypeError, ValueError, SecondBackwardError) as caught:
         error = caught
-    facts = None if task is None else {**task.facts(), "wrap's reducer": sync.reduces_backward}
+    # (what must match across ranks: built only where there are other ranks)
+    facts = (
+        None
+        if task is None or sync.size == 1
+        else {**task.facts(), "wrap's reducer": sync.reduces_backward}
+    )
     sync.agree(facts, error)
     assert task is not None
 

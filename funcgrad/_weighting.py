@@ -166,14 +166,9 @@ def resolve(weighting: Any, level: object, call: str, *, distributed: bool = Fal
     return rule
 
 
-@contextlib.contextmanager
-def _naming(rule: Rule, given: str, call: str) -> Iterator[None]:
+def _name(error: BaseException, rule: Rule, given: str, call: str) -> None:
     """Name the weighting, and what it was given, on an error raised inside it."""
-    try:
-        yield
-    except Exception as error:
-        error.add_note(f"{call}: raised by the weighting {type(rule.fn).__name__}, given {given}.")
-        raise
+    error.add_note(f"{call}: raised by the weighting {type(rule.fn).__name__}, given {given}.")
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -278,8 +273,12 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
     weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``,
     also where the entry point computes its results under ``torch.no_grad``; its input
     carries no graph and its result is detached by the caller)."""
-    with no_autocast(stat.device), _naming(rule, given, call), torch.enable_grad():
-        return rule.fn(stat.detach())
+    with no_autocast(stat.device), torch.enable_grad():
+        try:
+            return rule.fn(stat.detach())
+        except Exception as error:
+            _name(error, rule, given, call)
+            raise
 
 
 def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
