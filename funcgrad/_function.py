@@ -100,33 +100,52 @@ class NoOutsideWrites(_Draws):
         kind = _WRITE_KINDS.get(func)
         if kind is None:
             kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
-        if kind == _IN_PLACE and args and self._outside(args[0]):
-            raise Writes(func.__name__)
-        if kind == _NORM:
+        if kind == _IN_PLACE:  # (nn.init passes its tensor by keyword)
+            first = args[0] if args else next(iter((kwargs or {}).values()), None)
+            if self._outside(first):
+                raise Writes(func.__name__)
+        elif kind == _NORM:
             # (F.batch_norm's training, F.instance_norm's use_input_stats: argument 5)
             flag = (kwargs or {}).get("training", (kwargs or {}).get("use_input_stats"))
             if flag is None:
                 flag = args[5] if len(args) > 5 else "instance_norm" in func.__name__
             if flag:
                 raise Writes(func.__name__)
+        elif kind == _EMBEDDING and (kwargs or {}).get("max_norm") is not None:
+            raise Writes(func.__name__)  # (it renormalises the weight rows in place)
+        elif kind == _RANDOM:  # a generator passed positionally (torch.poisson(rates, g))
+            for arg in args:
+                if isinstance(arg, torch.Generator) and arg not in self.seen:
+                    self.seen[arg] = arg.get_state()
         if not kwargs:
             return func(*args)
-        if "out" in kwargs and self._outside(kwargs["out"]):
+        if ("out" in kwargs and self._outside(kwargs["out"])) or (
+            kwargs.get("inplace") is True and args and self._outside(args[0])
+        ):  # (F.relu(x, inplace=True), F.dropout(..., inplace=True))
             raise Writes(getattr(func, "__name__", ""))
         return super().__torch_function__(func, types, args, kwargs)
 
 
-_PLAIN, _IN_PLACE, _NORM = 0, 1, 2
+_PLAIN, _IN_PLACE, _NORM, _EMBEDDING, _RANDOM = 0, 1, 2, 3, 4
 _WRITE_KINDS: dict[Any, int] = {}
+# The random functions that take a generator positionally (torch.poisson, torch.binomial).
+_POSITIONAL_GENERATOR = ("poisson", "binomial")
 
 
 def _write_kind(name: str) -> int:
     """Whether a torch function writes into its first argument, updates a norm's running
-    statistics (where training), or neither, by its name."""
+    statistics (where training), renormalises an embedding, may take a generator
+    positionally, or none of these, by its name (an ATen overload's without its
+    ``.overload``: ``add_.Tensor``)."""
+    name = name.split(".")[0]
     if (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS:
         return _IN_PLACE
     if "batch_norm" in name or "instance_norm" in name:
         return _NORM
+    if name == "embedding":
+        return _EMBEDDING
+    if any(draw in name for draw in _POSITIONAL_GENERATOR):
+        return _RANDOM
     return _PLAIN
 
 

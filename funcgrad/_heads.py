@@ -298,6 +298,13 @@ class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
             value.untyped_storage().data_ptr() not in self.made
         )
 
+    def _own(self, value: Any) -> Any:
+        """``value`` to write into: a copy where it is foreign (each of a list's tensors, for
+        ``Tensor(a!)[]``: the ``_foreach_*_`` ops)."""
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._own(v) for v in value)
+        return value.clone() if self._foreign(value) else value
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         args, kwargs = list(args), dict(kwargs or {})
         if "batch_norm" in func.__name__:  # updates the running statistics (args 3 and 4)
@@ -310,10 +317,10 @@ class _NoMutation(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if argument.alias_info is None or not argument.alias_info.is_write:
                     continue
                 if argument.kwarg_only:
-                    if self._foreign(kwargs.get(argument.name)):
-                        kwargs[argument.name] = kwargs[argument.name].clone()
-                elif i < len(args) and self._foreign(args[i]):
-                    args[i] = args[i].clone()
+                    if argument.name in kwargs:
+                        kwargs[argument.name] = self._own(kwargs[argument.name])
+                elif i < len(args):
+                    args[i] = self._own(args[i])
         out = func(*args, **kwargs)
         # A view (select, for x[i] = v) shares its input's storage: it is made only where
         # that input was.
