@@ -813,6 +813,8 @@ class Composition:
         if record is not None and record.draws is not None:
             flat.watch = record.draws
             flat.eager = flat.drew = record.random
+        elif record is not None and record.random:  # plan()'s shape-only run saw f draw:
+            flat.eager = flat.drew = True  # on eager autograd at once, as plan() said
         result = run()
         if record is not None and record.draws is None:
             record.draws = bool(flat.generators)
