@@ -95,7 +95,7 @@ def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
     seen, todo = set(starts), list(starts)
     while todo:
         e = todo.pop()
-        if type(e[0]).__name__ == REENTRANT_CHECKPOINT:
+        if _kind(e[0]).checkpoint:
             return True
         for parent in _parents(e):
             if parent not in seen:
@@ -254,7 +254,6 @@ class Graph:
 
     freed: list[Any]
     checkpoint: bool
-    into: dict[Any, list[Any]]  # node -> the nodes that pass gradients into it
     upper: set[Any]  # the nodes above ``through`` and its own nodes
     heads: set[Any]  # the nodes above ``through`` (not its own)
     # A sparse embedding's backward runs (Embedding/EmbeddingBag with sparse=True): vmap
@@ -297,7 +296,7 @@ class Graph:
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
-        return cls(freed, bool(checkpoints), into, upper, heads, sparse)
+        return cls(freed, bool(checkpoints), upper, heads, sparse)
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,

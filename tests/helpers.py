@@ -89,6 +89,15 @@ def one_input_function(forward, backward):
     return OneInput
 
 
+def _read_then_double(x, grad):
+    float(grad.sum().item())  # a read of a value: vmap cannot batch this backward
+    return grad * 2
+
+
+# x * 2, saving x; its backward reads a value (.item()), which vmap cannot batch.
+Unbatchable = one_input_function(lambda x: x * 2, _read_then_double)
+
+
 def assert_rows_close(got, expected, rtol):
     """Row by row, each against its own scale: a small head is not judged by a big one."""
     for g, e in zip(got, expected):

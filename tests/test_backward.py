@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import _counted_graph, _grads, _raises, _setup, assert_tree_close
+from helpers import Unbatchable, _counted_graph, _grads, _raises, _setup, assert_tree_close
 from torch import nn
 from torchjd import aggregation as tjd
 from torchjd.autojac import jac_to_grad, mtl_backward
@@ -1177,20 +1177,6 @@ def test_retain_graph_twice_then_without_then_refused(level):
         assert _same_grads(leaves, before)
 
 
-class _Unbatchable(torch.autograd.Function):
-    """Saves its input; its backward reads a value (.item()), which vmap cannot batch."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        float(grad.sum().item())
-        return grad * 2
-
-
 def test_a_call_that_failed_after_freeing_the_graph_leaves_it_refusing_before_writing():
     """vmap cannot batch the shared part's backward and fails after the batched (last) pull
     freed the nodes above the failing one: backward's clear error, nothing written. The
@@ -1203,7 +1189,7 @@ def test_a_call_that_failed_after_freeing_the_graph_leaves_it_refusing_before_wr
         w = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
         heads = [nn.Parameter(torch.randn(4, dtype=torch.float64)) for _ in range(3)]
         x = torch.randn(5, 3, dtype=torch.float64)
-        features = torch.tanh(_Unbatchable.apply(x @ w.T))
+        features = torch.tanh(Unbatchable.apply(x @ w.T))
         return [w, *heads], features, [(features @ h).pow(2).mean() for h in heads]
 
     leaves, features, losses = forward()

@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from helpers import Unbatchable
 
 import funcgrad
 from funcgrad._counting import BackwardCounter, counted
@@ -311,27 +312,13 @@ def test_grads_runs_no_saved_tensor_unpack_hook_of_a_kept_graph():
     assert _raises(lambda: sum(outputs).backward())
 
 
-class _Unbatchable(torch.autograd.Function):
-    """Saves its input; its backward reads a value (.item()), which vmap cannot batch."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):
-        float(grad.sum().item())
-        return grad * 2
-
-
 def test_a_grads_call_that_failed_after_freeing_leaves_the_graph_refusing():
     """k <= m: the batched last pull fails in vmap after freeing tanh's node above the
     unbatchable one: the clear error of the Args. The user's backward through that graph
     must then raise before any .grad moves (w, a head's parameter, included)."""
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    y = torch.tanh(_Unbatchable.apply(x.repeat(2)[:4]))  # m = 4
+    y = torch.tanh(Unbatchable.apply(x.repeat(2)[:4]))  # m = 4
     outputs = [(w * y).sum(), (y**2).sum()]  # k = 2
     with pytest.raises(RuntimeError, match=r"cannot run.*Nothing was written"):
         funcgrad.grads(outputs, x, through=y)
