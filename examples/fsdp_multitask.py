@@ -44,6 +44,8 @@ def main() -> None:
     try:
         train()
         dist.barrier()  # every rank's last collective: nothing is in flight anywhere after it
+        if dist.get_rank() == 0:  # past the barrier: every rank finished train()
+            print("every rank finished: the FSDP steps equal one process on the whole batch")
     finally:
         dist.destroy_process_group()
 

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import task_losses
 from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench._ddp import gloo_group
+from funcgrad.bench._ddp import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 
@@ -360,7 +359,7 @@ def _sync_worker(rank, store):
 
 @pytest.mark.parametrize("worker", [_agreement_worker, _sync_worker])
 def test_two_gloo_ranks(worker, tmp_path):
-    mp.spawn(worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+    spawn_ranks(worker, str(tmp_path / "store"))
 
 
 def test_process_group_needs_an_initialised_group():

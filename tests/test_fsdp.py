@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import task_losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchjd.aggregation import GradDrop, MGDAWeighting, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench._ddp import gloo_group
+from funcgrad.bench._ddp import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 
@@ -388,7 +387,7 @@ def _worker(rank, store):
 
 
 def test_fsdp_two_gloo_ranks(tmp_path):
-    mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, str(tmp_path / "store"))
 
 
 def test_the_fsdp_example_runs_under_torchrun():
@@ -398,5 +397,10 @@ def test_the_fsdp_example_runs_under_torchrun():
          str(example)],
         capture_output=True, text=True, timeout=600,  # its collectives time out after 60 s
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "every rank finished" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("equal to one process on the whole batch") == 6
+    # Past the final barrier, the one failure left is torch's: DTensor's caches keep the
+    # DeviceMesh, and with it the gloo group, past destroy_process_group, and gloo's threads
+    # die in the interpreter's teardown, which can abort (see bench._ddp.spawn_ranks).
+    teardown = "terminate called without an active exception" in done.stderr
+    assert done.returncode == 0 or teardown, done.stdout[-3000:] + done.stderr[-3000:]

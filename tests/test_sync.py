@@ -236,3 +236,48 @@ def test_fsdp_answers_from_its_module(one_rank):
     with pytest.raises(ValueError, match=r"reads the whole Jacobian"):
         sync.configure(shared, "params", _weighting.Rule("jacobian", object()), False)
     features.sum().backward()  # ends FSDP's iteration
+
+
+# -- The group's lifetime -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap", ["ProcessGroup", "DDP", "FSDP"])
+def test_backward_keeps_no_reference_to_the_group(wrap):
+    """After ``backward`` at both levels, ``destroy_process_group`` frees the group: funcgrad
+    holds none (a group held past it keeps gloo's threads alive into the interpreter's
+    teardown, which can abort the process)."""
+    import gc
+    import weakref
+
+    from helpers import task_losses
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torchjd.aggregation import UPGradWeighting
+
+    import funcgrad
+
+    def train():
+        torch.manual_seed(0)
+        encoder = nn.Sequential(nn.Linear(5, 7), nn.Tanh())
+        heads = nn.ModuleList(nn.Linear(7, 1) for _ in range(3))
+        x, y = torch.randn(4, 5), torch.randn(4, 3)
+        if wrap == "ProcessGroup":
+            run, group = encoder, dist.group.WORLD
+        elif wrap == "DDP":
+            run = group = nn.parallel.DistributedDataParallel(encoder)
+        else:
+            run = group = fully_shard(encoder, mesh=init_device_mesh("cpu", (1,)))
+        for level in ("params", "features", "params"):
+            features, losses = task_losses(run, heads, x, y)
+            funcgrad.backward(
+                losses, through=features, weighting=UPGradWeighting(), level=level,
+                process_group=group,
+            )  # fmt: skip
+
+    with gloo_group(60, store=dist.HashStore(), rank=0, world_size=1):
+        world = weakref.ref(dist.group.WORLD)
+        train()
+        _clear_sharding_prop_cache()  # torch's own: it holds every DeviceMesh FSDP2 used
+    gc.collect()
+    assert world() is None, [type(r) for r in gc.get_referrers(world())]

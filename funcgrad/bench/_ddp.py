@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import importlib.util
 import json
 import os
@@ -45,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -94,6 +95,28 @@ def gloo_group(timeout_s: float, **init: Any) -> Iterator[None]:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def spawn_ranks(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; raise if any rank fails.
+
+    A rank that returns leaves with ``os._exit(0)``, skipping the interpreter's teardown.
+    Whatever torch keeps that holds the group (DTensor's sharding-propagation cache holds every
+    DeviceMesh FSDP2 used, and a mesh holds its ProcessGroup) outlives
+    ``destroy_process_group``, and gloo's threads are then destroyed in teardown, in no set
+    order: "terminate called without an active exception", SIGABRT, now and then, after every
+    check had passed. A rank that raises goes through ``mp.spawn``'s own error path, and
+    ``faulthandler`` prints the Python stacks of a rank that aborts or crashes.
+    """
+    mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=True)
+
+
+def _rank_main(rank: int, worker: Callable[..., None], *args: Any) -> None:
+    faulthandler.enable()
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # Bytes each rank sends, by the function called: (the measured argument's position and
@@ -276,12 +299,7 @@ def ddp_entry(k: int, quick: bool, rounds: int) -> dict[str, Any]:
         return entry | {"n": 0, "methods": {}, "skipped": {"all": MISSING_TORCHJD}}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ddp.json")
-        mp.spawn(
-            _worker,
-            args=(os.path.join(tmp, "store"), k, quick, rounds, out),
-            nprocs=WORLD,
-            join=True,
-        )
+        spawn_ranks(_worker, os.path.join(tmp, "store"), k, quick, rounds, out)
         result = json.loads(Path(out).read_text())
     methods = {
         m: {"median": statistics.median(s), "min": min(s), "max": max(s), "samples": s}
