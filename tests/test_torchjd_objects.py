@@ -393,7 +393,7 @@ import sys, torch, funcgrad
 from torchjd import aggregation as tjd
 from funcgrad.bench._ddp import gloo_group
 
-with gloo_group(30, init_method="file://" + sys.argv[1], rank=0, world_size=1):
+def main():  # the DDP module dies with it, before the group: none outlives the group
     torch.manual_seed(0)
     encoder = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(5, 6))
     heads = [torch.nn.Linear(6, 1) for _ in range(3)]
@@ -410,6 +410,10 @@ with gloo_group(30, init_method="file://" + sys.argv[1], rank=0, world_size=1):
             assert "forward hooks of its own" in str(error), error
             assert all(p.grad is None for p in encoder.parameters())
             print("refused", level)
+
+
+with gloo_group(30, init_method="file://" + sys.argv[1], rank=0, world_size=1):
+    main()
 """
 
 
