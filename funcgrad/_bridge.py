@@ -46,7 +46,8 @@ def grads(
             backward does (the last chunk, the last direction of a loop, the last of
             ``check``'s comparisons); else (``through``'s unit directions, whose product may
             need the cotangents pulled again) that part's memory goes when you drop the
-            outputs and ``through``. The heads' part is kept until then. Where vmap cannot
+            outputs and ``through``. Each output's backward to ``through`` frees that
+            output's own part (what no later output runs through). Where vmap cannot
             batch that backward and fails after it freed part of the graph, the loop that
             would answer cannot run: a clear error says so, before any ``.grad`` is written
             (pass ``retain_graph=True``, or ``chunk_size=1`` for a loop from the start).
@@ -92,30 +93,33 @@ def grads(
     if spender is not None:
         raise RuntimeError(_graph.SECOND_BACKWARD.format(call=spender))
 
-    # Outputs -> through (cheap): one cotangent on `through` per output.
-    per_output = [
-        _linearize.autograd_grad(z, mids, None, retain_graph=True, create_graph=create_graph)
-        for z in outs
-    ]
-    cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
-
-    # Through -> inputs (slow): min(k, numel(through)) directions.
     retain = create_graph if retain_graph is None else retain_graph
-    lin = _linearize.of_graph(
-        mids, ins, create_graph=create_graph, retain_graph=retain, by_backward=graph.checkpoint
-    )
-    basis = _engine.Basis(_coords.real_size(lin.out))
-    # Where the k cotangents themselves go through (k <= numel(through)), that one batched
-    # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
-    last = not retain and len(outs) <= basis.m
     try:
+        # Outputs -> through (cheap): one cotangent on `through` per output, each backward
+        # freeing that output's own part of the graph unless a later one runs through it.
+        per_output = [
+            _linearize.autograd_grad(
+                z, mids, None, retain_graph=retain or not alone, create_graph=create_graph
+            )
+            for z, alone in zip(outs, graph.alone, strict=True)
+        ]
+        cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
+
+        # Through -> inputs (slow): min(k, numel(through)) directions.
+        lin = _linearize.of_graph(
+            mids, ins, create_graph=create_graph, retain_graph=retain, by_backward=graph.checkpoint
+        )
+        basis = _engine.Basis(_coords.real_size(lin.out))
+        # Where the k cotangents themselves go through (k <= numel(through)), that one batched
+        # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
+        last = not retain and len(outs) <= basis.m
         result, _ = _engine.by_linearity(
             lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
         )
     except BaseException:
-        if last:  # it may have freed part of the graph: a later backward raises up front
+        if not retain:  # parts of the graph may be freed: a later backward raises up front
             _graph.spend(graph, _CALL)
         raise
-    if not retain:
-        _graph.spend(graph, _CALL, shared_freed=last)  # as torch.autograd.grad: see Args
+    if not retain:  # as torch.autograd.grad: see Args
+        _graph.spend(graph, _CALL, shared_freed=last, heads_freed=True)
     return result

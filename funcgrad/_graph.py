@@ -42,12 +42,13 @@ def walk(
     stop: dict[Edge, int],
     leaves: dict[Edge, torch.Tensor] | None = None,
     into: dict[Any, list[Any]] | None = None,
+    nodes: set[Any] | None = None,
 ) -> tuple[set[int], set[int]]:
     """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
     walk does not go past a stop edge, so it stays in the cheap part of the graph. The leaf
     tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given, and
     every node it goes past is recorded in ``into`` (node -> the nodes that pass gradients
-    into it, see :class:`Graph`) if given.
+    into it, see :class:`Graph`) if given, and in ``nodes`` (all but leaves) if given.
 
     Conservative where it must be: gradient entering a node by any output is taken to reach
     all of its inputs (true of every op but a few with unused inputs), so a dependency is
@@ -70,6 +71,8 @@ def walk(
             if leaves is not None and hasattr(node, "variable"):
                 leaves.setdefault(e, node.variable)
             continue
+        if nodes is not None:
+            nodes.add(node)
         for parent in parents:
             if parent[0] is None:
                 continue
@@ -140,8 +143,10 @@ def check_paths(
         input_edges.setdefault(edge(x), i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
     above: dict[Any, list[Any]] = {}
+    parts: list[set[Any]] = []
     for i, z in enumerate(outputs):
-        bypass, reached_through = walk([edge(z)], input_edges, stops, into=above)
+        parts.append(set())
+        bypass, reached_through = walk([edge(z)], input_edges, stops, into=above, nodes=parts[i])
         if not reached_through:
             raise ValueError(
                 f"{call}: outputs[{i}] does not depend on `through`; every output must be "
@@ -156,6 +161,7 @@ def check_paths(
     below: dict[Any, list[Any]] = {}
     _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
     graph = Graph.of(above, below, stops, {e[0] for e in input_edges})
+    graph.alone, graph.freed_by_losses = _alone(parts)
     if not allow_unused and not graph.checkpoint:
         for i, x in enumerate(inputs):
             if input_edges[edge(x)] not in reached:
@@ -211,9 +217,11 @@ def split_leaves(
         )
     per_task = []
     above: dict[Any, list[Any]] = {}
+    parts: list[set[Any]] = []
     for name, loss in zip(names, losses):
         own: dict[Edge, torch.Tensor] = {}
-        _, reached = walk([edge(loss)], {}, stops, own, above)
+        parts.append(set())
+        _, reached = walk([edge(loss)], {}, stops, own, above, parts[-1])
         if not reached:
             raise ValueError(
                 f"{call}: {name} does not depend on `through`; every loss must be computed "
@@ -235,7 +243,20 @@ def split_leaves(
                 )
         per_task.append(own)
     targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
-    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets, hidden)
+    graph = Graph.of(above, below_into, stops, targets, hidden)
+    graph.alone, graph.freed_by_losses = _alone(parts)
+    return shared, leaf_names, per_task, graph
+
+
+def _alone(parts: list[set[Any]]) -> tuple[list[bool], set[Any]]:
+    """From each output's nodes above ``through`` (in call order): whether no later output's
+    backward runs any of them, so that its own backward may free them (retain_graph=False,
+    as torch's would), and the nodes those backwards free."""
+    alone, later = [True] * len(parts), set[Any]()
+    for i in range(len(parts) - 1, -1, -1):
+        alone[i] = later.isdisjoint(parts[i])
+        later |= parts[i]
+    return alone, set().union(*(part for part, free in zip(parts, alone) if free))
 
 
 def _checkpoints(stops: Mapping[Edge, int], into: Mapping[Any, list[Any]]) -> list[Any]:
@@ -260,6 +281,11 @@ class Graph:
     # cannot batch its sparse gradient (a batched pull would fail there, after freeing the
     # nodes above it where it frees the graph), so the pulls loop.
     sparse: bool = False
+    # Per output (loss), in call order: whether its nodes above ``through`` are none of a
+    # later output's, so that its own backward to ``through`` may free them; and the nodes
+    # those backwards free (see :func:`_alone`).
+    alone: list[bool] = dataclasses.field(default_factory=list)
+    freed_by_losses: set[Any] = dataclasses.field(default_factory=set)
 
     @classmethod
     def of(
@@ -306,13 +332,16 @@ class Graph:
         ``torch.autograd.grad(loss, log_var)`` may avoid them). A backward from the outputs
         runs those nodes first, before any leaf; torch would raise only at the freed node,
         after accumulating into a leaf that a path saving nothing reaches first (a parameter
-        added to a loss). The search goes down from those nodes no further than the first
-        freed ones (usually ``through``'s own node): it never walks the shared part."""
+        added to a loss). Only such nodes need it: where every path down to a leaf passes a
+        freed node, the backward raises there before any write. The search goes down from
+        those nodes no further than the first freed ones (usually ``through``'s own node):
+        it never walks the shared part."""
         freed = set(self.freed)
         refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
         if not freed:
             return refusing
         first: dict[Any, set[Any]] = {}  # a node -> the first freed nodes below it
+        writes: dict[Any, bool] = {}  # a node -> a leaf below it on a path past no freed node
         parents_of: dict[Any, list[Any]] = {}
         for start in self.upper - freed:
             stack = [start]
@@ -331,13 +360,15 @@ class Graph:
                     continue
                 stack.pop()
                 below: set[Any] = set()
+                reaches_leaf = not parents and hasattr(node, "variable")  # (AccumulateGrad)
                 for p in parents:
                     if p in freed:
                         below.add(p)
                     else:
                         below |= first[p]
-                first[node] = below
-            if first[start]:
+                        reaches_leaf = reaches_leaf or writes[p]
+                first[node], writes[node] = below, reaches_leaf
+            if first[start] and writes[start]:
                 refusing[start] = list(first[start])
         return refusing
 
@@ -390,15 +421,19 @@ def spent(graph: Graph) -> str | None:
     return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
-def spend(graph: Graph, call: str, *, shared_freed: bool = False) -> None:
+def spend(
+    graph: Graph, call: str, *, shared_freed: bool = False, heads_freed: bool = False
+) -> None:
     """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
     ``retain_graph``), so that a later call through them raises before any pass (on every
     rank: see :func:`spent`), and make any later backward, the user's own included, raise
     as torch's would on the freed graph, before it writes anything (see
-    :meth:`Graph.refusing`). funcgrad keeps parts of
-    the graph alive (the heads' part for each loss's gradient on ``through``, the shared
-    part for its batched pulls), so torch itself would not raise there; ``shared_freed``:
-    the call's last pass freed the shared part (below ``through``) itself."""
+    :meth:`Graph.refusing`). funcgrad keeps parts of the graph alive (the heads' part that
+    a later loss shares, the shared part for its batched pulls), so torch itself would not
+    raise there; ``shared_freed``:
+    the call's last pass freed the shared part (below ``through``) itself; ``heads_freed``:
+    each output's backward to ``through`` freed its own part where it could
+    (``graph.alone``), without retain_graph."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -417,9 +452,12 @@ def spend(graph: Graph, call: str, *, shared_freed: bool = False) -> None:
     # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
     # alive need a hook (a hook costs ~2 us a node: a real model's shared part has
     # thousands). (The caller knows; reading a saved tensor to find out would run its
-    # unpack hook: a non-reentrant checkpoint's recomputation.)
+    # unpack hook: a non-reentrant checkpoint's recomputation.) The same for the heads' nodes
+    # that each output's own backward freed (``heads_freed``).
     for node, below in graph.refusing().items():
         if below is None and shared_freed and node not in graph.heads:
+            continue
+        if below is None and heads_freed and node in graph.freed_by_losses:
             continue
         metadata = node.metadata
         if _REFUSES not in metadata:

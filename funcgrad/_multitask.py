@@ -186,16 +186,17 @@ def _validate(
 # -- collect -------------------------------------------------------------------------------
 
 
-def _collect(task: _Task, sync: _sync.Sync) -> tuple[Tensors, list[Tensors]]:
+def _collect(task: _Task, sync: _sync.Sync, retain: bool) -> tuple[Tensors, list[Tensors]]:
     """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
     ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each, into
     ``through`` and that loss's own leaves only (the rows of a batched backward would be
-    zeros for the other losses' leaves, made and summed for nothing)."""
+    zeros for the other losses' leaves, made and summed for nothing). Without ``retain``,
+    each frees its loss's own part of the graph, unless a later loss runs through it."""
     mids = task.through
     with sync.collecting():
         grads = [
-            _linearize.autograd_grad(loss, mids + own, None, retain_graph=True)
-            for loss, own in zip(task.losses, task.own)
+            _linearize.autograd_grad(loss, mids + own, None, retain_graph=retain or not alone)
+            for loss, own, alone in zip(task.losses, task.own, task.graph.alone, strict=True)
         ]
     cotangents = tuple(torch.stack([g[j] for g in grads]) for j in range(len(mids)))
     flat = sync.average([g for row in grads for g in row[len(mids) :]])
@@ -241,10 +242,11 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 @contextlib.contextmanager
 def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
-    """Around the last pull through the shared part and what follows it: where that pull
-    frees the graph (``freed``) and the body raises (the pull failing past a freed node, a
-    weighting's error), the graph is counted as spent, so that a retry through it, or the
-    user's own backward, raises a clear error up front, before any pass or write."""
+    """Around the passes that free the graph (``freed``: without retain_graph, each loss's
+    backward frees its own part, the last pull the shared part) and what follows them: where
+    the body raises (a pass failing past a freed node, a weighting's error), the graph is
+    counted as spent, so that a retry through it, or the user's own backward, raises a clear
+    error up front, before any pass or write."""
     try:
         yield
     except BaseException:
@@ -344,16 +346,17 @@ def backward(
         batched backward (the last chunk of ``chunk_size``, the last direction of a loop or
         through a reentrant checkpoint, the last of ``check``'s comparisons; no pass is
         added). So the previous step's activations are gone before the next forward, though
-        you still hold ``through`` and the losses. At level ``"params"`` the weighting runs
-        after that pass: a retry after its error needs a new forward (or
-        ``retain_graph=True``). Where vmap cannot batch that backward and fails after it
+        you still hold ``through`` and the losses. Each loss's backward to ``through`` frees
+        that loss's own part (what no later loss runs through), so the weighting runs after
+        passes that freed part of the graph: a retry after its error needs a new forward
+        (or ``retain_graph=True``). Where vmap cannot batch that backward and fails after it
         freed part of the graph, the loop that would answer cannot run: a clear error says
         so, before any ``.grad`` is written (pass ``retain_graph=True``, or ``chunk_size=1``
         for a loop from the start). The graph counts as freed where
-        ``sum(losses).backward()`` would free it, the heads' part (which funcgrad keeps for
-        each loss's gradient on ``through``, until the losses go) included: a second call
-        through it, or the user's own ``.backward()``, raises torch's error before any
-        ``.grad`` is written.
+        ``sum(losses).backward()`` would free it, the heads' part that a later loss shares
+        (which funcgrad keeps for that loss's gradient on ``through``, until the losses go)
+        included: a second call through it, or the user's own ``.backward()``, raises
+        torch's error before any ``.grad`` is written.
     """
     if batch_dim is not None or through is None:  # per-example losses: _per_example.py
         from ._per_example import backward_from_losses
@@ -388,36 +391,38 @@ def backward(
     assert task is not None
 
     # Collect: V on `through`, and each loss's own gradients.
-    cotangents, own_grads = _collect(task, sync)
-    lin = _linearize.of_graph(
-        task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
-    )
+    # Without retain_graph, each loss's backward frees its own part of the graph (where no
+    # later loss runs through it) and the last pull the shared part: if anything below
+    # raises, the graph counts as spent (a retry raises up front).
+    with _spent_if_raising(task.graph, freed=not retain_graph):
+        cotangents, own_grads = _collect(task, sync, retain_graph)
+        lin = _linearize.of_graph(
+            task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
+        )
 
-    # Weigh, and compute what the shared leaves get (nothing is written yet).
-    update: Tensors | None = None
-    if task.rule.kind == "sum" or level == "features":
-        what = "with respect to `through`"
-        weights: torch.Tensor | None
-        weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
-        if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
-            with _spent_if_raising(task.graph, freed=not retain_graph):
+        # Weigh, and compute what the shared leaves get (nothing is written yet).
+        update: Tensors | None = None
+        if task.rule.kind == "sum" or level == "features":
+            what = "with respect to `through`"
+            weights: torch.Tensor | None
+            weights, coefficients, rows = weigh_features(task.rule, cotangents, sync, what, _CALL)
+            if not sync.by_backward(one_pull=True):  # ONE pull of w @ V through the shared part
                 update = sync.average(_engine.weighted(lin, coefficients, rows))
-    else:
-        # The last pull through the shared part frees its graph (unless retain_graph), as
-        # sum(losses).backward() would; under a DDP wrap, the backward of w @ V follows it.
-        last = not sync.by_backward(one_pull=False)
-        # vmap cannot batch a sparse embedding's gradient, and a batched pass that frees the
-        # graph would fail there after freeing the nodes above it: a loop from the start.
-        chunk = 1 if task.graph.sparse else chunk_size
+        else:
+            # The last pull through the shared part frees its graph (unless retain_graph), as
+            # sum(losses).backward() would; under a DDP wrap, the backward of w @ V follows it.
+            last = not sync.by_backward(one_pull=False)
+            # vmap cannot batch a sparse embedding's gradient, and a batched pass that frees the
+            # graph would fail there after freeing the nodes above it: a loop from the start.
+            chunk = 1 if task.graph.sparse else chunk_size
 
-        def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
-            basis = _engine.Basis(_coords.real_size(lin.out))
-            grads, _ = _engine.by_linearity(
-                lin, cotangents, basis, keep=False, chunk_size=chunk, check=mode, last=last
-            )
-            return grads
+            def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
+                basis = _engine.Basis(_coords.real_size(lin.out))
+                grads, _ = _engine.by_linearity(
+                    lin, cotangents, basis, keep=False, chunk_size=chunk, check=mode, last=last
+                )
+                return grads
 
-        with _spent_if_raising(task.graph, freed=last and not retain_graph):
             task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
             # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
             # w @ P, and the update written back sparse, as .grad would be.
@@ -426,24 +431,24 @@ def backward(
             what = "with respect to the shared parameters"
             weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
             update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
-        if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
-            update = None  # which its reducer averages into w @ (global per-task gradients)
+            if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
+                update = None  # which its reducer averages into w @ (global per-task gradients)
 
-    # Apply: the one place that writes .grad.
-    taken: set[int] = set()  # the storages given to a .grad in this call
-    if update is None:
-        assert weights is not None and lin.accumulate is not None
-        with sync.reducing_backward():
-            lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
-    else:
-        sync.write(task.shared, update, taken)
-    for own, grads in zip(task.own, own_grads):
-        for leaf, grad in zip(own, grads):
-            _sync.accumulate(leaf, grad, taken)
+        # Apply: the one place that writes .grad.
+        taken: set[int] = set()  # the storages given to a .grad in this call
+        if update is None:
+            assert weights is not None and lin.accumulate is not None
+            with sync.reducing_backward():
+                lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
+        else:
+            sync.write(task.shared, update, taken)
+        for own, grads in zip(task.own, own_grads):
+            for leaf, grad in zip(own, grads):
+                _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
-        # (the last pass through the shared part freed it: torch refuses there itself)
+        # (where a pass freed its part itself, torch refuses there: no hook needed)
         pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)
-        _graph.spend(task.graph, _CALL, shared_freed=pulled)
+        _graph.spend(task.graph, _CALL, shared_freed=pulled, heads_freed=True)
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

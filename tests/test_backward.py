@@ -879,24 +879,27 @@ def test_a_sparse_embedding_is_pulled_by_a_loop_that_frees_the_graph(deep, fix):
     assert saved.alive() == (len(saved.refs) if kept else 0)
 
 
-def test_a_retry_after_a_weighting_error_on_a_freed_graph_is_refused_up_front():
-    """At level "params" the weighting runs after the pull that freed the shared part: a
-    retry through that graph is torch's error, raised before any pass and any write; with
-    retain_graph=True the graph is kept and the retry answers."""
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_retry_after_a_weighting_error_on_a_freed_graph_is_refused_up_front(level):
+    """The weighting runs after passes that freed part of the graph (each loss's backward its
+    own part; at level "params" also the pull, the shared part): a retry through that graph
+    is torch's error, raised before any pass and any write, and so is the user's own
+    backward; with retain_graph=True the graph is kept and the retry answers."""
+    nan = lambda g: g[0] / 0 - g[0] / 0  # noqa: E731
     counter, model, features, losses = _counted_graph()
     with pytest.raises(ValueError, match="non-finite weights"):
-        funcgrad.backward(losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0)
+        funcgrad.backward(losses, through=features, weighting=nan, level=level)
     counter.reset()
     with pytest.raises(funcgrad.SecondBackwardError, match="backward through the graph a second"):
-        funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+        funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting(), level=level)
+    with pytest.raises(RuntimeError, match="backward through the graph a second"):
+        torch.stack(losses).sum().backward()
     assert counter.backward == 0 and not _grads(model)
 
     counter, model, features, losses = _counted_graph()
     with pytest.raises(ValueError, match="non-finite weights"):
-        funcgrad.backward(
-            losses, through=features, weighting=lambda g: g[0] / 0 - g[0] / 0, retain_graph=True
-        )
-    funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+        funcgrad.backward(losses, through=features, weighting=nan, level=level, retain_graph=True)
+    funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting(), level=level)
     assert _grads(model)
 
 

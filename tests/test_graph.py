@@ -207,3 +207,28 @@ def test_no_hook_on_a_shared_part_that_torch_freed_a_bias_free_linear():
     assert _graph._REFUSES not in through.grad_fn.metadata
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(losses).backward()
+
+
+def test_only_nodes_with_a_write_before_any_freed_node_refuse_ahead():
+    """A node that saves nothing refuses ahead of the freed nodes below it only where a path
+    from it reaches a leaf past no freed node (a leaf added to a loss): elsewhere the backward
+    raises at a freed node before anything is written. And after `grads`, whose outputs'
+    backwards freed their own parts and whose last pull freed the part below `through`, no
+    hook is left to register (a hook costs ~2 us a node)."""
+    x, _, through, outputs = _forward("tanh")
+    refusing = _graph.check_paths(tuple(outputs), (x,), (through,), False, "c").refusing()
+    ahead = [node for node, below in refusing.items() if below is not None]
+    assert ahead == [outputs[0].grad_fn]  # through.sum() + b: b's path saves nothing
+    x, _, through, _ = _forward("tanh")
+    plain = [(through * 2).sin().sum(), through[:2].exp().sum()]  # every path: a freed node
+    refusing = _graph.check_paths(tuple(plain), (x,), (through,), False, "c").refusing()
+    assert all(below is None for below in refusing.values())
+
+    x, _, through, _ = _forward("tanh")
+    heads = [(through * (i + 1)).sin().sum() for i in range(3)]
+    nodes = {n for n in _graph.check_paths(tuple(heads), (x,), (through,), False, "c").upper}
+    funcgrad.grads(heads, x, through=through)
+    assert nodes and not [n for n in nodes if _graph._REFUSES in n.metadata]
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        heads[0].backward()
+    assert x.grad is None
