@@ -160,8 +160,7 @@ def check_paths(
             )
     below: dict[Any, list[Any]] = {}
     _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
-    graph = Graph.of(above, below, stops, {e[0] for e in input_edges})
-    graph.alone, graph.freed_by_losses = _alone(parts)
+    graph = Graph.of(above, below, stops, {e[0] for e in input_edges}, parts)
     if not allow_unused and not graph.checkpoint:
         for i, x in enumerate(inputs):
             if input_edges[edge(x)] not in reached:
@@ -243,9 +242,7 @@ def split_leaves(
                 )
         per_task.append(own)
     targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
-    graph = Graph.of(above, below_into, stops, targets, hidden)
-    graph.alone, graph.freed_by_losses = _alone(parts)
-    return shared, leaf_names, per_task, graph
+    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets, parts, hidden)
 
 
 def _alone(parts: list[set[Any]]) -> tuple[list[bool], set[Any]]:
@@ -294,10 +291,12 @@ class Graph:
         below: dict[Any, list[Any]],
         stops: Mapping[Edge, int],
         targets: set[Any],
+        parts: list[set[Any]],
         checkpoints: list[Any] | None = None,
     ) -> Graph:
-        """From the walks above ``through`` (stopped at its ``stops``) and below it (see
-        :func:`walk`'s ``into``), and the nodes of the wanted gradients (``targets``);
+        """From the walks above ``through`` (stopped at its ``stops``; ``parts``: each
+        output's nodes, see :func:`walk`'s ``nodes``) and below it (see :func:`walk`'s
+        ``into``), and the nodes of the wanted gradients (``targets``);
         ``checkpoints``: those of :func:`_checkpoints` below, where the caller has them. A
         reentrant checkpoint runs whatever it reaches: its own backward reaches leaves that
         the walk cannot see."""
@@ -322,7 +321,7 @@ class Graph:
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
-        return cls(freed, bool(checkpoints), upper, heads, sparse)
+        return cls(freed, bool(checkpoints), upper, heads, sparse, *_alone(parts))
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,
