@@ -97,13 +97,9 @@ def grads(
     try:
         # Outputs -> through (cheap): one cotangent on `through` per output, each backward
         # freeing that output's own part of the graph unless a later one runs through it.
-        per_output = [
-            _linearize.autograd_grad(
-                z, mids, None, retain_graph=retain or not alone, create_graph=create_graph
-            )
-            for z, alone in zip(outs, graph.alone, strict=True)
-        ]
-        cotangents = tuple(torch.stack([c[j] for c in per_output]) for j in range(len(mids)))
+        cotangents, _, _, _ = _linearize.losses_backward(
+            outs, mids, [()] * len(outs), graph.alone, retain=retain, create_graph=create_graph
+        )
 
         # Through -> inputs (slow): min(k, numel(through)) directions.
         lin = _linearize.of_graph(
@@ -121,5 +117,5 @@ def grads(
             _graph.spend(graph, _CALL)
         raise
     if not retain:  # as torch.autograd.grad: see Args
-        _graph.spend(graph, _CALL, shared_freed=last, heads_freed=True)
+        _graph.spend(graph, _CALL, shared_freed=last, heads_freed=graph.freed_by_losses)
     return result

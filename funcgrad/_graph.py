@@ -11,7 +11,7 @@ edge's output index tells them apart, so the walk reasons in edges, not nodes.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -421,7 +421,7 @@ def spent(graph: Graph) -> str | None:
 
 
 def spend(
-    graph: Graph, call: str, *, shared_freed: bool = False, heads_freed: bool = False
+    graph: Graph, call: str, *, shared_freed: bool = False, heads_freed: Collection[Any] = ()
 ) -> None:
     """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
     ``retain_graph``), so that a later call through them raises before any pass (on every
@@ -431,8 +431,9 @@ def spend(
     a later loss shares, the shared part for its batched pulls), so torch itself would not
     raise there; ``shared_freed``:
     the call's last pass freed the shared part (below ``through``) itself; ``heads_freed``:
-    each output's backward to ``through`` freed its own part where it could
-    (``graph.alone``), without retain_graph."""
+    the nodes above ``through`` that the outputs' backward freed without retain_graph (all
+    of ``graph.heads`` after one backward of their sum, ``graph.freed_by_losses`` after one
+    per output: see :func:`funcgrad._linearize.losses_backward`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -456,7 +457,7 @@ def spend(
     for node, below in graph.refusing().items():
         if below is None and shared_freed and node not in graph.heads:
             continue
-        if below is None and heads_freed and node in graph.freed_by_losses:
+        if below is None and node in heads_freed:
             continue
         metadata = node.metadata
         if _REFUSES not in metadata:

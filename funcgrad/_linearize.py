@@ -185,6 +185,56 @@ def autograd_grad(
     return tuple(x.new_zeros((k, *x.shape)) if g is None else g for g, x in zip(grads, inputs))
 
 
+def losses_backward(
+    outputs: Tensors,
+    through: Tensors,
+    own: list[Tensors],
+    alone: list[bool],
+    *,
+    retain: bool,
+    summed: bool = False,
+    create_graph: bool = False,
+) -> tuple[Tensors, Tensors, Tensors, bool]:
+    """The cheap backward of k scalar ``outputs`` (losses, heads' values) computed from
+    ``through``: ``(V, leaves, grads, all_freed)``. V: the k cotangents on ``through``, one
+    stacked tensor per ``through`` tensor. ``leaves``: the outputs' own leaves (``own``, per
+    output: those reached other than through ``through``, task-specific parameters), each
+    once, and ``grads`` their gradients of the outputs' sum, as ``sum(outputs).backward()``
+    accumulates them.
+
+    One backward per output, each freeing its own part of the graph where no later output
+    runs through it (``alone``), without ``retain``. With ``summed`` (all V is needed for is
+    its sum): ONE backward of the sum, as ``sum(outputs).backward()``, V its one row, and
+    without ``retain`` it frees the whole graph above ``through`` (``all_freed``).
+
+    (Measured on the CPU: one backward batched over the k unit cotangents, by
+    ``is_grads_batched``, costs what the k backwards cost, since each head's nodes run
+    either way, and it would need a second backward to free the graph and a host read to
+    give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
+    leaves = tuple({id(x): x for mine in own for x in mine}.values())
+    if summed:
+        with torch.inference_mode(False), torch.enable_grad():  # (recorded in any mode)
+            one_kind = len({(z.dtype, z.device) for z in outputs}) == 1
+            total = (
+                torch.stack([z.reshape(()) for z in outputs]).sum() if one_kind else sum(outputs)
+            )
+        grads = autograd_grad(total, leaves + through, None, retain_graph=retain)
+        return tuple(g[None] for g in grads[len(leaves) :]), leaves, grads[: len(leaves)], True
+    index = {id(x): i for i, x in enumerate(leaves)}
+    sums: list[Any] = [None] * len(leaves)
+    rows: list[Tensors] = []
+    for z, mine, free in zip(outputs, own, alone, strict=True):
+        row = autograd_grad(
+            z, through + mine, None, retain_graph=retain or not free, create_graph=create_graph
+        )
+        rows.append(row[: len(through)])
+        for x, g in zip(mine, row[len(through) :]):
+            i = index[id(x)]
+            sums[i] = g if sums[i] is None else sums[i] + g
+    cotangents = tuple(torch.stack([row[j] for row in rows]) for j in range(len(through)))
+    return cotangents, leaves, tuple(sums), False
+
+
 def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool) -> Tensors:
     """What ``torch.autograd.grad`` gives, by ``torch.autograd.backward`` into ``.grad``: the
     only way to reach leaves inside a reentrant checkpoint. The inputs' ``.grad`` are set

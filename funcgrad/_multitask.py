@@ -186,25 +186,17 @@ def _validate(
 # -- collect -------------------------------------------------------------------------------
 
 
-def _collect(task: _Task, sync: _sync.Sync, retain: bool) -> tuple[Tensors, list[Tensors]]:
-    """(V: the k cotangents on ``through``, each loss's own gradients averaged over the
-    ranks): the cheap backward of the losses, one ``torch.autograd.grad`` each, into
-    ``through`` and that loss's own leaves only (the rows of a batched backward would be
-    zeros for the other losses' leaves, made and summed for nothing). Without ``retain``,
-    each frees its loss's own part of the graph, unless a later loss runs through it."""
-    mids = task.through
+def _collect(task: _Task, sync: _sync.Sync, retain: bool) -> tuple[Tensors, Tensors, Tensors, bool]:
+    """(V: the k cotangents on ``through``, or without a weighting their sum, one row: all
+    it needs; the task-specific leaves and their gradients, summed over the losses and
+    averaged over the ranks; whether the whole graph above ``through`` was freed): the
+    cheap backward of the losses (see :func:`funcgrad._linearize.losses_backward`)."""
     with sync.collecting():
-        grads = [
-            _linearize.autograd_grad(loss, mids + own, None, retain_graph=retain or not alone)
-            for loss, own, alone in zip(task.losses, task.own, task.graph.alone, strict=True)
-        ]
-    cotangents = tuple(torch.stack([g[j] for g in grads]) for j in range(len(mids)))
-    flat = sync.average([g for row in grads for g in row[len(mids) :]])
-    averaged, start = [], 0
-    for own in task.own:
-        averaged.append(flat[start : start + len(own)])
-        start += len(own)
-    return cotangents, averaged
+        cotangents, leaves, grads, all_freed = _linearize.losses_backward(
+            task.losses, task.through, task.own, task.graph.alone, retain=retain,
+            summed=task.rule.kind == "sum",
+        )  # fmt: skip
+    return cotangents, leaves, sync.average(grads), all_freed
 
 
 # -- apply ---------------------------------------------------------------------------------
@@ -330,8 +322,9 @@ def backward(
         (tensor([0.3333, 0.3333, 0.3333]), torch.Size([8, 4]), torch.Size([1, 8]))
 
     Notes:
-        Cost: one backward of each loss to ``through`` (cheap, head by head), then through
-        the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
+        Cost: one backward of each loss to ``through`` (cheap, head by head; with
+        ``weighting=None`` one backward of their sum, as ``sum(losses).backward()``), then
+        through the shared part: ONE backward at ``level="features"`` or with ``weighting=None``
         (along ``w @ V``), and at ``level="params"`` one batched backward along the k
         cotangents (with ``retain_graph=True``, ``through``'s unit directions where k >
         ``numel(through)``), after which the update needs no further pass. It runs in
@@ -395,7 +388,7 @@ def backward(
     # later loss runs through it) and the last pull the shared part: if anything below
     # raises, the graph counts as spent (a retry raises up front).
     with _spent_if_raising(task.graph, freed=not retain_graph):
-        cotangents, own_grads = _collect(task, sync, retain_graph)
+        cotangents, own, own_grads, all_freed = _collect(task, sync, retain_graph)
         lin = _linearize.of_graph(
             task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
         )
@@ -442,13 +435,16 @@ def backward(
                 lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
         else:
             sync.write(task.shared, update, taken)
-        for own, grads in zip(task.own, own_grads):
-            for leaf, grad in zip(own, grads):
-                _sync.accumulate(leaf, grad, taken)
+        for leaf, grad in zip(own, own_grads, strict=True):
+            _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
         # (where a pass freed its part itself, torch refuses there: no hook needed)
         pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)
-        _graph.spend(task.graph, _CALL, shared_freed=pulled, heads_freed=True)
+        heads_freed = task.graph.heads if all_freed else task.graph.freed_by_losses
+        _graph.spend(task.graph, _CALL, shared_freed=pulled, heads_freed=heads_freed)
+    if task.rule.kind == "sum":  # (one summed row was weighed: all ones, one per loss)
+        assert weights is not None
+        weights = weights.new_ones(len(task.losses))
     if weights is None or task.keys is None:
         return weights
     return {key: weights[i] for i, key in enumerate(task.keys)}

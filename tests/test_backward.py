@@ -1201,3 +1201,47 @@ def test_a_call_that_failed_after_freeing_the_graph_leaves_it_refusing_before_wr
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(losses).backward()
     assert all(leaf.grad is None for leaf in leaves), "the heads' .grad were written"
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_without_weighting_the_losses_take_one_backward_of_their_sum(retain_graph):
+    """weighting=None needs only the sum of V: ONE backward of sum(losses) to `through`
+    and the task-specific leaves (a leaf shared by two losses included), not one per loss,
+    with the .grad of sum(losses).backward(); without retain_graph it frees the heads'
+    part, and a later backward raises as torch's would."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(5, 6).double()
+    heads = torch.nn.ModuleList(torch.nn.Linear(6, 1) for _ in range(4)).double()
+    common = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))  # shared by 2 losses
+    x = torch.randn(7, 5, dtype=torch.float64)
+    counter = BackwardCounter()
+
+    def losses_of(features):
+        above = counter(features)  # one node above `through` that every loss runs through
+        losses = [heads[i](above).pow(2).mean() for i in range(4)]
+        losses[1] = losses[1] + (above * common).sum()
+        losses[3] = losses[3] + (above * common).tanh().sum()
+        return losses
+
+    leaves = [*encoder.parameters(), *heads.parameters(), common]
+    sum(losses_of(encoder(x))).backward()
+    want = [p.grad.clone() for p in leaves]
+    for p in leaves:
+        p.grad = None
+    counter.reset()
+    features = encoder(x)
+    losses = losses_of(features)
+    weights = funcgrad.backward(losses, through=features, retain_graph=retain_graph)
+    assert counter.backward == 1
+    assert torch.equal(weights, torch.ones(4, dtype=torch.float64))
+    for p, w in zip(leaves, want, strict=True):
+        torch.testing.assert_close(p.grad, w)
+    if retain_graph:
+        funcgrad.backward(losses, through=features)  # the graph is still there
+        for p, w in zip(leaves, want, strict=True):
+            torch.testing.assert_close(p.grad, 2 * w)
+    else:
+        before = [p.grad.clone() for p in leaves]
+        with pytest.raises(RuntimeError, match="a second time"):
+            sum(losses).backward()
+        assert all(torch.equal(p.grad, b) for p, b in zip(leaves, before, strict=True))
