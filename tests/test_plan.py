@@ -634,8 +634,8 @@ def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
         ([11, 13, 6, 4, 5, 3.5], "autograd"),
         # a cold first torch.func call: warm, torch.func is as fast
         ([11, 6, 5, 5, 4, 4], "torch.func"),
-        ([5, 5, 5, 5, 4, 3.7], "torch.func"),  # within the margin: torch.func kept
-        ([5, 5, 5, 5, 4, 3.5], "autograd"),  # by more than 10%, on each engine's fastest
+        ([5, 5, 5, 5, 3.7, 4], "torch.func"),  # torch.func faster by a little: kept
+        ([5, 5, 5, 5, 4, 3.7], "autograd"),  # eager faster by a little: no margin for either
     ],
 )
 def test_each_engine_is_weighed_by_its_fastest_call(monkeypatch, calls_ms, engine):
