@@ -29,7 +29,7 @@ def real_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     common = dtypes[0]
     for dtype in dtypes[1:]:
         common = torch.promote_types(common, dtype)
-    return torch.empty((), dtype=common).real.dtype
+    return common.to_real()
 
 
 def to_coords(leaves: Sequence[torch.Tensor], batch: int) -> torch.Tensor:

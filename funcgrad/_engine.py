@@ -62,6 +62,9 @@ def _loop(
     last_fn: Callable[..., Tensors] | None = None,
 ) -> Tensors:
     n = args[0].shape[0]
+    if n == 1:  # one call: its outputs take the batch dim as views (no stack, no copy)
+        call = fn if last_fn is None else last_fn
+        return tuple(output.unsqueeze(0) for output in call(*(arg[0] for arg in args)))
     calls = [last_fn if last_fn is not None and i == n - 1 else fn for i in range(n)]
     results = [call(*(arg[i] for arg in args)) for i, call in enumerate(calls)]
     return tuple(torch.stack(outputs) for outputs in zip(*results))
@@ -849,10 +852,8 @@ class Basis:
     def fits(self, rows: int, out_like: Tensors, x_like: Tensors) -> bool:
         """Whether ``rows`` more directions and their images fit the budget."""
         if self._row_bytes is None:  # a direction in the work dtype, its image as the inputs
-            item = torch.finfo(_work_dtype(_coords.real_dtype([o.dtype for o in out_like])))
-            self._row_bytes = self.m * item.bits // 8 + sum(
-                x.numel() * x.element_size() for x in x_like
-            )
+            item = _work_dtype(_coords.real_dtype([o.dtype for o in out_like])).itemsize
+            self._row_bytes = self.m * item + sum(x.numel() * x.element_size() for x in x_like)
         return self.nbytes + rows * self._row_bytes <= self.max_bytes
 
     def clear(self, enabled: bool = True) -> None:

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import _tree
 from ._errors import describe
 from ._types import Tensors
-from ._validate import check_primal_leaves, outside_transforms
+from ._validate import check_primal_leaves, outside_transforms, values_readable
 
 
 def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
@@ -193,6 +193,7 @@ class FlatFunction:
             self.counts.append(len(leaves))
             flat_leaves.extend(leaves)
         self.leaves: Tensors = tuple(flat_leaves)
+        self._readable: bool | None = None
         self.out_def: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
@@ -213,6 +214,13 @@ class FlatFunction:
         # _heads.Composition): used where no graph of the results is wanted.
         self.autograd = False
 
+    @property
+    def readable(self) -> bool:
+        """``values_readable(self.leaves)``, looked up once per call."""
+        if self._readable is None:
+            self._readable = values_readable(self.leaves)
+        return self._readable
+
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
         trees, start = [], 0
@@ -227,10 +235,10 @@ class FlatFunction:
             args[a] = tree
         watching = self.watch and not torch.compiler.is_compiling()
         try:
-            with contextlib.ExitStack() as stack:
-                if watching:
-                    stack.enter_context(_Draws(self.generators))
-                    stack.enter_context(Random(self))
+            if watching:
+                with _Draws(self.generators), Random(self):
+                    result = self.f(*args)
+            else:
                 result = self.f(*args)
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")

@@ -536,7 +536,7 @@ class Composition:
     def signature(self, flat: FlatFunction) -> Signature | None:
         """The record of this call's signature (its key computed once per call); None
         inside transforms and compiled code, which plan from shapes alone."""
-        if flat.signature is None and values_readable(flat.leaves):
+        if flat.signature is None and flat.readable:
             flat.signature = self._signatures(_shape_key(flat.args))
         record: Signature | None = flat.signature
         return record
@@ -775,7 +775,7 @@ class Composition:
         """One pullback of ``w @ V`` (combine_heads) with no graph of the results: on eager
         autograd, whose forward and backward are the floor (one direction: nothing to
         batch); torch.func where a graph of the results is wanted or inside transforms."""
-        return not torch.is_grad_enabled() and values_readable(flat.leaves)
+        return not torch.is_grad_enabled() and flat.readable
 
     def f_runs(self, flat: FlatFunction, forward: bool, n: int) -> int:
         """How many times a call on these arguments runs f's Python body, as planned (a
@@ -785,7 +785,7 @@ class Composition:
         made it (once per shapes), so the call after it does not."""
         record = self.signature(flat)
         timed = forward and self._measured_here(flat) and not (record and record.forward_timed)
-        check = forward and values_readable(flat.leaves) and self.resolved_check()
+        check = forward and flat.readable and self.resolved_check()
         return 1 + timed + (len({0, n // 2, n - 1}) if check else 0)
 
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
@@ -833,7 +833,7 @@ class Composition:
             timed = None  # decided
         flat.autograd = self._on_autograd(flat)
         with contextlib.ExitStack() as stack:
-            if self.chunk_size == "auto" and values_readable(flat.leaves):
+            if self.chunk_size == "auto" and flat.readable:
                 stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
             if forward and record is not None and not record.forward_timed:
                 assert batching is not None

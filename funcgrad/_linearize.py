@@ -25,7 +25,7 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
-from ._validate import outside_transforms, values_readable
+from ._validate import outside_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +353,7 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     # It does where f draws random numbers, so that its values, gradients and generators are
     # those of one eager forward (torch.func draws other numbers for some ops: dropout on a
     # non-contiguous tensor), and where the caller's timing chose it (flat.autograd).
-    drawing = not torch.is_grad_enabled() and values_readable(flat.leaves)
+    drawing = not torch.is_grad_enabled() and flat.readable
     if drawing and (flat.eager or flat.drew or flat.autograd):  # known to draw, or chosen
         flat.eager = flat.eager or flat.drew
         return _eager(flat, what)

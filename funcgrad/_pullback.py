@@ -382,7 +382,7 @@ def pullback(
     )
     # After the first call on a signature, f's ops are watched for explicit generators (for
     # a re-run of f with the same draws) only where f drew from one then: ~1-2 us an op.
-    cached = values_readable(flat.leaves)
+    cached = flat.readable
     key = _signatures.key(flat) if cached else None
     record = _signatures.get(f, key) if cached else None
     if record is not None:
