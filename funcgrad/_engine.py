@@ -652,11 +652,15 @@ def through_heads(
     the cotangents first, then pulling them through f."""
     with torch.enable_grad():
         outputs = values_of(lin.attached)
-        values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
-    k, inputs = values.shape[0], lin.inputs
+    k, inputs = len(outputs), lin.inputs
     if plan.strategy == "loop" or not lin.can_vmap or k == 1:
-        rows = outputs if isinstance(outputs, list) else list(values.unbind())
-        return values.detach(), output_grads(rows, inputs)
+        with torch.enable_grad():  # (rows of stacked heads' values, on the graph)
+            rows = outputs if isinstance(outputs, list) else list(outputs.unbind())
+        with torch.no_grad():  # the values alone: no node on the graph for them
+            values = outputs.detach() if isinstance(outputs, torch.Tensor) else torch.stack(rows)
+        return values, output_grads(rows, inputs)
+    with torch.enable_grad():
+        values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
     if not values.requires_grad:  # no head reaches f's output
         return values, zeros(k, lin.x_like)
 
@@ -690,9 +694,10 @@ def per_head(
     mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
     again in reverse mode with the same random draws.
     """
-    rng = RandomState(flat)
+    rng = RandomState(flat) if forward_first or not _linearize.eager_at_once(flat) else None
     instead_of_forward = False
     if forward_first:
+        assert rng is not None
         columns = forward_columns(flat, check, rng)
         if columns is not None:
             out, aux, tangents = columns

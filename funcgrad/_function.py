@@ -14,7 +14,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _tree
+from . import _coords, _tree
 from ._errors import describe
 from ._types import Tensors
 from ._validate import check_primal_leaves, outside_transforms, values_readable
@@ -193,6 +193,7 @@ class FlatFunction:
             self.counts.append(len(leaves))
             flat_leaves.extend(leaves)
         self.leaves: Tensors = tuple(flat_leaves)
+        self._n: int | None = None
         self._readable: bool | None = None
         self.out_def: Any = None
         self._aux_def: Any = None
@@ -213,6 +214,15 @@ class FlatFunction:
         # Whether the caller's timing chose eager autograd for f's linearisation (see
         # _heads.Composition): used where no graph of the results is wanted.
         self.autograd = False
+
+    # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
+    # 3.11, which dynamo cannot trace.)
+    @property
+    def n(self) -> int:
+        """The real size of the differentiated leaves (complex entries count twice)."""
+        if self._n is None:
+            self._n = _coords.real_size(self.leaves)
+        return self._n
 
     @property
     def readable(self) -> bool:

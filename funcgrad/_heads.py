@@ -8,7 +8,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, TypeGuard, TypeVar, overload
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,8 +127,16 @@ def _normalize_heads(heads: object, call: str) -> tuple[list[Any] | None, Any]:
     return keys, fns
 
 
+def _real_scalar(value: Any) -> TypeGuard[torch.Tensor]:
+    """The usual head output, checked at once: a 0-dim real floating tensor."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
 def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
-    """The head's output as a 0-dim real floating tensor, or a clear error."""
+    """The head's output as a 0-dim real floating tensor, or a clear error. Only a
+    one-element tensor of another shape is reshaped (a view: one node more in its backward)."""
+    if _real_scalar(value):
+        return value
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{call}: {where} must return a real scalar tensor, got {describe(value)}.")
     if value.is_complex() or not value.is_floating_point():
@@ -148,26 +156,41 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
     return value.reshape(())
 
 
+def _name_head(error: Exception, where: str, call: str) -> None:
+    """Add which head raised to an exception from a user's head, keeping its type and text."""
+    if where not in str(error):  # funcgrad's own messages name the head already
+        error.add_note(f"{call}: raised by {where}.")
+
+
 @contextlib.contextmanager
 def _naming(where: str, call: str) -> Iterator[None]:
-    """Add which head raised to an exception from a user's head, keeping its type and text."""
+    """:func:`_name_head` for what runs inside."""
     try:
         yield
     except Exception as error:
-        if where not in str(error):  # funcgrad's own messages name the head already
-            error.add_note(f"{call}: raised by {where}.")
+        _name_head(error, where, call)
         raise
+
+
+def _head_where(index: int, keys: list[Any] | None) -> str:
+    return f"head {index}" if keys is None else f"head {keys[index]!r}"
 
 
 def _head_values(
     heads: list[Any], keys: list[Any] | None, out_def: Any, y: Tensors, call: str
 ) -> list[torch.Tensor]:
-    """Every head's value on y (each checked to be a real scalar, named where it raises)."""
+    """Every head's value on y (each checked to be a real scalar, named where it raises).
+    On every call of k heads: no context manager and no name built unless one raises."""
     values = []
     for index, head in enumerate(heads):
-        where = f"head {index}" if keys is None else f"head {keys[index]!r}"
-        with _naming(where, call):
-            values.append(_scalar(head(_tree.unflatten(out_def, y)), where, call))
+        try:
+            value = head(_tree.unflatten(out_def, y))
+            if not _real_scalar(value):
+                value = _scalar(value, _head_where(index, keys), call)
+        except Exception as error:
+            _name_head(error, _head_where(index, keys), call)
+            raise
+        values.append(value)
     return values
 
 
@@ -239,21 +262,29 @@ def _head_cotangents(
     return values, grads
 
 
-def _shape_key(args: Sequence[Any]) -> Any:
-    """A call signature: the tree, and every leaf's shape, dtype, device and requires_grad
-    (or its value, for a hashable non-tensor leaf)."""
-    leaves, treedef = _tree.flatten(list(args))
+def _shape_key(flat: FlatFunction) -> Any:
+    """A call signature: the trees, and every leaf's shape, dtype, device and requires_grad
+    (or its value, for a hashable non-tensor leaf of an argument not differentiated). The
+    differentiated arguments' leaves and trees are ``flat``'s own (flattened once a call)."""
+    others = [arg for a, arg in enumerate(flat.args) if a not in flat.argnums]
+    other_leaves, other_def = _tree.flatten(others) if others else ((), None)
 
     def of(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+            return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
         try:
             hash(leaf)
         except TypeError:
             return type(leaf)
         return (type(leaf), leaf)
 
-    return treedef, tuple(of(leaf) for leaf in leaves)
+    return (
+        flat.argnums,
+        tuple(flat.in_defs),
+        tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.leaves),
+        other_def,
+        tuple(of(leaf) for leaf in other_leaves),
+    )
 
 
 # A fake run of f (shapes only) costs ~75 us an op: a Python loop of thousands of small ops
@@ -537,7 +568,7 @@ class Composition:
         """The record of this call's signature (its key computed once per call); None
         inside transforms and compiled code, which plan from shapes alone."""
         if flat.signature is None and flat.readable:
-            flat.signature = self._signatures(_shape_key(flat.args))
+            flat.signature = self._signatures(_shape_key(flat))
         record: Signature | None = flat.signature
         return record
 
@@ -563,7 +594,7 @@ class Composition:
         it takes from f on fake tensors. Otherwise reverse mode runs f, and the plan is made
         from the real output's size.
         """
-        n = _coords.real_size(flat.leaves)
+        n = flat.n
         if self.strategy == "jacfwd":
             make_plan("jacfwd", self.k, 0, n, self.chunk_size, call=self.call)  # checks chunks
             return n > 0, None
@@ -582,7 +613,7 @@ class Composition:
     def planner(self, flat: FlatFunction, m_before: int | None) -> _engine.Planner:
         """The plan for y's real size; forward mode is a candidate only where y's size was
         known before f ran (or jacfwd was requested)."""
-        n = _coords.real_size(flat.leaves)
+        n = flat.n
         record = self.signature(flat)
         engine = self._planned_engine(flat)
         unbatched = record.batching(engine).unbatched if record is not None else None

@@ -345,7 +345,17 @@ def _eager(flat: FlatFunction, what: str) -> Linearization:
     )
 
 
-def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
+def eager_at_once(flat: FlatFunction) -> bool:
+    """Whether :func:`of_function` linearises f on eager autograd without trying torch.func:
+    no graph of the results wanted, values readable, and f known to draw random numbers or
+    eager autograd chosen. f then runs once and is never re-run, so its caller need not save
+    the generators' state (no :class:`RandomState`)."""
+    return (
+        not torch.is_grad_enabled() and flat.readable and (flat.eager or flat.drew or flat.autograd)
+    )
+
+
+def of_function(flat: FlatFunction, rng: RandomState | None) -> Linearization:
     """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
     can, the same on eager autograd (the random draws replayed), with one warning."""
     what = "f's pullback"
@@ -353,10 +363,11 @@ def of_function(flat: FlatFunction, rng: RandomState) -> Linearization:
     # It does where f draws random numbers, so that its values, gradients and generators are
     # those of one eager forward (torch.func draws other numbers for some ops: dropout on a
     # non-contiguous tensor), and where the caller's timing chose it (flat.autograd).
-    drawing = not torch.is_grad_enabled() and flat.readable
-    if drawing and (flat.eager or flat.drew or flat.autograd):  # known to draw, or chosen
+    if eager_at_once(flat):  # known to draw, or chosen
         flat.eager = flat.eager or flat.drew
         return _eager(flat, what)
+    assert rng is not None, "torch.func may fail or draw: f's re-run needs the saved state"
+    drawing = not torch.is_grad_enabled() and flat.readable
     try:
         # f's forward in grad mode whatever the caller's: some kernels decide from the global
         # grad mode whether to save what their backward needs (the CPU LSTM's workspace,

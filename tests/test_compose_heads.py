@@ -233,8 +233,8 @@ def test_one_record_per_call_signature_bounded_and_holding_no_tensor():
     fn(torch.randn(3, dtype=torch.float32, requires_grad=True))
     assert len(signatures) == before  # the LRU is full: both new, both kept, two dropped
     last, new = list(signatures._records)[-2:]
-    assert last[1][0][1:] == (torch.float32, torch.device("cpu"), False)
-    assert new[1][0][1:] == (torch.float32, torch.device("cpu"), True)
+    assert last[2][0][1:] == (torch.float32, torch.device("cpu"), False)
+    assert new[2][0][1:] == (torch.float32, torch.device("cpu"), True)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "vjp", "jacrev", "jacfwd", "loop"])

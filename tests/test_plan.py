@@ -496,6 +496,32 @@ def test_eager_autograd_runs_the_passes_it_plans(monkeypatch):
     assert fn.plan(x).engine == "autograd"
 
 
+@pytest.mark.parametrize(("margin", "saves"), [(1e9, 0), (0.0, 1)])
+def test_a_call_on_eager_autograd_saves_no_generator_state(monkeypatch, margin, saves):
+    # f runs once on eager autograd and is never re-run there, so nothing needs the state
+    # that a re-run would replay (~3 us a call, a host-side copy per CUDA device); torch.func
+    # may fail and re-run f, so its calls save it.
+    from funcgrad import _heads
+
+    monkeypatch.setattr(_heads, "ENGINE_MARGIN", margin)
+    w = torch.randn(5, 3, dtype=torch.float64)
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ x), [lambda y: y.sum(), lambda y: y[0]])
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(8):
+        fn(x)
+    calls = []
+    real = torch.get_rng_state
+    monkeypatch.setattr(torch, "get_rng_state", lambda: calls.append(1) or real())
+    values, grads = fn(x)
+    assert fn.plan(x).engine == ("autograd" if margin else "torch.func")
+    assert len(calls) == saves
+    want_values, want_grads = autograd_reference(
+        lambda x: torch.tanh(w @ x), [lambda y: y.sum(), lambda y: y[0]], (x,)
+    )
+    torch.testing.assert_close(values, torch.stack(want_values))
+    torch.testing.assert_close(grads, torch.stack(want_grads))
+
+
 def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
     from funcgrad import _heads
 
