@@ -178,13 +178,14 @@ REAL_STACKS_ERRORS: dict[tuple[str, str], str] = {}
 @pytest.mark.slow  # transformers models
 def test_real_stacks_case_has_every_model_and_verifies_every_method(tmp_path):
     """--cases real-stacks, quick, one round: a cell per model and k, each with the loop,
-    funcgrad auto and raw torch.func, every answer checked against the loop before timing;
-    a method that raises is an error cell (and the run's exit status), not a crash."""
+    the same loop on f, funcgrad auto and raw torch.func, every answer checked against the
+    loop before timing; a method that raises is an error cell (and the run's exit status),
+    not a crash."""
     from funcgrad.bench import _real_stacks
 
     done = _bench("--cases", "real-stacks", "--rounds", "1", "--no-memory", "--out", str(tmp_path))
     report = json.loads((tmp_path / "results.json").read_text())
-    methods = {"naive", "funcgrad auto", "torch.func vjp+vmap"}
+    methods = {"naive", "loop on f", "funcgrad auto", "torch.func vjp+vmap"}
     assert [(e["variant"], e["k"]) for e in report["cases"].values()] == _real_stacks.CELLS["quick"]
     markdown = (tmp_path / "results.md").read_text()
     assert "## Real stacks: per-task gradients" in markdown

@@ -157,6 +157,18 @@ def real_stacks_case(k: int, quick: bool, variant: str) -> Case:
     def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return pool(torch.func.functional_call(module, p, inputs, kwargs))
 
+    def naive_on_f() -> dict[str, torch.Tensor]:
+        """The same loop on f (functional_call, as funcgrad and torch.func get it): what f's
+        own cost adds to the loop's, so that auto / this is funcgrad's own overhead."""
+        leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
+        with torch.enable_grad():
+            features = f(leaves)
+            grads = [
+                torch.autograd.grad(head(features), list(leaves.values()), retain_graph=True)
+                for head in task_heads
+            ]
+        return {name: torch.stack([g[j] for g in grads]) for j, name in enumerate(names)}
+
     def torch_func() -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", _VMAP_FALLBACK, UserWarning)
@@ -169,6 +181,7 @@ def real_stacks_case(k: int, quick: bool, variant: str) -> Case:
     case.variant = variant
     case.methods |= {
         "naive": naive,
+        "loop on f": naive_on_f,
         "funcgrad auto": lambda: auto(params)[1],
         "torch.func vjp+vmap": torch_func,
     }
