@@ -212,13 +212,10 @@ def losses_backward(
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
     leaves = tuple({id(x): x for mine in own for x in mine}.values())
-    if summed:
-        with torch.inference_mode(False), torch.enable_grad():  # (recorded in any mode)
-            one_kind = len({(z.dtype, z.device) for z in outputs}) == 1
-            total = (
-                torch.stack([z.reshape(()) for z in outputs]).sum() if one_kind else sum(outputs)
-            )
-        grads = autograd_grad(total, leaves + through, None, retain_graph=retain)
+    if summed:  # (all the outputs as roots of one backward: no sum built, on any devices)
+        grads = autograd_grad(
+            tuple(outputs), leaves + through, None, retain_graph=retain, create_graph=create_graph
+        )
         return tuple(g[None] for g in grads[len(leaves) :]), leaves, grads[: len(leaves)], True
     index = {id(x): i for i, x in enumerate(leaves)}
     sums: list[Any] = [None] * len(leaves)

@@ -1245,3 +1245,26 @@ def test_without_weighting_the_losses_take_one_backward_of_their_sum(retain_grap
         with pytest.raises(RuntimeError, match="a second time"):
             sum(losses).backward()
         assert all(torch.equal(p.grad, b) for p, b in zip(leaves, before, strict=True))
+
+
+def test_without_weighting_losses_of_mixed_dtypes_are_one_backward_of_their_sum():
+    """The one backward takes the losses as they are, each its own root (nothing summed
+    across dtypes or devices): float32 and float64 losses on one float64 encoder."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(5, 6).double()
+    head32 = torch.nn.Linear(6, 1).float()
+    head64 = torch.nn.Linear(6, 1).double()
+    x = torch.randn(7, 5, dtype=torch.float64)
+
+    def losses_of(features):
+        return [head32(features.float()).pow(2).mean(), head64(features).tanh().mean()]
+
+    leaves = [*encoder.parameters(), *head32.parameters(), *head64.parameters()]
+    torch.autograd.backward(losses_of(encoder(x)))  # (as sum(losses).backward(), per dtype)
+    want = [p.grad.clone() for p in leaves]
+    for p in leaves:
+        p.grad = None
+    features = encoder(x)
+    funcgrad.backward(losses_of(features), through=features)
+    for p, w in zip(leaves, want, strict=True):
+        torch.testing.assert_close(p.grad, w)
