@@ -650,17 +650,18 @@ def through_heads(
     writes (``torch.autograd.grad(value_i, inputs, retain_graph=True)``), k of them or one
     vmapped over the k unit directions, by the plan. Half the backward calls of forming
     the cotangents first, then pulling them through f."""
-    with torch.enable_grad():
+    with torch.enable_grad():  # (the values, and the rows a loop pulls, on f's graph)
         outputs = values_of(lin.attached)
-    k, inputs = len(outputs), lin.inputs
-    if plan.strategy == "loop" or not lin.can_vmap or k == 1:
-        with torch.enable_grad():  # (rows of stacked heads' values, on the graph)
+        k, inputs = len(outputs), lin.inputs
+        looped = plan.strategy == "loop" or not lin.can_vmap or k == 1
+        if looped:  # (the values alone are stacked off the graph below: no node for them)
             rows = outputs if isinstance(outputs, list) else list(outputs.unbind())
-        with torch.no_grad():  # the values alone: no node on the graph for them
+        else:
+            values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
+    if looped:
+        with torch.no_grad():
             values = outputs.detach() if isinstance(outputs, torch.Tensor) else torch.stack(rows)
         return values, output_grads(rows, inputs)
-    with torch.enable_grad():
-        values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
     if not values.requires_grad:  # no head reaches f's output
         return values, zeros(k, lin.x_like)
 

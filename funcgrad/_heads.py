@@ -281,7 +281,7 @@ def _shape_key(flat: FlatFunction) -> Any:
     return (
         flat.argnums,
         tuple(flat.in_defs),
-        tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.leaves),
+        tuple(of(leaf) for leaf in flat.leaves),
         other_def,
         tuple(of(leaf) for leaf in other_leaves),
     )

@@ -204,8 +204,9 @@ def losses_backward(
 
     One backward per output, each freeing its own part of the graph where no later output
     runs through it (``alone``), without ``retain``. With ``summed`` (all V is needed for is
-    its sum): ONE backward of the sum, as ``sum(outputs).backward()``, V its one row, and
-    without ``retain`` it frees the whole graph above ``through`` (``all_freed``).
+    its sum): ONE backward of all the outputs at once, as ``sum(outputs).backward()`` (each
+    its own root: nothing summed across dtypes or devices), V its one row, and without
+    ``retain`` it frees the whole graph above ``through`` (``all_freed``).
 
     (Measured on the CPU: one backward batched over the k unit cotangents, by
     ``is_grads_batched``, costs what the k backwards cost, since each head's nodes run

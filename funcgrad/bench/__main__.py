@@ -739,7 +739,7 @@ def _real_stacks_markdown(entries: dict[str, dict[str, Any]]) -> list[str]:
         loop = times.get("naive")
         ratios = [f"{times[m] / loop:.2f}" if loop and m in times else "—" for m in methods[1:]]
         if loop and "funcgrad auto" in times and times["funcgrad auto"] > 1.2 * loop:
-            ratios[1] += " **>1.2**"
+            ratios[methods.index("funcgrad auto") - 1] += " **>1.2**"
         on_f = times.get("loop on f")
         ratios.append(
             f"{times['funcgrad auto'] / on_f:.2f}" if on_f and "funcgrad auto" in times else "—"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,13 +146,16 @@ def real_stacks_case(k: int, quick: bool, variant: str) -> Case:
     shared = [p for _, p in module.named_parameters()]
     params = {name: p.detach() for name, p in zip(names, shared)}
 
-    def naive() -> dict[str, torch.Tensor]:
-        """One eager forward, then one torch.autograd.grad per task on its graph."""
-        features = pool(module(*inputs, **kwargs))
+    def per_task(features: torch.Tensor, leaves: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One torch.autograd.grad per task on the features' graph, stacked by name."""
         grads = [
-            torch.autograd.grad(head(features), shared, retain_graph=True) for head in task_heads
+            torch.autograd.grad(head(features), leaves, retain_graph=True) for head in task_heads
         ]
         return {name: torch.stack([g[j] for g in grads]) for j, name in enumerate(names)}
+
+    def naive() -> dict[str, torch.Tensor]:
+        """One eager forward, then one torch.autograd.grad per task on its graph."""
+        return per_task(pool(module(*inputs, **kwargs)), shared)
 
     def f(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return pool(torch.func.functional_call(module, p, inputs, kwargs))
@@ -162,12 +165,7 @@ def real_stacks_case(k: int, quick: bool, variant: str) -> Case:
         own cost adds to the loop's, so that auto / this is funcgrad's own overhead."""
         leaves = {name: p.detach().requires_grad_() for name, p in params.items()}
         with torch.enable_grad():
-            features = f(leaves)
-            grads = [
-                torch.autograd.grad(head(features), list(leaves.values()), retain_graph=True)
-                for head in task_heads
-            ]
-        return {name: torch.stack([g[j] for g in grads]) for j, name in enumerate(names)}
+            return per_task(f(leaves), list(leaves.values()))
 
     def torch_func() -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():
