@@ -1059,14 +1059,14 @@ def by_linearity(
         if basis.fits(k, out_like, x_like):
             basis.hold(cotangents, result)
         return result, k
-    coords = _coords.to_coords(cotangents, k)
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
         return pull(lin, cotangents, chunk_size, check, last=last), pulled + k
 
+    if not keep and (k <= m or last):
+        return direct()
+    coords = _coords.to_coords(cotangents, k)
     if not keep:
-        if k <= m or last:
-            return direct()
         images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check)
         result = _coords.combine(coords, images)
         # A non-finite cotangent or image, or an overflow, shows in the product (0 * inf):

@@ -162,14 +162,26 @@ class Linearization:
     inputs: Tensors = ()
 
 
-def _plain_scalars(outputs: Tensors, inputs: Tensors) -> bool:
-    """Whether ``torch.autograd.grad(outputs, inputs)`` with implicit ones would do nothing
-    beyond the engine's call: plain real scalars that require grad (torch.autograd.grad
-    would build their ones), no ``__torch_function__`` (DTensor), not under dynamo."""
+def _plain(outputs: Tensors, inputs: Tensors, cotangents: Any) -> bool:
+    """Whether ``torch.autograd.grad(outputs, inputs, cotangents)`` would do nothing beyond
+    the engine's call with these cotangents: outputs that require grad; no cotangents and
+    real scalar outputs (their ones built as torch.autograd.grad would), or one tensor per
+    output of its shape and dtype; no ``__torch_function__`` (DTensor, a mode active) and
+    not under dynamo."""
+    if cotangents is None:
+        fits = all(
+            z.requires_grad and z.numel() == 1 and z.dtype.is_floating_point for z in outputs
+        )
+    else:
+        fits = len(cotangents) == len(outputs) and all(
+            isinstance(v, torch.Tensor)
+            and z.requires_grad
+            and v.shape == z.shape
+            and v.dtype == z.dtype
+            for z, v in zip(outputs, cotangents)
+        )
     return (
-        all(z.requires_grad and z.numel() == 1 and z.dtype.is_floating_point for z in outputs)
-        and not has_torch_function((*outputs, *inputs))
-        and not torch.compiler.is_compiling()
+        fits and not has_torch_function((*outputs, *inputs)) and not torch.compiler.is_compiling()
     )
 
 
@@ -180,17 +192,33 @@ def autograd_grad(
     retain_graph: bool,
     create_graph: bool = False,
     is_grads_batched: bool = False,
+    plain: bool | None = None,
 ) -> Tensors:
     """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach
-    (with a leading batch dim where the cotangents are batched)."""
+    (with a leading batch dim where the cotangents are batched). ``plain``: the caller's
+    :func:`_plain` of these arguments (None: found out here)."""
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
-    if cotangents is None and _plain_scalars(outputs, inputs):
-        # The losses' backward, k calls of it per call: torch.autograd.grad's own Python
-        # (argument normalisation, _make_grads) costs ~13 us a call on a ~20 us tiny backward;
-        # for plain real scalars requiring grad it only builds the ones below.
-        ones = tuple(torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs)
+    if isinstance(cotangents, torch.Tensor):
+        cotangents = (cotangents,)
+    if plain is None:
+        plain = not is_grads_batched and _plain(outputs, inputs, cotangents)
+    if plain:
+        # k calls of it per call (the losses' backward, the eager per-head pulls):
+        # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs ~13 us
+        # a call on a ~20 us tiny backward, and has nothing to do for these arguments but
+        # build the ones of scalar outputs.
+        if cotangents is None:
+            cotangents = tuple(
+                torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs
+            )
         grads = _engine_run_backward(
-            outputs, ones, retain_graph, create_graph, inputs, True, accumulate_grad=False
+            outputs,
+            tuple(cotangents),
+            retain_graph,
+            create_graph,
+            inputs,
+            True,
+            accumulate_grad=False,
         )
         return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
     grads = torch.autograd.grad(
@@ -244,9 +272,15 @@ def losses_backward(
     index = {id(x): i for i, x in enumerate(leaves)}
     sums: list[Any] = [None] * len(leaves)
     rows: list[Tensors] = []
+    plain = _plain(outputs, through + leaves, None)  # (once for the k calls)
     for z, mine, free in zip(outputs, own, alone, strict=True):
         row = autograd_grad(
-            z, through + mine, None, retain_graph=retain or not free, create_graph=create_graph
+            (z,),
+            through + mine if mine else through,
+            None,
+            retain_graph=retain or not free,
+            create_graph=create_graph,
+            plain=plain,
         )
         rows.append(row[: len(through)])
         for x, g in zip(mine, row[len(through) :]):

@@ -489,3 +489,82 @@ def test_create_graph_on_the_eager_fallback(entry):
         (g,) = torch.autograd.grad(head(model(x)), x, create_graph=True)
         want += torch.autograd.grad(g.sum(), x)[0]
     torch.testing.assert_close(second, want)
+
+
+# -- autograd_grad: torch's engine entry where torch.autograd.grad has nothing to do ----------
+
+
+class _Recording(torch.overrides.TorchFunctionMode):
+    """Records the torch functions called under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _autograd_grad_cases():
+    """(outputs, inputs, cotangents) on one small float64 graph: scalar losses with implicit
+    ones, vector outputs with their cotangents, an input that one output does not reach."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, generator=gen, dtype=torch.float64, requires_grad=True)
+    unused = torch.randn(2, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.tanh(x) * 2
+    losses = (y.pow(2).sum(), y.sin().sum())
+    v = torch.randn(3, generator=gen, dtype=torch.float64)
+    return {
+        "scalars": (losses, (x,), None),
+        "one scalar, unused input": ((losses[0],), (x, unused), None),
+        "cotangents": ((y, y.exp()), (x,), (v, 2 * v)),
+    }
+
+
+@pytest.mark.parametrize("case", ["scalars", "one scalar, unused input", "cotangents"])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_autograd_grad_equals_torch_autograd_grad(case, create_graph):
+    """The engine's own entry (no mode, plain tensors) against torch.autograd.grad, with zeros
+    for an unreached input; with create_graph the result is differentiable again."""
+    outputs, inputs, cotangents = _autograd_grad_cases()[case]
+    assert _linearize._plain(outputs, inputs, cotangents)
+    got = _linearize.autograd_grad(outputs, inputs, cotangents, True, create_graph)
+    expected = torch.autograd.grad(
+        outputs, inputs, cotangents, retain_graph=True, allow_unused=True
+    )
+    for g, e, x in zip(got, expected, inputs, strict=True):
+        torch.testing.assert_close(g, torch.zeros_like(x) if e is None else e, rtol=0, atol=0)
+        assert g.requires_grad == (create_graph and e is not None)
+
+
+@pytest.mark.parametrize("case", ["scalars", "cotangents"])
+def test_autograd_grad_under_a_mode_goes_through_torch_autograd_grad(case):
+    """A TorchFunctionMode (or a __torch_function__ tensor: DTensor) sees the call as
+    torch.autograd.grad, as it would from the user's own code; the answer is the same."""
+    outputs, inputs, cotangents = _autograd_grad_cases()[case]
+    expected = _linearize.autograd_grad(outputs, inputs, cotangents, True)
+    with _Recording() as mode:
+        assert not _linearize._plain(outputs, inputs, cotangents)
+        got = _linearize.autograd_grad(outputs, inputs, cotangents, True)
+    assert torch.autograd.grad in mode.calls
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_autograd_grad_leaves_torch_its_own_checks():
+    """What torch.autograd.grad checks beyond the engine goes to it: a non-scalar output
+    without a cotangent, a cotangent of another shape or dtype, an output that does not
+    require grad. Its own message reaches the caller (funcgrad validates before this)."""
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = x * 2
+    for outputs, cotangents, message in [
+        ((y,), None, "grad can be implicitly created only for scalar outputs"),
+        ((y,), (torch.ones(2, dtype=torch.float64),), "Mismatch in shape"),
+        ((y.sum().detach(),), None, "does not require grad"),
+    ]:
+        assert not _linearize._plain(outputs, (x,), cotangents)
+        with pytest.raises(RuntimeError, match=message):
+            _linearize.autograd_grad(outputs, (x,), cotangents, True)
+    complex_y = y.to(torch.complex128)
+    assert not _linearize._plain((complex_y,), (x,), (torch.ones(3, dtype=torch.float64),))
