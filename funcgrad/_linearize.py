@@ -166,8 +166,8 @@ def _plain(outputs: Tensors, inputs: Tensors, cotangents: Any) -> bool:
     """Whether ``torch.autograd.grad(outputs, inputs, cotangents)`` would do nothing beyond
     the engine's call with these cotangents: outputs that require grad; no cotangents and
     real scalar outputs (their ones built as torch.autograd.grad would), or one tensor per
-    output of its shape and dtype; no ``__torch_function__`` (DTensor, a mode active) and
-    not under dynamo."""
+    output of its shape and dtype; some inputs; no ``__torch_function__`` (DTensor, a mode
+    active) and not under dynamo."""
     if cotangents is None:
         fits = all(
             z.requires_grad and z.numel() == 1 and z.dtype.is_floating_point for z in outputs
@@ -181,7 +181,10 @@ def _plain(outputs: Tensors, inputs: Tensors, cotangents: Any) -> bool:
             for z, v in zip(outputs, cotangents)
         )
     return (
-        fits and not has_torch_function((*outputs, *inputs)) and not torch.compiler.is_compiling()
+        fits
+        and len(inputs) > 0  # (torch.autograd.grad's own error for none)
+        and not has_torch_function((*outputs, *inputs))
+        and not torch.compiler.is_compiling()
     )
 
 

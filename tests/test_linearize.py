@@ -555,7 +555,8 @@ def test_autograd_grad_under_a_mode_goes_through_torch_autograd_grad(case):
 def test_autograd_grad_leaves_torch_its_own_checks():
     """What torch.autograd.grad checks beyond the engine goes to it: a non-scalar output
     without a cotangent, a cotangent of another shape or dtype, an output that does not
-    require grad. Its own message reaches the caller (funcgrad validates before this)."""
+    require grad, no inputs. Its own message reaches the caller (funcgrad validates before
+    this)."""
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     y = x * 2
     for outputs, cotangents, message in [
@@ -566,5 +567,8 @@ def test_autograd_grad_leaves_torch_its_own_checks():
         assert not _linearize._plain(outputs, (x,), cotangents)
         with pytest.raises(RuntimeError, match=message):
             _linearize.autograd_grad(outputs, (x,), cotangents, True)
+    assert not _linearize._plain((y.sum(),), (), None)
+    with pytest.raises(RuntimeError, match="cannot be empty"):
+        _linearize.autograd_grad((y.sum(),), (), None, True)
     complex_y = y.to(torch.complex128)
     assert not _linearize._plain((complex_y,), (x,), (torch.ones(3, dtype=torch.float64),))
