@@ -23,11 +23,13 @@ Edge = tuple[Any, int]
 
 def edge(t: torch.Tensor) -> Edge:
     """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
-    a view, which inference mode would leave without a graph: the view is made outside it.)"""
+    a view, which inference mode would leave without a graph: the view is made outside it;
+    so would a tensor subclass's ``__torch_function__``, giving a new view node each time:
+    the view is made as on a plain tensor.)"""
     node = t.grad_fn
     if node is not None:  # (what get_gradient_edge gives, without its view and token)
         return node, t.output_nr
-    with torch.inference_mode(False):
+    with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
         e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
 

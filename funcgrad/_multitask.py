@@ -19,7 +19,13 @@ import torch
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Tensors, Weighting
-from ._validate import as_tensors, check_chunk_size, check_scalar_outputs, named_inputs
+from ._validate import (
+    as_tensors,
+    check_chunk_size,
+    check_scalar_outputs,
+    named_inputs,
+    outside_transforms,
+)
 
 _CALL = "funcgrad.backward(losses, through=...)"
 _P = ParamSpec("_P")
@@ -162,6 +168,12 @@ def _validate(
     names = names or [f"losses[{i}]" for i in range(len(outs))]
     check_scalar_outputs(outs, _CALL, names)
     mids = as_tensors(through, "through", _CALL)
+    if not outside_transforms((*outs, *mids)):  # (as torch's .backward() refuses there)
+        raise RuntimeError(
+            f"{_CALL} was called inside a torch.func transform (vmap, grad, jacrev, ...): it "
+            "writes .grad, as .backward() does, which torch refuses there. Inside a transform, "
+            "use funcgrad.combine_heads (the weighted update as a value) or funcgrad.grads."
+        )
     named = None if inputs is None else named_inputs(inputs, _CALL)
     shared, _, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]

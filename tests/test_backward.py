@@ -1268,3 +1268,18 @@ def test_without_weighting_losses_of_mixed_dtypes_are_one_backward_of_their_sum(
     funcgrad.backward(losses_of(features), through=features)
     for p, w in zip(leaves, want, strict=True):
         torch.testing.assert_close(p.grad, w)
+
+
+def test_backward_inside_a_torch_func_transform_is_a_clear_error():
+    """backward writes .grad, as .backward() does, which torch refuses inside a transform:
+    funcgrad's own message, naming what to use there, before any pass; .grad untouched."""
+    lin = torch.nn.Linear(3, 2, dtype=torch.float64)
+
+    def g(x):
+        features = lin(x)
+        funcgrad.backward([features.sum(), features.pow(2).sum()], through=features)
+        return features.sum()
+
+    with pytest.raises(RuntimeError, match=r"inside a torch.func transform.*combine_heads"):
+        torch.func.grad(g)(torch.randn(3, dtype=torch.float64))
+    assert lin.weight.grad is None and lin.bias.grad is None

@@ -372,3 +372,30 @@ def test_outputs_sharing_nodes_above_through_keep_them_for_the_later_ones(retain
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             z.backward()
         assert w.grad is None and b.grad is None
+
+
+class _Subclass(torch.Tensor):
+    """A tensor subclass with its own __torch_function__ (as a user's or a library's)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_grads_and_backward_on_a_leaf_of_a_torch_function_subclass():
+    """A leaf whose class overrides __torch_function__: torch finds its gradient edge through
+    a view that the subclass would see (a new node each time): funcgrad's walk finds the
+    leaf's own node, and the answers are autograd's."""
+    x = torch.randn(3, dtype=torch.float64).as_subclass(_Subclass).requires_grad_()
+    y = torch.tanh(x) * 2
+    outputs = [y.pow(2).sum(), y.sin().sum()]
+    (got,) = funcgrad.grads(outputs, x, through=y, retain_graph=True)
+    for row, z in zip(got, outputs):
+        (expected,) = torch.autograd.grad(z, x, retain_graph=True)
+        torch.testing.assert_close(
+            row.as_subclass(torch.Tensor), expected.as_subclass(torch.Tensor)
+        )
+    funcgrad.backward(outputs, through=y)
+    torch.testing.assert_close(
+        x.grad.as_subclass(torch.Tensor), got.sum(0).as_subclass(torch.Tensor)
+    )
