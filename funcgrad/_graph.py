@@ -23,9 +23,9 @@ Edge = tuple[Any, int]
 
 def edge(t: torch.Tensor) -> Edge:
     """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
-    a view, which inference mode would leave without a graph: the view is made outside it;
-    so would a tensor subclass's ``__torch_function__``, giving a new view node each time:
-    the view is made as on a plain tensor.)"""
+    a view, made here outside inference mode, which would leave it without a graph, and as
+    on a plain tensor: a subclass's ``__torch_function__`` would give a new view node each
+    time instead of the leaf's own.)"""
     node = t.grad_fn
     if node is not None:  # (what get_gradient_edge gives, without its view and token)
         return node, t.output_nr

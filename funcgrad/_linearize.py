@@ -223,19 +223,19 @@ def autograd_grad(
             True,
             accumulate_grad=False,
         )
-        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
-    grads = torch.autograd.grad(
-        outputs,
-        inputs,
-        cotangents,
-        retain_graph=retain_graph,
-        create_graph=create_graph,
-        allow_unused=True,
-        is_grads_batched=is_grads_batched,
-    )
+    else:
+        grads = torch.autograd.grad(
+            outputs,
+            inputs,
+            cotangents,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            allow_unused=True,
+            is_grads_batched=is_grads_batched,
+        )
     if not is_grads_batched:
         return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
-    k = cotangents.shape[0] if isinstance(cotangents, torch.Tensor) else cotangents[0].shape[0]
+    k = cotangents[0].shape[0]  # (a tuple by now)
     return tuple(x.new_zeros((k, *x.shape)) if g is None else g for g, x in zip(grads, inputs))
 
 
@@ -278,8 +278,8 @@ def losses_backward(
     plain = _plain(outputs, through + leaves, None)  # (once for the k calls)
     for z, mine, free in zip(outputs, own, alone, strict=True):
         row = autograd_grad(
-            (z,),
-            through + mine if mine else through,
+            z,
+            through + mine,
             None,
             retain_graph=retain or not free,
             create_graph=create_graph,
