@@ -103,7 +103,12 @@ def grads(
 
         # Through -> inputs (slow): min(k, numel(through)) directions.
         lin = _linearize.of_graph(
-            mids, ins, create_graph=create_graph, retain_graph=retain, by_backward=graph.checkpoint
+            mids,
+            ins,
+            create_graph=create_graph,
+            retain_graph=retain,
+            by_backward=graph.checkpoint,
+            compiled=graph.compiled,
         )
         basis = _engine.Basis(_coords.real_size(lin.out))
         # Where the k cotangents themselves go through (k <= numel(through)), that one batched

@@ -35,7 +35,7 @@ from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_RANGES, Plan
 from ._types import ChunkSize, Tensors
-from ._validate import values_readable
+from ._validate import mismatch, values_readable
 
 # What the heads give for f's output: their values (k,) and cotangents (leaves (k, ...)).
 CotangentsOf = Callable[[Tensors], tuple[torch.Tensor, Tensors]]
@@ -132,25 +132,6 @@ def _vmap(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SLOW_PATH)
         return mapped(*args)
-
-
-def _tolerances(dtype: torch.dtype) -> tuple[float, float]:
-    if dtype in (torch.float64, torch.complex128):
-        return 1e-9, 1e-12
-    if dtype in (torch.float16, torch.bfloat16):
-        return 2e-2, 1e-3
-    return 1e-4, 1e-6
-
-
-def _mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
-    """Where the batched result's row ``index`` differs from an unbatched call, if anywhere."""
-    for j, (b, r) in enumerate(zip(batched, reference)):
-        rtol, atol = _tolerances(r.dtype)
-        scale = r.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if r.numel() else 0.0
-        if not torch.allclose(b[index], r, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True):
-            diff = (b[index] - r).abs().max().item()
-            return f"output {j} of direction {index} differs by up to {diff:.3g}"
-    return None
 
 
 # A loop must beat vmap by this factor a direction, and save this much over the directions
@@ -441,7 +422,7 @@ def batched(
         for index in sorted({0, batch // 2, batch - 1}):
             call = last_fn if last_fn is not None and index == batch - 1 else fn
             unbatched.append(call(*(arg[index] for arg in args)))
-            problem = _mismatch(result, unbatched[-1], index)
+            problem = mismatch(result, unbatched[-1], index)
             if problem is None:
                 continue
             message = (
@@ -718,7 +699,13 @@ def per_head(
     plan = planner(_coords.real_size(lin.out), instead_of_forward)
     if plan.engine != lin.engine:  # the engine that ran (torch.func may have fallen back)
         plan = dataclasses.replace(plan, engine=lin.engine)
-    fused = values_of is not None and lin.attached and plan.strategy in ("vjp", "loop")
+    # (Not through a compiled backward: its second pass is checked, on lin's own pulls.)
+    fused = (
+        values_of is not None
+        and lin.attached
+        and not lin.compiled
+        and plan.strategy in ("vjp", "loop")
+    )
     if fused and not nothing_to_pull(plan.k, lin.out, lin.x_like):
         assert values_of is not None
         return plan, *through_heads(lin, values_of, plan, check), lin.aux

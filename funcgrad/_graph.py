@@ -94,16 +94,64 @@ def walk(
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
+# The backward node of a torch.compile'd region (AOTAutograd). torch 2.13 may run it wrongly a
+# second time on the same graph (retain_graph=True), with no error: seen with inductor where
+# the default dtype was float64 when it compiled (the second pass differs from the first).
+# funcgrad checks a second pass against the first where it makes one (see
+# funcgrad._linearize.repeat_checked).
+COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
 def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
     """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
+    return special_nodes(outputs)[0]
+
+
+def special_nodes(outputs: Sequence[torch.Tensor]) -> tuple[bool, bool]:
+    """Whether the graph below ``outputs`` holds (a reentrant checkpoint, a torch.compile'd
+    backward)."""
     starts = [edge(t) for t in outputs if t.grad_fn is not None]
     seen, todo = set(starts), list(starts)
+    checkpoint = compiled = False
     while todo:
         e = todo.pop()
-        if _kind(e[0]).checkpoint:
-            return True
+        kind = _kind(e[0])
+        checkpoint, compiled = checkpoint or kind.checkpoint, compiled or kind.compiled
+        if checkpoint and compiled:
+            break
         for parent in _parents(e):
             if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return checkpoint, compiled
+
+
+def reaches_other_leaves(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether the graph below ``outputs`` reaches a leaf that requires grad other than
+    ``leaves``: whether something else (an input that requires grad, through its view in
+    ``leaves``; a captured parameter) links the outputs to the graph outside. A node that
+    ends the walk and is not one of ``leaves`` counts as outside (so the answer errs towards
+    linked, never towards detached). The walk ends at the first one found."""
+    own = {id(t) for t in leaves if t.grad_fn is None}
+    todo = []
+    for t in outputs:
+        if not t.requires_grad:
+            continue
+        if t.grad_fn is None:  # f returned a leaf: one of its own, or one from outside
+            if id(t) not in own:
+                return True
+            continue
+        todo.append(t.grad_fn)
+    seen = set(todo)
+    while todo:
+        node = todo.pop()
+        parents = node.next_functions
+        if not parents:
+            if id(getattr(node, "variable", None)) not in own:
+                return True
+            continue
+        for parent, _ in parents:
+            if parent is not None and parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
     return False
@@ -285,6 +333,8 @@ class Graph:
     # those backwards free (see :func:`_alone`).
     alone: list[bool] = dataclasses.field(default_factory=list)
     freed_by_losses: set[Any] = dataclasses.field(default_factory=set)
+    # A torch.compile'd backward runs (see COMPILED_BACKWARD): a second pass is checked.
+    compiled: bool = False
 
     @classmethod
     def of(
@@ -316,14 +366,15 @@ class Graph:
                 if node not in runs:
                     runs.add(node)
                     todo.append(node)
-        freed, sparse = [], False
+        freed, sparse, compiled = [], False, False
         for node in runs:
             kind = _kind(node)
             if kind.saves or (kind.custom and _custom_saves(node)):
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
-        return cls(freed, bool(checkpoints), upper, heads, sparse, *_alone(parts))
+            compiled = compiled or kind.compiled
+        return cls(freed, bool(checkpoints), upper, heads, sparse, *_alone(parts), compiled)
 
     def refusing(self) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,
@@ -382,6 +433,7 @@ class _Kind:
     custom: bool  # a custom autograd.Function: whether it saves depends on the call
     embedding: bool  # an embedding's backward (``_saved_sparse`` says whether sparse)
     checkpoint: bool  # a reentrant checkpoint's backward (see REENTRANT_CHECKPOINT)
+    compiled: bool  # a torch.compile'd backward (see COMPILED_BACKWARD)
 
 
 _KINDS: dict[type, _Kind] = {}
@@ -399,7 +451,13 @@ def _kind(node: Any) -> _Kind:
                 attr.startswith("_raw_saved") or attr == "saved_tensors" for attr in dir(node)
             )
         )  # (an add saves none, a matmul or tanh does)
-        kind = _Kind(saves, custom, name.startswith("Embedding"), name == REENTRANT_CHECKPOINT)
+        kind = _Kind(
+            saves,
+            custom,
+            name.startswith("Embedding"),
+            name == REENTRANT_CHECKPOINT,
+            name == COMPILED_BACKWARD,
+        )
         _KINDS[type(node)] = kind
     return kind
 

@@ -489,6 +489,7 @@ class Signature:
     trial_s: dict[Engine, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
     engine_why: str | None = None
     plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
+    compiled: bool = False  # ... and whether it holds a torch.compile'd backward (then torch.func)
 
     def batching(self, engine: Engine) -> Batching:
         """The batching record of calls on ``engine``."""
@@ -653,8 +654,8 @@ class Composition:
         if self.strategy != "auto" or torch.is_grad_enabled() or not ENGINE_MARGIN > 0:
             return None
         record = self.signature(flat)
-        if record is None or record.random:
-            return None
+        if record is None or record.random or record.compiled:
+            return None  # (a compiled backward may run wrongly twice on eager autograd)
         return record
 
     def _engine_trial(self, flat: FlatFunction) -> bool:

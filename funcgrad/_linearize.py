@@ -27,7 +27,7 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
-from ._validate import outside_transforms
+from ._validate import mismatch, outside_transforms, values_readable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +160,9 @@ class Linearization:
     # inputs it was recorded for (heads can then be pulled through f in one backward each).
     attached: Tensors = ()
     inputs: Tensors = ()
+    # The graph holds a torch.compile'd backward: its pulls check a second pass against the
+    # first (see repeat_checked); the heads are not pulled through f with it (one pass each).
+    compiled: bool = False
 
 
 def _plain(outputs: Tensors, inputs: Tensors, cotangents: Any) -> bool:
@@ -322,15 +325,18 @@ def of_graph(
     retain_graph: bool = True,
     what: str = "the backward from `through` to the inputs",
     by_backward: bool | None = None,
+    compiled: bool = False,
 ) -> Linearization:
     """The backward of an existing graph from ``outputs`` to ``inputs``. Every pull but the
     last retains the graph; the last retains it only with ``retain_graph``. Batched with
     ``torch.func.vmap`` over ``torch.autograd.grad`` (as TorchJD batches), a loop with
     ``create_graph``; by ``.backward()``, one pass per direction, through a reentrant
     checkpoint (``by_backward``: whether one lies between outputs and inputs, when the
-    caller's walk of the graph found out; None: walk it here)."""
+    caller's walk of the graph found out; None: walk it here, for ``compiled`` too).
+    ``compiled``: a torch.compile'd backward lies between them (a second pass is checked
+    against the first: :func:`repeat_checked`)."""
     if by_backward is None:
-        by_backward = _graph.has_reentrant_checkpoint(outputs)
+        by_backward, compiled = _graph.special_nodes(outputs)
     if by_backward and create_graph:
         raise ValueError(
             "funcgrad: create_graph=True cannot go through a reentrant checkpoint "
@@ -338,10 +344,12 @@ def of_graph(
             "use_reentrant=False."
         )
 
-    def pull(cotangent: Tensors, retain: bool) -> Tensors:
+    def pull_once(cotangent: Tensors, retain: bool) -> Tensors:
         if by_backward:
             return backward_grad(outputs, inputs, cotangent, retain)
         return autograd_grad(outputs, inputs, cotangent, retain, create_graph)
+
+    pull = repeat_checked(pull_once, what) if compiled else pull_once
 
     def accumulate(cotangent: Tensors) -> None:
         torch.autograd.backward(outputs, cotangent, inputs=list(inputs), retain_graph=retain_graph)
@@ -355,28 +363,89 @@ def of_graph(
         (),
         lambda cotangent: pull(cotangent, retain_graph),
         None if by_backward else accumulate,
+        compiled=compiled,
     )
 
 
-def _eager(flat: FlatFunction, what: str) -> Linearization:
+def repeat_checked(
+    pull: Callable[[Tensors, bool], Tensors], what: str
+) -> Callable[[Tensors, bool], Tensors]:
+    """``pull`` (a cotangent, whether to retain the graph) through a graph that holds a
+    torch.compile'd backward, which torch 2.13 may run wrongly a second time, with no error
+    (see ``_graph.COMPILED_BACKWARD``): the first pull's cotangent and answer are kept, and
+    before the second pull that cotangent goes through again and must give the same answer
+    (within the dtype's tolerance; one pass more, once per graph), else a clear error. Pulls
+    under vmap pass through: torch refuses to run a compiled backward there."""
+    first: list[tuple[Tensors, Tensors]] = []
+    verified = False
+
+    def checked(cotangent: Tensors, retain: bool) -> Tensors:
+        nonlocal verified
+        if verified or not values_readable(cotangent):
+            return pull(cotangent, retain)
+        if not first:
+            result = pull(cotangent, retain)
+            if retain:  # (else the graph is gone: there is no second pass to check)
+                first.append((_kept(cotangent), _kept(result)))
+            return result
+        seen, answer = first.pop()
+        problem = mismatch(tuple(a[None] for a in answer), pull(seen, True), 0)
+        if problem is not None:
+            raise RuntimeError(
+                f"funcgrad: {what} runs a torch.compile'd backward, and torch ran it a second "
+                f"time on the same graph with another answer ({problem}): torch 2.13 can "
+                "get a compiled backward wrong when it runs twice (seen with inductor where "
+                "the default dtype was float64 when it compiled). Nothing was written. Compile "
+                "with the default dtype float32 (torch.set_default_dtype before the first call), "
+                "compile the layers inside rather than the module whose backward runs several "
+                "times, or use one backward (combine_heads, level='features')."
+            )
+        verified = True
+        return pull(cotangent, retain)
+
+    return checked
+
+
+def _kept(tensors: Tensors) -> Tensors:
+    return tuple(t.detach().clone() for t in tensors)
+
+
+def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearization:
     """The contract of ``torch.func.vjp``, on plain autograd (one retained graph). Where
     grad mode is on (the caller wants the graph of the results: ``create_graph=True``), the
     results keep it, as torch.func's ``vjp_fn`` builds it then: the inputs that require grad
     are differentiated as they are (their graph goes on), and vjp builds its own graph (then
-    one call a direction, not vmapped)."""
+    one call a direction, not vmapped).
+
+    ``linked`` (``pullback``, in grad mode or not): f's output is linked to the graph outside
+    exactly where torch.func's would be, and the pulls are vmapped whenever they build no
+    graph. Each input that requires grad is differentiated through a view of it (its own
+    edge, even where one tensor is passed twice), the others as detached leaves; the output
+    is handed out detached unless something outside these leaves that requires grad (an
+    input, a captured parameter) reaches it."""
     differentiable = torch.is_grad_enabled()
-    inputs = tuple(
-        leaf if differentiable and leaf.requires_grad else leaf.detach().requires_grad_()
-        for leaf in flat.leaves
-    )
+    if linked:
+        inputs = tuple(
+            leaf.view_as(leaf) if differentiable and leaf.requires_grad else _own_leaf(leaf)
+            for leaf in flat.leaves
+        )
+    else:
+        inputs = tuple(
+            leaf if differentiable and leaf.requires_grad else _own_leaf(leaf)
+            for leaf in flat.leaves
+        )
     with torch.enable_grad():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
 
-    # f's graph holds a reentrant checkpoint or not whatever the values: walked once per
-    # call signature (the caller's record, where there is one).
+    # f's graph holds a reentrant checkpoint or a compiled backward or not whatever the
+    # values: walked once per call signature (the caller's record, where there is one).
     record = flat.signature
-    if not getattr(record, "plain_graph", False) and _graph.has_reentrant_checkpoint(out):
+    if getattr(record, "plain_graph", False):
+        checkpoint, compiled = False, record.compiled
+    else:
+        checkpoint, compiled = _graph.special_nodes(out)
+    if checkpoint:
         raise ValueError(
             f"{flat.call}: f runs a reentrant checkpoint (torch.utils.checkpoint with "
             "use_reentrant=True, transformers' default gradient checkpointing). Its backward "
@@ -388,19 +457,80 @@ def _eager(flat: FlatFunction, what: str) -> Linearization:
         )
 
     if record is not None:
-        record.plain_graph = True
+        record.plain_graph, record.compiled = True, compiled
+
+    # An output that does not depend on the inputs (a constant, a detached part) contributes
+    # nothing, as in torch.func's vjp_fn: autograd would refuse it.
+    live = [i for i, o in enumerate(out) if o.requires_grad]
+    roots = tuple(out[i] for i in live)
+
+    def pull_once(cotangents: Tensors, retain: bool) -> Tensors:
+        graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
+        if len(roots) < len(out):
+            if not roots:
+                return tuple(torch.zeros_like(x) for x in inputs)
+            cotangents = tuple(cotangents[i] for i in live)
+        try:
+            return autograd_grad(roots, inputs, cotangents, retain, create_graph=graph)
+        except RuntimeError as error:
+            if not (linked and FREED_GRAPH in str(error)):
+                raise
+            raise RuntimeError(
+                f"{flat.call}: f's graph was freed, so its pullback cannot run: f ran on eager "
+                "autograd, and the output it returned shares that graph (it is linked to "
+                "tensors outside that require grad), so a backward through the output "
+                "without retain_graph=True freed it. Pull back before that backward, or pass "
+                "retain_graph=True to it."
+            ) from error
+
+    pull = repeat_checked(pull_once, what) if compiled else pull_once
 
     def vjp(cotangents: Tensors) -> Tensors:
-        graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
-        return autograd_grad(out, inputs, cotangents, retain_graph=True, create_graph=graph)
+        return pull(cotangents, True)
 
-    if differentiable:
-        return Linearization(tuple(out), flat.leaves, vjp, False, what, tuple(aux))
-    detached = tuple(o.detach() for o in out)
-    aux = tuple(a.detach() for a in aux)
+    if differentiable and not linked:
+        return Linearization(
+            tuple(out), flat.leaves, vjp, False, what, tuple(aux), compiled=compiled
+        )
+    handed = (*out, *aux)
+    if differentiable and _graph.reaches_other_leaves(handed, inputs):
+        if len(handed) == 1:
+            return Linearization(
+                tuple(out), flat.leaves, vjp, True, what, tuple(aux), compiled=compiled
+            )
+        # Each tensor linked or not on its own, as torch.func's.
+        handed = tuple(
+            t if _graph.reaches_other_leaves((t,), inputs) else t.detach() for t in handed
+        )
+    else:
+        handed = tuple(t.detach() for t in handed)
     return Linearization(
-        detached, flat.leaves, vjp, True, what, aux, attached=tuple(out), inputs=inputs
+        handed[: len(out)],
+        flat.leaves,
+        vjp,
+        True,
+        what,
+        handed[len(out) :],
+        attached=tuple(out),
+        inputs=inputs,
+        compiled=compiled,
     )
+
+
+def _own_leaf(leaf: torch.Tensor) -> torch.Tensor:
+    """A leaf of f's own graph at ``leaf``'s value (its storage, no copy)."""
+    return leaf.detach().requires_grad_()
+
+
+def on_autograd(flat: FlatFunction) -> Linearization:
+    """f's linearisation on eager autograd, for a caller outside torch.func transforms
+    (``flat.readable``), in grad mode or not: ``pullback``'s. f runs once, eagerly (its
+    random draws, running statistics and in-place updates are those of one forward, and it
+    is never re-run); the pulls go through its graph with ``torch.autograd.grad``, vmapped
+    where they build no graph. Same values as ``torch.func.vjp``, and its output is linked
+    to the graph outside as torch.func's would be (see :func:`_eager`); without torch.func's
+    wrapping of every op (about 10 us an op on the host)."""
+    return _eager(flat, "f's pullback", linked=True)
 
 
 def eager_at_once(flat: FlatFunction) -> bool:

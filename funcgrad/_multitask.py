@@ -402,7 +402,11 @@ def backward(
     with _spent_if_raising(task.graph, freed=not retain_graph):
         cotangents, own, own_grads, all_freed = _collect(task, sync, retain_graph)
         lin = _linearize.of_graph(
-            task.through, task.shared, retain_graph=retain_graph, by_backward=task.graph.checkpoint
+            task.through,
+            task.shared,
+            retain_graph=retain_graph,
+            by_backward=task.graph.checkpoint,
+            compiled=task.graph.compiled,
         )
 
         # Weigh, and compute what the shared leaves get (nothing is written yet).

@@ -229,7 +229,10 @@ class Pullback:
             else contextlib.nullcontext(),
         ):
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
-                grads = _engine.pull(self._lin, cotangents, chunk_size, check)
+                lin = self._lin
+                if lin.engine == "autograd":  # (one backward building its graph a direction)
+                    lin = dataclasses.replace(lin, can_vmap=False)
+                grads = _engine.pull(lin, cotangents, chunk_size, check)
                 pulled = cotangents[0].shape[0]
             else:
                 grads, pulled = _engine.by_linearity(
@@ -259,15 +262,18 @@ class Pullback:
 class _Signature:
     """What the first ``pullback`` of one f on one call signature learnt of f; no tensor."""
 
-    draws: bool  # f drew from an explicit torch.Generator (later runs watch f's ops for one)
-    random: bool  # f drew random numbers (then it is linearised on eager autograd)
+    plain_graph: bool = False  # f's graph was walked: it holds no reentrant checkpoint
+    # ... and whether it holds a torch.compile'd backward, which torch may run wrongly twice
+    # on one eager graph: then later pullbacks are torch.func.vjp's.
+    compiled: bool = False
 
 
 class _Signatures:
     """``pullback``'s per-signature cache, as a jit cache: one record per f and call
     signature (the primals' trees, and every leaf's shape, dtype, device and requires_grad),
     the least recently used dropped past ``size`` per f. f is held weakly (a record goes with
-    its f); an f that takes no weak reference (a builtin) is not cached, only watched."""
+    its f); an f that takes no weak reference (a builtin) is not cached, its graph walked on
+    every call."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
@@ -332,6 +338,15 @@ def pullback(
     combination of directions already pulled back costs a small product and no pass through
     f: on a scalar y any number of cotangents costs one backward of f.
 
+    In eager mode f runs once on plain autograd (its random draws, running statistics and
+    in-place updates are those of one forward; no op pays torch.func's wrapping) and the
+    cotangents are pulled back through its graph, vmapped. Inside torch.func transforms, and
+    under ``torch.compile``, in inference mode, it is ``torch.func.vjp``. Either way ``out``
+    is linked to the graph outside exactly where ``torch.func.vjp``'s would be: through an
+    input or a captured tensor that requires grad, in grad mode. On eager autograd such a
+    linked ``out`` shares f's graph with ``pb``: a backward through ``out`` without
+    ``retain_graph=True`` frees it, and ``pb`` then raises a clear error (pull back first).
+
     Args:
         f: a function of the primals returning a pytree of floating/complex tensors (and,
             with ``has_aux=True``, a pair ``(output, aux)``).
@@ -365,9 +380,10 @@ def pullback(
         later call in the usual cases (see `Pullback`). Rank detection is invariant to each
         cotangent's scale and runs in float32 for half-precision cotangents; non-finite
         cotangents, images or products are answered by pulling the cotangents themselves
-        back, so NaN and inf come out as in autograd. The first ``pullback`` of an f on a
-        call signature watches f's ops for explicit ``torch.Generator`` draws (for a re-run
-        with the same draws); later ones only where f drew from one then (f is held weakly).
+        back, so NaN and inf come out as in autograd. Host work beyond f's forward: the
+        walk of f's graph that tells whether ``out`` is linked outside (it ends at the first
+        tensor outside that requires grad), and once per call signature (f held weakly) the
+        check for a reentrant checkpoint.
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)
@@ -380,17 +396,25 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
-    # After the first call on a signature, f's ops are watched for explicit generators (for
-    # a re-run of f with the same draws) only where f drew from one then: ~1-2 us an op.
-    cached = flat.readable
-    key = _signatures.key(flat) if cached else None
-    record = _signatures.get(f, key) if cached else None
-    if record is not None:
-        flat.watch = record.draws
-        flat.eager = flat.drew = record.random
-    lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if cached and record is None:
-        _signatures.put(f, key, _Signature(bool(flat.generators), flat.drew or flat.eager))
+    record = None
+    # (Inference mode records no graph, and an inference tensor cannot join one: torch.func.)
+    if (
+        flat.readable
+        and not torch.is_inference_mode_enabled()
+        and not any(leaf.is_inference() for leaf in flat.leaves)
+    ):
+        key = _signatures.key(flat)
+        record = _signatures.get(f, key)
+        if record is None:
+            record = _Signature()
+            _signatures.put(f, key, record)
+    if record is not None and not record.compiled:
+        # Outside torch.func transforms: f runs once on eager autograd, never re-run (so
+        # nothing to watch or replay), without torch.func's wrapping of every op.
+        flat.watch, flat.signature = False, record
+        lin = _linearize.on_autograd(flat)
+    else:
+        lin = _linearize.of_function(flat, _linearize.RandomState(flat))
     pb = Pullback(flat, lin, reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)

@@ -198,3 +198,23 @@ def named_inputs(inputs: Any, call: str) -> list[tuple[str, torch.Tensor]]:
                 f"got {describe(x)} with requires_grad={x.requires_grad}, is_leaf={x.is_leaf}."
             )
     return pairs
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype in (torch.float64, torch.complex128):
+        return 1e-9, 1e-12
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 1e-3
+    return 1e-4, 1e-6
+
+
+def mismatch(batched: Tensors, reference: Tensors, index: int) -> str | None:
+    """Where the batched result's row ``index`` differs from an unbatched call's result,
+    if anywhere (within the dtype's tolerance, relative to the reference's scale)."""
+    for j, (b, r) in enumerate(zip(batched, reference)):
+        rtol, atol = tolerances(r.dtype)
+        scale = r.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if r.numel() else 0.0
+        if not torch.allclose(b[index], r, rtol=rtol, atol=atol * max(scale, 1.0), equal_nan=True):
+            diff = (b[index] - r).abs().max().item()
+            return f"output {j} of direction {index} differs by up to {diff:.3g}"
+    return None

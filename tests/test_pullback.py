@@ -506,3 +506,156 @@ def test_zero_and_nearly_dependent_complex_cotangents_across_calls_match_autogra
         (got,) = pb.many(cotangents)
         expected = torch.stack([autograd_vjp(f, z, v) for v in cotangents])
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9 * expected.abs().max())
+
+
+# -- pullback on eager autograd: torch.func.vjp's contract, output links included -------------
+
+_W = torch.randn(3, 3, dtype=torch.float64)
+_PARAM = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+_SHARED = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+LINK_CASES = {
+    # name: (f, primals); the primals' requires_grad and what f captures decide whether
+    # torch.func's output carries a graph.
+    "plain": (lambda x: torch.tanh(_W @ x), lambda: (torch.randn(3, dtype=torch.float64),)),
+    "input requires grad": (
+        lambda x: torch.tanh(_W @ x),
+        lambda: (torch.randn(3, dtype=torch.float64, requires_grad=True),),
+    ),
+    "captured parameter": (
+        lambda x: torch.tanh(_PARAM @ x),
+        lambda: (torch.randn(3, dtype=torch.float64),),
+    ),
+    "output is a captured parameter": (
+        lambda x: (_PARAM.sum(0), x.sin()),
+        lambda: (torch.randn(3, dtype=torch.float64),),
+    ),
+    "constant output": (lambda x: torch.ones(3), lambda: (torch.randn(3),)),
+    "constant output, input requires grad": (
+        lambda x: torch.ones(3),
+        lambda: (torch.randn(3, requires_grad=True),),
+    ),
+    "a detached part": (
+        lambda x: (x.sin(), x.detach().cos()),
+        lambda: (torch.randn(3, dtype=torch.float64),),
+    ),
+    "identity": (lambda x: x, lambda: (torch.randn(3, dtype=torch.float64),)),
+    "identity, input requires grad": (
+        lambda x: x,
+        lambda: (torch.randn(3, dtype=torch.float64, requires_grad=True),),
+    ),
+    "one tensor passed twice": (lambda a, b: a * b.sin(), lambda: (_SHARED, _SHARED)),
+    "an ignored input requires grad": (
+        lambda a, b: _W @ a,
+        lambda: (
+            torch.randn(3, dtype=torch.float64),
+            torch.randn(3, dtype=torch.float64, requires_grad=True),
+        ),
+    ),
+    "complex": (lambda x: (1j * x).exp(), lambda: (torch.randn(3, dtype=torch.float64),)),
+    "bfloat16": (lambda x: 2 * x.sin(), lambda: (torch.randn(3, dtype=torch.bfloat16),)),
+}
+
+
+@pytest.mark.parametrize("case", LINK_CASES)
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+def test_pullback_matches_torch_func_vjp_outputs_links_and_pulls(case, grad_mode):
+    """Outside transforms f runs on eager autograd: y, pb(v), pb.many(V) and whether y
+    carries a graph are torch.func.vjp's, on every way an output can (not) be linked."""
+    f, make = LINK_CASES[case]
+    primals = make()
+    with torch.set_grad_enabled(grad_mode):
+        expected_y, vjp_fn = torch.func.vjp(f, *primals)
+        y, pb = funcgrad.pullback(f, *primals)
+    assert_tree_close(y, expected_y)
+    linked = optree.tree_map(lambda t: t.requires_grad, y)
+    if grad_mode:
+        assert linked == optree.tree_map(lambda t: t.requires_grad, expected_y)
+    else:  # (no graph under no_grad; torch.func hands an identity's input back as it is)
+        assert not any(optree.tree_leaves(linked))
+    cotangents = random_cotangent(expected_y, batch=4)
+    with torch.no_grad():
+        expected = torch.func.vmap(vjp_fn)(cotangents)
+        first = vjp_fn(optree.tree_map(lambda c: c[0], cotangents))
+    tolerances = {"rtol": 2e-2, "atol": 2e-2} if case == "bfloat16" else {}
+    assert_tree_close(pb(optree.tree_map(lambda c: c[0], cotangents)), first, **tolerances)
+    assert_tree_close(pb.many(cotangents), expected, **tolerances)
+
+
+def test_pullback_output_keeps_no_graph_when_nothing_outside_requires_grad():
+    """y from a pullback is as torch.func's: without an input or a captured tensor that
+    requires grad, it holds nothing of f's graph, which goes with the pullback."""
+    x = torch.randn(50)
+    y, pb = funcgrad.pullback(lambda x: torch.tanh(x).exp(), x)
+    assert y.grad_fn is None and not y.requires_grad
+    saved = weakref.ref(pb._lin.attached[0].grad_fn._saved_result)
+    del pb
+    gc.collect()
+    assert saved() is None
+
+
+def test_pullback_through_a_tensor_passed_twice_keeps_each_position():
+    """Each primal is its own input, even one tensor passed twice (as torch.func's)."""
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y, pb = funcgrad.pullback(lambda a, b: a * b.sin(), x, x)
+    v = torch.randn(3, dtype=torch.float64)
+    ga, gb = pb(v)
+    torch.testing.assert_close(ga, v * x.detach().sin())
+    torch.testing.assert_close(gb, v * x.detach() * x.detach().cos())
+    (g,) = torch.autograd.grad(y, x, v)  # y still goes back to x, both positions
+    torch.testing.assert_close(g, ga + gb)
+
+
+def test_pullback_of_a_random_f_draws_as_one_eager_forward():
+    """f runs once, eagerly: its draws and the generator's state are those of one forward."""
+    x = torch.randn(64, dtype=torch.float64)
+    f = lambda x: torch.nn.functional.dropout(x.exp(), 0.5, training=True)  # noqa: E731
+    torch.manual_seed(3)
+    y, pb = funcgrad.pullback(f, x)
+    after = torch.rand(1)
+    torch.manual_seed(3)
+    xr = x.clone().requires_grad_()
+    yr = f(xr)
+    torch.testing.assert_close(torch.rand(1), after)
+    torch.testing.assert_close(y, yr.detach())
+    v = torch.randn(3, 64, dtype=torch.float64)
+    (many,) = pb.many(v)
+    for i in range(3):
+        torch.testing.assert_close(many[i], torch.autograd.grad(yr, xr, v[i], retain_graph=True)[0])
+
+
+@pytest.mark.parametrize("where", ["inference tensor", "inside inference_mode"])
+def test_pullback_in_inference_mode_is_torch_funcs(where):
+    """Inference mode records no autograd graph, and an inference tensor cannot join one:
+    there the pullback is torch.func.vjp's, with its values (not zeros)."""
+    x = torch.randn(3)
+    if where == "inference tensor":
+        with torch.inference_mode():
+            x = torch.randn(3)
+        _, pb = funcgrad.pullback(torch.sin, x)
+        got = pb(torch.ones(3))[0]
+    else:
+        with torch.inference_mode():
+            _, pb = funcgrad.pullback(torch.sin, x)
+            got = pb(torch.ones(3))[0]
+    torch.testing.assert_close(got, x.cos())
+
+
+def test_a_backward_through_a_linked_output_frees_the_pullback_with_a_clear_error():
+    """On eager autograd, an output linked to tensors outside (a captured parameter) shares
+    f's graph with the pullback: a backward through it without retain_graph frees both, and
+    the pullback then says so (pulled before, or with retain_graph=True, it answers)."""
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, dtype=torch.float64)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    v = torch.randn(3, dtype=torch.float64)
+    (expected,) = torch.func.vjp(f, x)[1](v)
+    y, pb = funcgrad.pullback(f, x)
+    y.sum().backward(retain_graph=True)
+    torch.testing.assert_close(pb(v)[0], expected)
+    y.sum().backward()
+    other = torch.randn(2, 3, dtype=torch.float64)  # (outside the span kept: through f)
+    with pytest.raises(RuntimeError, match=r"f.s graph was freed.*retain_graph=True"):
+        pb(other[0])
+    with pytest.raises(RuntimeError, match="f's graph was freed"):
+        pb.many(other)
