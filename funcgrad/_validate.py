@@ -18,8 +18,12 @@ from ._types import LEVELS, STRATEGIES, Tensors
 
 
 def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether no leaf is a functorch wrapper, i.e. we are not inside vmap/grad/jvp."""
-    return not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
+    """Whether we are not inside vmap/grad/jvp: no torch.func transform is active (f may
+    capture a transformed tensor while the leaves are plain) and no leaf is a functorch
+    wrapper."""
+    return torch._C._functorch.maybe_current_level() is None and not any(
+        torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves
+    )
 
 
 def values_readable(leaves: Sequence[torch.Tensor]) -> bool:
