@@ -104,57 +104,48 @@ COMPILED_BACKWARD = "CompiledFunctionBackward"
 
 def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
     """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
-    return special_nodes(outputs)[0]
+    return scan(outputs).checkpoint
 
 
-def special_nodes(outputs: Sequence[torch.Tensor]) -> tuple[bool, bool]:
-    """Whether the graph below ``outputs`` holds (a reentrant checkpoint, a torch.compile'd
-    backward)."""
-    starts = [edge(t) for t in outputs if t.grad_fn is not None]
-    seen, todo = set(starts), list(starts)
-    checkpoint = compiled = False
-    while todo:
-        e = todo.pop()
-        kind = _kind(e[0])
-        checkpoint, compiled = checkpoint or kind.checkpoint, compiled or kind.compiled
-        if checkpoint and compiled:
-            break
-        for parent in _parents(e):
-            if parent not in seen:
-                seen.add(parent)
-                todo.append(parent)
-    return checkpoint, compiled
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """What one walk of the whole graph below some outputs found (see :func:`scan`)."""
+
+    checkpoint: bool  # a reentrant checkpoint (see REENTRANT_CHECKPOINT)
+    compiled: bool  # a torch.compile'd backward (see COMPILED_BACKWARD)
+    outside: bool  # a leaf that requires grad other than the ``own`` leaves
 
 
-def reaches_other_leaves(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether the graph below ``outputs`` reaches a leaf that requires grad other than
-    ``leaves``: whether something else (an input that requires grad, through its view in
-    ``leaves``; a captured parameter) links the outputs to the graph outside. A node that
-    ends the walk and is not one of ``leaves`` counts as outside (so the answer errs towards
-    linked, never towards detached). The walk ends at the first one found."""
-    own = {id(t) for t in leaves if t.grad_fn is None}
+def scan(outputs: Sequence[torch.Tensor], own: Sequence[torch.Tensor] = ()) -> Scan:
+    """One walk of every node below ``outputs``: whether it holds a reentrant checkpoint, a
+    torch.compile'd backward, and a leaf that requires grad other than ``own`` (leaf
+    tensors): whether something else (an input that requires grad, through its view in
+    ``own``; a captured parameter) links the outputs to the graph outside. A node that ends
+    the walk and is not one of ``own`` counts as outside (the answer errs towards linked,
+    never towards detached)."""
+    mine = {id(t) for t in own}
+    outside = False
     todo = []
     for t in outputs:
-        if not t.requires_grad:
-            continue
-        if t.grad_fn is None:  # f returned a leaf: one of its own, or one from outside
-            if id(t) not in own:
-                return True
-            continue
-        todo.append(t.grad_fn)
+        if t.grad_fn is not None:
+            todo.append(t.grad_fn)
+        elif t.requires_grad and id(t) not in mine:  # f returned a leaf from outside
+            outside = True
     seen = set(todo)
+    checkpoint = compiled = False
     while todo:
         node = todo.pop()
         parents = node.next_functions
         if not parents:
-            if id(getattr(node, "variable", None)) not in own:
-                return True
+            outside = outside or id(getattr(node, "variable", None)) not in mine
             continue
+        kind = _kind(node)
+        checkpoint, compiled = checkpoint or kind.checkpoint, compiled or kind.compiled
         for parent, _ in parents:
             if parent is not None and parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
-    return False
+    return Scan(checkpoint, compiled, outside)
 
 
 def through_edges(through: Tensors, call: str) -> dict[Edge, int]:

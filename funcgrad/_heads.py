@@ -488,8 +488,9 @@ class Signature:
     engine: Engine | None = None
     trial_s: dict[Engine, list[tuple[float, bool]]] = dataclasses.field(default_factory=dict)
     engine_why: str | None = None
-    plain_graph: bool = False  # f's eager graph was walked: it holds no reentrant checkpoint
-    compiled: bool = False  # ... and whether it holds a torch.compile'd backward (then torch.func)
+    # f's eager graph held a torch.compile'd backward, which torch may run wrongly twice on
+    # one graph: later calls stay on torch.func.
+    compiled: bool = False
 
     def batching(self, engine: Engine) -> Batching:
         """The batching record of calls on ``engine``."""

@@ -27,7 +27,7 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
-from ._validate import mismatch, outside_transforms, values_readable
+from ._validate import differentiating, mismatch, outside_transforms, values_readable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +336,8 @@ def of_graph(
     ``compiled``: a torch.compile'd backward lies between them (a second pass is checked
     against the first: :func:`repeat_checked`)."""
     if by_backward is None:
-        by_backward, compiled = _graph.special_nodes(outputs)
+        scanned = _graph.scan(outputs)
+        by_backward, compiled = scanned.checkpoint, scanned.compiled
     if by_backward and create_graph:
         raise ValueError(
             "funcgrad: create_graph=True cannot go through a reentrant checkpoint "
@@ -358,7 +359,7 @@ def of_graph(
         tuple(o.detach() for o in outputs),
         inputs,
         lambda cotangent: pull(cotangent, True),
-        not (create_graph or by_backward),
+        not (create_graph or by_backward or compiled),  # (torch refuses a compiled one)
         what + (" (by .backward(): a reentrant checkpoint)" if by_backward else ""),
         (),
         lambda cotangent: pull(cotangent, retain_graph),
@@ -434,18 +435,15 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
             leaf if differentiable and leaf.requires_grad else _own_leaf(leaf)
             for leaf in flat.leaves
         )
-    with torch.enable_grad():
+    with torch.enable_grad(), differentiating():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
 
-    # f's graph holds a reentrant checkpoint or a compiled backward or not whatever the
-    # values: walked once per call signature (the caller's record, where there is one).
-    record = flat.signature
-    if getattr(record, "plain_graph", False):
-        checkpoint, compiled = False, record.compiled
-    else:
-        checkpoint, compiled = _graph.special_nodes(out)
-    if checkpoint:
+    # Walked on every call (one signature's graph can change: checkpointing switched on, a
+    # module compiled): a reentrant checkpoint, a compiled backward, and whether the output
+    # is linked to tensors outside that require grad.
+    scanned = _graph.scan(out, inputs)
+    if scanned.checkpoint:
         raise ValueError(
             f"{flat.call}: f runs a reentrant checkpoint (torch.utils.checkpoint with "
             "use_reentrant=True, transformers' default gradient checkpointing). Its backward "
@@ -455,9 +453,10 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
             "False})), or build the graph yourself and use funcgrad.backward."
         )
-
-    if record is not None:
-        record.plain_graph, record.compiled = True, compiled
+    compiled = scanned.compiled
+    record = flat.signature
+    if compiled and record is not None:
+        record.compiled = True  # (the caller keeps such f off eager autograd from now on)
 
     # An output that does not depend on the inputs (a constant, a detached part) contributes
     # nothing, as in torch.func's vjp_fn: autograd would refuse it.
@@ -477,10 +476,10 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
                 raise
             raise RuntimeError(
                 f"{flat.call}: f's graph was freed, so its pullback cannot run: f ran on eager "
-                "autograd, and the output it returned shares that graph (it is linked to "
-                "tensors outside that require grad), so a backward through the output "
-                "without retain_graph=True freed it. Pull back before that backward, or pass "
-                "retain_graph=True to it."
+                "autograd, and a backward without retain_graph=True through a tensor that "
+                "shares its graph freed it: f's output (linked to tensors outside that "
+                "require grad), or a result pulled back with create_graph=True. Pull back "
+                "before that backward, or pass retain_graph=True to it."
             ) from error
 
     pull = repeat_checked(pull_once, what) if compiled else pull_once
@@ -488,27 +487,27 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
     def vjp(cotangents: Tensors) -> Tensors:
         return pull(cotangents, True)
 
+    # (Every pass one by one through a compiled backward: torch refuses to vmap it, and each
+    # pass after the first is then checked.)
     if differentiable and not linked:
         return Linearization(
             tuple(out), flat.leaves, vjp, False, what, tuple(aux), compiled=compiled
         )
     handed = (*out, *aux)
-    if differentiable and _graph.reaches_other_leaves(handed, inputs):
+    if differentiable and (scanned.outside or aux):
         if len(handed) == 1:
             return Linearization(
-                tuple(out), flat.leaves, vjp, True, what, tuple(aux), compiled=compiled
+                tuple(out), flat.leaves, vjp, not compiled, what, compiled=compiled
             )
         # Each tensor linked or not on its own, as torch.func's.
-        handed = tuple(
-            t if _graph.reaches_other_leaves((t,), inputs) else t.detach() for t in handed
-        )
+        handed = tuple(t if _graph.scan((t,), inputs).outside else t.detach() for t in handed)
     else:
         handed = tuple(t.detach() for t in handed)
     return Linearization(
         handed[: len(out)],
         flat.leaves,
         vjp,
-        True,
+        not compiled,
         what,
         handed[len(out) :],
         attached=tuple(out),

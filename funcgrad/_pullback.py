@@ -178,7 +178,7 @@ class Pullback:
                 isinstance(leaf, torch.Tensor)
                 and leaf.dtype == ref.dtype
                 and leaf.shape[batched:] == ref.shape
-                and (batch is None or leaf.shape[0] == batch or not batched)
+                and (not batched or batch is None or leaf.shape[0] == batch)
                 and leaf.dim() == ref.dim() + batched
             ):  # the usual case, checked at once; the messages below say what is wrong
                 batch = leaf.shape[0] if batched else 1
@@ -262,9 +262,8 @@ class Pullback:
 class _Signature:
     """What the first ``pullback`` of one f on one call signature learnt of f; no tensor."""
 
-    plain_graph: bool = False  # f's graph was walked: it holds no reentrant checkpoint
-    # ... and whether it holds a torch.compile'd backward, which torch may run wrongly twice
-    # on one eager graph: then later pullbacks are torch.func.vjp's.
+    # f's eager graph held a torch.compile'd backward, which torch may run wrongly twice on
+    # one graph: later calls stay on torch.func.
     compiled: bool = False
 
 

@@ -7,7 +7,9 @@ Also :func:`values_readable`, the one guard for data-dependent checks (``bool(t)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,11 +21,32 @@ from ._types import LEVELS, STRATEGIES, Tensors
 
 def outside_transforms(leaves: Sequence[torch.Tensor]) -> bool:
     """Whether we are not inside vmap/grad/jvp: no torch.func transform is active (f may
-    capture a transformed tensor while the leaves are plain) and no leaf is a functorch
-    wrapper."""
-    return torch._C._functorch.maybe_current_level() is None and not any(
-        torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves
+    capture a transformed tensor while the leaves are plain), no leaf is a functorch
+    wrapper, and funcgrad is not running an f on eager autograd to differentiate it (see
+    :func:`differentiating`)."""
+    return (
+        not _differentiating.get()
+        and torch._C._functorch.maybe_current_level() is None
+        and not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in leaves)
     )
+
+
+_differentiating: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "funcgrad_differentiating", default=False
+)
+
+
+@contextlib.contextmanager
+def differentiating() -> Iterator[None]:
+    """While funcgrad runs f on eager autograd to differentiate it (``pullback``, eager
+    engines): a funcgrad call inside f counts as inside a transform, as it does inside
+    ``torch.func.vjp``, so that its results keep their graph (f's derivative goes through
+    them) and it reads no values."""
+    token = _differentiating.set(True)
+    try:
+        yield
+    finally:
+        _differentiating.reset(token)
 
 
 def values_readable(leaves: Sequence[torch.Tensor]) -> bool:

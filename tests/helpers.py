@@ -256,3 +256,27 @@ def _raises(match, *, losses=None, through=None, error=ValueError, **kwargs):
     if kwargs.get("level") == "features" or kwargs.get("weighting") is None:
         assert counter.backward == 0, "the shared part ran before the error"
     assert not _grads(model), ".grad was written before the error"
+
+
+def compiled_stand_in(wrong_after_first: bool):
+    """An autograd.Function whose backward node is named as AOTAutograd's compiled region's
+    (CompiledFunctionBackward); with ``wrong_after_first`` it answers wrongly from its second
+    run on, as torch 2.13's inductor backward can (no error), else it is sin's."""
+
+    class CompiledFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(x):
+            return x.sin()
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(inputs[0])
+            ctx.runs = 0
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            ctx.runs += 1
+            return grad * x.cos() * (2.0 if wrong_after_first and ctx.runs > 1 else 1.0)
+
+    return CompiledFunction

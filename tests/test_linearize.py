@@ -25,6 +25,7 @@ from helpers import (
     SIDE_W,
     _dropout_batchnorm,
     autograd_reference,
+    compiled_stand_in,
     one_input_function,
 )
 from torch import nn
@@ -583,33 +584,9 @@ def test_autograd_grad_leaves_torch_its_own_checks():
 # -- a torch.compile'd backward run twice: checked (torch 2.13 may answer wrongly) ----------
 
 
-def _compiled_stand_in(wrong_after_first: bool):
-    """An autograd.Function whose backward node is named as AOTAutograd's compiled region's
-    (CompiledFunctionBackward); with ``wrong_after_first`` it answers wrongly from its second
-    run on, as torch 2.13's inductor backward can (no error), else it is sin's."""
-
-    class CompiledFunction(torch.autograd.Function):
-        @staticmethod
-        def forward(x):
-            return x.sin()
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.save_for_backward(inputs[0])
-            ctx.runs = 0
-
-        @staticmethod
-        def backward(ctx, grad):
-            (x,) = ctx.saved_tensors
-            ctx.runs += 1
-            return grad * x.cos() * (2.0 if wrong_after_first and ctx.runs > 1 else 1.0)
-
-    return CompiledFunction
-
-
 def test_the_stand_in_is_named_as_torch_names_a_compiled_backward():
     x = torch.randn(3, requires_grad=True)
-    y = _compiled_stand_in(False).apply(x)
+    y = compiled_stand_in(False).apply(x)
     assert type(y.grad_fn).__name__ == funcgrad._graph.COMPILED_BACKWARD
 
 
@@ -617,7 +594,7 @@ def test_the_stand_in_is_named_as_torch_names_a_compiled_backward():
 def test_grads_through_a_compiled_backward_checks_its_second_pass(wrong):
     """grads pulls k directions through the compiled part one by one (chunk_size=1, as
     vmap cannot run a compiled backward): the second pass is checked against the first."""
-    function = _compiled_stand_in(wrong)
+    function = compiled_stand_in(wrong)
     x = torch.randn(4, requires_grad=True)
     y = function.apply(x)
     weights = torch.randn(3, 4)
@@ -635,7 +612,7 @@ def test_pullback_through_a_compiled_backward_checks_its_second_pass(wrong):
     """On eager autograd, a pullback whose graph holds a compiled backward checks its second
     pass; later pullbacks of that f on those shapes are torch.func.vjp's (which does not
     run the compiled backward twice on one graph)."""
-    function = _compiled_stand_in(wrong)
+    function = compiled_stand_in(wrong)
     f = lambda x: function.apply(x) * 2  # noqa: E731
     x = torch.randn(4)
     _, pb = funcgrad.pullback(f, x)

@@ -8,7 +8,15 @@ import weakref
 import optree
 import pytest
 import torch
-from helpers import EMPTY_CASES, Counted, Pair, _module_case, assert_tree_close, autograd_vjp
+from helpers import (
+    EMPTY_CASES,
+    Counted,
+    Pair,
+    _module_case,
+    assert_tree_close,
+    autograd_vjp,
+    compiled_stand_in,
+)
 
 import funcgrad
 
@@ -659,3 +667,75 @@ def test_a_backward_through_a_linked_output_frees_the_pullback_with_a_clear_erro
         pb(other[0])
     with pytest.raises(RuntimeError, match="f's graph was freed"):
         pb.many(other)
+
+
+def test_a_pullback_inside_f_keeps_its_graph_for_the_outer_pullback():
+    """A funcgrad call inside f counts as inside a transform while the outer pullback runs f
+    on eager autograd, as under torch.func.vjp: the outer pb(v) is the Hessian-vector
+    product torch.func gives (found by review: zeros), and y's link is torch.func's."""
+    w = torch.randn(4, 4, dtype=torch.float64)
+    g = lambda z: (w @ z).tanh().sum() * z  # noqa: E731
+    u, v = torch.randn(2, 4, dtype=torch.float64)
+
+    def inner_pullback(x):
+        return funcgrad.pullback(g, x)[1](u)[0]
+
+    def inner_vjp(x):
+        return torch.func.vjp(g, x)[1](u)[0]
+
+    x = torch.randn(4, dtype=torch.float64)
+    y, pb = funcgrad.pullback(inner_pullback, x)
+    expected_y, vjp_fn = torch.func.vjp(inner_vjp, x)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(pb(v)[0], vjp_fn(v)[0])
+    xr = x.clone().requires_grad_()
+    assert funcgrad.pullback(inner_pullback, xr)[0].requires_grad
+
+
+def test_a_backward_through_a_create_graph_result_frees_the_pullback_with_a_clear_error():
+    """pb(v, create_graph=True)'s result shares f's eager graph: a backward through it without
+    retain_graph frees the graph, and the pullback then says so (not torch's message)."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    _, pb = funcgrad.pullback(lambda x: (w @ x).tanh() * x, x)
+    (g,) = pb(torch.randn(4, dtype=torch.float64), create_graph=True)
+    torch.autograd.grad(g.sum(), (x, w))
+    with pytest.raises(RuntimeError, match=r"f's graph was freed.*create_graph=True"):
+        pb(torch.randn(4, dtype=torch.float64))
+
+
+def test_f_that_changes_under_one_signature_is_walked_again():
+    """One f and one call signature, but f's graph changes between calls (checkpointing
+    switched on, as transformers' gradient_checkpointing_enable does; a compiled backward
+    appearing): each call walks f's graph, so the reentrant checkpoint is funcgrad's clear
+    error, and the compiled backward's second pass is checked (found by review: a per-
+    signature record skipped both)."""
+    mode = {"now": "plain"}
+    wrong_twice = compiled_stand_in(True)
+
+    def f(x):
+        if mode["now"] == "reentrant":
+            return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=True)
+        if mode["now"] == "compiled":
+            return wrong_twice.apply(x)
+        return torch.sin(x)
+
+    x, v = torch.randn(2, 3, dtype=torch.float64)
+    funcgrad.pullback(f, x)[1](v)
+    mode["now"] = "reentrant"
+    with pytest.raises(ValueError, match="reentrant checkpoint"):
+        funcgrad.pullback(f, x)
+    mode["now"] = "compiled"
+    _, pb = funcgrad.pullback(f, x)
+    pb(v)
+    with pytest.raises(RuntimeError, match="ran it a second time on the same graph"):
+        pb(torch.randn(3, dtype=torch.float64))
+
+
+def test_pb_takes_a_cotangent_with_a_0_dim_leaf_after_the_first():
+    """An output tree whose later leaf is a scalar (found by review: an IndexError)."""
+    x = torch.randn(3, dtype=torch.float64)
+    f = lambda x: (x * 2, x.sum())  # noqa: E731
+    _, pb = funcgrad.pullback(f, x)
+    v = (torch.ones(3, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
+    torch.testing.assert_close(pb(v)[0], torch.func.vjp(f, x)[1](v)[0])
