@@ -179,9 +179,10 @@ def check_paths(
     the inputs only through it, and ``through`` reaches every input (unless allow_unused).
     Returns the :class:`Graph` of ``torch.autograd.grad(outputs, inputs)``, from the same
     walk."""
+    edges = [edge(x) for x in inputs]
     input_edges: dict[Edge, int] = {}
-    for i, x in enumerate(inputs):
-        input_edges.setdefault(edge(x), i)  # a repeated input is answered like its first
+    for i, e in enumerate(edges):
+        input_edges.setdefault(e, i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
     above: dict[Any, list[Any]] = {}
     parts: list[set[Any]] = []
@@ -203,8 +204,8 @@ def check_paths(
     _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
     graph = Graph.of(above, below, stops, {e[0] for e in input_edges}, parts)
     if not allow_unused and not graph.checkpoint:
-        for i, x in enumerate(inputs):
-            if input_edges[edge(x)] not in reached:
+        for i, e in enumerate(edges):
+            if input_edges[e] not in reached:
                 raise ValueError(
                     f"{call}: `through` does not depend on inputs[{i}]; pass allow_unused=True "
                     "to get zeros for it (torch.autograd.grad would give None)."
