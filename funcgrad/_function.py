@@ -193,6 +193,8 @@ class FlatFunction:
             self.counts.append(len(leaves))
             flat_leaves.extend(leaves)
         self.leaves: Tensors = tuple(flat_leaves)
+        # Every differentiated argument a bare tensor: its tree is its one leaf (no unflatten).
+        self._bare = all(treedef.is_leaf() for treedef in self.in_defs)
         self._n: int | None = None
         self._readable: bool | None = None
         self.out_def: Any = None
@@ -233,6 +235,8 @@ class FlatFunction:
 
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
+        if self._bare:
+            return list(leaves)
         trees, start = [], 0
         for treedef, count in zip(self.in_defs, self.counts):
             trees.append(_tree.unflatten(treedef, leaves[start : start + count]))

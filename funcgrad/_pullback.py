@@ -166,7 +166,10 @@ class Pullback:
                 f"{call}: this pullback was released (pb.release() freed f's graph); "
                 "build a new one with funcgrad.pullback(f, *primals)."
             )
-        leaves, treedef = _tree.flatten(tree)
+        if isinstance(tree, torch.Tensor) and self._out_def.is_leaf():  # (f returns a tensor)
+            leaves, treedef = [tree], self._out_def
+        else:
+            leaves, treedef = _tree.flatten(tree)
         if treedef != self._out_def:
             raise ValueError(
                 f"{call}: the cotangent must have the tree structure of f's output, "
