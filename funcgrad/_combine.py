@@ -14,7 +14,7 @@ from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
 from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
-from ._validate import check_flag, check_not_inference_mode
+from ._validate import check_flag, check_not_inference_mode, outside_transforms
 
 _CALL = "combine_heads(f, heads)"
 
@@ -125,7 +125,10 @@ class CombinedHeads:
             what = "with respect to the differentiated arguments"
             # The global per-head gradients: one k x n all-reduce.
             weights, grads = weigh_params(rule, sync.average(per_head), sync, what, _CALL)
-        (values,) = sync.average([values.detach()])  # the global head values
+        # The global head values, on their graph where the call keeps one (create_graph,
+        # inside a transform), as compose_heads' values.
+        kept = self._create_graph or not outside_transforms(flat.leaves)
+        (values,) = sync.average([values if kept else values.detach()])
         result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
         return (*result, flat.rebuild_aux(aux)) if c.has_aux else result
 

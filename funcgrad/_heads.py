@@ -28,6 +28,7 @@ from ._validate import (
     check_flag,
     check_not_inference_mode,
     check_strategy,
+    differentiating,
     normalize_argnums,
     values_readable,
 )
@@ -180,17 +181,20 @@ def _head_values(
     heads: list[Any], keys: list[Any] | None, out_def: Any, y: Tensors, call: str
 ) -> list[torch.Tensor]:
     """Every head's value on y (each checked to be a real scalar, named where it raises).
-    On every call of k heads: no context manager and no name built unless one raises."""
+    On every call of k heads: one context manager (funcgrad differentiates the heads: a
+    funcgrad call inside one counts as inside a transform) and no name built unless one
+    raises."""
     values = []
-    for index, head in enumerate(heads):
-        try:
-            value = head(_tree.unflatten(out_def, y))
-            if not _real_scalar(value):
-                value = _scalar(value, _head_where(index, keys), call)
-        except Exception as error:
-            _name_head(error, _head_where(index, keys), call)
-            raise
-        values.append(value)
+    with differentiating():
+        for index, head in enumerate(heads):
+            try:
+                value = head(_tree.unflatten(out_def, y))
+                if not _real_scalar(value):
+                    value = _scalar(value, _head_where(index, keys), call)
+            except Exception as error:
+                _name_head(error, _head_where(index, keys), call)
+                raise
+            values.append(value)
     return values
 
 
@@ -220,7 +224,7 @@ def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[...,
 
 def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
     """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
-    with _naming("stacked head_fn", call):
+    with _naming("stacked head_fn", call), differentiating():
         values: torch.Tensor = torch.func.vmap(
             _stacked_head(heads, out_def, call), in_dims=(0, None)
         )(heads.params, y)

@@ -595,7 +595,9 @@ def of_function(flat: FlatFunction, rng: RandomState | None) -> Linearization:
         flat.eager = True
         return _eager(flat, what)
     out, vjp, aux = result if flat.has_aux else (*result, ())
-    if not torch.is_grad_enabled():
+    # (Inside a transform the results stay on it, grad mode or not: a forward-mode level
+    # around the call, jvp or jacfwd, differentiates through them even under no_grad.)
+    if not torch.is_grad_enabled() and outside_transforms(flat.leaves):
         out, aux = tuple(o.detach() for o in out), tuple(a.detach() for a in aux)
     return Linearization(tuple(out), flat.leaves, vjp, True, what, tuple(aux), engine="torch.func")
 

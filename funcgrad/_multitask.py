@@ -170,9 +170,12 @@ def _validate(
     mids = as_tensors(through, "through", _CALL)
     if not outside_transforms((*outs, *mids)):  # (as torch's .backward() refuses there)
         raise RuntimeError(
-            f"{_CALL} was called inside a torch.func transform (vmap, grad, jacrev, ...): it "
-            "writes .grad, as .backward() does, which torch refuses there. Inside a transform, "
-            "use funcgrad.combine_heads (the weighted update as a value) or funcgrad.grads."
+            f"{_CALL} was called inside a torch.func transform (vmap, grad, jacrev, ...), or "
+            "inside an f that funcgrad is differentiating (a pullback's, a compose_heads' "
+            "f or head): it writes .grad, as .backward() does, which torch refuses inside a "
+            "transform. There, use funcgrad.combine_heads (the weighted update as a value), or "
+            "funcgrad.grads with create_graph=True (as torch.autograd.grad, it builds no graph "
+            "of its results without it)."
         )
     named = None if inputs is None else named_inputs(inputs, _CALL)
     shared, _, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)

@@ -477,3 +477,106 @@ def test_a_transform_seen_only_through_a_captured_tensor(entry, transform):
     run, reference = _CAPTURED_ENTRIES[entry]
     apply = _TRANSFORMS[transform]
     torch.testing.assert_close(apply(run), apply(reference))
+
+
+# -- funcgrad inside what funcgrad differentiates, and forward mode under no_grad ------------
+
+_W3 = torch.randn(3, 3)
+
+
+def _inner_g(z):
+    return torch.tanh(_W3 @ z) * z
+
+
+def _nested_head(y):
+    """A head that itself calls funcgrad: the squared norm of a pullback of its input."""
+    _, pb = funcgrad.pullback(_inner_g, y)
+    return pb(torch.ones(3))[0].pow(2).sum()
+
+
+def _nested_head_reference(y):
+    _, vjp_fn = torch.func.vjp(_inner_g, y)
+    return vjp_fn(torch.ones(3))[0].pow(2).sum()
+
+
+@pytest.mark.parametrize("entry", ["auto", "vjp", "jacrev", "jacfwd", "loop", "features", "params"])
+def test_a_head_that_calls_funcgrad_is_differentiated(entry):
+    """Heads run on plain autograd count as inside a transform for a funcgrad call in them,
+    so its result keeps its graph (found by review: those heads' gradients were zero)."""
+    f = lambda x: torch.sin(x) * 2  # noqa: E731
+    x = torch.randn(3)
+    heads = [_nested_head, lambda y: y.sum()]
+    references = [_nested_head_reference, lambda y: y.sum()]
+    rows = torch.stack([torch.func.grad(lambda x, h=h: h(f(x)))(x) for h in references])
+    if entry in ("features", "params"):
+        got = funcgrad.combine_heads(f, heads, level=entry)(x)[1]
+        torch.testing.assert_close(got, rows.sum(0))
+    else:
+        torch.testing.assert_close(funcgrad.compose_heads(f, heads, strategy=entry)(x)[1], rows)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+@pytest.mark.parametrize("entry", ["pullback out", "pb(out)", "compose_heads"])
+def test_forward_mode_around_a_call_under_no_grad(entry, transform):
+    """Forward mode needs no grad mode: under no_grad a jvp/jacfwd level around the call
+    still differentiates through its results (found by review: they were detached)."""
+    x = torch.randn(3)
+
+    def run(x):
+        if entry == "compose_heads":
+            return funcgrad.compose_heads(_inner_g, _TWO_HEADS)(x)[1]
+        out, pb = funcgrad.pullback(_inner_g, x)
+        return out if entry == "pullback out" else pb(out)[0]
+
+    def reference(x):
+        if entry == "compose_heads":
+            return torch.stack(
+                [torch.func.grad(lambda x, h=h: h(_inner_g(x)))(x) for h in _TWO_HEADS]
+            )
+        out, vjp_fn = torch.func.vjp(_inner_g, x)
+        return out if entry == "pullback out" else vjp_fn(out)[0]
+
+    def apply(g):
+        if transform == "jvp":
+            return torch.func.jvp(g, (x,), (torch.ones(3),))[1]
+        return torch.func.jacfwd(g)(x)
+
+    with torch.no_grad():
+        torch.testing.assert_close(apply(run), apply(reference))
+
+
+def test_jacfwd_of_an_f_that_calls_funcgrad():
+    """strategy='jacfwd' runs f's JVPs; a funcgrad call inside f keeps its tangent there
+    (found by review: a wrong answer, no warning, even with check='strict')."""
+
+    def f(x):
+        out, pb = funcgrad.pullback(_inner_g, x)
+        return pb(out)[0]
+
+    def f_reference(x):
+        out, vjp_fn = torch.func.vjp(_inner_g, x)
+        return vjp_fn(out)[0]
+
+    x = torch.randn(3)
+    rows = torch.stack([torch.func.grad(lambda x, h=h: h(f_reference(x)))(x) for h in _TWO_HEADS])
+    got = funcgrad.compose_heads(f, _TWO_HEADS, strategy="jacfwd")(x)[1]
+    torch.testing.assert_close(got, rows)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_combine_heads_values_keep_their_graph_where_the_call_keeps_one(level):
+    """Inside torch.func.grad (and with create_graph=True) combine_heads' values carry their
+    graph, as compose_heads' do (found by review: d values / d w was zero)."""
+    a = torch.randn(3)
+
+    def values_sum(a):
+        return funcgrad.combine_heads(_captured_f(a), _TWO_HEADS, level=level)(_X0)[0].sum()
+
+    def reference(a):
+        y = _captured_f(a)(_X0)
+        return sum(h(y) for h in _TWO_HEADS)
+
+    torch.testing.assert_close(torch.func.grad(values_sum)(a), torch.func.grad(reference)(a))
+    x = _X0.clone().requires_grad_()
+    values = funcgrad.combine_heads(torch.sin, _TWO_HEADS, level=level, create_graph=True)(x)[0]
+    assert values.requires_grad
