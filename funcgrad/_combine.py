@@ -127,7 +127,9 @@ class CombinedHeads:
             weights, grads = weigh_params(rule, sync.average(per_head), sync, what, _CALL)
         # The global head values, on their graph where the call keeps one (create_graph,
         # inside a transform), as compose_heads' values.
-        kept = self._create_graph or not outside_transforms(flat.leaves)
+        kept = self._create_graph or (  # (as result_graph: dynamo cannot trace the check)
+            not torch.compiler.is_compiling() and not outside_transforms(flat.leaves)
+        )
         (values,) = sync.average([values if kept else values.detach()])
         result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
         return (*result, flat.rebuild_aux(aux)) if c.has_aux else result

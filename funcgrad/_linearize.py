@@ -597,7 +597,9 @@ def of_function(flat: FlatFunction, rng: RandomState | None) -> Linearization:
     out, vjp, aux = result if flat.has_aux else (*result, ())
     # (Inside a transform the results stay on it, grad mode or not: a forward-mode level
     # around the call, jvp or jacfwd, differentiates through them even under no_grad.)
-    if not torch.is_grad_enabled() and outside_transforms(flat.leaves):
+    if not torch.is_grad_enabled() and (
+        torch.compiler.is_compiling() or outside_transforms(flat.leaves)
+    ):  # (dynamo cannot trace outside_transforms; compiled code as before)
         out, aux = tuple(o.detach() for o in out), tuple(a.detach() for a in aux)
     return Linearization(tuple(out), flat.leaves, vjp, True, what, tuple(aux), engine="torch.func")
 
