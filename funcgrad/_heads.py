@@ -177,13 +177,6 @@ def _head_where(index: int, keys: list[Any] | None) -> str:
     return f"head {index}" if keys is None else f"head {keys[index]!r}"
 
 
-def _differentiating_heads() -> Any:
-    """funcgrad differentiates the heads: a funcgrad call inside one counts as inside a
-    transform (:func:`~funcgrad._validate.differentiating`; not in compiled code, where
-    dynamo cannot trace its context variable and the values are never read anyway)."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else differentiating()
-
-
 def _head_values(
     heads: list[Any], keys: list[Any] | None, out_def: Any, y: Tensors, call: str
 ) -> list[torch.Tensor]:
@@ -192,7 +185,7 @@ def _head_values(
     funcgrad call inside one counts as inside a transform) and no name built unless one
     raises."""
     values = []
-    with _differentiating_heads():
+    with differentiating():
         for index, head in enumerate(heads):
             try:
                 value = head(_tree.unflatten(out_def, y))
@@ -231,7 +224,7 @@ def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[...,
 
 def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
     """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
-    with _naming("stacked head_fn", call), _differentiating_heads():
+    with _naming("stacked head_fn", call), differentiating():
         values: torch.Tensor = torch.func.vmap(
             _stacked_head(heads, out_def, call), in_dims=(0, None)
         )(heads.params, y)

@@ -425,16 +425,12 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
     is handed out detached unless something outside these leaves that requires grad (an
     input, a captured parameter) reaches it."""
     differentiable = torch.is_grad_enabled()
-    if linked:
-        inputs = tuple(
-            leaf.view_as(leaf) if differentiable and leaf.requires_grad else _own_leaf(leaf)
-            for leaf in flat.leaves
-        )
-    else:
-        inputs = tuple(
-            leaf if differentiable and leaf.requires_grad else _own_leaf(leaf)
-            for leaf in flat.leaves
-        )
+    inputs = tuple(
+        (leaf.view_as(leaf) if linked else leaf)
+        if differentiable and leaf.requires_grad
+        else leaf.detach().requires_grad_()  # (f's own leaf at its value: no copy)
+        for leaf in flat.leaves
+    )
     with torch.enable_grad(), differentiating():
         result = flat(*inputs)
     out, aux = result if flat.has_aux else (result, ())
@@ -514,11 +510,6 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
         inputs=inputs,
         compiled=compiled,
     )
-
-
-def _own_leaf(leaf: torch.Tensor) -> torch.Tensor:
-    """A leaf of f's own graph at ``leaf``'s value (its storage, no copy)."""
-    return leaf.detach().requires_grad_()
 
 
 def on_autograd(flat: FlatFunction) -> Linearization:

@@ -274,8 +274,7 @@ class _Signatures:
     """``pullback``'s per-signature cache, as a jit cache: one record per f and call
     signature (the primals' trees, and every leaf's shape, dtype, device and requires_grad),
     the least recently used dropped past ``size`` per f. f is held weakly (a record goes with
-    its f); an f that takes no weak reference (a builtin) is not cached, its graph walked on
-    every call."""
+    its f); an f that takes no weak reference (a builtin) is not cached."""
 
     def __init__(self, size: int = 64) -> None:
         self.size = size
@@ -382,10 +381,9 @@ def pullback(
         later call in the usual cases (see `Pullback`). Rank detection is invariant to each
         cotangent's scale and runs in float32 for half-precision cotangents; non-finite
         cotangents, images or products are answered by pulling the cotangents themselves
-        back, so NaN and inf come out as in autograd. Host work beyond f's forward: the
-        walk of f's graph that tells whether ``out`` is linked outside (it ends at the first
-        tensor outside that requires grad), and once per call signature (f held weakly) the
-        check for a reentrant checkpoint.
+        back, so NaN and inf come out as in autograd. Host work beyond f's forward, on
+        eager autograd: one walk of f's graph per call (whether ``out`` is linked outside,
+        a reentrant checkpoint, a compiled backward, whose second pass is then checked).
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)

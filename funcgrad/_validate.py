@@ -36,12 +36,19 @@ _differentiating: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+def differentiating() -> contextlib.AbstractContextManager[None]:
+    """While funcgrad runs f or the heads on autograd to differentiate them (``pullback``,
+    the eager engines, the heads): a funcgrad call inside counts as inside a transform, as
+    it does inside ``torch.func.vjp``, so that its results keep their graph (the outer
+    derivative goes through them) and it reads no values. Nothing in compiled code, where
+    dynamo cannot trace the context variable (and values are never read)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _differentiating_block()
+
+
 @contextlib.contextmanager
-def differentiating() -> Iterator[None]:
-    """While funcgrad runs f on eager autograd to differentiate it (``pullback``, eager
-    engines): a funcgrad call inside f counts as inside a transform, as it does inside
-    ``torch.func.vjp``, so that its results keep their graph (f's derivative goes through
-    them) and it reads no values."""
+def _differentiating_block() -> Iterator[None]:
     token = _differentiating.set(True)
     try:
         yield
