@@ -186,9 +186,10 @@ def check_paths(
     stops = through_edges(through, call)
     above: dict[Any, list[Any]] = {}
     parts: list[set[Any]] = []
+    met: dict[Edge, torch.Tensor] = {}  # the leaves the outputs reach other than through it
     for i, z in enumerate(outputs):
         parts.append(set())
-        bypass, reached_through = walk([edge(z)], input_edges, stops, into=above, nodes=parts[i])
+        bypass, reached_through = walk([edge(z)], input_edges, stops, met, above, parts[i])
         if not reached_through:
             raise ValueError(
                 f"{call}: outputs[{i}] does not depend on `through`; every output must be "
@@ -202,7 +203,9 @@ def check_paths(
             )
     below: dict[Any, list[Any]] = {}
     _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
-    graph = Graph.of(above, below, stops, {e[0] for e in input_edges}, parts)
+    graph = Graph.of(
+        above, below, stops, {e[0] for e in input_edges}, parts, leaves_above=bool(met)
+    )
     if not allow_unused and not graph.checkpoint:
         for i, e in enumerate(edges):
             if input_edges[e] not in reached:
@@ -284,7 +287,8 @@ def split_leaves(
                 )
         per_task.append(own)
     targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
-    return shared, leaf_names, per_task, Graph.of(above, below_into, stops, targets, parts, hidden)
+    graph = Graph.of(above, below_into, stops, targets, parts, hidden, leaves_above=any(per_task))
+    return shared, leaf_names, per_task, graph
 
 
 def _alone(parts: list[set[Any]]) -> tuple[list[bool], set[Any]]:
@@ -327,6 +331,9 @@ class Graph:
     freed_by_losses: set[Any] = dataclasses.field(default_factory=set)
     # A torch.compile'd backward runs (see COMPILED_BACKWARD): a second pass is checked.
     compiled: bool = False
+    # The walk from the outputs met a leaf other than through ``through`` (a head's own
+    # parameter): see :meth:`refusing`. (True where unknown: the full search.)
+    leaves_above: bool = True
 
     @classmethod
     def of(
@@ -337,6 +344,8 @@ class Graph:
         targets: set[Any],
         parts: list[set[Any]],
         checkpoints: list[Any] | None = None,
+        *,
+        leaves_above: bool = True,
     ) -> Graph:
         """From the walks above ``through`` (stopped at its ``stops``; ``parts``: each
         output's nodes, see :func:`walk`'s ``nodes``) and below it (see :func:`walk`'s
@@ -366,9 +375,20 @@ class Graph:
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
             compiled = compiled or kind.compiled
-        return cls(freed, bool(checkpoints), upper, heads, sparse, *_alone(parts), compiled)
+        alone, freed_by_losses = _alone(parts)
+        return cls(
+            freed,
+            bool(checkpoints),
+            upper,
+            heads,
+            sparse,
+            alone,
+            freed_by_losses,
+            compiled,
+            leaves_above,
+        )
 
-    def refusing(self) -> dict[Any, list[Any] | None]:
+    def refusing(self, search: bool = False) -> dict[Any, list[Any] | None]:
         """Where a later backward must refuse, so that it raises before it writes anything,
         and when: at a freed node always (None: torch raises there); at a node above
         ``through`` (the losses' own included) or ``through``'s own node, when the backward
@@ -379,10 +399,16 @@ class Graph:
         added to a loss). Only such nodes need it: where every path down to a leaf passes a
         freed node, the backward raises there before any write. The search goes down from
         those nodes no further than the first freed ones (usually ``through``'s own node):
-        it never walks the shared part."""
+        it never walks the shared part, and is skipped where the walk shows it would find
+        nothing (``search``: search anyway)."""
         freed = set(self.freed)
         refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
         if not freed:
+            return refusing
+        if not search and not self.leaves_above and self.upper - self.heads <= freed:
+            # Every path down from a node above ``through`` goes past no leaf before it meets
+            # ``through``'s own nodes (the walk from the outputs met none), which all free:
+            # no backward writes before it raises, so no node needs more (no search).
             return refusing
         first: dict[Any, set[Any]] = {}  # a node -> the first freed nodes below it
         writes: dict[Any, bool] = {}  # a node -> a leaf below it on a path past no freed node

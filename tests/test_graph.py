@@ -6,6 +6,8 @@ it freed, before anything is written)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import torch.utils.checkpoint
@@ -207,6 +209,59 @@ def test_no_hook_on_a_shared_part_that_torch_freed_a_bias_free_linear():
     assert _graph._REFUSES not in through.grad_fn.metadata
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         sum(losses).backward()
+
+
+def _random_heads(seed):
+    """A small graph of random heads on a random ``through``: some heads add or multiply a
+    leaf of their own (a path to a leaf past no freed node), ``through`` saves or not, is a
+    leaf, or one output of a node with several."""
+    rnd = random.Random(seed)
+    torch.manual_seed(seed)
+    x, p = torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True)
+    kind = rnd.choice(["tanh", "add", "leaf", "unbind", "mul", "view"])
+    pieces = (x * 3).reshape(2, 2).unbind()
+    through = {
+        "tanh": lambda: torch.tanh(x * 2),
+        "add": lambda: x + 1,
+        "leaf": lambda: x,
+        "unbind": lambda: pieces[0],
+        "mul": lambda: x * p,
+        "view": lambda: x.exp().view(2, 2),
+    }[kind]()
+    own = p[: through.numel()].reshape(through.shape)
+    ops = ["sin", "add", "scale", "other output", "add through"]
+    ops += ["add own", "mul own"] if rnd.random() < 0.5 else []  # (else no leaf above)
+    outputs = []
+    for _ in range(rnd.randint(1, 4)):
+        h = through
+        for _ in range(rnd.randint(0, 3)):
+            op = rnd.choice(ops)
+            h = {
+                "sin": lambda h: h.sin(),
+                "add": lambda h: h + 1.5,
+                "scale": lambda h: h * 2.0,
+                "add own": lambda h: h + own,
+                "mul own": lambda h: h * own,
+                "other output": lambda h: h + pieces[1] if kind == "unbind" else h,
+                "add through": lambda h: h + through,  # (a path that saves nothing)
+            }[op](h)
+        outputs.append(h.sum() + p.sum() if "add own" in ops and rnd.random() < 0.3 else h.sum())
+    return x, through, outputs
+
+
+def test_refusing_takes_its_shortcut_only_where_the_full_search_finds_nothing_more():
+    """Where the walk from the outputs met no leaf and every node of ``through`` frees,
+    ``refusing`` skips its search: on random graphs it gives what the full search gives."""
+    shortcuts = 0
+    for seed in range(300):
+        x, through, outputs = _random_heads(seed)
+        try:
+            graph = _graph.check_paths(tuple(outputs), (x,), (through,), True, "c")
+        except ValueError:  # (a head that reaches x other than through `through`)
+            continue
+        assert graph.refusing() == graph.refusing(search=True)
+        shortcuts += not graph.leaves_above and graph.upper - graph.heads <= set(graph.freed)
+    assert shortcuts > 10
 
 
 def test_only_nodes_with_a_write_before_any_freed_node_refuse_ahead():
