@@ -45,12 +45,15 @@ def walk(
     leaves: dict[Edge, torch.Tensor] | None = None,
     into: dict[Any, list[Any]] | None = None,
     nodes: set[Any] | None = None,
+    ends: list[Any] | None = None,
 ) -> tuple[set[int], set[int]]:
     """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
     walk does not go past a stop edge, so it stays in the cheap part of the graph. The leaf
     tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given, and
     every node it goes past is recorded in ``into`` (node -> the nodes that pass gradients
-    into it, see :class:`Graph`) if given, and in ``nodes`` (all but leaves) if given.
+    into it, see :class:`Graph`) if given, and in ``nodes`` (all but leaves) if given;
+    ``ends`` (if given) gets every node where a path ends other than at a stop edge (a leaf,
+    a node whose inputs need no gradient).
 
     Conservative where it must be: gradient entering a node by any output is taken to reach
     all of its inputs (true of every op but a few with unused inputs), so a dependency is
@@ -72,17 +75,23 @@ def walk(
         if not parents:
             if leaves is not None and hasattr(node, "variable"):
                 leaves.setdefault(e, node.variable)
+            if ends is not None:
+                ends.append(node)
             continue
         if nodes is not None:
             nodes.add(node)
+        dead = True
         for parent in parents:
             if parent[0] is None:
                 continue
+            dead = False
             if into is not None:
                 into.setdefault(parent[0], []).append(node)
             if parent not in seen:
                 seen.add(parent)
                 todo.append(parent)
+        if dead and ends is not None:
+            ends.append(node)
     return found, stopped
 
 
@@ -184,12 +193,11 @@ def check_paths(
     for i, e in enumerate(edges):
         input_edges.setdefault(e, i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
-    above: dict[Any, list[Any]] = {}
     parts: list[set[Any]] = []
-    met: dict[Edge, torch.Tensor] = {}  # the leaves the outputs reach other than through it
+    ends: list[Any] = []  # where a path from the outputs ends other than at `through`
     for i, z in enumerate(outputs):
         parts.append(set())
-        bypass, reached_through = walk([edge(z)], input_edges, stops, met, above, parts[i])
+        bypass, reached_through = walk([edge(z)], input_edges, stops, nodes=parts[i], ends=ends)
         if not reached_through:
             raise ValueError(
                 f"{call}: outputs[{i}] does not depend on `through`; every output must be "
@@ -203,8 +211,11 @@ def check_paths(
             )
     below: dict[Any, list[Any]] = {}
     _, reached = walk(list(stops), {}, input_edges, into=below)  # (no further than inputs)
+    # (Where every path from the outputs ends at `through`, Graph.of needs no map of the
+    # nodes above it: the usual case, without building one.)
+    above = _into(set().union(*parts)) if ends else None
     graph = Graph.of(
-        above, below, stops, {e[0] for e in input_edges}, parts, leaves_above=bool(met)
+        above, below, stops, {e[0] for e in input_edges}, parts, leaves_above=bool(ends)
     )
     if not allow_unused and not graph.checkpoint:
         for i, e in enumerate(edges):
@@ -291,15 +302,42 @@ def split_leaves(
     return shared, leaf_names, per_task, graph
 
 
+def _into(nodes: set[Any]) -> dict[Any, list[Any]]:
+    """Node -> the nodes among ``nodes`` that pass gradients into it (what :func:`walk`'s
+    ``into`` records of the nodes it goes past)."""
+    into: dict[Any, list[Any]] = {}
+    for node in nodes:
+        for parent, _ in node.next_functions:
+            if parent is not None:
+                into.setdefault(parent, []).append(node)
+    return into
+
+
 def _alone(parts: list[set[Any]]) -> tuple[list[bool], set[Any]]:
     """From each output's nodes above ``through`` (in call order): whether no later output's
     backward runs any of them, so that its own backward may free them (retain_graph=False,
     as torch's would), and the nodes those backwards free."""
+    union = set().union(*parts)
+    if len(union) == sum(map(len, parts)):  # (disjoint, the usual case: all alone)
+        return [True] * len(parts), union
     alone, later = [True] * len(parts), set[Any]()
     for i in range(len(parts) - 1, -1, -1):
         alone[i] = later.isdisjoint(parts[i])
         later |= parts[i]
     return alone, set().union(*(part for part, free in zip(parts, alone) if free))
+
+
+def _runs(into: Mapping[Any, list[Any]], targets: set[Any], checkpoints: list[Any]) -> set[Any]:
+    """The nodes a backward into ``targets`` runs: those that reach one of them (by ``into``,
+    see :func:`walk`), and whatever a reentrant checkpoint reaches."""
+    runs = set(checkpoints)
+    todo = [*targets, *runs]
+    while todo:
+        for node in into.get(todo.pop(), ()):
+            if node not in runs:
+                runs.add(node)
+                todo.append(node)
+    return runs
 
 
 def _checkpoints(stops: Mapping[Edge, int], into: Mapping[Any, list[Any]]) -> list[Any]:
@@ -338,7 +376,7 @@ class Graph:
     @classmethod
     def of(
         cls,
-        above: dict[Any, list[Any]],
+        above: dict[Any, list[Any]] | None,
         below: dict[Any, list[Any]],
         stops: Mapping[Edge, int],
         targets: set[Any],
@@ -352,21 +390,27 @@ class Graph:
         ``into``), and the nodes of the wanted gradients (``targets``);
         ``checkpoints``: those of :func:`_checkpoints` below, where the caller has them. A
         reentrant checkpoint runs whatever it reaches: its own backward reaches leaves that
-        the walk cannot see."""
+        the walk cannot see. ``above`` None: every path from the outputs ends at a stop edge
+        (the walk met no other end), so each node above runs where every node of
+        ``through`` runs."""
         if checkpoints is None:
             checkpoints = _checkpoints(stops, below)
-        heads = {node for nodes in above.values() for node in nodes}
-        upper = heads | {e[0] for e in stops}
-        into = below
-        for node, nodes in above.items():
-            into.setdefault(node, []).extend(nodes)
-        runs = set(checkpoints)
-        todo = [*targets, *runs]
-        while todo:
-            for node in into.get(todo.pop(), ()):
-                if node not in runs:
-                    runs.add(node)
-                    todo.append(node)
+        stop_nodes = {e[0] for e in stops}
+        if above is None:
+            heads = set().union(*parts)
+            runs = _runs(below, targets, checkpoints)
+            if stop_nodes <= runs:
+                runs |= heads
+            else:  # (some of `through` reaches no input: the full search)
+                above = _into(heads)
+        else:
+            heads = {node for nodes in above.values() for node in nodes}
+        if above is not None:
+            into = below
+            for node, nodes in above.items():
+                into.setdefault(node, []).extend(nodes)
+            runs = _runs(into, targets, checkpoints)
+        upper = heads | stop_nodes
         freed, sparse, compiled = [], False, False
         for node in runs:
             kind = _kind(node)
