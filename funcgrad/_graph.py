@@ -193,12 +193,15 @@ def check_paths(
     for i, e in enumerate(edges):
         input_edges.setdefault(e, i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
-    parts: list[set[Any]] = []
     ends: list[Any] = []  # where a path from the outputs ends other than at `through`
-    for i, z in enumerate(outputs):
-        parts.append(set())
-        bypass, reached_through = walk([edge(z)], input_edges, stops, nodes=parts[i], ends=ends)
-        if not reached_through:
+    walked = _walk_apart(outputs, input_edges, stops, ends)
+    if walked is None:  # (outputs that share nodes: a walk from each)
+        ends.clear()
+        walked = _walk_each(outputs, input_edges, stops, ends)
+    parts, bypassing, reaching = walked
+    for i in range(len(outputs)):
+        bypass = bypassing.get(i)
+        if not reaching[i]:
             raise ValueError(
                 f"{call}: outputs[{i}] does not depend on `through`; every output must be "
                 "computed from it (z = g(y)). Drop that output or compute it from `through`."
@@ -225,6 +228,75 @@ def check_paths(
                     "to get zeros for it (torch.autograd.grad would give None)."
                 )
     return graph
+
+
+Walked = tuple[list[set[Any]], dict[int, set[int]], list[bool]]
+
+
+def _walk_apart(
+    outputs: Tensors, targets: dict[Edge, int], stops: dict[Edge, int], ends: list[Any]
+) -> Walked | None:
+    """:func:`_walk_each`'s answer in one loop, where the outputs share no edge other than
+    a stop edge (the usual heads share nothing above ``through``): None where they do."""
+    seen: dict[Edge, int] = {}
+    parts: list[set[Any]] = []
+    bypassing: dict[int, set[int]] = {}
+    reaching = [False] * len(outputs)
+    for i, z in enumerate(outputs):
+        part: set[Any] = set()
+        parts.append(part)
+        start = edge(z)
+        if start in stops:
+            reaching[i] = True
+            continue
+        if seen.setdefault(start, i) != i:
+            return None
+        todo = [start]
+        while todo:
+            e = todo.pop()
+            if e in targets:
+                bypassing.setdefault(i, set()).add(targets[e])
+            node = e[0]
+            parents = node.next_functions
+            if not parents:
+                ends.append(node)
+                continue
+            part.add(node)
+            dead = True
+            for parent in parents:
+                if parent[0] is None:
+                    continue
+                dead = False
+                if parent in stops:
+                    reaching[i] = True
+                    continue
+                owner = seen.get(parent)
+                if owner is None:
+                    seen[parent] = i
+                    todo.append(parent)
+                elif owner != i:
+                    return None
+            if dead:
+                ends.append(node)
+    return parts, bypassing, reaching
+
+
+def _walk_each(
+    outputs: Tensors, targets: dict[Edge, int], stops: dict[Edge, int], ends: list[Any]
+) -> Walked:
+    """(each output's nodes, see :func:`walk`'s ``nodes``; the indices of the targets each
+    reaches other than through a stop edge; whether each reaches a stop edge), from a walk
+    from each output; ``ends`` as there."""
+    parts: list[set[Any]] = []
+    bypassing: dict[int, set[int]] = {}
+    reaching = []
+    for i, z in enumerate(outputs):
+        parts.append(set())
+        found, stopped = walk([edge(z)], targets, stops, nodes=parts[i], ends=ends)
+        if found:
+            bypassing[i] = found
+        reaching.append(bool(stopped))
+    return parts, bypassing, reaching
 
 
 def split_leaves(

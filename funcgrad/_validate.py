@@ -171,6 +171,8 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
         items: Any = tuple(value.unbind())
     elif isinstance(value, torch.Tensor):
         items = (value,)
+    elif isinstance(value, (list, tuple)):  # (the usual case, before the slower ABC check)
+        items = tuple(value)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
         items = tuple(value)  # a list, or a generator such as model.parameters()
     else:
@@ -198,6 +200,8 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
 def check_scalar_outputs(outputs: Tensors, call: str, names: Sequence[str] | None = None) -> None:
     """Every output a real floating scalar (a loss, a head's value)."""
     for i, z in enumerate(outputs):
+        if z.numel() == 1 and z.is_floating_point():  # (the usual case: no name to build)
+            continue
         name = f"outputs[{i}]" if names is None else names[i]
         if z.numel() != 1:
             raise ValueError(
