@@ -117,10 +117,19 @@ def grads(
         result, _ = _engine.by_linearity(
             lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
         )
-    except BaseException:
+    except BaseException as error:
         if not retain:  # parts of the graph may be freed: a later backward raises up front
             _graph.spend(graph, _CALL)
+        freed = _graph.freed_error(error, _CALL)
+        if freed is not None:
+            raise freed from error
         raise
-    if not retain:  # as torch.autograd.grad: see Args
-        _graph.spend(graph, _CALL, shared_freed=last, heads_freed=graph.freed_by_losses)
+    if not retain:  # as torch.autograd.grad: see Args (no other process refuses with this one)
+        _graph.spend(
+            graph,
+            _CALL,
+            shared_freed=last,
+            heads_freed=graph.freed_by_losses,
+            torch_answers=True,
+        )
     return result

@@ -20,6 +20,10 @@ from ._types import Tensors
 
 Edge = tuple[Any, int]
 
+# The start of torch's message for a backward through saved tensors that an earlier backward
+# freed (funcgrad's own, SECOND_BACKWARD, starts alike).
+FREED_GRAPH = "Trying to backward through the graph a second time"
+
 
 def edge(t: torch.Tensor) -> Edge:
     """The gradient edge into ``t``: (node, output index). (torch finds a leaf's node through
@@ -608,14 +612,26 @@ _SPENT = "funcgrad: spent"
 _REFUSES = "funcgrad: refuses a backward"
 
 
+# How many spend() calls marked nodes in this process: until one has, no node can carry a
+# mark, and spent() reads none (reading a node's metadata makes it: ~0.5 us a node).
+_marking_calls = 0
+
+
 def spent(graph: Graph) -> str | None:
     """The call that spent (see :func:`spend`) one of the nodes that ``graph``'s backward
     frees, if any: that backward would raise in torch."""
+    if not _marking_calls:
+        return None
     return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
 def spend(
-    graph: Graph, call: str, *, shared_freed: bool = False, heads_freed: Collection[Any] = ()
+    graph: Graph,
+    call: str,
+    *,
+    shared_freed: bool = False,
+    heads_freed: Collection[Any] = (),
+    torch_answers: bool = False,
 ) -> None:
     """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
     ``retain_graph``), so that a later call through them raises before any pass (on every
@@ -627,7 +643,12 @@ def spend(
     the call's last pass freed the shared part (below ``through``) itself; ``heads_freed``:
     the nodes above ``through`` that the outputs' backward freed without retain_graph (all
     of ``graph.heads`` after one backward of their sum, ``graph.freed_by_losses`` after one
-    per output: see :func:`funcgrad._linearize.losses_backward`)."""
+    per output: see :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no
+    other process must refuse with this one (no process group); then, where torch itself
+    freed every node the backward frees and no node needs a hook, nothing is marked: a later
+    backward meets torch's own freed graph, as after ``torch.autograd.grad``, and a later
+    funcgrad call gives its own message for torch's error (:func:`freed_error`)."""
+    global _marking_calls
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -640,27 +661,50 @@ def spend(
 
         return hook
 
-    for node in graph.freed:
-        node.metadata.setdefault(_SPENT, call)
     # Where the call's last pass freed the shared part for real (``shared_freed``: a pull
     # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
     # alive need a hook (a hook costs ~2 us a node: a real model's shared part has
     # thousands). (The caller knows; reading a saved tensor to find out would run its
     # unpack hook: a non-reentrant checkpoint's recomputation.) The same for the heads' nodes
     # that each output's own backward freed (``heads_freed``).
-    for node, below in graph.refusing().items():
-        if below is None and shared_freed and node not in graph.heads:
-            continue
-        if below is None and node in heads_freed:
-            continue
+    hooked = [
+        (node, below)
+        for node, below in graph.refusing().items()
+        if not (
+            below is None and ((shared_freed and node not in graph.heads) or node in heads_freed)
+        )
+    ]
+    if torch_answers and not hooked:
+        return
+    _marking_calls += 1
+    for node in graph.freed:
+        node.metadata.setdefault(_SPENT, call)
+    for node, below in hooked:
         metadata = node.metadata
         if _REFUSES not in metadata:
             metadata[_REFUSES] = True
             node.register_prehook(refuse if below is None else refuse_before(below))
 
 
+def freed_error(error: BaseException, call: str) -> RuntimeError | None:
+    """funcgrad's error for torch's own refusal of a backward through saved tensors an
+    earlier backward freed, raised by one of ``call``'s passes (a graph that a call which
+    left no mark, see :func:`spend`, or the user's own backward freed); else None."""
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    if not text.startswith(FREED_GRAPH) or text.startswith(
+        FREED_GRAPH + ":"
+    ):  # (not funcgrad's own)
+        return None
+    return RuntimeError(
+        f"{FREED_GRAPH}: {call} reached saved tensors of this graph that an earlier backward "
+        "without retain_graph freed (an earlier funcgrad call, or your own .backward() or "
+        "torch.autograd.grad). Nothing was written. Pass retain_graph=True to the earlier "
+        "backward, or run the forward again."
+    )
+
+
 SECOND_BACKWARD = (
-    "Trying to backward through the graph a second time: {call} already ran the backward "
+    FREED_GRAPH + ": {call} already ran the backward "
     "of this graph without retain_graph, which frees it (funcgrad keeps some of its "
     "tensors for its own passes, but treats it as freed, as torch would). Pass "
     "retain_graph=True to the first call, or run the forward again."

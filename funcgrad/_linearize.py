@@ -311,10 +311,9 @@ def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: 
             x.grad = g
 
 
-# The start of torch's message for a backward through saved tensors that an earlier backward
-# freed (funcgrad's own, _graph.SECOND_BACKWARD, starts alike): where the last pull through a
-# graph (retain_graph=False) failed part-way, the nodes it ran first may have freed theirs.
-FREED_GRAPH = "Trying to backward through the graph a second time"
+# Where the last pull through a graph (retain_graph=False) failed part-way, the nodes it ran
+# first may have freed theirs: torch's message then starts with this.
+FREED_GRAPH = _graph.FREED_GRAPH
 
 
 def of_graph(

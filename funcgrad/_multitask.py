@@ -218,11 +218,14 @@ def _collect(task: _Task, sync: _sync.Sync, retain: bool) -> tuple[Tensors, Tens
 
 
 class SecondBackwardError(RuntimeError):
-    """A backward through a graph that an earlier call spent, raised before any pass.
+    """A backward through a graph that an earlier call spent, raised before any `.grad` is
+    written.
 
     `funcgrad.backward` and `funcgrad.grads` without `retain_graph=True` leave their graph
     counted as freed, as torch's own backward would free it. A later `funcgrad.backward`
-    through it raises this (torch's message, on every rank) before any `.grad` is written.
+    through it raises this (torch's message): before any pass where funcgrad kept part of
+    the graph alive or other ranks must refuse with this one, else at the first node torch
+    freed.
     It is a `RuntimeError`, as torch's error is. Pass `retain_graph=True` to the first call,
     or run the forward again.
     """
@@ -256,9 +259,12 @@ def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
     error up front, before any pass or write."""
     try:
         yield
-    except BaseException:
+    except BaseException as error:
         if freed:
             _graph.spend(graph, _CALL)
+        spent = _graph.freed_error(error, _CALL)
+        if spent is not None:
+            raise SecondBackwardError(str(spent)) from error
         raise
 
 
@@ -460,7 +466,13 @@ def backward(
         # (where a pass freed its part itself, torch refuses there: no hook needed)
         pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)
         heads_freed = task.graph.heads if all_freed else task.graph.freed_by_losses
-        _graph.spend(task.graph, _CALL, shared_freed=pulled, heads_freed=heads_freed)
+        _graph.spend(
+            task.graph,
+            _CALL,
+            shared_freed=pulled,
+            heads_freed=heads_freed,
+            torch_answers=sync.size == 1,  # (else every rank must refuse before a collective)
+        )
     if task.rule.kind == "sum":  # (one summed row was weighed: all ones, one per loss)
         assert weights is not None
         weights = weights.new_ones(len(task.losses))

@@ -1283,3 +1283,19 @@ def test_backward_inside_a_torch_func_transform_is_a_clear_error():
     with pytest.raises(RuntimeError, match=r"inside a torch.func transform.*combine_heads"):
         torch.func.grad(g)(torch.randn(3, dtype=torch.float64))
     assert lin.weight.grad is None and lin.bias.grad is None
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_a_second_backward_where_torch_freed_the_graph_is_refused_and_writes_nothing(level):
+    """In one process, where the first backward's own passes freed the whole graph, nothing
+    is marked (torch's freed graph answers, as after sum(losses).backward()); a second
+    backward is refused at the first freed node with funcgrad's message, before any write."""
+    counter, model, features, losses = _counted_graph()
+    funcgrad.backward(losses, through=features, weighting=lambda g: g.new_ones(3), level=level)
+    before = [p.grad.clone() for p in model.parameters()]
+    counter.reset()
+    with pytest.raises(funcgrad.SecondBackwardError, match="earlier backward without retain"):
+        funcgrad.backward(losses, through=features, weighting=lambda g: g.new_ones(3), level=level)
+    assert counter.backward == 0  # (refused in the losses' own backward, the cheap part)
+    for p, grad in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.grad, grad)

@@ -12,6 +12,7 @@ import torch
 from helpers import Unbatchable
 
 import funcgrad
+from funcgrad import _graph
 from funcgrad._counting import BackwardCounter, counted
 
 
@@ -399,3 +400,39 @@ def test_grads_and_backward_on_a_leaf_of_a_torch_function_subclass():
     torch.testing.assert_close(
         x.grad.as_subclass(torch.Tensor), got.sum(0).as_subclass(torch.Tensor)
     )
+
+
+def test_where_torch_freed_the_whole_graph_nothing_is_marked_and_a_later_call_says_so():
+    """Without retain_graph, where the outputs' own backwards and the last pull freed every
+    node the call frees (disjoint heads, k <= m), torch's own freed graph answers a later
+    backward, as after torch.autograd.grad: no node is marked (reading and writing a mark on
+    every node costs ~1 us a node a call). A later funcgrad call then gives its own message
+    for torch's error, and writes nothing; where funcgrad kept a part alive (k > m), the
+    nodes are marked and a later call is refused before any pass."""
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    ours = "reached saved tensors of this graph that an earlier backward without retain_graph"
+    for again, message in (
+        (lambda outputs, y: funcgrad.grads(outputs, x, through=y), ours),
+        (lambda outputs, y: funcgrad.backward(outputs, through=y, weighting=lambda g: g[0]), ours),
+        (lambda outputs, y: outputs[0].backward(), "Specify retain_graph=True"),  # (torch's)
+    ):
+        y = torch.tanh(x * 2)
+        outputs = [(y * (i + 1)).sin().sum() for i in range(3)]
+        graph = _graph.check_paths(tuple(outputs), (x,), (y,), False, "c")
+        funcgrad.grads(outputs, x, through=y)
+        assert graph.freed and not [n for n in graph.freed if _graph._SPENT in n.metadata]
+        with pytest.raises(RuntimeError, match="backward through the graph a second time") as c:
+            again(outputs, y)
+        assert message in str(c.value)
+        assert x.grad is None
+
+    counter = funcgrad.PassCounter()
+    y = torch.tanh(counter(x) * 2)[:2]  # m = 2 < k = 3: y's unit directions, the part kept
+    outputs = [(y * (i + 1)).sin().sum() for i in range(3)]
+    graph = _graph.check_paths(tuple(outputs), (x,), (y,), False, "c")
+    funcgrad.grads(outputs, x, through=y)
+    assert _graph.spent(graph) == "funcgrad.grads(outputs, inputs, through=...)"
+    counter.reset()
+    with pytest.raises(RuntimeError, match=r"funcgrad\.grads.* already ran the backward"):
+        funcgrad.grads(outputs, x, through=y)
+    assert counter.backward == 0
