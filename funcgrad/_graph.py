@@ -33,9 +33,22 @@ def edge(t: torch.Tensor) -> Edge:
     node = t.grad_fn
     if node is not None:  # (what get_gradient_edge gives, without its view and token)
         return node, t.output_nr
+    if (
+        type(t) in _PLAIN
+        and t.requires_grad
+        and torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+    ):  # (a plain leaf, the usual input: its own node through a view, as torch finds it)
+        view = t.view_as(t).grad_fn
+        assert view is not None
+        leaf: Edge = view.next_functions[0]
+        return leaf
     with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
         e = torch.autograd.graph.get_gradient_edge(t)
     return e.node, e.output_nr
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _parents(e: Edge) -> list[Edge]:
@@ -489,7 +502,7 @@ class Graph:
         upper = heads | stop_nodes
         freed, sparse, compiled = [], False, False
         for node in runs:
-            kind = _kind(node)
+            kind = _KINDS.get(type(node)) or _kind(node)  # (the lookup inline: ~50 nodes)
             if kind.saves or (kind.custom and _custom_saves(node)):
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
