@@ -240,3 +240,18 @@ def test_basis_fits_a_budget_of_bytes_and_clears():
     assert (basis.rank, basis.nbytes, basis.images, basis.enabled) == (0, 0, (), False)
     basis.clear()
     assert basis.enabled
+
+
+def test_vmaps_slow_path_warning_is_ignored_inside_funcgrad_and_the_filters_are_as_before():
+    """An op without a batching rule (pdist) warns "There is a performance drop" under vmap:
+    funcgrad's own vmap ignores it, even where warnings are errors, and leaves the filters
+    as they were, so the same op in the user's own vmap still warns (and raises here)."""
+    xs = torch.randn(3, 4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before = list(warnings.filters)
+        (got,) = _engine._vmap(lambda x: (torch.nn.functional.pdist(x),), [xs], None, "error")
+        assert list(warnings.filters) == before
+        torch.testing.assert_close(got, torch.stack([torch.nn.functional.pdist(x) for x in xs]))
+        with pytest.raises(UserWarning, match="There is a performance drop"):
+            torch.func.vmap(torch.nn.functional.pdist)(xs)
