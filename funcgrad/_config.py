@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from collections.abc import Iterator
 from typing import Literal
@@ -25,7 +26,12 @@ _block_check: contextvars.ContextVar[CheckMode | None] = contextvars.ContextVar(
 
 
 def _from_env() -> CheckMode:
-    value = os.environ.get(_ENV, "0").strip().lower()
+    return _parse_env(os.environ.get(_ENV, "0"))  # (read at every call: it may change)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_env(raw: str) -> CheckMode:
+    value = raw.strip().lower()
     if value == "strict":
         return "strict"
     if value in ("", "0", "false", "no", "off"):

@@ -185,16 +185,21 @@ class FlatFunction:
         )
         self.in_defs: list[Any] = []
         self.counts: list[int] = []
-        flat_leaves: list[torch.Tensor] = []
-        for a in argnums:
-            leaves, treedef = _tree.flatten(args[a])
-            check_primal_leaves(leaves, treedef, f"argument {a}", call, hint)
-            self.in_defs.append(treedef)
-            self.counts.append(len(leaves))
-            flat_leaves.extend(leaves)
-        self.leaves: Tensors = tuple(flat_leaves)
-        # Every differentiated argument a bare tensor: its tree is its one leaf (no unflatten).
-        self._bare = all(treedef.is_leaf() for treedef in self.in_defs)
+        # Every differentiated argument a bare tensor: its tree is its one leaf (no flatten,
+        # no unflatten).
+        self._bare = all(_tree.is_differentiable(args[a]) for a in argnums)
+        if self._bare:
+            self.leaves: Tensors = tuple(args[a] for a in argnums)
+            self.in_defs, self.counts = [_tree.LEAF] * len(argnums), [1] * len(argnums)
+        else:
+            flat_leaves: list[torch.Tensor] = []
+            for a in argnums:
+                leaves, treedef = _tree.flatten(args[a])
+                check_primal_leaves(leaves, treedef, f"argument {a}", call, hint)
+                self.in_defs.append(treedef)
+                self.counts.append(len(leaves))
+                flat_leaves.extend(leaves)
+            self.leaves = tuple(flat_leaves)
         self._n: int | None = None
         self._readable: bool | None = None
         self.out_def: Any = None
@@ -271,6 +276,9 @@ class FlatFunction:
                     f"{describe(result)}. Return `out, aux` or pass has_aux=False."
                 )
             result, aux = result
+        if _tree.is_differentiable(result):  # (a bare tensor, the usual output)
+            self.out_def = _tree.LEAF
+            return (result,) if not self.has_aux else self._with_aux((result,), aux)
         out_leaves, self.out_def = _tree.flatten(result)
         if not out_leaves:
             raise TypeError(f"{self.call}: f returned no tensor (got {describe(result)}).")
@@ -284,6 +292,9 @@ class FlatFunction:
                 )
         if not self.has_aux:
             return tuple(out_leaves)
+        return self._with_aux(tuple(out_leaves), aux)
+
+    def _with_aux(self, out_leaves: Tensors, aux: Any) -> Any:
         # torch.func carries only tensors as aux; the rest is kept here, it has no level.
         aux_leaves, self._aux_def = _tree.flatten(aux)
         self._aux_static = [None if isinstance(x, torch.Tensor) else x for x in aux_leaves]

@@ -32,3 +32,7 @@ def leaf_path(treedef: TreeDef, index: int) -> str:
     """A readable path to leaf ``index`` of ``treedef``, such as ``['w'][0]``."""
     paths = optree.treespec_paths(treedef)
     return "".join(f"[{key!r}]" for key in paths[index]) or "<root>"
+
+
+LEAF: TreeDef = flatten(torch.zeros(()))[1]
+"""The tree of a bare leaf (what :func:`flatten` gives for a tensor)."""
