@@ -214,9 +214,7 @@ def autograd_grad(
         # a call on a ~20 us tiny backward, and has nothing to do for these arguments but
         # build the ones of scalar outputs.
         if cotangents is None:
-            cotangents = tuple(
-                torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs
-            )
+            cotangents = [torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs]
         grads = _engine_run_backward(
             outputs,
             tuple(cotangents),
@@ -237,7 +235,9 @@ def autograd_grad(
             is_grads_batched=is_grads_batched,
         )
     if not is_grads_batched:
-        return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+        if len(grads) == 1 and grads[0] is not None:  # (the usual case, without a loop)
+            return tuple(grads)
+        return tuple([torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)])
     k = cotangents[0].shape[0]  # (a tuple by now)
     return tuple(x.new_zeros((k, *x.shape)) if g is None else g for g, x in zip(grads, inputs))
 
@@ -269,6 +269,14 @@ def losses_backward(
     ``is_grads_batched``, costs what the k backwards cost, since each head's nodes run
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
+    if not summed and not any(own):  # (no output's own leaves: the usual heads, k calls)
+        plain = _plain(outputs, through, None)
+        pulled = [
+            autograd_grad(z, through, None, retain or not free, create_graph, plain=plain)
+            for z, free in zip(outputs, alone, strict=True)
+        ]
+        cotangents = tuple(torch.stack([row[j] for row in pulled]) for j in range(len(through)))
+        return cotangents, (), (), False
     leaves = tuple({id(x): x for mine in own for x in mine}.values())
     if summed:  # (all the outputs as roots of one backward: no sum built, on any devices)
         grads = autograd_grad(
