@@ -138,9 +138,11 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     storages already given to a leaf in this call, since autograd hands one tensor to every
     leaf of a sum; not a view, such as a row of the k stacked per-task gradients, which
     would keep all k alive); else a copy, so that no two leaves share a ``.grad``."""
-    grad = grad.detach()
-    if leaf.grad is not None:
-        leaf.grad.add_(grad)
+    if grad.requires_grad:  # (a graph of the results: never into .grad)
+        grad = grad.detach()
+    current = leaf.grad
+    if current is not None:
+        current.add_(grad)
     elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
         leaf.grad = grad
     else:
@@ -150,8 +152,11 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
             and storage.data_ptr() not in taken
             and storage.nbytes() == grad.numel() * grad.element_size()
         )
-        leaf.grad = grad if owned else grad.clone(memory_format=torch.contiguous_format)
-        taken.add(leaf.grad.untyped_storage().data_ptr())
+        if not owned:
+            grad = grad.clone(memory_format=torch.contiguous_format)
+            storage = grad.untyped_storage()
+        leaf.grad = grad
+        taken.add(storage.data_ptr())
 
 
 class GroupSync(Sync):
