@@ -242,6 +242,8 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         through = kwargs.get("through")
         mids = through if isinstance(through, (list, tuple)) else [through]
         devices = {t.device for t in mids if isinstance(t, torch.Tensor)}
+        if not any(_weighting.autocast_on(device) for device in devices):  # (the usual case)
+            return fn(*args, **kwargs)
         with contextlib.ExitStack() as stack:
             for device in devices:
                 stack.enter_context(_weighting.no_autocast(device))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -176,16 +176,19 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-@contextlib.contextmanager
-def no_autocast(device: torch.device) -> Iterator[None]:
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """Autocast off on ``device``: a caller's ``torch.autocast`` region is for its forward,
     and under it the Gramian ``b @ b.T``, a weighting's own products and ``w @ P`` would run
-    in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy)."""
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
-        with torch.autocast(device.type, enabled=False):
-            yield
-    else:  # autocast off already, or a device without it (meta, ...): nothing to turn off
-        yield
+    in bf16/fp16 (which TorchJD's solvers refuse, and which loses the Gramian's accuracy).
+    (A context object, not a generator: entered several times a call.)"""
+    if autocast_on(device):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # autocast off already, or a device without it (meta)
+
+
+def autocast_on(device: torch.device) -> bool:
+    """Whether a ``torch.autocast`` region is active on ``device``."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
 def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
