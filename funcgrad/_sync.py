@@ -136,8 +136,10 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     """``leaf.grad += grad``, as autograd's AccumulateGrad does: a first ``.grad`` keeps
     ``grad`` without a copy only where nothing else holds its storage (``taken``: the
     storages already given to a leaf in this call, since autograd hands one tensor to every
-    leaf of a sum; not a view, such as a row of the k stacked per-task gradients, which
-    would keep all k alive); else a copy, so that no two leaves share a ``.grad``."""
+    leaf of a sum; and only a tensor that spans its whole storage, not a row of the k
+    stacked per-task gradients, which would keep all k alive: a contiguous view of all of
+    it, as tensordot's reshaped result, is kept); else a copy, so that no two leaves share
+    a ``.grad``."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
@@ -148,9 +150,9 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     else:
         storage = grad.untyped_storage()
         owned = (
-            grad._base is None
-            and storage.data_ptr() not in taken
+            storage.data_ptr() not in taken
             and storage.nbytes() == grad.numel() * grad.element_size()
+            and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
         )
         if not owned:
             grad = grad.clone(memory_format=torch.contiguous_format)

@@ -80,9 +80,10 @@ def test_write_accumulates_as_autograd_does():
 
 
 def test_accumulate_keeps_what_it_owns_and_copies_what_is_shared():
-    """As AccumulateGrad: a fresh gradient is kept without a copy; one already given to a
-    leaf (autograd hands one tensor to both leaves of a sum) or a view (a row of the k stacked
-    per-task gradients, which would keep all k alive) is copied; a later one is added."""
+    """As AccumulateGrad: a fresh gradient is kept without a copy, and so is a contiguous
+    view of all its storage; one already given to a leaf (autograd hands one tensor to both
+    leaves of a sum) or a part of a larger storage (a row of the k stacked per-task
+    gradients, which would keep all k alive) is copied; a later one is added."""
     fresh, stacked = torch.randn(4), torch.randn(3, 4)
     a, b, c = (torch.zeros(4, requires_grad=True) for _ in range(3))
     taken: set[int] = set()
@@ -98,6 +99,13 @@ def test_accumulate_keeps_what_it_owns_and_copies_what_is_shared():
     _sync.accumulate(a, stacked[0], taken)
     assert a.grad is held
     torch.testing.assert_close(a.grad, want)
+    whole, turned = torch.randn(2, 2).view(4), torch.randn(2, 2).t()  # views of all of it
+    e, f = torch.zeros(4, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
+    _sync.accumulate(e, whole, taken)  # (tensordot's result: a reshaped product)
+    assert e.grad.data_ptr() == whole.data_ptr()
+    _sync.accumulate(f, turned, taken)  # (not contiguous: copied to the leaf's layout)
+    assert f.grad.is_contiguous() and f.grad.data_ptr() != turned.data_ptr()
+    torch.testing.assert_close(f.grad, turned)
     sparse = torch.randn(4).to_sparse()
     d = torch.zeros(4, requires_grad=True)
     _sync.accumulate(d, sparse, taken)
