@@ -547,6 +547,10 @@ class Graph:
         writes: dict[Any, bool] = {}  # a node -> a leaf below it on a path past no freed node
         parents_of: dict[Any, list[Any]] = {}
         for start in self.upper - freed:
+            if start not in first and all(
+                parent is None or not parent.next_functions for parent, _ in start.next_functions
+            ):  # (only leaves right below, a head's weight.t(): no freed node below it)
+                continue
             stack = [start]
             while stack:
                 node = stack[-1]
