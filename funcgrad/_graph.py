@@ -251,7 +251,11 @@ Walked = tuple[list[set[Any]], dict[int, set[int]], list[bool]]
 
 
 def _walk_apart(
-    outputs: Tensors, targets: dict[Edge, int], stops: dict[Edge, int], ends: list[Any]
+    outputs: Tensors,
+    targets: dict[Edge, int],
+    stops: dict[Edge, int],
+    ends: list[Any],
+    leaves: list[dict[Edge, torch.Tensor]] | None = None,
 ) -> Walked | None:
     """:func:`_walk_each`'s answer in one loop, where the outputs share no edge other than
     a stop edge (the usual heads share nothing above ``through``): None where they do."""
@@ -276,6 +280,8 @@ def _walk_apart(
             node = e[0]
             parents = node.next_functions
             if not parents:
+                if leaves is not None and hasattr(node, "variable"):
+                    leaves[i].setdefault(e, node.variable)
                 ends.append(node)
                 continue
             part.add(node)
@@ -299,17 +305,22 @@ def _walk_apart(
 
 
 def _walk_each(
-    outputs: Tensors, targets: dict[Edge, int], stops: dict[Edge, int], ends: list[Any]
+    outputs: Tensors,
+    targets: dict[Edge, int],
+    stops: dict[Edge, int],
+    ends: list[Any],
+    leaves: list[dict[Edge, torch.Tensor]] | None = None,
 ) -> Walked:
     """(each output's nodes, see :func:`walk`'s ``nodes``; the indices of the targets each
     reaches other than through a stop edge; whether each reaches a stop edge), from a walk
-    from each output; ``ends`` as there."""
+    from each output; ``ends`` as there, and each output's ``leaves`` if given."""
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
     reaching = []
     for i, z in enumerate(outputs):
         parts.append(set())
-        found, stopped = walk([edge(z)], targets, stops, nodes=parts[i], ends=ends)
+        mine = None if leaves is None else leaves[i]
+        found, stopped = walk([edge(z)], targets, stops, mine, nodes=parts[i], ends=ends)
         if found:
             bypassing[i] = found
         reaching.append(bool(stopped))
@@ -359,13 +370,15 @@ def split_leaves(
             + ", so there is nothing shared to update. Pass the features computed by the "
             "shared model, or use sum(losses).backward()."
         )
-    per_task = []
-    above: dict[Any, list[Any]] = {}
-    parts: list[set[Any]] = []
-    for name, loss in zip(names, losses):
-        own: dict[Edge, torch.Tensor] = {}
-        parts.append(set())
-        _, reached = walk([edge(loss)], {}, stops, own, above, parts[-1])
+    per_task: list[dict[Edge, torch.Tensor]] = [{} for _ in losses]
+    ends: list[Any] = []  # where a path from the losses ends other than at `through`
+    walked = _walk_apart(losses, {}, stops, ends, per_task)
+    if walked is None:  # (losses that share nodes: a walk from each)
+        ends.clear()
+        per_task = [{} for _ in losses]
+        walked = _walk_each(losses, {}, stops, ends, per_task)
+    parts, _, reaching = walked
+    for name, own, reached in zip(names, per_task, reaching, strict=True):
         if not reached:
             raise ValueError(
                 f"{call}: {name} does not depend on `through`; every loss must be computed "
@@ -385,9 +398,11 @@ def split_leaves(
                     "miss a path. Add the intermediate that the loss uses to `through` (or "
                     "detach it)."
                 )
-        per_task.append(own)
     targets = {e[0] for leaves in (shared, *per_task) for e in leaves}
-    graph = Graph.of(above, below_into, stops, targets, parts, hidden, leaves_above=any(per_task))
+    # (Where every path from the losses ends at `through` or at a loss's own leaf, a
+    # target, Graph.of needs no map of the nodes above it.)
+    above = None if all(node in targets for node in ends) else _into(set().union(*parts))
+    graph = Graph.of(above, below_into, stops, targets, parts, hidden, leaves_above=bool(ends))
     return shared, leaf_names, per_task, graph
 
 
@@ -480,8 +495,8 @@ class Graph:
         ``checkpoints``: those of :func:`_checkpoints` below, where the caller has them. A
         reentrant checkpoint runs whatever it reaches: its own backward reaches leaves that
         the walk cannot see. ``above`` None: every path from the outputs ends at a stop edge
-        (the walk met no other end), so each node above runs where every node of
-        ``through`` runs."""
+        or a target (the walk met no other end), so each node above runs where every node
+        of ``through`` runs."""
         if checkpoints is None:
             checkpoints = _checkpoints(stops, below)
         stop_nodes = {e[0] for e in stops}
