@@ -405,8 +405,11 @@ def batched(
     checking = bool(check) and values_readable(args)
     # With check, the vmap keeps the graph for the comparisons; the last of them frees it.
     freeing = last_fn if may_loop and not checking else None
-    log = _measurements.get()  # (first: outside a measured block, nothing else to look up)
-    if log is not None and (log or not (may_loop and last_fn is None and values_readable(args))):
+    # (The block first: outside one, nothing else to look up; never in compiled code, where
+    # dynamo cannot trace a context variable.)
+    measuring = may_loop and last_fn is None and not torch.compiler.is_compiling()
+    log = _measurements.get() if measuring else None
+    if log is not None and (log or not values_readable(args)):
         log = None  # one measurement per block: the first batched call's
     try:
         if freeing is not None:

@@ -186,8 +186,10 @@ class FlatFunction:
         self.in_defs: list[Any] = []
         self.counts: list[int] = []
         # Every differentiated argument a bare tensor: its tree is its one leaf (no flatten,
-        # no unflatten).
-        self._bare = all(_tree.is_differentiable(args[a]) for a in argnums)
+        # no unflatten). (Not in compiled code, where dynamo traces the trees it built.)
+        self._bare = not torch.compiler.is_compiling() and all(
+            _tree.is_differentiable(args[a]) for a in argnums
+        )
         if self._bare:
             self.leaves: Tensors = tuple(args[a] for a in argnums)
             self.in_defs, self.counts = [_tree.LEAF] * len(argnums), [1] * len(argnums)
@@ -200,6 +202,7 @@ class FlatFunction:
                 self.counts.append(len(leaves))
                 flat_leaves.extend(leaves)
             self.leaves = tuple(flat_leaves)
+            self._bare = all(treedef.is_leaf() for treedef in self.in_defs)
         self._n: int | None = None
         self._readable: bool | None = None
         self.out_def: Any = None
@@ -276,7 +279,7 @@ class FlatFunction:
                     f"{describe(result)}. Return `out, aux` or pass has_aux=False."
                 )
             result, aux = result
-        if _tree.is_differentiable(result):  # (a bare tensor, the usual output)
+        if _tree.is_differentiable(result) and not torch.compiler.is_compiling():  # (usual)
             self.out_def = _tree.LEAF
             return (result,) if not self.has_aux else self._with_aux((result,), aux)
         out_leaves, self.out_def = _tree.flatten(result)

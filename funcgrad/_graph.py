@@ -563,7 +563,8 @@ class Graph:
         parents_of: dict[Any, list[Any]] = {}
         for start in self.upper - freed:
             if start not in first and all(
-                parent is None or not parent.next_functions for parent, _ in start.next_functions
+                parent is None or (not parent.next_functions and parent not in freed)
+                for parent, _ in start.next_functions
             ):  # (only leaves right below, a head's weight.t(): no freed node below it)
                 continue
             stack = [start]
