@@ -125,10 +125,13 @@ def grads(
             raise freed from error
         raise
     if not retain:  # as torch.autograd.grad: see Args (no other process refuses with this one)
+        # (Nothing to pull, empty inputs: no pass ran below `through`, so nothing there is
+        # freed by torch, and the graph is marked as spent.)
+        pulled = not _engine.nothing_to_pull(len(outs), lin.out, lin.x_like)
         _graph.spend(
             graph,
             _CALL,
-            shared_freed=last,
+            shared_freed=last and pulled,
             heads_freed=graph.freed_by_losses,
             torch_answers=True,
         )

@@ -436,3 +436,14 @@ def test_where_torch_freed_the_whole_graph_nothing_is_marked_and_a_later_call_sa
     with pytest.raises(RuntimeError, match=r"funcgrad\.grads.* already ran the backward"):
         funcgrad.grads(outputs, x, through=y)
     assert counter.backward == 0
+
+
+def test_empty_inputs_leave_nothing_freed_below_through_so_the_graph_is_marked():
+    """With empty inputs nothing is pulled below `through` (no pass frees it there), so the
+    call marks the graph: a second call through it is refused, as torch's would be."""
+    x = torch.zeros(0, requires_grad=True)
+    y = torch.cat([x.exp(), torch.ones(3)])
+    (got,) = funcgrad.grads([(y**2).sum(), y.pow(3).sum()], x, through=y)
+    assert got.shape == (2, 0)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        funcgrad.grads([(y**2).sum(), y.pow(3).sum()], x, through=y)
