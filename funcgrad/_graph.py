@@ -210,12 +210,8 @@ def check_paths(
     for i, e in enumerate(edges):
         input_edges.setdefault(e, i)  # a repeated input is answered like its first
     stops = through_edges(through, call)
-    ends: list[Any] = []  # where a path from the outputs ends other than at `through`
-    walked = _walk_apart(outputs, input_edges, stops, ends)
-    if walked is None:  # (outputs that share nodes: a walk from each)
-        ends.clear()
-        walked = _walk_each(outputs, input_edges, stops, ends)
-    parts, bypassing, reaching = walked
+    # (ends: where a path from the outputs ends other than at `through`)
+    parts, bypassing, reaching, ends = _walk_outputs(outputs, input_edges, stops)
     for i in range(len(outputs)):
         bypass = bypassing.get(i)
         if not reaching[i]:
@@ -247,22 +243,28 @@ def check_paths(
     return graph
 
 
-Walked = tuple[list[set[Any]], dict[int, set[int]], list[bool]]
+Walked = tuple[list[set[Any]], dict[int, set[int]], list[bool], list[Any]]
 
 
-def _walk_apart(
+def _walk_outputs(
     outputs: Tensors,
     targets: dict[Edge, int],
     stops: dict[Edge, int],
-    ends: list[Any],
     leaves: list[dict[Edge, torch.Tensor]] | None = None,
-) -> Walked | None:
-    """:func:`_walk_each`'s answer in one loop, where the outputs share no edge other than
-    a stop edge (the usual heads share nothing above ``through``): None where they do."""
+) -> Walked:
+    """:func:`walk` from each output on its own: (each output's nodes, see ``nodes`` there;
+    the indices of the targets each reaches other than through a stop edge; whether each
+    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given.
+
+    In one loop where the outputs share no edge other than a stop edge (the usual heads
+    share nothing above ``through``); else, once that loop meets an edge another output
+    walked (its nodes would not be each output's own), a walk from each output."""
     seen: dict[Edge, int] = {}
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
     reaching = [False] * len(outputs)
+    ends: list[Any] = []
+    shared = False
     for i, z in enumerate(outputs):
         part: set[Any] = set()
         parts.append(part)
@@ -271,9 +273,10 @@ def _walk_apart(
             reaching[i] = True
             continue
         if seen.setdefault(start, i) != i:
-            return None
+            shared = True
+            break
         todo = [start]
-        while todo:
+        while todo and not shared:
             e = todo.pop()
             if e in targets:
                 bypassing.setdefault(i, set()).add(targets[e])
@@ -298,33 +301,26 @@ def _walk_apart(
                     seen[parent] = i
                     todo.append(parent)
                 elif owner != i:
-                    return None
+                    shared = True
+                    break
             if dead:
                 ends.append(node)
-    return parts, bypassing, reaching
-
-
-def _walk_each(
-    outputs: Tensors,
-    targets: dict[Edge, int],
-    stops: dict[Edge, int],
-    ends: list[Any],
-    leaves: list[dict[Edge, torch.Tensor]] | None = None,
-) -> Walked:
-    """(each output's nodes, see :func:`walk`'s ``nodes``; the indices of the targets each
-    reaches other than through a stop edge; whether each reaches a stop edge), from a walk
-    from each output; ``ends`` as there, and each output's ``leaves`` if given."""
-    parts: list[set[Any]] = []
-    bypassing: dict[int, set[int]] = {}
-    reaching = []
+        if shared:
+            break
+    if not shared:
+        return parts, bypassing, reaching, ends
+    parts, bypassing, reaching, ends = [], {}, [], []
     for i, z in enumerate(outputs):
         parts.append(set())
-        mine = None if leaves is None else leaves[i]
+        mine = None
+        if leaves is not None:
+            mine = leaves[i]
+            mine.clear()
         found, stopped = walk([edge(z)], targets, stops, mine, nodes=parts[i], ends=ends)
         if found:
             bypassing[i] = found
         reaching.append(bool(stopped))
-    return parts, bypassing, reaching
+    return parts, bypassing, reaching, ends
 
 
 def split_leaves(
@@ -371,13 +367,8 @@ def split_leaves(
             "shared model, or use sum(losses).backward()."
         )
     per_task: list[dict[Edge, torch.Tensor]] = [{} for _ in losses]
-    ends: list[Any] = []  # where a path from the losses ends other than at `through`
-    walked = _walk_apart(losses, {}, stops, ends, per_task)
-    if walked is None:  # (losses that share nodes: a walk from each)
-        ends.clear()
-        per_task = [{} for _ in losses]
-        walked = _walk_each(losses, {}, stops, ends, per_task)
-    parts, _, reaching = walked
+    # (ends: where a path from the losses ends other than at `through`)
+    parts, _, reaching, ends = _walk_outputs(losses, {}, stops, per_task)
     for name, own, reached in zip(names, per_task, reaching, strict=True):
         if not reached:
             raise ValueError(
