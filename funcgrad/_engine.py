@@ -31,7 +31,7 @@ from typing import Any, cast
 
 import torch
 
-from . import _coords, _linearize, _memory
+from . import _coords, _graph, _linearize, _memory
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
@@ -108,7 +108,7 @@ def _loop_after(
     try:
         return _loop(fn, args, last_fn)
     except RuntimeError as error:
-        if freer is None or _linearize.FREED_GRAPH not in str(error):
+        if freer is None or _graph.FREED_GRAPH not in str(error):
             raise
         raise RuntimeError(
             f"funcgrad: {why}, but the loop of unbatched calls that would give the answer "
@@ -427,7 +427,9 @@ def batched(
         if not may_loop:
             raise CannotBatch(first_line(error)) from error
         why = f"vmap could not batch {what} ({first_line(error)})"
-        ran_last = freeing is not None and _linearize.FREED_GRAPH not in str(error)
+        # (Where the last pull failed part-way, the nodes it ran first may have freed theirs:
+        # torch's error then says so.)
+        ran_last = freeing is not None and _graph.FREED_GRAPH not in str(error)
         looped = _loop_after(
             fn, args, last_fn, why, "the failed batched call" if ran_last else None
         )

@@ -258,64 +258,69 @@ def _walk_outputs(
 
     In one loop where the outputs share no edge other than a stop edge (the usual heads
     share nothing above ``through``); else, once that loop meets an edge another output
-    walked (its nodes would not be each output's own), a walk from each output."""
-    seen: dict[Edge, int] = {}
+    walked (its nodes would not be each output's own), a walk from each output. (The loop
+    is :func:`walk`'s, with each edge's owner recorded: kept out of ``walk``, which also
+    walks the shared part of real models.)"""
+
+    def in_one_loop() -> Walked | None:
+        seen: dict[Edge, int] = {}
+        parts: list[set[Any]] = []
+        bypassing: dict[int, set[int]] = {}
+        reaching = [False] * len(outputs)
+        ends: list[Any] = []
+        for i, z in enumerate(outputs):
+            part: set[Any] = set()
+            parts.append(part)
+            start = edge(z)
+            if start in stops:
+                reaching[i] = True
+                continue
+            if seen.setdefault(start, i) != i:
+                return None
+            todo = [start]
+            while todo:
+                e = todo.pop()
+                if e in targets:
+                    bypassing.setdefault(i, set()).add(targets[e])
+                node = e[0]
+                parents = node.next_functions
+                if not parents:
+                    if leaves is not None and hasattr(node, "variable"):
+                        leaves[i].setdefault(e, node.variable)
+                    ends.append(node)
+                    continue
+                part.add(node)
+                dead = True
+                for parent in parents:
+                    if parent[0] is None:
+                        continue
+                    dead = False
+                    if parent in stops:
+                        reaching[i] = True
+                        continue
+                    owner = seen.get(parent)
+                    if owner is None:
+                        seen[parent] = i
+                        todo.append(parent)
+                    elif owner != i:
+                        return None
+                if dead:
+                    ends.append(node)
+        return parts, bypassing, reaching, ends
+
+    walked = in_one_loop()
+    if walked is not None:
+        return walked
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
-    reaching = [False] * len(outputs)
+    reaching: list[bool] = []
     ends: list[Any] = []
-    shared = False
-    for i, z in enumerate(outputs):
-        part: set[Any] = set()
-        parts.append(part)
-        start = edge(z)
-        if start in stops:
-            reaching[i] = True
-            continue
-        if seen.setdefault(start, i) != i:
-            shared = True
-            break
-        todo = [start]
-        while todo and not shared:
-            e = todo.pop()
-            if e in targets:
-                bypassing.setdefault(i, set()).add(targets[e])
-            node = e[0]
-            parents = node.next_functions
-            if not parents:
-                if leaves is not None and hasattr(node, "variable"):
-                    leaves[i].setdefault(e, node.variable)
-                ends.append(node)
-                continue
-            part.add(node)
-            dead = True
-            for parent in parents:
-                if parent[0] is None:
-                    continue
-                dead = False
-                if parent in stops:
-                    reaching[i] = True
-                    continue
-                owner = seen.get(parent)
-                if owner is None:
-                    seen[parent] = i
-                    todo.append(parent)
-                elif owner != i:
-                    shared = True
-                    break
-            if dead:
-                ends.append(node)
-        if shared:
-            break
-    if not shared:
-        return parts, bypassing, reaching, ends
-    parts, bypassing, reaching, ends = [], {}, [], []
     for i, z in enumerate(outputs):
         parts.append(set())
         mine = None
         if leaves is not None:
             mine = leaves[i]
-            mine.clear()
+            mine.clear()  # (what the loop above found before it stopped)
         found, stopped = walk([edge(z)], targets, stops, mine, nodes=parts[i], ends=ends)
         if found:
             bypassing[i] = found

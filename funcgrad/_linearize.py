@@ -319,11 +319,6 @@ def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: 
             x.grad = g
 
 
-# Where the last pull through a graph (retain_graph=False) failed part-way, the nodes it ran
-# first may have freed theirs: torch's message then starts with this.
-FREED_GRAPH = _graph.FREED_GRAPH
-
-
 def of_graph(
     outputs: Tensors,
     inputs: Tensors,
@@ -475,7 +470,7 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
         try:
             return autograd_grad(roots, inputs, cotangents, retain, create_graph=graph)
         except RuntimeError as error:
-            if not (linked and FREED_GRAPH in str(error)):
+            if not (linked and _graph.FREED_GRAPH in str(error)):
                 raise
             raise RuntimeError(
                 f"{flat.call}: f's graph was freed, so its pullback cannot run: f ran on eager "

@@ -174,7 +174,7 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
     elif isinstance(value, (list, tuple)):  # (the usual case, before the slower ABC check)
         items = tuple(value)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
-        items = tuple(value)  # a list, or a generator such as model.parameters()
+        items = tuple(value)  # a generator, such as model.parameters()
     else:
         items = ()
     if not items:
