@@ -469,13 +469,16 @@ class Signature:
 
     fake_tried: bool = False
     fake_size: int | None = None  # y's size from f on fake tensors (None: not told that way)
+    size: int | None = None  # y's size from the output of an earlier call
     forward_size: int | None = None  # y's size from one real forward, for plan() alone
     # auto's timing of a batched call against an unbatched one, per engine the calls run on
     # (both batch by the same rules, but not equally well: vmap over eager autograd loops
     # inside for the fused RNN backward, torch.func's decomposed one batches).
     batchings: dict[Engine, Batching] = dataclasses.field(default_factory=dict)
-    # Where auto chose forward mode: timed against reverse mode on the first call, and None
-    # where forward mode was faster, else why reverse mode was (then planned).
+    # Where auto chose forward mode: one call in forward mode is timed (forward_s), the next
+    # in reverse mode, each running f once; then not_forward is None where forward mode was
+    # faster, else why reverse mode was (then planned).
+    forward_s: float | None = None
     forward_timed: bool = False
     not_forward: str | None = None
     fit: _engine.ChunkFit | None = None  # chunk_size="auto": a direction's measured cost
@@ -592,13 +595,14 @@ class Composition:
             record.random = record.random or flat.drew
         return record.fake_size
 
-    def before_f(self, flat: FlatFunction) -> tuple[bool, int | None]:
+    def before_f(self, flat: FlatFunction, planning: bool = False) -> tuple[bool, int | None]:
         """(forward mode first?, y's size where it had to be known before f runs).
 
         Forward mode runs f's forward itself, so it must be chosen before f runs: only when
-        it can win (``2 n < k``, all n tangents in one batch) does the planner need m, which
-        it takes from f on fake tensors. Otherwise reverse mode runs f, and the plan is made
-        from the real output's size.
+        it can win (``2 n < k``, all n tangents in one batch) does the planner need m. A call
+        takes it from an earlier call's output on these shapes (or from ``plan()``), never from
+        a run of its own: f runs once per call, so the first call on new shapes runs reverse
+        mode. ``plan()`` (``planning``) may run f on fake tensors to know it.
         """
         n = flat.n
         if self.strategy == "jacfwd":
@@ -609,10 +613,14 @@ class Composition:
         if self.strategy != "auto" or not (n and one_batch and FORWARD_MODE_PENALTY * n < self.k):
             return False, None
         record = self.signature(flat)
-        if record is not None and record.not_forward:  # reverse mode measured faster
+        if record is None or record.not_forward:  # (reverse mode measured faster)
             return False, None
-        m = self.output_size(flat)
-        if m is None or (record is not None and record.random):  # forward mode draws its own
+        if self._reverse_timed_here(record):  # the call after forward mode's timed one
+            return False, None
+        m = record.size if record.size is not None else record.fake_size
+        if m is None and planning:
+            m = self.output_size(flat)
+        if m is None or record.random:  # forward mode draws its own
             return False, None
         return self.planner(flat, m)(m, False).strategy == "jacfwd", m
 
@@ -786,7 +794,7 @@ class Composition:
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:
         """The plan that a call on these arguments runs, from shapes only (in the grad mode
         the call runs in: see `result_graph`)."""
-        forward, m_before = self.before_f(flat)
+        forward, m_before = self.before_f(flat, planning=True)
         m = m_before if m_before is not None else self.output_size(flat)
         if m is None:  # a long or data-dependent f: one real forward that leaves no trace
             # (remembered for plan() alone: the call still plans as without it)
@@ -816,14 +824,17 @@ class Composition:
 
     def f_runs(self, flat: FlatFunction, forward: bool, n: int) -> int:
         """How many times a call on these arguments runs f's Python body, as planned (a
-        fallback runs it once more): once, or once per mode on the first call that times
-        forward against reverse mode, plus ``check``'s unbatched JVP calls in forward mode
-        (they run f). The shape-only run on fake tensors is not counted: ``plan()`` has just
-        made it (once per shapes), so the call after it does not."""
-        record = self.signature(flat)
-        timed = forward and self._measured_here(flat) and not (record and record.forward_timed)
+        fallback runs it once more): once, plus ``check``'s unbatched JVP calls in forward
+        mode (they run f). ``plan()``'s own shape-only run on fake tensors is not counted:
+        the call runs none."""
         check = forward and flat.readable and self.resolved_check()
-        return 1 + timed + (len({0, n // 2, n - 1}) if check else 0)
+        return 1 + (len({0, n // 2, n - 1}) if check else 0)
+
+    @staticmethod
+    def _reverse_timed_here(record: Signature) -> bool:
+        """Whether this call runs reverse mode, timed against the forward-mode call before it
+        (auto chose forward mode on these shapes, and one call has timed it)."""
+        return record.forward_s is not None and not record.forward_timed
 
     def cotangents_of(self, flat: FlatFunction) -> _engine.CotangentsOf:
         return lambda out: _head_cotangents(self.heads, self.keys, flat, out, self.call)
@@ -863,80 +874,66 @@ class Composition:
     ) -> tuple[torch.Tensor, Tensors, Tensors]:
         forward, m_before = self.before_f(flat)
         planner = self.planner(flat, m_before)
-        record = self.signature(flat) if self._measured_here(flat) else None
+        signature = self.signature(flat)
+        record = signature if self._measured_here(flat) else None
         batching = record.batching(self._planned_engine(flat)) if record is not None else None
         timed = None if forward else self._engines_timed(flat)
         if timed is not None and timed.engine is not None:
             timed = None  # decided
+        # Forward mode against reverse mode: one call each, f once per call.
+        forward_trial = forward and record is not None and not record.forward_timed
+        reverse_trial = signature is not None and self._reverse_timed_here(signature)
         flat.autograd = self._on_autograd(flat)
         with contextlib.ExitStack() as stack:
             if self.chunk_size == "auto" and flat.readable:
                 stack.enter_context(_engine.remembering_chunks(self._fit(flat)))
-            if forward and record is not None and not record.forward_timed:
-                assert batching is not None
-                return self._forward_against_reverse(flat, planner, record, batching, check)
             log = stack.enter_context(_engine.measuring()) if record is not None else None
-            start = time.perf_counter() if timed is not None else 0.0  # (not in compiled code)
+            clock = timed is not None or forward_trial or reverse_trial
+            start = time.perf_counter() if clock else 0.0  # (not in compiled code)
             plan, values, grads, aux = _engine.per_head(
                 flat, planner, forward, self.cotangents_of(flat), check, self.values_of(flat)
             )
-            seconds = time.perf_counter() - start if timed is not None else 0.0
+            seconds = time.perf_counter() - start if clock else 0.0
+        if signature is not None:
+            signature.size = plan.m
+        # The call's own cost: without the unbatched calls that time vmap.
+        measuring_s = sum(timing.single for timing in log) if log else 0.0
+        seconds = max(seconds - measuring_s, 0.0)
+        if forward_trial:
+            assert record is not None
+            self._time_forward(record, plan, seconds)
+            return values, grads, aux
+        if reverse_trial:
+            assert signature is not None
+            self._time_reverse(signature, plan, seconds)
         if log and batching is not None and not batching.measured:  # a batched call measured
             self._remember(batching, log[0])
-        if timed is not None:  # the call's own cost: without the unbatched calls that time vmap
-            measuring_s = sum(timing.single for timing in log) if log else 0.0
-            seconds = max(seconds - measuring_s, 0.0)
+        if timed is not None:
             self._time_engine(timed, plan.engine, seconds, bool(log), plan.directions)
         return values, grads, aux
 
-    def _forward_against_reverse(
-        self,
-        flat: FlatFunction,
-        planner: _engine.Planner,
-        record: Signature,
-        batching: Batching,
-        check: CheckMode,
-    ) -> tuple[torch.Tensor, Tensors, Tensors]:
-        """The first call on new shapes where auto chose forward mode: forward mode, then
-        the reverse-mode plan, timed, on the same random draws (f runs twice, once per mode;
-        every generator ends where one forward leaves it, and buffers are written by one run
-        alone: torch.func refuses in-place updates, so only an eager fallback writes them).
-        The faster one's answer is returned, and later calls on these shapes plan it
-        (``Plan.measured`` says why). Where forward mode could not run f (its fallback has
-        run reverse mode), that answer is returned without a second run."""
-        cotangents_of = self.cotangents_of(flat)
-        before = RandomState(flat)
-        start = time.perf_counter()
-        forward_result = _engine.per_head(flat, planner, True, cotangents_of, check)
-        forward_s = time.perf_counter() - start
-        if forward_result[0].strategy != "jacfwd":  # forward mode fell back to reverse mode
+    @staticmethod
+    def _time_forward(record: Signature, plan: Plan, seconds: float) -> None:
+        """The first call where auto chose forward mode on these shapes: its time is kept
+        for the next call, which runs reverse mode (:meth:`_time_reverse`). Where forward
+        mode could not run f (its fallback has run reverse mode), reverse mode it is."""
+        if plan.strategy != "jacfwd":
             record.forward_timed = True
-            record.not_forward = "forward mode could not run f on the first call"
-            _, values, grads, aux = forward_result
-            return values, grads, aux
-        after = RandomState(flat)
-        before.restore()
-        with _engine.measuring() as log:
-            start = time.perf_counter()
-            reverse_result = _engine.per_head(
-                flat, lambda m, _: planner(m, True), False, cotangents_of, check
+            record.not_forward = "forward mode could not run f on an earlier call"
+            return
+        record.forward_s = seconds
+
+    @staticmethod
+    def _time_reverse(record: Signature, plan: Plan, seconds: float) -> None:
+        """The call after forward mode's timed one ran reverse mode: the faster mode (by
+        LOOP_MARGIN for reverse mode) is planned from the next call on."""
+        assert record.forward_s is not None
+        forward_s, record.forward_timed = record.forward_s, True
+        if seconds < _engine.LOOP_MARGIN * forward_s:
+            record.not_forward = (
+                f"reverse mode ({plan.strategy}) {1e3 * seconds:.2g} ms, forward mode "
+                f"{1e3 * forward_s:.2g} ms on earlier calls"
             )
-            reverse_s = time.perf_counter() - start
-        after.restore()
-        faster = reverse_s < _engine.LOOP_MARGIN * forward_s
-        record.forward_timed = True
-        record.not_forward = (
-            f"reverse mode ({reverse_result[0].strategy}) {1e3 * reverse_s:.2g} ms, forward mode "
-            f"{1e3 * forward_s:.2g} ms on the first call"
-            if faster
-            else None
-        )
-        if log and faster:
-            self._remember(batching, log[0])
-        else:
-            batching.measured, batching.unbatched = True, None
-        _, values, grads, aux = reverse_result if faster else forward_result
-        return values, grads, aux
 
     @staticmethod
     def _remember(record: Batching, timing: _engine.Timing) -> None:
@@ -1213,10 +1210,10 @@ def compose_heads(
         Side effects: buffers are written and random numbers drawn (from the default
         generators and every ``torch.Generator`` f passes to a random op) as in one eager
         forward per call, whatever re-runs f. f's Python body runs ``fn.plan(*args).f_runs``
-        times: once, twice on the first call on new shapes where ``"auto"`` chose forward
-        mode (it times both modes), plus ``check``'s unbatched JVP calls in forward mode, and
-        once more per fallback; that first call also runs it once on fake tensors (for y's
-        size) unless ``plan()`` did already. Python state it changes changes that often.
+        times: once, on every call (``"auto"`` times forward against reverse mode on two
+        separate calls), plus ``check``'s unbatched JVP calls in forward mode, and once more
+        per fallback; no call runs it on fake tensors (only ``plan()`` does). Python state
+        it changes changes that often.
 
         NaN/inf come out as autograd's in eager mode: where ``V @ J`` went non-finite, the
         cotangents themselves are pulled back. That recompute reads values, so inside

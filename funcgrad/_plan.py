@@ -101,12 +101,11 @@ class Plan:
             the eager backward is the floor).
         engine_trial: this call is one of the six that time the engines, on ``engine``
             (f runs once, as in any call).
-        f_runs: how many times the call runs f's Python body, as planned: 1, or 2 on the
-            first call on new shapes where ``"auto"`` chose forward mode (it times forward
-            against reverse mode), plus ``check``'s unbatched JVP calls in forward mode (up
-            to 3). A fallback that runs f again adds one. ``plan()`` itself runs f's body
-            (see `funcgrad.ComposedHeads.plan`); the call after it then needs no run on
-            fake tensors. Shown in the repr when not 1.
+        f_runs: how many times the call runs f's Python body, as planned: 1 (``"auto"``
+            times forward against reverse mode on two separate calls), plus ``check``'s
+            unbatched JVP calls in forward mode (up to 3). A fallback that runs f again adds
+            one. ``plan()`` itself runs f's body on fake tensors (see
+            `funcgrad.ComposedHeads.plan`); a call never does. Shown in the repr when not 1.
 
     Examples:
         >>> import torch, funcgrad
