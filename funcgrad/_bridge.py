@@ -114,9 +114,10 @@ def grads(
         # Where the k cotangents themselves go through (k <= numel(through)), that one batched
         # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
         last = not retain and len(outs) <= basis.m
-        result, _ = _engine.by_linearity(
-            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
-        )
+        with _graph.hooks_fired(mids):  # (they ran in the backward of each output)
+            result, _ = _engine.by_linearity(
+                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
+            )
     except BaseException as error:
         if not retain:  # parts of the graph may be freed: a later backward raises up front
             _graph.spend(graph, _CALL)

@@ -10,8 +10,9 @@ edge's output index tells them apart, so the walk reasons in edges, not nodes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -738,3 +739,29 @@ SECOND_BACKWARD = (
     "tensors for its own passes, but treats it as freed, as torch would). Pass "
     "retain_graph=True to the first call, or run the forward again."
 )
+
+
+@contextlib.contextmanager
+def hooks_fired(through: Tensors) -> Iterator[None]:
+    """Around the passes that start at ``through``, with the cotangents that the backward of
+    the losses gave it. Those cotangents already went through ``through``'s tensor hooks
+    (``register_hook``: autograd runs them before it hands a gradient out) and its
+    ``retain_grad()``, once per backward of a loss as torch's would; a pass whose roots are
+    ``through`` would run them again (a hook returning ``2 * g`` gave twice torch's
+    gradient). So in these passes they are held back: each hook dict emptied (the same dict,
+    which autograd reads when it runs the node) and refilled after, and a retained
+    ``.grad`` put back as the losses' backward left it."""
+    held = []
+    for t in through:
+        hooks = t._backward_hooks
+        held.append((t, dict(hooks) if hooks else None, t.grad if t.retains_grad else None))
+        if hooks:
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for t, hooks, grad in held:
+            if hooks:
+                t._backward_hooks.update(hooks)
+            if t.retains_grad:
+                t.grad = grad
