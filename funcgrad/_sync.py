@@ -161,7 +161,11 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
         else:
             with torch.no_grad():
                 current.add_(grad)
-    elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
+        return
+    want = getattr(leaf, "grad_dtype", None)  # (set on the leaf: torch casts a new .grad)
+    if want is not None and grad.dtype != want:
+        grad = grad.to(want)
+    if grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
         leaf.grad = grad
     else:
         storage = grad.untyped_storage()
