@@ -753,15 +753,13 @@ def hooks_fired(through: Tensors) -> Iterator[None]:
     ``.grad`` put back as the losses' backward left it."""
     held = []
     for t in through:
-        hooks = t._backward_hooks
-        held.append((t, dict(hooks) if hooks else None, t.grad if t.retains_grad else None))
-        if hooks:
-            hooks.clear()
+        hooks = t._backward_hooks or {}
+        held.append((t, hooks, dict(hooks), t.grad if t.retains_grad else None))
+        hooks.clear()
     try:
         yield
     finally:
-        for t, hooks, grad in held:
-            if hooks:
-                t._backward_hooks.update(hooks)
+        for t, hooks, kept, grad in held:
+            hooks.update(kept)
             if t.retains_grad:
                 t.grad = grad

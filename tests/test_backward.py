@@ -1450,7 +1450,9 @@ def test_post_accumulate_grad_hooks_fire_once_per_leaf_on_its_final_grad(kwargs,
         backward(model.losses(features, targets), features)
         return model, seen
 
-    model, seen = run(lambda losses, features: funcgrad.backward(losses, through=features, **kwargs))
+    model, seen = run(
+        lambda losses, features: funcgrad.backward(losses, through=features, **kwargs)
+    )
     names = [name for name, _ in seen]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # once each
     assert_tree_close(dict(seen), _grads(model))  # on the final .grad
@@ -1558,7 +1560,9 @@ def test_a_grad_that_requires_grad_is_accumulated_into_in_place_as_torch(kwargs,
 def test_an_expanded_grad_is_refused_before_anything_runs_or_is_written(kwargs, name):
     """torch cannot accumulate into an expanded (stride-0) .grad either: it raises after
     writing other leaves. funcgrad refuses it before any pass, with every .grad as it was."""
-    model, error = _backward_with(_with_grad(name, lambda p: torch.ones(1).expand(p.shape)), "torch")
+    model, error = _backward_with(
+        _with_grad(name, lambda p: torch.ones(1).expand(p.shape)), "torch"
+    )
     assert isinstance(error, RuntimeError) and "single memory location" in str(error)
 
     counter = BackwardCounter()
@@ -1585,7 +1589,10 @@ class _ConvModel(torch.nn.Module):
         return (self.conv(x).flatten(1),)
 
     def losses(self, features, targets):
-        return [(head(features[0]) - targets[:, i : i + 1]).pow(2).mean() for i, head in enumerate(self.heads)]
+        return [
+            (head(features[0]) - targets[:, i : i + 1]).pow(2).mean()
+            for i, head in enumerate(self.heads)
+        ]
 
 
 def _conv_setup():

@@ -487,7 +487,11 @@ def test_hooks_fire_as_in_one_autograd_grad_per_output(where, hook, chunk_size):
     is theirs. Calls: once per output on `through` and above; below `through`, once per
     batched pass (one, under vmap, with each output's gradient a row: a row-wise hook such
     as a clip gives torch's values), once per output with ``chunk_size=1``."""
-    fn = {"double": lambda g: 2 * g, "observe": lambda g: None, "clip": lambda g: g.clamp(-0.1, 0.1)}[hook]
+    fn = {
+        "double": lambda g: 2 * g,
+        "observe": lambda g: None,
+        "clip": lambda g: g.clamp(-0.1, 0.1),
+    }[hook]
     outputs, params, y, calls = _hooked_graph(where, fn)
     expected = [
         torch.stack(rows)
