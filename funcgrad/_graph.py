@@ -748,18 +748,33 @@ def hooks_fired(through: Tensors) -> Iterator[None]:
     (``register_hook``: autograd runs them before it hands a gradient out) and its
     ``retain_grad()``, once per backward of a loss as torch's would; a pass whose roots are
     ``through`` would run them again (a hook returning ``2 * g`` gave twice torch's
-    gradient). So in these passes they are held back: each hook dict emptied (the same dict,
-    which autograd reads when it runs the node) and refilled after, and a retained
-    ``.grad`` put back as the losses' backward left it."""
+    gradient). So in these passes the user's hooks are held back (taken out of the hook
+    dict, the same dict autograd reads when it runs the node, and put back after, in their
+    order), and a retained ``.grad`` is put back as the losses' backward left it. torch's
+    own hooks stay: they act on every backward through the node, whatever its gradient
+    (FSDP's pre-backward all-gather, which returns the gradient unchanged)."""
     held = []
     for t in through:
         hooks = t._backward_hooks or {}
-        held.append((t, hooks, dict(hooks), t.grad if t.retains_grad else None))
-        hooks.clear()
+        before = dict(hooks)
+        for key, hook in before.items():
+            if not _torch_hook(hook):
+                del hooks[key]
+        held.append((t, hooks, before, t.grad if t.retains_grad else None))
     try:
         yield
     finally:
-        for t, hooks, kept, grad in held:
-            hooks.update(kept)
+        for t, hooks, before, grad in held:
+            now = dict(hooks)  # (torch's hooks that remain, and any added meanwhile)
+            hooks.clear()
+            hooks.update({k: h for k, h in before.items() if k in now or not _torch_hook(h)})
+            hooks.update(now)
             if t.retains_grad:
                 t.grad = grad
+
+
+def _torch_hook(hook: Any) -> bool:
+    """Whether a tensor hook is torch's own (a function or bound method defined in torch,
+    such as FSDP2's ``_pre_backward``), not the user's."""
+    fn = getattr(hook, "func", hook)  # (a functools.partial)
+    return str(getattr(fn, "__module__", None) or "").startswith("torch.")
