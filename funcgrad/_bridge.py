@@ -113,7 +113,10 @@ def grads(
         basis = _engine.Basis(_coords.real_size(lin.out))
         # Where the k cotangents themselves go through (k <= numel(through)), that one batched
         # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
-        last = not retain and len(outs) <= basis.m
+        # So too where hooks that can be seen below `through` (a module's backward hook, a
+        # tensor hook on an input) must see the outputs' gradients, not unit directions.
+        hooked = graph.hooked or any(x._backward_hooks for x in ins)
+        last = (not retain and len(outs) <= basis.m) or hooked
         with _graph.hooks_fired(mids):  # (they ran in the backward of each output)
             result, _ = _engine.by_linearity(
                 lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last

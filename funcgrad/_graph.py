@@ -129,6 +129,11 @@ REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 COMPILED_BACKWARD = "CompiledFunctionBackward"
 
 
+# The backward node that a module's full backward hook (register_full_backward_hook) puts on
+# its inputs and outputs: the hook reads the gradients that pass through it.
+MODULE_HOOK = "BackwardHookFunctionBackward"
+
+
 def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
     """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
     return scan(outputs).checkpoint
@@ -473,6 +478,9 @@ class Graph:
     # The walk from the outputs met a leaf other than through ``through`` (a head's own
     # parameter): see :meth:`refusing`. (True where unknown: the full search.)
     leaves_above: bool = True
+    # A module's full backward hook runs from ``through`` down (see MODULE_HOOK): it must
+    # see the gradients torch's backward would give it, not ``through``'s unit directions.
+    hooked: bool = False
 
     @classmethod
     def of(
@@ -512,7 +520,7 @@ class Graph:
                 into.setdefault(node, []).extend(nodes)
             runs = _runs(into, targets, checkpoints)
         upper = heads | stop_nodes
-        freed, sparse, compiled = [], False, False
+        freed, sparse, compiled, hooked = [], False, False, False
         for node in runs:
             kind = _KINDS.get(type(node)) or _kind(node)  # (the lookup inline: ~50 nodes)
             if kind.saves or (kind.custom and _custom_saves(node)):
@@ -520,6 +528,7 @@ class Graph:
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
             compiled = compiled or kind.compiled
+            hooked = hooked or (kind.hook and node not in heads)
         alone, freed_by_losses = _alone(parts)
         return cls(
             freed,
@@ -531,6 +540,7 @@ class Graph:
             freed_by_losses,
             compiled,
             leaves_above,
+            hooked,
         )
 
     def refusing(self, search: bool = False) -> dict[Any, list[Any] | None]:
@@ -602,6 +612,7 @@ class _Kind:
     embedding: bool  # an embedding's backward (``_saved_sparse`` says whether sparse)
     checkpoint: bool  # a reentrant checkpoint's backward (see REENTRANT_CHECKPOINT)
     compiled: bool  # a torch.compile'd backward (see COMPILED_BACKWARD)
+    hook: bool  # a module's full backward hook (see MODULE_HOOK)
 
 
 _KINDS: dict[type, _Kind] = {}
@@ -625,6 +636,7 @@ def _kind(node: Any) -> _Kind:
             name.startswith("Embedding"),
             name == REENTRANT_CHECKPOINT,
             name == COMPILED_BACKWARD,
+            name == MODULE_HOOK,
         )
         _KINDS[type(node)] = kind
     return kind

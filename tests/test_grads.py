@@ -508,3 +508,36 @@ def test_hooks_fire_as_in_one_autograd_grad_per_output(where, hook, chunk_size):
     assert len(calls) == (1 if batched and expected_calls else expected_calls)
     if where == "retain_grad":
         torch.testing.assert_close(y.grad, expected_retained, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("where", ["module", "parameter"])
+def test_hooks_below_through_see_the_outputs_gradients_where_k_exceeds_through(where):
+    """With more outputs than `through` has coordinates, `grads` pulls `through`'s unit
+    directions and combines them: a hook below `through` would see those, and a nonlinear one
+    (a clamp) gave a wrong answer. A module's full backward hook and a hook on an input can
+    be seen in the graph: the k outputs' gradients themselves are then pulled."""
+    clamp = {
+        "module": lambda m, gi, go: tuple(g.clamp(-0.1, 0.1) for g in gi),
+        "parameter": lambda g: g.clamp(-0.1, 0.1),
+    }[where]
+
+    def graph():
+        torch.manual_seed(0)
+        lin1, lin2 = torch.nn.Linear(3, 4), torch.nn.Linear(4, 4)
+        if where == "module":
+            lin2.register_full_backward_hook(clamp)
+        else:
+            lin1.weight.register_hook(clamp)
+        y = torch.tanh(lin2(torch.tanh(lin1(torch.randn(6, 3))))).sum(0)[:2]  # m = 2 < k = 3
+        outputs = [(y * (i + 1)).sin().sum() * 10 for i in range(3)]
+        return outputs, [*lin1.parameters(), *lin2.parameters()], y
+
+    outputs, params, y = graph()
+    expected = [
+        torch.stack(rows)
+        for rows in zip(*[torch.autograd.grad(z, params, retain_graph=True) for z in outputs])
+    ]
+    outputs, params, y = graph()
+    got = funcgrad.grads(outputs, params, through=y)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11)
