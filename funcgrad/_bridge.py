@@ -77,7 +77,10 @@ def grads(
         ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
         No rank is detected (it reads values; `funcgrad.pullback` does, across
         calls); a non-finite product is pulled back as the cotangents themselves, so
-        NaN/inf come out as in autograd.
+        NaN/inf come out as in autograd. Where a module's full backward hook lies below
+        ``through``, or an input has a tensor hook, the k cotangents themselves go through,
+        so that the hooks see each output's gradient (see the docs page "Reliability",
+        Hooks); ``through``'s own hooks run once per output, as in torch.
         Validation walks the graph's gradient edges once beforehand, so a wrong
         ``through`` (missed paths, dependent or repeated entries) is an error before any
         slow backward runs, and tells which nodes the call frees (see ``retain_graph``).
