@@ -77,7 +77,10 @@ def grads(
         ``torch.func.vmap`` over ``torch.autograd.grad`` (a loop with ``create_graph``).
         No rank is detected (it reads values; `funcgrad.pullback` does, across
         calls); a non-finite product is pulled back as the cotangents themselves, so
-        NaN/inf come out as in autograd.
+        NaN/inf come out as in autograd. Where a module's full backward hook lies below
+        ``through``, or an input has a tensor hook, the k cotangents themselves go through,
+        so that the hooks see each output's gradient (see the docs page "Reliability",
+        Hooks); ``through``'s own hooks run once per output, as in torch.
         Validation walks the graph's gradient edges once beforehand, so a wrong
         ``through`` (missed paths, dependent or repeated entries) is an error before any
         slow backward runs, and tells which nodes the call frees (see ``retain_graph``).
@@ -113,10 +116,14 @@ def grads(
         basis = _engine.Basis(_coords.real_size(lin.out))
         # Where the k cotangents themselves go through (k <= numel(through)), that one batched
         # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
-        last = not retain and len(outs) <= basis.m
-        result, _ = _engine.by_linearity(
-            lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
-        )
+        # So too where hooks that can be seen below `through` (a module's backward hook, a
+        # tensor hook on an input) must see the outputs' gradients, not unit directions.
+        hooked = graph.hooked or any(x._backward_hooks for x in ins)
+        last = (not retain and len(outs) <= basis.m) or hooked
+        with _graph.hooks_fired(mids):  # (they ran in the backward of each output)
+            result, _ = _engine.by_linearity(
+                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
+            )
     except BaseException as error:
         if not retain:  # parts of the graph may be freed: a later backward raises up front
             _graph.spend(graph, _CALL)

@@ -10,8 +10,9 @@ edge's output index tells them apart, so the walk reasons in edges, not nodes.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,6 +127,11 @@ REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 # funcgrad checks a second pass against the first where it makes one (see
 # funcgrad._linearize.repeat_checked).
 COMPILED_BACKWARD = "CompiledFunctionBackward"
+
+
+# The backward node that a module's full backward hook (register_full_backward_hook) puts on
+# its inputs and outputs: the hook reads the gradients that pass through it.
+MODULE_HOOK = "BackwardHookFunctionBackward"
 
 
 def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
@@ -472,6 +478,9 @@ class Graph:
     # The walk from the outputs met a leaf other than through ``through`` (a head's own
     # parameter): see :meth:`refusing`. (True where unknown: the full search.)
     leaves_above: bool = True
+    # A module's full backward hook runs from ``through`` down (see MODULE_HOOK): it must
+    # see the gradients torch's backward would give it, not ``through``'s unit directions.
+    hooked: bool = False
 
     @classmethod
     def of(
@@ -511,7 +520,7 @@ class Graph:
                 into.setdefault(node, []).extend(nodes)
             runs = _runs(into, targets, checkpoints)
         upper = heads | stop_nodes
-        freed, sparse, compiled = [], False, False
+        freed, sparse, compiled, hooked = [], False, False, False
         for node in runs:
             kind = _KINDS.get(type(node)) or _kind(node)  # (the lookup inline: ~50 nodes)
             if kind.saves or (kind.custom and _custom_saves(node)):
@@ -519,6 +528,7 @@ class Graph:
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
             compiled = compiled or kind.compiled
+            hooked = hooked or (kind.hook and node not in heads)
         alone, freed_by_losses = _alone(parts)
         return cls(
             freed,
@@ -530,6 +540,7 @@ class Graph:
             freed_by_losses,
             compiled,
             leaves_above,
+            hooked,
         )
 
     def refusing(self, search: bool = False) -> dict[Any, list[Any] | None]:
@@ -601,6 +612,7 @@ class _Kind:
     embedding: bool  # an embedding's backward (``_saved_sparse`` says whether sparse)
     checkpoint: bool  # a reentrant checkpoint's backward (see REENTRANT_CHECKPOINT)
     compiled: bool  # a torch.compile'd backward (see COMPILED_BACKWARD)
+    hook: bool  # a module's full backward hook (see MODULE_HOOK)
 
 
 _KINDS: dict[type, _Kind] = {}
@@ -624,6 +636,7 @@ def _kind(node: Any) -> _Kind:
             name.startswith("Embedding"),
             name == REENTRANT_CHECKPOINT,
             name == COMPILED_BACKWARD,
+            name == MODULE_HOOK,
         )
         _KINDS[type(node)] = kind
     return kind
@@ -738,3 +751,42 @@ SECOND_BACKWARD = (
     "tensors for its own passes, but treats it as freed, as torch would). Pass "
     "retain_graph=True to the first call, or run the forward again."
 )
+
+
+@contextlib.contextmanager
+def hooks_fired(through: Tensors) -> Iterator[None]:
+    """Around the passes that start at ``through``, with the cotangents that the backward of
+    the losses gave it. Those cotangents already went through ``through``'s tensor hooks
+    (``register_hook``: autograd runs them before it hands a gradient out) and its
+    ``retain_grad()``, once per backward of a loss as torch's would; a pass whose roots are
+    ``through`` would run them again (a hook returning ``2 * g`` gave twice torch's
+    gradient). So in these passes the user's hooks are held back (taken out of the hook
+    dict, the same dict autograd reads when it runs the node, and put back after, in their
+    order), and a retained ``.grad`` is put back as the losses' backward left it. torch's
+    own hooks stay: they act on every backward through the node, whatever its gradient
+    (FSDP's pre-backward all-gather, which returns the gradient unchanged)."""
+    held = []
+    for t in through:
+        hooks = t._backward_hooks or {}
+        before = dict(hooks)
+        for key, hook in before.items():
+            if not _torch_hook(hook):
+                del hooks[key]
+        held.append((t, hooks, before, t.grad if t.retains_grad else None))
+    try:
+        yield
+    finally:
+        for t, hooks, before, grad in held:
+            now = dict(hooks)  # (torch's hooks that remain, and any added meanwhile)
+            hooks.clear()
+            hooks.update({k: h for k, h in before.items() if k in now or not _torch_hook(h)})
+            hooks.update(now)
+            if t.retains_grad:
+                t.grad = grad
+
+
+def _torch_hook(hook: Any) -> bool:
+    """Whether a tensor hook is torch's own (a function or bound method defined in torch,
+    such as FSDP2's ``_pre_backward``), not the user's."""
+    fn = getattr(hook, "func", hook)  # (a functools.partial)
+    return str(getattr(fn, "__module__", None) or "").startswith("torch.")

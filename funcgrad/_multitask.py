@@ -178,9 +178,16 @@ def _validate(
             "of its results without it)."
         )
     named = None if inputs is None else named_inputs(inputs, _CALL)
-    shared, _, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)
+    shared, leaf_names, per_task, graph = _graph.split_leaves(outs, names, mids, named, _CALL)
     own = [tuple(leaves.values()) for leaves in per_task]
     leaves = tuple(shared.values())
+    # Every .grad that will be written is checked before anything runs or is written.
+    shared_names = [leaf_names.get(e, f"shared leaf {i}") for i, e in enumerate(shared)]
+    _sync.check_presets(
+        [*zip(shared_names, leaves)]
+        + [(f"a task-specific leaf of {n}", x) for n, mine in zip(names, own) for x in mine],
+        _CALL,
+    )
     # By default only parameters shape the weights, as jac_to_grad(model.parameters(), ...)
     # (an input that requires grad, such as wav2vec2's, still gets w @ its gradients);
     # with `inputs`, every leaf given does; leaves of neither kind: all of them.
@@ -410,8 +417,10 @@ def backward(
     # Without retain_graph, each loss's backward frees its own part of the graph (where no
     # later loss runs through it) and the last pull the shared part: if anything below
     # raises, the graph counts as spent (a retry raises up front).
-    with _spent_if_raising(task.graph, freed=not retain_graph):
+    with _spent_if_raising(task.graph, freed=not retain_graph), contextlib.ExitStack() as stack:
         cotangents, own, own_grads, all_freed = _collect(task, sync, retain_graph)
+        # `through`'s tensor hooks ran in that backward: not again from `through` down.
+        stack.enter_context(_graph.hooks_fired(task.through))
         lin = _linearize.of_graph(
             task.through,
             task.shared,
@@ -454,16 +463,19 @@ def backward(
             if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
                 update = None  # which its reducer averages into w @ (global per-task gradients)
 
-        # Apply: the one place that writes .grad.
+        # Apply: the one place that writes .grad. As in torch's backward, each leaf's
+        # post-accumulate-grad hooks fire once, on its final .grad, the heads' first.
         taken: set[int] = set()  # the storages given to a .grad in this call
-        if update is None:
+        for leaf, grad in zip(own, own_grads, strict=True):
+            _sync.accumulate(leaf, grad, taken)
+        shared_ids = {id(x) for x in task.shared}  # (a tied leaf: once, after both writes)
+        _sync.post_accumulate([x for x in own if id(x) not in shared_ids])
+        if update is None:  # (torch's backward fires the shared leaves' hooks)
             assert weights is not None and lin.accumulate is not None
             with sync.reducing_backward():
                 lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
         else:
             sync.write(task.shared, update, taken)
-        for leaf, grad in zip(own, own_grads, strict=True):
-            _sync.accumulate(leaf, grad, taken)
     if not retain_graph:  # a later backward through the graph raises before it writes
         # (where a pass freed its part itself, torch refuses there: no hook needed)
         pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)

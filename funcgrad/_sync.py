@@ -127,25 +127,45 @@ class Sync:
         return self.average(pull())
 
     def write(self, leaves: Sequence[torch.Tensor], update: Tensors, taken: set[int]) -> None:
-        """``.grad += update`` on the shared leaves (see :func:`accumulate`)."""
+        """``.grad += update`` on the shared leaves (see :func:`accumulate`), then their
+        post-accumulate-grad hooks, once each."""
         for leaf, u in zip(leaves, update):
             accumulate(leaf, u, taken)
+        post_accumulate(leaves)
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """``leaf.grad += grad``, as autograd's AccumulateGrad does: a first ``.grad`` keeps
-    ``grad`` without a copy only where nothing else holds its storage (``taken``: the
-    storages already given to a leaf in this call, since autograd hands one tensor to every
-    leaf of a sum; and only a tensor that spans its whole storage, not a row of the k
-    stacked per-task gradients, which would keep all k alive: a contiguous view of all of
-    it, as tensordot's reshaped result, is kept); else a copy, so that no two leaves share
-    a ``.grad``."""
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``:
+
+    - a first ``.grad`` keeps ``grad`` without a copy only where nothing else holds its
+      storage (``taken``: the storages already given to a leaf in this call, since autograd
+      hands one tensor to every leaf of a sum; and only a tensor that spans its whole
+      storage, not a row of the k stacked per-task gradients, which would keep all k alive:
+      a contiguous view of all of it, as tensordot's reshaped result, is kept) and whose
+      strides are the leaf's (torch's layout contract: a channels_last weight gets a
+      channels_last ``.grad``); else a copy with the leaf's strides, so that no two leaves
+      share a ``.grad``;
+    - an existing ``.grad`` is added to in place, in no-grad mode (one that requires grad
+      keeps its identity and builds no graph, as torch's); a sparse one meeting a dense
+      update is replaced by their dense sum, as torch replaces it.
+
+    :func:`check_presets` refuses beforehand what torch cannot accumulate into (an expanded
+    ``.grad``), so that an error leaves every ``.grad`` unchanged; :func:`post_accumulate`
+    fires the leaves' post-accumulate-grad hooks once all are written."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
     if current is not None:
-        current.add_(grad)
-    elif grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
+        if current.layout != torch.strided and grad.layout == torch.strided:
+            leaf.grad = grad + current
+        else:
+            with torch.no_grad():
+                current.add_(grad)
+        return
+    want = getattr(leaf, "grad_dtype", None)  # (set on the leaf: torch casts a new .grad)
+    if want is not None and grad.dtype != want:
+        grad = grad.to(want)
+    if grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
         leaf.grad = grad
     else:
         storage = grad.untyped_storage()
@@ -153,12 +173,82 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
             storage.data_ptr() not in taken
             and storage.nbytes() == grad.numel() * grad.element_size()
             and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
+            and _obeys_layout(grad, leaf)
         )
         if not owned:
-            grad = grad.clone(memory_format=torch.contiguous_format)
+            grad = _in_layout_of(grad, leaf)
             storage = grad.untyped_storage()
         leaf.grad = grad
         taken.add(storage.data_ptr())
+
+
+def _obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether ``grad`` has the strides autograd gives a new ``.grad`` of ``leaf``
+    (``obeys_layout_contract``: the leaf's, on every dim of size > 1, for a dense leaf)."""
+    if leaf.is_contiguous():  # (the usual case; is_contiguous ignores size-1 dims)
+        return grad.is_contiguous()
+    return all(
+        n == 1 or a == b for n, a, b in zip(leaf.shape, grad.stride(), leaf.stride(), strict=True)
+    )
+
+
+def _in_layout_of(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad`` with ``leaf``'s strides (``empty_like`` keeps a dense leaf's
+    strides, else gives the nearest memory format), as autograd's ``clone_obey_contract``."""
+    out = torch.empty_like(leaf, dtype=grad.dtype, device=grad.device)
+    return out.copy_(grad)
+
+
+def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None:
+    """Before anything runs or is written: a ValueError for a ``.grad`` that torch's own
+    backward cannot accumulate into either: an expanded (stride-0) one, where torch raises
+    "more than one element of the written-to tensor refers to a single memory location"
+    after it wrote other leaves. ``leaves``: (name, leaf) pairs for the message."""
+    for name, leaf in leaves:
+        grad = leaf.grad
+        if grad is None or grad.layout != torch.strided:
+            continue
+        dims = [d for d, (n, s) in enumerate(zip(grad.shape, grad.stride())) if s == 0 and n > 1]
+        if dims:
+            raise ValueError(
+                f"{call}: the .grad of {name} (shape {tuple(leaf.shape)}) is expanded: stride 0 "
+                f"in dim {dims[0]} (strides {tuple(grad.stride())}), so several of its elements "
+                "share one memory location and nothing can be accumulated into it (torch's "
+                "backward raises there too, after writing other leaves). Nothing was run or "
+                f"written. Give it its own memory (.grad = .grad.clone()) or set it to None."
+            )
+
+
+@contextlib.contextmanager
+def post_accumulate_held(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Around backwards whose ``.grad`` is not the call's final one (FSDP's one backward per
+    task): the leaves' post-accumulate-grad hooks are held back (each hook dict emptied,
+    the same dict torch reads, and refilled after); :func:`post_accumulate` fires them."""
+    held = [(leaf, dict(leaf._post_accumulate_grad_hooks or {})) for leaf in leaves]
+    for leaf, hooks in held:
+        if hooks:
+            leaf._post_accumulate_grad_hooks.clear()
+    try:
+        yield
+    finally:
+        for leaf, hooks in held:
+            if hooks:
+                leaf._post_accumulate_grad_hooks.update(hooks)
+
+
+def post_accumulate(leaves: Sequence[torch.Tensor]) -> None:
+    """Fire each leaf's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``)
+    once, in order, after every ``.grad`` of the call holds its final value: torch fires
+    them once per leaf its backward writes, and optimizers-in-backward and FSDP rely on
+    them. A leaf given twice fires once."""
+    seen: set[int] = set()
+    for leaf in leaves:
+        hooks = leaf._post_accumulate_grad_hooks
+        if id(leaf) in seen or not hooks:
+            continue
+        seen.add(id(leaf))
+        for hook in tuple(hooks.values()):  # (a hook may remove itself)
+            hook(leaf)
 
 
 class GroupSync(Sync):
@@ -443,22 +533,25 @@ class FSDPSync(GroupSync):
         held = [p.grad for p in params]
         for p in params:
             p.grad = None
-        try:
-            yield params
-        except BaseException:
-            self._reset()
-            for p, grad in zip(params, held):
-                p.grad = grad
-            raise
+        with post_accumulate_held(params):  # (FSDP fires them per backward, before the add)
+            try:
+                yield params
+            except BaseException:
+                self._reset()
+                for p, grad in zip(params, held):
+                    p.grad = grad
+                raise
         for p, grad in zip(params, held):
             if grad is not None:
                 p.grad = grad if p.grad is None else grad.add_(p.grad)
 
     @contextlib.contextmanager
     def reducing_backward(self) -> Iterator[None]:
-        """Around the one backward through FSDP (features level)."""
-        with self._grads_set_aside():
+        """Around the one backward through FSDP (features level); then the post-accumulate-
+        grad hooks of the parameters it wrote, once each, on their final ``.grad``."""
+        with self._grads_set_aside() as params:
             yield
+        post_accumulate([p for p in params if p.grad is not None])
 
     def task_gradients(
         self,
@@ -525,6 +618,7 @@ class FSDPSync(GroupSync):
                 p.grad = grad
             else:
                 p.grad.add_(grad)
+        post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
 
 
 def _local(tensor: Any) -> torch.Tensor:

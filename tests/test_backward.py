@@ -1299,3 +1299,397 @@ def test_a_second_backward_where_torch_freed_the_graph_is_refused_and_writes_not
     assert counter.backward == 0  # (refused in the losses' own backward, the cheap part)
     for p, grad in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(p.grad, grad)
+
+
+# -- hooks: as torch's backward fires them (issue 42, item 2) ---------------------------------
+
+
+def _hooked(where, hook):
+    """The multi-task model with ``hook`` registered at ``where``; (model, features, losses,
+    calls): ``calls`` counts the hook's calls."""
+    model, x, targets = _setup()
+    calls = []
+
+    def counted_hook(*args):
+        calls.append(1)
+        return hook(*args)
+
+    def on_output(module):  # a forward hook that only registers a tensor hook on the output
+        module.register_forward_hook(lambda m, i, out: out.register_hook(counted_hook) and None)
+
+    if where == "below":  # an intermediate tensor of the shared encoder
+        on_output(model.encoder[0])
+    elif where == "above":  # an intermediate tensor of one head
+        on_output(model.heads[0])
+    elif where == "parameter":
+        model.encoder[0].weight.register_hook(counted_hook)
+    elif where == "head parameter":
+        model.heads[1].weight.register_hook(counted_hook)
+    elif where == "input":
+        x.requires_grad_()
+        x.register_hook(counted_hook)
+    elif where == "encoder module":  # (a layer whose input requires grad)
+        model.encoder[2].register_full_backward_hook(counted_hook)
+    elif where == "head module":
+        model.heads[0].register_full_backward_hook(counted_hook)
+    features = model.features(x)
+    if where == "through":
+        features[0].register_hook(counted_hook)
+    elif where == "retain_grad":
+        features[0].retain_grad()
+    losses = model.losses(features, targets)
+    if where == "loss":
+        losses[1].register_hook(counted_hook)
+    return model, x, features, losses, calls
+
+
+_TENSOR_HOOKS = ["through", "below", "above", "loss", "parameter", "head parameter", "input"]
+_HOOK_CASES = [
+    *[(where, "double") for where in _TENSOR_HOOKS],
+    *[(where, "observe") for where in _TENSOR_HOOKS],
+    ("encoder module", "observe module"),
+    ("encoder module", "scale inputs"),
+    ("head module", "observe module"),
+    ("head module", "scale inputs"),
+    ("retain_grad", None),
+]
+_HOOKS = {
+    "double": lambda g: 2 * g,
+    "observe": lambda g: None,
+    # a module's full backward hook: (module, grad_input, grad_output) -> new grad_input
+    "observe module": lambda m, gi, go: None,
+    "scale inputs": lambda m, gi, go: tuple(None if g is None else 3 * g for g in gi),
+    None: None,
+}
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize(("where", "kind"), _HOOK_CASES)
+def test_hooks_fire_once_per_backward_as_in_sum_backward(where, kind, level):
+    """With weighting=None, every hook fires as often as in ``sum(losses).backward()`` and
+    the .grad are its: a tensor hook on `through` fired twice before (once in each loss's
+    backward to `through`, again in the pass from `through` down: 2x the gradient), and a
+    retained `through.grad` got the sum twice."""
+    model, x, features, losses, calls = _hooked(where, _HOOKS[kind])
+    sum(losses).backward()
+    expected, expected_calls = _grads(model), len(calls)
+    expected_x = None if x.grad is None else x.grad.clone()
+    expected_retained = features[0].grad if where == "retain_grad" else None
+
+    model, x, features, losses, calls = _hooked(where, _HOOKS[kind])
+    funcgrad.backward(losses, through=features, level=level)
+    assert_tree_close(_grads(model), expected)
+    assert len(calls) == expected_calls
+    if expected_x is not None:
+        assert_tree_close(x.grad, expected_x)
+    if where == "retain_grad":
+        assert_tree_close(features[0].grad, expected_retained)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("hook", ["double", "clip"])
+def test_a_hook_on_through_fires_once_per_loss_at_the_weighted_levels(level, hook):
+    """At the weighted levels each loss's gradient on `through` goes through `through`'s
+    hooks once, as in that loss's own ``torch.autograd.grad`` (a nonlinear hook too), and
+    the update is ``w @`` those per-task gradients: reference built loss by loss."""
+    fn = {"double": lambda g: 2 * g, "clip": lambda g: g.clamp(-0.01, 0.01)}[hook]
+    w = torch.tensor([0.2, 0.3, 0.5])
+    model, _, features, losses, calls = _hooked("through", fn)
+    params = model.shared()
+    per_task = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    expected = [sum(wi * g[j] for wi, g in zip(w, per_task)) for j in range(len(params))]
+    assert len(calls) == 3
+
+    model, _, features, losses, calls = _hooked("through", fn)
+    funcgrad.backward(losses, through=features, level=level, weighting=lambda gramian: w)
+    assert_tree_close([p.grad for p in model.shared()], expected)
+    assert len(calls) == 3  # once per loss, as in the reference
+
+
+def test_a_linear_hook_on_through_is_applied_once_where_torchjd_applies_it_twice():
+    """TorchJD's ``mtl_backward`` runs `through`'s hooks in the backward of each loss and
+    again in its pass from `through` down; funcgrad runs them once. So funcgrad with a
+    doubling hook on `through` equals TorchJD without a hook on doubled losses."""
+    model, _, features, losses, _ = _hooked("through", lambda g: 2 * g)
+    funcgrad.backward(losses, through=features, weighting=tjd.UPGradWeighting())
+    got = [p.grad for p in model.shared()]
+
+    model, x, targets = _setup()
+    features = model.features(x)
+    mtl_backward([2 * loss for loss in model.losses(features, targets)], features)
+    jac_to_grad(model.shared(), tjd.UPGrad())
+    assert_tree_close(got, [p.grad for p in model.shared()])
+
+
+_LEVELS = [
+    {},
+    {"level": "features"},
+    {"weighting": tjd.UPGradWeighting()},
+    {"weighting": tjd.UPGradWeighting(), "level": "features"},
+]
+
+
+@pytest.mark.parametrize("kwargs", _LEVELS)
+@pytest.mark.parametrize("preset", [False, True])
+def test_post_accumulate_grad_hooks_fire_once_per_leaf_on_its_final_grad(kwargs, preset):
+    """Every leaf written fires its post-accumulate-grad hooks once, after its .grad holds
+    its final value, the heads' leaves before the shared ones (as torch's engine reaches
+    them); they never fired before. With weighting=None the values are
+    ``sum(losses).backward()``'s, whose hooks fire alike."""
+
+    def run(backward):
+        model, x, targets = _setup()
+        seen = []
+        for name, p in model.named_parameters():
+            if preset:
+                p.grad = torch.full_like(p, 0.5)
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: seen.append((name, p.grad.clone()))
+            )
+        features = model.features(x)
+        backward(model.losses(features, targets), features)
+        return model, seen
+
+    model, seen = run(
+        lambda losses, features: funcgrad.backward(losses, through=features, **kwargs)
+    )
+    names = [name for name, _ in seen]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # once each
+    assert_tree_close(dict(seen), _grads(model))  # on the final .grad
+    shared = {f"encoder.{n}" for n, _ in model.encoder.named_parameters()}
+    first_shared = min(i for i, n in enumerate(names) if n in shared)
+    assert all(n in shared for n in names[first_shared:])  # the heads' first
+    if not kwargs:
+        _, expected = run(lambda losses, features: sum(losses).backward())
+        assert_tree_close(dict(seen), dict(expected))
+
+
+def test_post_accumulate_grad_hooks_run_an_optimizer_in_backward_as_torch():
+    """The optimizer-in-backward recipe (one SGD step per parameter in its hook, then
+    ``.grad = None``) gives torch's parameters with weighting=None."""
+
+    def step(p):
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+
+    def run(backward):
+        model, x, targets = _setup()
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+        features = model.features(x)
+        backward(model.losses(features, targets), features)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}, _grads(model)
+
+    got, got_grads = run(lambda losses, features: funcgrad.backward(losses, through=features))
+    expected, _ = run(lambda losses, features: sum(losses).backward())
+    assert_tree_close(got, expected)
+    assert not got_grads
+
+
+# -- .grad presets: as torch's AccumulateGrad, checked before anything runs (item 8) ----------
+
+
+def _backward_with(prepare, how, model_fn=None):
+    """(model, error) after ``prepare(model)`` then ``how``: "torch" (``sum(losses)
+    .backward()``) or the kwargs of ``funcgrad.backward``."""
+    model, x, targets = _setup() if model_fn is None else model_fn()
+    prepare(model)
+    features = model.features(x)
+    losses = model.losses(features, targets)
+    try:
+        if how == "torch":
+            sum(losses).backward()
+        else:
+            funcgrad.backward(losses, through=features, **how)
+    except (RuntimeError, ValueError) as error:
+        return model, error
+    return model, None
+
+
+def _with_grad(name, make):
+    def prepare(model):
+        p = model.get_parameter(name)
+        grad = make(p)
+        if grad is not None:
+            p.grad = grad
+
+    return prepare
+
+
+def _ones(gramian):
+    return torch.ones(gramian.shape[0])
+
+
+# (weights all ones: the weighted paths, whose .grad is sum(losses).backward()'s)
+_ALL_LEVELS = [
+    {},
+    {"level": "features"},
+    {"weighting": _ones},
+    {"weighting": _ones, "level": "features"},
+]
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+@pytest.mark.parametrize("name", ["encoder.2.weight", "heads.1.weight"])
+@pytest.mark.parametrize("leaf", [True, False])
+def test_a_grad_that_requires_grad_is_accumulated_into_in_place_as_torch(kwargs, name, leaf):
+    """torch's backward (without create_graph) adds into a .grad that requires grad in
+    place, in no-grad mode: same object, still requiring grad, no graph added. funcgrad
+    raised ("a leaf Variable that requires grad ...") after writing other leaves."""
+
+    presets = []
+
+    def make(p):
+        grad = torch.full_like(p, 0.5, requires_grad=True)
+        presets.append(grad if leaf else grad * 1)
+        return presets[-1]
+
+    model, error = _backward_with(_with_grad(name, make), "torch")
+    assert error is None and model.get_parameter(name).grad is presets[0]
+    expected = _grads(model)
+    model, error = _backward_with(_with_grad(name, make), kwargs)
+    assert error is None
+    grad = model.get_parameter(name).grad
+    assert grad is presets[1] and grad.requires_grad and grad.is_leaf == leaf
+    assert_tree_close(_grads(model), expected)
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+@pytest.mark.parametrize("name", ["encoder.2.bias", "heads.1.weight"])
+def test_an_expanded_grad_is_refused_before_anything_runs_or_is_written(kwargs, name):
+    """torch cannot accumulate into an expanded (stride-0) .grad either: it raises after
+    writing other leaves. funcgrad refuses it before any pass, with every .grad as it was."""
+    model, error = _backward_with(
+        _with_grad(name, lambda p: torch.ones(1).expand(p.shape)), "torch"
+    )
+    assert isinstance(error, RuntimeError) and "single memory location" in str(error)
+
+    counter = BackwardCounter()
+    model, x, targets = _setup(counter=counter)
+    p = model.get_parameter(name)
+    p.grad = torch.ones(1).expand(p.shape)
+    features = model.features(x)
+    match = r"funcgrad\.backward.*\.grad of .* is expanded: stride 0 in dim 0.*\.clone\(\)"
+    with pytest.raises(ValueError, match=match):
+        funcgrad.backward(model.losses(features, targets), through=features, **kwargs)
+    assert counter.backward == 0
+    assert list(_grads(model)) == [name]
+
+
+class _ConvModel(torch.nn.Module):
+    """A channels_last convolution as the shared encoder, two heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(36, 1) for _ in range(2))
+
+    def features(self, x):
+        return (self.conv(x).flatten(1),)
+
+    def losses(self, features, targets):
+        return [
+            (head(features[0]) - targets[:, i : i + 1]).pow(2).mean()
+            for i, head in enumerate(self.heads)
+        ]
+
+
+def _conv_setup():
+    torch.manual_seed(0)
+    return _ConvModel(), torch.randn(2, 3, 5, 5), torch.randn(2, 2)
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+@pytest.mark.parametrize("preset", [False, True])
+def test_a_channels_last_weight_gets_grad_with_its_strides_as_torch(kwargs, preset):
+    """A new .grad takes the parameter's strides (torch's layout contract), an existing one
+    keeps its own: a channels_last conv weight got a contiguous .grad at level "params"."""
+
+    def prepare(model):
+        if preset:  # a .grad from an earlier backward, in torch's layout
+            model.conv.weight.grad = torch.ones_like(model.conv.weight)
+
+    model, _ = _backward_with(prepare, "torch", _conv_setup)
+    expected, strides = _grads(model), model.conv.weight.grad.stride()
+    assert strides == model.conv.weight.stride() != model.conv.weight.contiguous().stride()
+    model, error = _backward_with(prepare, kwargs, _conv_setup)
+    assert error is None
+    assert model.conv.weight.grad.stride() == strides
+    assert_tree_close(_grads(model), expected)
+
+
+def _sparse(p):
+    return torch.zeros_like(p).to_sparse()
+
+
+def _view(p):
+    return torch.zeros(2, *p.shape)[1]
+
+
+def _float32(p):  # (a .grad of another dtype than its parameter, which torch allows then)
+    p.grad_dtype = None
+    return torch.full_like(p, 0.5, dtype=torch.float32)
+
+
+def _grad_dtype(p):  # (no .grad yet; torch makes a new one of this dtype)
+    p.grad_dtype = torch.float32
+
+
+def _zeros(p):
+    return torch.zeros_like(p)
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+@pytest.mark.parametrize("name", ["encoder.2.weight", "heads.1.weight"])
+@pytest.mark.parametrize("make", [_sparse, _view, _float32, _grad_dtype, _zeros])
+def test_grad_presets_are_accumulated_as_torch(kwargs, name, make):
+    """A sparse .grad meeting a dense gradient is replaced by their dense sum (funcgrad
+    raised after writing other leaves); a view is added into in place (its base sees it);
+    a .grad of another dtype than its parameter (``grad_dtype=None``) is added into in
+    place, and a ``grad_dtype`` set on the parameter gives a new .grad of that dtype (funcgrad
+    raised torch's assignment error after writing other leaves); zeros, as
+    ``zero_grad(set_to_none=False)`` leaves them, are added into."""
+    model, error = _backward_with(_with_grad(name, make), "torch")
+    assert error is None
+    expected = _grads(model)
+    model, error = _backward_with(_with_grad(name, make), kwargs)
+    assert error is None
+    grad = model.get_parameter(name).grad
+    assert grad.layout == expected[name].layout and grad.dtype == expected[name].dtype
+    # (a float32 .grad: float64 sums that differ in the last bit may round apart)
+    tolerance = {"rtol": 1e-6, "atol": 1e-7} if grad.dtype == torch.float32 else {}
+    assert_tree_close(
+        {n: g.to_dense().double() for n, g in _grads(model).items()},
+        {n: g.to_dense().double() for n, g in expected.items()},
+        **tolerance,
+    )
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+def test_zero_grad_without_none_keeps_every_grad_object(kwargs):
+    """After ``zero_grad(set_to_none=False)`` every .grad is added into in place, as torch's."""
+    model, x, targets = _setup()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    held = {n: p.grad for n, p in model.named_parameters()}
+    features = model.features(x)
+    funcgrad.backward(model.losses(features, targets), through=features, **kwargs)
+    assert all(p.grad is held[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("kwargs", _ALL_LEVELS)
+def test_a_leaf_given_twice_in_inputs_is_written_once(kwargs):
+    """As ``torch.autograd.backward(..., inputs=[p, p])``: the gradient once."""
+    model, x, targets = _setup()
+    shared = model.shared()
+    features = model.features(x)
+    sum(model.losses(features, targets)).backward(inputs=[shared[0], *shared])
+    expected = [p.grad for p in shared]
+    model, x, targets = _setup()
+    shared = model.shared()
+    features = model.features(x)
+    funcgrad.backward(
+        model.losses(features, targets), through=features, inputs=[shared[0], *shared], **kwargs
+    )
+    assert_tree_close([p.grad for p in shared], expected)

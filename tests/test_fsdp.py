@@ -82,6 +82,11 @@ def _agreement(rank, mesh):
                 ref_params = [*ref_encoder.parameters(), *ref_heads.parameters()]
                 optimizer = torch.optim.SGD(params, lr=0.1)
                 ref_optimizer = torch.optim.SGD(ref_params, lr=0.1)
+                fired = []  # post-accumulate-grad hooks: once per parameter, on its final .grad
+                for p in params:
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, fired=fired: fired.append((p, _local(p.grad).clone()))
+                    )
                 for step in range(2):  # the second step accumulates into the first's .grad
                     features, losses = task_losses(encoder, heads, x[shard], y[shard])
                     weights = funcgrad.backward(
@@ -96,6 +101,10 @@ def _agreement(rank, mesh):
                         losses, through=features, weighting=WEIGHTINGS[name](), level=level
                     )
                     torch.testing.assert_close(weights, want, msg=f"{label} step {step}")
+                    assert sorted(map(id, params)) == sorted(id(p) for p, _ in fired), label
+                    for p, seen in fired:
+                        torch.testing.assert_close(seen, _local(p.grad), rtol=0, atol=0)
+                    fired.clear()
                     for p, q in zip(params, ref_params):
                         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                         torch.testing.assert_close(
@@ -106,6 +115,10 @@ def _agreement(rank, mesh):
                 for p, q in zip(encoder.parameters(), ref_encoder.parameters()):
                     assert type(p).__name__ == "DTensor", label  # the optimizer's objects
                     torch.testing.assert_close(p.full_tensor(), q, rtol=1e-7, atol=1e-9)
+
+
+def _local(tensor):
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class _Whole(torch.nn.Module):

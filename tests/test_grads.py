@@ -447,3 +447,97 @@ def test_empty_inputs_leave_nothing_freed_below_through_so_the_graph_is_marked()
     assert got.shape == (2, 0)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         funcgrad.grads([(y**2).sum(), y.pow(3).sum()], x, through=y)
+
+
+# -- hooks: as in one torch.autograd.grad per output (issue 42, item 2) -----------------------
+
+
+def _hooked_graph(where, hook):
+    """(outputs, params, y, calls): three outputs of y = tanh(lin2(tanh(lin1(x)))), with
+    ``hook`` at ``where``; ``calls`` counts its calls."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(3, 4), torch.nn.Linear(4, 5)
+    calls = []
+
+    def counted_hook(g):
+        calls.append(1)
+        return hook(g)
+
+    if where == "parameter":
+        lin1.weight.register_hook(counted_hook)
+    a = lin1(torch.randn(6, 3))
+    if where == "below":
+        a.register_hook(counted_hook)
+    y = torch.tanh(lin2(torch.tanh(a)))
+    if where == "through":
+        y.register_hook(counted_hook)
+    elif where == "retain_grad":
+        y.retain_grad()
+    outputs = [(y * (i + 1)).sin().sum() for i in range(3)]
+    return outputs, [*lin1.parameters(), *lin2.parameters()], y, calls
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("hook", ["double", "observe", "clip"])
+@pytest.mark.parametrize("where", ["through", "below", "parameter", "retain_grad"])
+def test_hooks_fire_as_in_one_autograd_grad_per_output(where, hook, chunk_size):
+    """A tensor hook on `through` ran in each output's backward to `through` and again in
+    the pass from `through` down: twice torch's gradient for ``2 * g``. Now every hook gives
+    the values of ``torch.autograd.grad`` output by output, and a retained ``through.grad``
+    is theirs. Calls: once per output on `through` and above; below `through`, once per
+    batched pass (one, under vmap, with each output's gradient a row: a row-wise hook such
+    as a clip gives torch's values), once per output with ``chunk_size=1``."""
+    fn = {
+        "double": lambda g: 2 * g,
+        "observe": lambda g: None,
+        "clip": lambda g: g.clamp(-0.1, 0.1),
+    }[hook]
+    outputs, params, y, calls = _hooked_graph(where, fn)
+    expected = [
+        torch.stack(rows)
+        for rows in zip(*[torch.autograd.grad(z, params, retain_graph=True) for z in outputs])
+    ]
+    expected_calls = len(calls)
+    expected_retained = y.grad.clone() if where == "retain_grad" else None
+
+    outputs, params, y, calls = _hooked_graph(where, fn)
+    got = funcgrad.grads(outputs, params, through=y, chunk_size=chunk_size)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11)
+    batched = where in ("below", "parameter") and chunk_size is None
+    assert len(calls) == (1 if batched and expected_calls else expected_calls)
+    if where == "retain_grad":
+        torch.testing.assert_close(y.grad, expected_retained, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("where", ["module", "parameter"])
+def test_hooks_below_through_see_the_outputs_gradients_where_k_exceeds_through(where):
+    """With more outputs than `through` has coordinates, `grads` pulls `through`'s unit
+    directions and combines them: a hook below `through` would see those, and a nonlinear one
+    (a clamp) gave a wrong answer. A module's full backward hook and a hook on an input can
+    be seen in the graph: the k outputs' gradients themselves are then pulled."""
+    clamp = {
+        "module": lambda m, gi, go: tuple(g.clamp(-0.1, 0.1) for g in gi),
+        "parameter": lambda g: g.clamp(-0.1, 0.1),
+    }[where]
+
+    def graph():
+        torch.manual_seed(0)
+        lin1, lin2 = torch.nn.Linear(3, 4), torch.nn.Linear(4, 4)
+        if where == "module":
+            lin2.register_full_backward_hook(clamp)
+        else:
+            lin1.weight.register_hook(clamp)
+        y = torch.tanh(lin2(torch.tanh(lin1(torch.randn(6, 3))))).sum(0)[:2]  # m = 2 < k = 3
+        outputs = [(y * (i + 1)).sin().sum() * 10 for i in range(3)]
+        return outputs, [*lin1.parameters(), *lin2.parameters()], y
+
+    outputs, params, y = graph()
+    expected = [
+        torch.stack(rows)
+        for rows in zip(*[torch.autograd.grad(z, params, retain_graph=True) for z in outputs])
+    ]
+    outputs, params, y = graph()
+    got = funcgrad.grads(outputs, params, through=y)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11)
