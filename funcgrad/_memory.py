@@ -112,15 +112,20 @@ def _available(device: torch.device) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 8 * 2**30
 
 
-def budget(device: torch.device) -> int:
-    """The budget in force: the block's, else the environment's, else half of free memory."""
+def setting() -> int | None:
+    """The budget set: the block's, else the environment's (read at every call: it may
+    change; a bad string is a ValueError), else None."""
     block = _block.get()
     if block is not None:
         return block
     env = os.environ.get(_ENV, "").strip()
-    if env:
-        return parse_bytes(env, f"environment variable {_ENV}")
-    return int(DEFAULT_SHARE * _available(device))
+    return parse_bytes(env, f"environment variable {_ENV}") if env else None
+
+
+def budget(device: torch.device) -> int:
+    """The budget in force: the block's, else the environment's, else half of free memory."""
+    nbytes = setting()
+    return nbytes if nbytes is not None else int(DEFAULT_SHARE * _available(device))
 
 
 class LivePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]
