@@ -350,17 +350,15 @@ def fit_chunk(
     pulled twice). None where nothing is fitted: values cannot be read (compiled code,
     inside transforms: unchunked), or one direction and nothing measured yet."""
     # Values first: inside compiled code, dynamo cannot trace the context variable.
+    if torch.compiler.is_compiling():
+        return [], None
+    _memory.setting()  # a bad budget string is refused before any pass, fitted or not
     if not values_readable(like):
-        if not torch.compiler.is_compiling():  # (nothing to fit, but a bad budget string is
-            _memory.setting()  # refused as by a call that fits)
         return [], None
     record = _fitted.get()
     record = record if record is not None else ChunkFit()  # (None: measure on every call)
     if not record.measures(total):
-        if not record.measured:  # (one direction: nothing to fit; as above)
-            _memory.setting()
-            return [], None
-        return [], record.chunk(what)
+        return [], record.chunk(what) if record.measured else None
     return measure_fit(record, run, like[0].device, total), record.chunk(what)
 
 

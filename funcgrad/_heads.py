@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _coords, _engine, _function, _tree
+from . import _coords, _engine, _function, _memory, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
@@ -750,7 +750,10 @@ class Composition:
         if record is None:
             return None
         fit = record.fit
-        return fit.chunk() if fit is not None and fit.measured else "auto"
+        if fit is not None and fit.measured:
+            return fit.chunk()
+        _memory.setting()  # (a bad budget string is refused here too)
+        return "auto"
 
     def _measuring(self, flat: FlatFunction, plan: Plan) -> Plan:
         """``plan`` with ``chunk_size="auto"`` where the call measures again: a record fitted
