@@ -1052,10 +1052,12 @@ class ComposedHeads(Generic[R]):
         tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
         without gradients as well. Neither writes a buffer or advances a generator, but f's
         Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
-        after it makes. With ``chunk_size="auto"``, where these argument shapes were never
-        measured, f and its pullback of three directions run once (random draws restored)
-        to measure the chunk, as the first call would; the call then uses that
-        measurement, so ``passes`` is its count.
+        after it makes. With ``chunk_size="auto"``, where the call would measure (these
+        argument shapes never measured, or measured on one direction alone and the budget
+        now allowing more), f and the pullbacks the call would measure run once (one
+        direction alone, then two and three in a vmap where they fit; random draws
+        restored), as the call would; the call then uses that measurement, so ``passes``
+        is its count.
         """
         composition = self._composition
         flat = composition.flat(args)

@@ -72,7 +72,9 @@ def parse_bytes(text: str, where: str) -> int:
 @contextlib.contextmanager
 def memory_budget(nbytes: int | str) -> Iterator[None]:
     """The memory that ``chunk_size="auto"`` may use for one chunk of directions, inside a
-    ``with`` block (this thread or asyncio task only); blocks nest, the innermost wins.
+    ``with`` block (this thread or asyncio task only: a thread started inside it does not
+    see it; a task created inside it does, asyncio copying the context); blocks nest, the
+    innermost wins at each call.
 
     Args:
         nbytes: bytes, or a string with a unit (``"512MiB"``, ``"2GB"``).
@@ -89,8 +91,9 @@ def memory_budget(nbytes: int | str) -> Iterator[None]:
     Notes:
         Without a block, ``FUNCGRAD_MEMORY_BUDGET`` (same forms), else half of the memory
         free when the call starts. The budget bounds the transient memory of one chunk (what
-        its pullbacks allocate above what is already held); the answer itself, k gradients,
-        is held whatever the chunks.
+        its pullbacks allocate above what is already held, temporaries included); the
+        answer itself, k gradients, is held whatever the chunks. Below one direction, each
+        direction runs alone (one warning per budget), from the first.
     """
     where = "funcgrad.memory_budget(nbytes)"
     value = parse_bytes(nbytes, where) if isinstance(nbytes, str) else _check(nbytes, where)

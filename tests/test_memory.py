@@ -754,6 +754,18 @@ def test_a_budget_is_per_thread_and_per_task():
 
     assert asyncio.run(both()) == [(5, 5), (1, 1)]
 
+    async def created_inside():  # a task created inside a block copies it (asyncio's rule)
+        async def plan_passes():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+                return fn.plan(_X).passes
+
+        with funcgrad.memory_budget(1000):
+            task = asyncio.create_task(plan_passes())
+        return await task, fn.plan(_X).passes
+
+    assert asyncio.run(created_inside()) == (5, 1)
+
 
 def test_pullback_many_below_one_direction_runs_one_a_pass():
     """(issue 42) 7 cotangents under a budget below one direction took 4-5 passes (the
