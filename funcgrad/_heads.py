@@ -631,7 +631,9 @@ class Composition:
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
-                return self._measuring(flat, make_plan("auto", self.k, m, n, chunk, forward=False))
+                return self._measuring(
+                    flat, make_plan("auto", self.k, m, n, chunk, forward=False), chunk
+                )
             forward = m_before is not None
             return self._measuring(
                 flat,
@@ -650,6 +652,7 @@ class Composition:
                     engine_trial=trial,
                     engine_why=why,
                 ),
+                chunk,
             )
 
         return plan
@@ -755,14 +758,15 @@ class Composition:
         _memory.setting()  # (a bad budget string is refused here too)
         return "auto"
 
-    def _measuring(self, flat: FlatFunction, plan: Plan) -> Plan:
+    def _measuring(self, flat: FlatFunction, plan: Plan, chunk: ChunkSize) -> Plan:
         """``plan`` with ``chunk_size="auto"`` where the call measures again: a record fitted
-        on one direction alone, whose fit on two vmapped chunks the budget now allows."""
-        record = self.signature(flat) if self.chunk_size == "auto" else None
+        on one direction alone, whose fit on two vmapped chunks the budget now allows.
+        ``chunk``: the fitted chunk the plan was made with (:meth:`_chunk`)."""
+        if not isinstance(chunk, int) or self.chunk_size != "auto" or plan.chunk_size != chunk:
+            return plan  # (not fitted, or measured unbatched calls faster: no vmapped chunk)
+        record = self.signature(flat)
         fit = record.fit if record is not None else None
-        if fit is None or not fit.measured or plan.strategy not in ("vjp", "jacrev"):
-            return plan
-        if plan.chunk_size != fit.chunk(warn=False):  # (measured unbatched calls faster)
+        if fit is None or plan.strategy not in ("vjp", "jacrev"):
             return plan
         return (
             dataclasses.replace(plan, chunk_size="auto") if fit.measures(plan.directions) else plan

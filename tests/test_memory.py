@@ -819,3 +819,25 @@ def test_a_bad_budget_string_is_refused_by_every_call_that_consults_it(monkeypat
         with pytest.raises(ValueError, match=bad):
             call()
     assert counter.backward == 0  # (refused before any pass)
+
+
+def test_a_fit_on_one_direction_alone_is_completed_when_the_budget_allows():
+    """A first call under a budget of two directions measures direction 0 alone (three at
+    once would be over it); a later call under a large budget fits on two vmapped chunks, so
+    that the first call's budget does not stay in the record: its chunk is a fresh object's,
+    and plan() says the passes each call runs."""
+    f, counter = _temporaries_case()
+    heads = [lambda y, i=i: (y * y).sum() * (i + 1) + y[i] for i in range(12)]
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    fresh = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    with funcgrad.memory_budget(40 * 2**20):
+        counter.reset()
+        fn(_X)
+        assert counter.backward == 1 + 6  # direction 0 alone, then 11 two at a time
+    with funcgrad.memory_budget("1GiB"):
+        plan = fn.plan(_X)  # measures as the call would: two vmapped chunks
+        assert plan.exact and plan.chunk_size == fresh.plan(_X).chunk_size > 12
+        counter.reset()
+        _, grads = fn(_X)
+        assert counter.backward == plan.passes == 1
+    torch.testing.assert_close(grads, _per_head_reference(f, _X, heads))
