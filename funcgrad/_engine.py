@@ -35,7 +35,7 @@ from . import _coords, _graph, _linearize, _memory
 from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
-from ._plan import FIT_MIN, FIT_RANGES, Plan
+from ._plan import FIT_MIN, FIT_PROBE, FIT_RANGES, Plan
 from ._types import ChunkSize, Tensors
 from ._validate import mismatch, values_readable
 
@@ -247,31 +247,60 @@ class ChunkFit:
 
     Every direction through one linearisation costs the same, so one record serves every
     chunked map of a signature (``jacrev``'s unit rows, ``vjp``'s cotangents, the
-    non-finite recompute). It holds no tensor.
+    non-finite recompute). It holds no tensor. Measured on one direction alone (not
+    ``paired``), a chunk of d directions is taken to cost d times its peak (never less than
+    it does while the cost is a fixed part plus a part per direction); the first later call
+    whose budget and directions allow it then fits on two vmapped chunks (see
+    :func:`measure_fit`), so that the first call's budget does not stay in the record.
     """
 
-    fixed: int | None = None  # bytes whatever the chunk; None: not measured yet
-    per_direction: int = 1  # bytes for each direction in a chunk
+    # (fixed bytes whatever the chunk, bytes for each direction in a chunk); None: not
+    # measured yet. One tuple, replaced whole: a call in another thread reads either fit.
+    cost: tuple[int, int] | None = None
     device: torch.device | None = None
     warned: int | None = None  # the budget last warned about (below one direction)
+    paired: bool = False  # fitted on two vmapped chunks, not only on one direction alone
 
     @property
     def measured(self) -> bool:
-        return self.fixed is not None
+        return self.cost is not None
+
+    @property
+    def fixed(self) -> int | None:
+        return None if self.cost is None else self.cost[0]
+
+    @property
+    def per_direction(self) -> int:
+        return 1 if self.cost is None else self.cost[1]
+
+    def measures(self, total: int) -> bool:
+        """Whether a call of ``total`` directions measures (:func:`measure_fit`) under the
+        budget in force."""
+        if total <= FIT_PROBE[1]:
+            return False
+        return self.cost is None or (not self.paired and self.pair_fits(total))
+
+    def pair_fits(self, remaining: int) -> bool:
+        """Whether :data:`FIT_RANGES` run with at least one direction left after them, and
+        their larger chunk fits the budget by what is measured (never past it)."""
+        largest = max(stop - start for start, stop in FIT_RANGES)
+        return remaining > FIT_MIN and self.chunk(warn=False) >= largest
 
     def chunk(self, what: str = "f's pullback", *, warn: bool = True) -> int:
         """The most directions a chunk may hold under the budget in force, at least 1: below
         one direction, one at a time, with one warning per budget (``warn``)."""
-        assert self.fixed is not None and self.device is not None, "measure first"
-        budget = _memory.budget(self.device)
-        fit = (budget - self.fixed) // self.per_direction
+        cost, device = self.cost, self.device
+        assert cost is not None and device is not None, "measure first"
+        fixed, per_direction = cost
+        budget = _memory.budget(device)
+        fit = (budget - fixed) // per_direction
         if fit >= 1:
             return int(fit)
         if warn and self.warned != budget:
             self.warned = budget
             warnings.warn(
                 f"funcgrad: chunk_size='auto': one direction through {what} needs about "
-                f"{(self.fixed + self.per_direction) / 2**20:.3g} MiB, more than the memory "
+                f"{(fixed + per_direction) / 2**20:.3g} MiB, more than the memory "
                 f"budget of {budget / 2**20:.3g} MiB; running one direction at a time. Raise "
                 "the budget (funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
                 FuncgradWarning,
@@ -313,42 +342,61 @@ def remembering_chunks(record: ChunkFit) -> Iterator[None]:
 
 def fit_chunk(
     run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
-) -> tuple[list[Tensors], int | None]:
-    """``chunk_size="auto"``: (the results of the directions run to measure, the chunk for
-    the rest). Where the running object's :class:`ChunkFit` has measured, its chunk under
-    the budget in force, nothing run. Else directions 0-1 and 2-4 run as two vmapped chunks
-    (:data:`FIT_RANGES`), each under a peak-memory measurement (their results are kept: no
-    direction is pulled twice); their difference is what a direction costs, and the chunk
-    is the most directions that fit the budget. None where nothing is fitted: values cannot
-    be read (compiled code, inside transforms: unchunked), or 5 directions or fewer and
-    nothing measured yet (measuring would run them all anyway)."""
+) -> tuple[list[tuple[int, int, Tensors]], int | None]:
+    """``chunk_size="auto"``: (the directions run to measure, as (start, stop, results) in
+    order, and the chunk for the rest). Where the running object's :class:`ChunkFit` needs
+    no measurement, its chunk under the budget in force, nothing run; else
+    :func:`measure_fit` runs the first directions (their results are kept: no direction is
+    pulled twice). None where nothing is fitted: values cannot be read (compiled code,
+    inside transforms: unchunked), or one direction and nothing measured yet."""
     # Values first: inside compiled code, dynamo cannot trace the context variable.
+    if torch.compiler.is_compiling():
+        return [], None
+    _memory.setting()  # a bad budget string is refused before any pass, fitted or not
     if not values_readable(like):
         return [], None
     record = _fitted.get()
-    if record is not None and record.measured:
-        return [], record.chunk(what)
-    if total <= FIT_MIN:
-        return [], None
-    record = record if record is not None else ChunkFit()
-    return measure_fit(record, run, like[0].device), record.chunk(what)
+    record = record if record is not None else ChunkFit()  # (None: measure on every call)
+    if not record.measures(total):
+        return [], record.chunk(what) if record.measured else None
+    return measure_fit(record, run, like[0].device, total), record.chunk(what)
 
 
 def measure_fit(
-    record: ChunkFit, run: Callable[[int, int], Tensors], device: torch.device
-) -> list[Tensors]:
-    """Fill ``record`` from the peak memory of ``run`` on :data:`FIT_RANGES`; their results."""
-    (start, stop), (start2, stop2) = FIT_RANGES
+    record: ChunkFit, run: Callable[[int, int], Tensors], device: torch.device, total: int
+) -> list[tuple[int, int, Tensors]]:
+    """Fill ``record`` from the peak memory of ``run`` on the first of ``total`` directions,
+    leaving at least one for the caller (whose last pass may free a graph); the (start,
+    stop, results) run, in order.
+
+    Unmeasured, direction 0 alone first (:data:`FIT_PROBE`, an unbatched call): a budget
+    below what it took is one direction a pass from the first, and a chunk is taken to cost
+    that peak per direction. Where that allows the larger of :data:`FIT_RANGES` and more
+    than :data:`FIT_MIN` directions remain, the next ones run as two vmapped chunks, whose
+    difference is what a direction costs in a vmap (one direction alone runs unbatched,
+    whose peak is not a vmapped direction's)."""
+    parts: list[tuple[int, int, Tensors]] = []
+    stop = 0
+    if record.cost is None:
+        start, stop = FIT_PROBE
+        probe, peak = _memory.peak_of(lambda: run(start, stop), device)
+        parts.append((start, stop, probe))
+        record.device = device
+        record.cost = (0, max(peak, 1))
+    if record.paired or not record.pair_fits(total - stop):
+        return parts
+    (start, mid), (_, end) = ((stop + a, stop + b) for a, b in FIT_RANGES)
     # The larger chunk first: a one-time allocation in the first run (cuBLAS's workspace on
     # CUDA) then inflates the cost of a direction, which chunks more than needed, instead of
     # cancelling it, which chunked nothing (an H200: 2 GiB under a 512 MiB budget).
-    second, two = _memory.peak_of(lambda: run(start2, stop2), device)
-    first, one = _memory.peak_of(lambda: run(start, stop), device)
-    few, more = stop - start, stop2 - start2
-    record.per_direction = max((two - one) // (more - few), 1)
-    record.fixed = max(one - few * record.per_direction, 0)
+    second, two = _memory.peak_of(lambda: run(mid, end), device)
+    first, one = _memory.peak_of(lambda: run(start, mid), device)
+    few, more = mid - start, end - mid
+    per_direction = max((two - one) // (more - few), 1)
     record.device = device
-    return [first, second]
+    record.cost = (max(one - few * per_direction, 0), per_direction)
+    record.paired = True
+    return [*parts, (start, mid, first), (mid, end, second)]
 
 
 def batched(
@@ -384,9 +432,10 @@ def batched(
                 part = [arg[start:stop] for arg in args]
                 return batched(fn, part, chunk_size=None, check=False, what=what, can_vmap=can_vmap)
 
-            parts, fit = fit_chunk(run, args, batch, what)
-            if parts:
-                rest = [arg[FIT_RANGES[-1][1] :] for arg in args]
+            measured, fit = fit_chunk(run, args, batch, what)
+            if measured:
+                rest = [arg[measured[-1][1] :] for arg in args]
+                parts = [results for _, _, results in measured]
                 parts.append(
                     batched(
                         fn,
@@ -574,9 +623,9 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
             m,
             lin.what,
         )
-        for (start, stop), rows in zip(FIT_RANGES, measured):
+        for start, stop, rows in measured:
             add(start, stop, rows)
-        first = FIT_RANGES[-1][1] if measured else 0
+        first = measured[-1][1] if measured else 0
     for start, stop in chunks(m - first, chunk):
         rows = pull(lin, _coords.unit_rows(out, first + start, first + stop), chunk, check)
         add(first + start, first + stop, rows)

@@ -14,12 +14,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import _coords, _engine, _function, _tree
+from . import _coords, _engine, _function, _memory, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._function import FlatFunction, result_graph
 from ._linearize import RandomState
-from ._plan import ENGINE_MARGIN, FIT_RANGES, FORWARD_MODE_PENALTY, Plan, make_plan
+from ._plan import ENGINE_MARGIN, FIT_MIN, FIT_PROBE, FORWARD_MODE_PENALTY, Plan, make_plan
 from ._types import ChunkSize, Engine, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
@@ -639,22 +639,28 @@ class Composition:
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
             if instead_of_forward:
-                return make_plan("auto", self.k, m, n, chunk, forward=False)
+                return self._measuring(
+                    flat, make_plan("auto", self.k, m, n, chunk, forward=False), chunk
+                )
             forward = m_before is not None
-            return make_plan(
-                self.strategy,
-                self.k,
-                m,
-                n,
+            return self._measuring(
+                flat,
+                make_plan(
+                    self.strategy,
+                    self.k,
+                    m,
+                    n,
+                    chunk,
+                    forward=forward,
+                    unbatched=unbatched,
+                    measure=measure,
+                    not_forward=not_forward,
+                    call=self.call,
+                    engine=engine,
+                    engine_trial=trial,
+                    engine_why=why,
+                ),
                 chunk,
-                forward=forward,
-                unbatched=unbatched,
-                measure=measure,
-                not_forward=not_forward,
-                call=self.call,
-                engine=engine,
-                engine_trial=trial,
-                engine_why=why,
             )
 
         return plan
@@ -755,23 +761,46 @@ class Composition:
         if record is None:
             return None
         fit = record.fit
-        return fit.chunk() if fit is not None and fit.measured else "auto"
+        if fit is not None and fit.measured:
+            return fit.chunk()
+        _memory.setting()  # (a bad budget string is refused here too)
+        return "auto"
+
+    def _measuring(self, flat: FlatFunction, plan: Plan, chunk: ChunkSize) -> Plan:
+        """``plan`` with ``chunk_size="auto"`` where the call measures again: a record fitted
+        on one direction alone, whose fit on two vmapped chunks the budget now allows.
+        ``chunk``: the fitted chunk the plan was made with (:meth:`_chunk`)."""
+        if not isinstance(chunk, int) or self.chunk_size != "auto" or plan.chunk_size != chunk:
+            return plan  # (not fitted, or measured unbatched calls faster: no vmapped chunk)
+        record = self.signature(flat)
+        fit = record.fit if record is not None else None
+        if fit is None or plan.strategy not in ("vjp", "jacrev"):
+            return plan
+        return (
+            dataclasses.replace(plan, chunk_size="auto") if fit.measures(plan.directions) else plan
+        )
 
     def _measure_fit(self, flat: FlatFunction, plan: Plan) -> bool:
-        """For plan(): measure the chunk as the call would (f's pullback of directions 0-1,
-        then 2-4), so that the plan reports the passes the call runs. f runs once more, its
-        random draws replayed (the generators end where they were). False where that cannot
-        be done without side effects (torch.func refuses f): the call measures then."""
+        """For plan(): measure the chunk as the call would (f's pullback of direction 0
+        alone, then where they fit of directions 1-2 and 3-5), so that the plan reports the
+        passes the call runs. f runs once more, its random draws replayed (the generators end
+        where they were). False where that cannot be done without side effects (torch.func
+        refuses f): the call measures then."""
         if plan.chunk_size != "auto" or plan.strategy not in ("vjp", "jacrev"):
             return False
-        if plan.directions <= FIT_RANGES[-1][1]:
+        if plan.directions <= 1:
             return False
         rng = RandomState(flat)
         try:
             with torch.enable_grad():  # as of_function runs it
                 out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
-            # As the call: vjp pulls back cotangents that exist, jacrev makes its unit rows.
-            made = _coords.unit_rows(out, 0, FIT_RANGES[-1][1]) if plan.strategy == "vjp" else None
+            # As the call: vjp pulls back cotangents that exist (here y's first unit rows,
+            # repeated where y has fewer), jacrev makes its unit rows.
+            made = None
+            if plan.strategy == "vjp":
+                rows = _coords.unit_rows(out, 0, min(plan.m, FIT_PROBE[1] + FIT_MIN))
+                again = torch.arange(FIT_PROBE[1] + FIT_MIN) % rows[0].shape[0]
+                made = tuple(row[again.to(row.device)] for row in rows)
 
             def run(start: int, stop: int) -> Tensors:
                 return _engine.batched(
@@ -784,7 +813,7 @@ class Composition:
                     what="f's pullback",
                 )
 
-            _engine.measure_fit(self._fit(flat), run, out[0].device)
+            _engine.measure_fit(self._fit(flat), run, out[0].device, plan.directions)
         except Exception:  # any failure only means the call measures instead
             return False
         finally:
@@ -1024,10 +1053,12 @@ class ComposedHeads(Generic[R]):
         tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
         without gradients as well. Neither writes a buffer or advances a generator, but f's
         Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
-        after it makes. With ``chunk_size="auto"``, where these argument shapes were never
-        measured, f and its pullback of three directions run once (random draws restored)
-        to measure the chunk, as the first call would; the call then uses that
-        measurement, so ``passes`` is its count.
+        after it makes. With ``chunk_size="auto"``, where the call would measure (these
+        argument shapes never measured, or measured on one direction alone and the budget
+        now allowing more), f and the pullbacks the call would measure run once (one
+        direction alone, then two and three in a vmap where they fit; random draws
+        restored), as the call would; the call then uses that measurement, so ``passes``
+        is its count.
         """
         composition = self._composition
         flat = composition.flat(args)

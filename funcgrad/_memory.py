@@ -72,7 +72,9 @@ def parse_bytes(text: str, where: str) -> int:
 @contextlib.contextmanager
 def memory_budget(nbytes: int | str) -> Iterator[None]:
     """The memory that ``chunk_size="auto"`` may use for one chunk of directions, inside a
-    ``with`` block (this thread or asyncio task only); blocks nest, the innermost wins.
+    ``with`` block (this thread or asyncio task only: a thread started inside it does not
+    see it; a task created inside it does, asyncio copying the context); blocks nest, the
+    innermost wins at each call.
 
     Args:
         nbytes: bytes, or a string with a unit (``"512MiB"``, ``"2GB"``).
@@ -89,8 +91,9 @@ def memory_budget(nbytes: int | str) -> Iterator[None]:
     Notes:
         Without a block, ``FUNCGRAD_MEMORY_BUDGET`` (same forms), else half of the memory
         free when the call starts. The budget bounds the transient memory of one chunk (what
-        its pullbacks allocate above what is already held); the answer itself, k gradients,
-        is held whatever the chunks.
+        its pullbacks allocate above what is already held, temporaries included); the
+        answer itself, k gradients, is held whatever the chunks. Below one direction, each
+        direction runs alone (one warning per budget), from the first.
     """
     where = "funcgrad.memory_budget(nbytes)"
     value = parse_bytes(nbytes, where) if isinstance(nbytes, str) else _check(nbytes, where)
@@ -112,15 +115,20 @@ def _available(device: torch.device) -> int:
     return int(pages * os.sysconf("SC_PAGE_SIZE")) if pages else 8 * 2**30
 
 
-def budget(device: torch.device) -> int:
-    """The budget in force: the block's, else the environment's, else half of free memory."""
+def setting() -> int | None:
+    """The budget set: the block's, else the environment's (read at every call: it may
+    change; a bad string is a ValueError), else None."""
     block = _block.get()
     if block is not None:
         return block
     env = os.environ.get(_ENV, "").strip()
-    if env:
-        return parse_bytes(env, f"environment variable {_ENV}")
-    return int(DEFAULT_SHARE * _available(device))
+    return parse_bytes(env, f"environment variable {_ENV}") if env else None
+
+
+def budget(device: torch.device) -> int:
+    """The budget in force: the block's, else the environment's, else half of free memory."""
+    nbytes = setting()
+    return nbytes if nbytes is not None else int(DEFAULT_SHARE * _available(device))
 
 
 class LivePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]

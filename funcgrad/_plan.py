@@ -14,10 +14,13 @@ import math
 
 from ._types import ChunkSize, Engine, Executed, Strategy
 
-# chunk_size="auto": the directions run to measure a fit, directions 0-1 then 2-4, both
-# vmapped (one direction alone is an unbatched call, whose peak differs from a vmapped
-# direction's: on an MLP, 4 MiB for one direction alone, 4.25 MiB for two in one vmap, then
-# 2.125 MiB more for each). At most FIT_MIN directions run unmeasured, all at once.
+# chunk_size="auto": the directions run to measure a fit. Direction 0 alone first (an
+# unbatched call): over the budget, every direction then goes alone. Where it says three
+# fit and more than FIT_MIN remain, the next two and three in one vmap each (FIT_RANGES,
+# after the probe), whose difference is a vmapped direction's cost (one direction alone
+# peaks otherwise: on an MLP, 4 MiB alone, 4.25 MiB for two in one vmap, then 2.125 MiB
+# more for each). Only a single direction runs unmeasured.
+FIT_PROBE = (0, 1)
 FIT_RANGES = ((0, 2), (2, 5))
 FIT_MIN = FIT_RANGES[-1][1]
 
@@ -67,9 +70,10 @@ class Plan:
             Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
             from what one direction through f was measured to cost on these argument
             shapes (by ``plan()`` or the first call); ``"auto"`` where that is not known
-            yet: the call then measures on directions 0-1, then 2-4 (vmapped), and runs
-            the rest in chunks of the size found, so ``passes`` is a lower bound (the rest
-            counted as one chunk), exact with 5 directions or fewer.
+            yet: the call then measures on direction 0 alone, then (where three fit and
+            more than 5 remain) on directions 1-2 and 3-5 (vmapped), and runs the rest in
+            chunks of the size found, so ``passes`` is a lower bound (the rest counted as
+            one chunk), exact with one direction.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
@@ -153,19 +157,19 @@ class Plan:
             return self.directions
         if self.strategy == "jacfwd":
             return 1
-        if self.chunk_size == "auto":  # not measured yet: 2 and 3 directions, then the rest
-            return (1 if self.directions <= FIT_MIN else 3) + self.measure
+        if self.chunk_size == "auto":  # not measured yet: 1 (then 2 and 3), then the rest
+            # (two directions: the rest after the probe is one unbatched call, never timed)
+            least = min(self.directions, 2 if self.directions <= FIT_MIN + 1 else 3)
+            return least + (self.measure and self.directions > 2)
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
 
     @property
     def exact(self) -> bool:
         """Whether `passes` is the count the call runs; False only where
-        ``chunk_size="auto"`` has not measured yet and more than 5 directions batch: the
+        ``chunk_size="auto"`` has not measured yet and more than one direction batches: the
         call measures, then runs the rest in chunks of a size not known before."""
         return not (
-            self.chunk_size == "auto"
-            and self.strategy in ("vjp", "jacrev")
-            and self.directions > FIT_MIN
+            self.chunk_size == "auto" and self.strategy in ("vjp", "jacrev") and self.directions > 1
         )
 
     def __repr__(self) -> str:

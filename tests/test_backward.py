@@ -810,7 +810,7 @@ def test_retain_graph_keeps_the_shared_graph_for_a_second_call(level):
     [
         ({"chunk_size": 1}, 3),  # a loop: its last direction frees
         ({"chunk_size": 2}, 2),  # two vmapped chunks: the last one frees
-        ({"chunk_size": "auto"}, 1),
+        ({"chunk_size": "auto"}, 2),  # direction 0 alone (measured), then the rest: it frees
         ({"check": True}, 4),  # one vmap, then 3 unbatched comparisons: the last one frees
     ],
 )

@@ -4,6 +4,7 @@ funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET or free memory."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -129,20 +130,20 @@ def test_the_fitted_chunk_is_measured_once_per_signature(monkeypatch):
     fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
     with funcgrad.memory_budget(2000):
         fn(torch.randn(6))
-        assert len(measured) == 2  # one direction, then two
+        assert len(measured) == 3  # one direction alone, then three and two in a vmap
         fn(torch.randn(6))
-        assert len(measured) == 2  # remembered
+        assert len(measured) == 3  # remembered
         chunk = fn.plan(torch.randn(6)).chunk_size
         assert isinstance(chunk, int) and 1 <= chunk < 9
         fn(torch.randn(7)[:6].clone())  # same signature: still remembered
-        assert len(measured) == 2
+        assert len(measured) == 3
     # plan() measures as the call would, and the call then uses that measurement
     fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
     with funcgrad.memory_budget(2000):
         assert fn.plan(torch.randn(6)).chunk_size == chunk
-        assert len(measured) == 4
+        assert len(measured) == 6
         fn(torch.randn(6))
-        assert len(measured) == 4
+        assert len(measured) == 6
 
 
 def test_memory_budget_nests_and_restores(monkeypatch):
@@ -297,7 +298,9 @@ def test_a_smaller_budget_gives_a_smaller_chunk_at_once():
         with pytest.warns(funcgrad.FuncgradWarning, match="more than the memory budget"):
             _, _, fresh_peak, fresh_passes = _peak_and_passes(fresh, x)
         assert fn.plan(x).chunk_size == 1 and passes == 64  # one at a time
-        assert fresh_passes == 1 + 1 + 59  # measured on 2, then 3 directions; then one at a time
+        # (the fresh object measures on one direction alone, over the budget: the rest one
+        # at a time; it measured on 3 then 2 directions at once, over the budget, before)
+        assert fresh_passes == 64
         assert peak <= 1.1 * fresh_peak  # (the bug: 136 MiB against 40 for a fresh object)
     with funcgrad.memory_budget("1GiB"):  # and back, without measuring again
         assert fn.plan(x).chunk_size >= 64
@@ -307,9 +310,10 @@ def test_a_smaller_budget_gives_a_smaller_chunk_at_once():
     torch.testing.assert_close(grads, torch.stack(want_grads))
 
 
+@pytest.mark.parametrize("k", [2, 5, 7, 12])
 @pytest.mark.parametrize("budget", ["3KiB", 1, "1GiB"])
 @pytest.mark.parametrize("strategy", ["vjp", "jacrev", "auto"])
-def test_plan_passes_are_the_passes_the_call_runs(budget, strategy):
+def test_plan_passes_are_the_passes_the_call_runs(budget, strategy, k):
     counter = funcgrad.PassCounter()
     torch.manual_seed(0)
     w = torch.randn(40, 6)
@@ -317,7 +321,7 @@ def test_plan_passes_are_the_passes_the_call_runs(budget, strategy):
     def f(x):
         return torch.tanh(w @ counter(x))
 
-    heads = [lambda y, i=i: (y[i] * y).sum() for i in range(12)]
+    heads = [lambda y, i=i: (y[i] * y).sum() for i in range(k)]
     fn = funcgrad.compose_heads(f, heads, strategy=strategy, chunk_size="auto")
     x = torch.randn(6)
     with funcgrad.memory_budget(budget), warnings.catch_warnings():
@@ -396,10 +400,14 @@ def test_the_fit_measures_vmapped_directions_on_a_module():
     torch.testing.assert_close(grads, whole)
 
 
-def test_a_one_time_allocation_in_the_first_measured_run_never_shrinks_the_cost(monkeypatch):
+@pytest.mark.parametrize("first_run", [1, 2])
+def test_a_one_time_allocation_in_the_first_measured_run_never_shrinks_the_cost(
+    monkeypatch, first_run
+):
     """On CUDA the first run can allocate a workspace once (cuBLAS): measured smaller chunk
     first, that cancelled the difference and the fit chunked nothing. The larger chunk runs
-    first, so a one-time cost can only inflate what a direction is found to cost."""
+    first, so a one-time cost (in the probe of one direction, or in the first vmapped run)
+    can only inflate what a direction is found to cost."""
     from funcgrad import _engine
 
     true_fixed, true_per, one_time = 1000, 100, 10**6
@@ -408,13 +416,15 @@ def test_a_one_time_allocation_in_the_first_measured_run_never_shrinks_the_cost(
     def peak_of(call, device):
         directions = call()
         calls.append(directions)
-        return directions, true_fixed + true_per * directions + (one_time if len(calls) == 1 else 0)
+        extra = one_time if len(calls) == first_run else 0
+        return directions, true_fixed + true_per * directions + extra
 
     monkeypatch.setattr(_memory, "peak_of", peak_of)
     record = _engine.ChunkFit()
-    _engine.measure_fit(record, lambda start, stop: stop - start, torch.device("cpu"))
-    assert calls == [3, 2]  # directions 2-4, then 0-1
-    assert record.per_direction >= true_per
+    with funcgrad.memory_budget("1GiB"):
+        _engine.measure_fit(record, lambda start, stop: stop - start, torch.device("cpu"), 20)
+    assert calls == [1, 3, 2]  # direction 0 alone, then 3-5, then 1-2
+    assert record.paired and record.per_direction >= true_per
 
 
 # -- peak memory of whole calls, in subprocesses; no growth over many calls ------------------
@@ -544,3 +554,290 @@ def test_auto_chunks_hold_the_budget_on_a_module_with_trainable_parameters(entry
     requires_grad, peak, answer = done.stdout.split()[-3:]
     assert requires_grad == "False"
     assert float(peak) <= 1.5 * 48 + float(answer)
+
+
+# -- issue 42, item 5: the budget holds on every entry point, nested, per thread and task ----
+
+# The issue's case: one direction through f's pullback allocates two 256 x 4096 float64
+# temporaries (8 MiB each), while x, y and each gradient are 2 KiB; 5 heads.
+_W = torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+_WIDE_HEADS = [lambda y, i=i: (y * y).sum() * (i + 1) + y[i] for i in range(5)]
+_X = torch.randn(256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _temporaries_case():
+    counter = funcgrad.PassCounter()
+
+    def f(x):
+        return torch.tanh(counter(x)[:, None] * _W).sum(1)
+
+    return f, counter
+
+
+def _one_a_pass(call, counter, directions, budget="1KiB"):
+    """Runs ``call`` under a ``budget`` block (None: the budget in force), below one
+    direction: it must warn so and run ``directions`` passes; its result."""
+    counter.reset()
+    with (
+        funcgrad.memory_budget(budget) if budget is not None else contextlib.nullcontext(),
+        pytest.warns(funcgrad.FuncgradWarning, match="more than the memory budget of 0.00"),
+    ):
+        result = call()
+    assert counter.backward == directions
+    return result
+
+
+def _per_head_reference(f, x, heads=_WIDE_HEADS):
+    xr = x.clone().requires_grad_()
+    y = f(xr)
+    return torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+
+
+def test_a_budget_below_one_direction_runs_one_a_pass_on_every_entry_point():
+    """(issue 42) 5 heads ran in one pass under 1 KiB, no warning: 5 directions or fewer were
+    never measured. Now direction 0 runs alone, measured, and over the budget the rest go
+    one at a time, on compose_heads, stacked_heads, pb.many, grads and backward."""
+    f, counter = _temporaries_case()
+    want = _per_head_reference(f, _X)
+
+    fn = funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp", chunk_size="auto")
+    _, grads = _one_a_pass(lambda: fn(_X), counter, 5)
+    torch.testing.assert_close(grads, want)
+    with funcgrad.memory_budget("1KiB"):  # remembered: plan() says it, the call does it
+        assert fn.plan(_X).chunk_size == 1 and fn.plan(_X).passes == 5
+        counter.reset()
+        fn(_X)
+        assert counter.backward == 5
+
+    weights = torch.randn(5, 256, dtype=torch.float64)
+    stacked = funcgrad.stacked_heads(lambda w, y: (w * torch.sin(y)).sum(), weights)
+    fn = funcgrad.compose_heads(f, stacked, strategy="vjp", chunk_size="auto")
+    _, grads = _one_a_pass(lambda: fn(_X), counter, 5)
+    heads = [lambda y, w=w: (w * torch.sin(y)).sum() for w in weights]
+    torch.testing.assert_close(grads, _per_head_reference(f, _X, heads))
+
+    cotangents = torch.randn(5, 256, dtype=torch.float64)
+    _, pb = funcgrad.pullback(f, _X, reuse=False)
+    (got,) = _one_a_pass(lambda: pb.many(cotangents, chunk_size="auto"), counter, 5)
+    _, vjp = torch.func.vjp(f, _X)
+    torch.testing.assert_close(got, torch.stack([vjp(v)[0] for v in cotangents]))
+
+    xr = _X.clone().requires_grad_()
+    y = f(xr)
+    outputs = [head(y) for head in _WIDE_HEADS]
+    (got,) = _one_a_pass(
+        lambda: funcgrad.grads(outputs, xr, through=y, chunk_size="auto"), counter, 5
+    )
+    torch.testing.assert_close(got, want)
+
+    xr = _X.clone().requires_grad_()
+    y = f(xr)
+    losses = [head(y) for head in _WIDE_HEADS]
+    w = torch.arange(1.0, 6.0, dtype=torch.float64)
+    _one_a_pass(
+        lambda: funcgrad.backward(
+            losses, through=y, inputs=[xr], weighting=lambda g: w, chunk_size="auto"
+        ),
+        counter,
+        5,
+    )
+    torch.testing.assert_close(xr.grad, w @ want)
+
+
+def test_auto_chunks_hold_the_budget_in_live_bytes():
+    """(issue 42) The measured peak of a call under a budget below one direction is the
+    peak of a loop (chunk_size=1), not of five directions at once (96 against 32 MiB)."""
+    f, _ = _temporaries_case()
+    cpu = torch.device("cpu")
+    loop = funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp", chunk_size=1)
+    fitted = funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp", chunk_size="auto")
+    _, one_a_pass = _memory.peak_of(lambda: loop(_X), cpu)
+    _, at_once = _memory.peak_of(
+        lambda: funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp")(_X), cpu
+    )
+    assert at_once > 2 * one_a_pass  # the case tells the two apart
+    with funcgrad.memory_budget("1KiB"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        for _ in range(2):  # the call that measures, then one on the fitted record
+            _, peak = _memory.peak_of(lambda: fitted(_X), cpu)
+            assert peak <= one_a_pass + 2**16
+    # a budget of two directions' temporaries (plus f's own forward): at most two a pass
+    counter = funcgrad.PassCounter()
+    fn = funcgrad.compose_heads(
+        lambda x: f(counter(x)), _WIDE_HEADS, strategy="vjp", chunk_size="auto"
+    )
+    with funcgrad.memory_budget(one_a_pass + 2**24 + 2**20):
+        _, peak = _memory.peak_of(lambda: fn(_X), cpu)
+        assert peak <= one_a_pass + 2**24 + 2**20
+        assert fn.plan(_X).chunk_size == 2
+
+
+def test_nested_budgets_apply_the_innermost_at_each_call():
+    """(issue 42) The inner of two blocks was not applied (a fresh object's first call ran
+    the measured chunks of 2 and 3 directions under it, and 5 heads ran unmeasured)."""
+    f, counter = _temporaries_case()
+    for outer_first in (True, False):
+        fn = funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp", chunk_size="auto")
+        with funcgrad.memory_budget("1GiB"):
+            if outer_first:
+                counter.reset()
+                fn(_X)  # measures one direction alone, then the other 4 at once
+                assert counter.backward == 2 and fn.plan(_X).passes == 1
+            with funcgrad.memory_budget(1000):
+                _one_a_pass(lambda fn=fn: fn(_X), counter, 5, budget=None)
+                assert fn.plan(_X).chunk_size == 1
+            counter.reset()
+            fn(_X)
+            assert counter.backward == 1 and fn.plan(_X).passes == 1
+        with funcgrad.memory_budget(1000), funcgrad.memory_budget("1GiB"):
+            counter.reset()
+            fn(_X)
+            assert counter.backward == 1
+    with funcgrad.memory_budget("1GiB"), funcgrad.memory_budget(1000):  # a fresh Pullback
+        _, pb = funcgrad.pullback(f, _X, reuse=False)
+        cotangents = torch.randn(3, 256, dtype=torch.float64)
+        _one_a_pass(lambda: pb.many(cotangents, chunk_size="auto"), counter, 3, budget=None)
+
+
+def test_a_budget_is_per_thread_and_per_task():
+    """(issue 42) A block in one thread or asyncio task applies there only: calls of one
+    shared object, interleaved, each run the passes of the budget in force where they run
+    (a thread started inside a block does not inherit it)."""
+    import asyncio
+    import threading
+
+    f, counter = _temporaries_case()
+    fn = funcgrad.compose_heads(f, _WIDE_HEADS, strategy="vjp", chunk_size="auto")
+    passes = {}
+    inside, done = threading.Event(), threading.Event()
+
+    def small():
+        with funcgrad.memory_budget(1000):
+            inside.set()
+            done.wait(60)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+                passes["small"] = fn.plan(_X).passes
+
+    def large():
+        passes["large"] = fn.plan(_X).passes  # no block here, whatever the other thread has
+
+    with funcgrad.memory_budget("1GiB"):
+        fn(_X)
+    thread = threading.Thread(target=small)
+    thread.start()
+    inside.wait(60)
+    passes["main"] = fn.plan(_X).passes  # the main thread has no block either
+    with funcgrad.memory_budget(1000):
+        started = threading.Thread(target=large)  # started inside a block: not inherited
+        started.start()
+        started.join()
+    done.set()
+    thread.join()
+    assert passes == {"small": 5, "large": 1, "main": 1}
+
+    async def task(budget, wait, signal):
+        with funcgrad.memory_budget(budget), warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+            await wait.wait()  # the other task runs its block meanwhile
+            counter.reset()
+            fn(_X)
+            got = counter.backward
+            signal.set()
+            await asyncio.sleep(0)
+            return got, fn.plan(_X).passes
+
+    async def both():
+        first, second = asyncio.Event(), asyncio.Event()
+        first.set()
+        return await asyncio.gather(task(1000, first, second), task("1GiB", second, first))
+
+    assert asyncio.run(both()) == [(5, 5), (1, 1)]
+
+    async def created_inside():  # a task created inside a block copies it (asyncio's rule)
+        async def plan_passes():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+                return fn.plan(_X).passes
+
+        with funcgrad.memory_budget(1000):
+            task = asyncio.create_task(plan_passes())
+        return await task, fn.plan(_X).passes
+
+    assert asyncio.run(created_inside()) == (5, 1)
+
+
+def test_pullback_many_below_one_direction_runs_one_a_pass():
+    """(issue 42) 7 cotangents under a budget below one direction took 4-5 passes (the
+    measured chunks of 2 and 3 ran at once): 7 are due, on a reusing Pullback too."""
+    f, counter = _temporaries_case()
+    cotangents = torch.randn(7, 256, dtype=torch.float64)
+    _, vjp = torch.func.vjp(f, _X)
+    want = torch.stack([vjp(v)[0] for v in cotangents])
+    for reuse in (False, True):
+        _, pb = funcgrad.pullback(f, _X, reuse=reuse)
+        (got,) = _one_a_pass(lambda pb=pb: pb.many(cotangents, chunk_size="auto"), counter, 7)
+        torch.testing.assert_close(got, want)
+    # a fitted Pullback follows the budget of each call: more than one a pass, then one
+    _, pb = funcgrad.pullback(f, _X, reuse=False)
+    _one_a_pass(lambda: pb.many(cotangents, chunk_size="auto"), counter, 7)
+    with funcgrad.memory_budget(2**26):
+        counter.reset()
+        pb.many(cotangents, chunk_size="auto")
+        assert 1 <= counter.backward < 7
+    with funcgrad.memory_budget("1KiB"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # (warned once per budget)
+        counter.reset()
+        pb.many(cotangents, chunk_size="auto")
+        assert counter.backward == 7
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 7])
+def test_a_bad_budget_string_is_refused_by_every_call_that_consults_it(monkeypatch, k):
+    """(issue 42) '12 parsecs' was accepted by calls of 5 directions or fewer, which never
+    read the budget; every chunk_size='auto' call now refuses it before any pass."""
+    f, counter = _temporaries_case()
+    monkeypatch.setenv("FUNCGRAD_MEMORY_BUDGET", "12 parsecs")
+    bad = r"environment variable FUNCGRAD_MEMORY_BUDGET: '12 parsecs' is not a number of bytes"
+    heads = _WIDE_HEADS[:k] + [lambda y: y[0]] * max(k - 5, 0)
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    _, pb = funcgrad.pullback(f, _X, reuse=False)
+    xr = _X.clone().requires_grad_()
+    y = f(xr)
+    outputs = [head(y) for head in heads]
+    counter.reset()
+    calls = [
+        lambda: fn(_X),
+        lambda: fn.plan(_X),
+        lambda: pb.many(torch.randn(k, 256, dtype=torch.float64), chunk_size="auto"),
+        lambda: funcgrad.grads(outputs, xr, through=y, chunk_size="auto", retain_graph=True),
+        lambda: torch.func.vmap(lambda v: pb.many(v[None], chunk_size="auto")[0][0])(
+            torch.randn(k, 256, dtype=torch.float64)
+        ),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=bad):
+            call()
+    assert counter.backward == 0  # (refused before any pass)
+
+
+def test_a_fit_on_one_direction_alone_is_completed_when_the_budget_allows():
+    """A first call under a budget of two directions measures direction 0 alone (three at
+    once would be over it); a later call under a large budget fits on two vmapped chunks, so
+    that the first call's budget does not stay in the record: its chunk is a fresh object's,
+    and plan() says the passes each call runs."""
+    f, counter = _temporaries_case()
+    heads = [lambda y, i=i: (y * y).sum() * (i + 1) + y[i] for i in range(12)]
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    fresh = funcgrad.compose_heads(f, heads, strategy="vjp", chunk_size="auto")
+    with funcgrad.memory_budget(40 * 2**20):
+        counter.reset()
+        fn(_X)
+        assert counter.backward == 1 + 6  # direction 0 alone, then 11 two at a time
+    with funcgrad.memory_budget("1GiB"):
+        plan = fn.plan(_X)  # measures as the call would: two vmapped chunks
+        assert plan.exact and plan.chunk_size == fresh.plan(_X).chunk_size > 12
+        counter.reset()
+        _, grads = fn(_X)
+        assert counter.backward == plan.passes == 1
+    torch.testing.assert_close(grads, _per_head_reference(f, _X, heads))
