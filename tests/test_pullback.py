@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import funcgrad
+from funcgrad import _linearize
 
 
 def slow_fun(x, n=20):
@@ -739,3 +740,152 @@ def test_pb_takes_a_cotangent_with_a_0_dim_leaf_after_the_first():
     _, pb = funcgrad.pullback(f, x)
     v = (torch.ones(3, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     torch.testing.assert_close(pb(v)[0], torch.func.vjp(f, x)[1](v)[0])
+
+
+# -- a Pullback owns what it holds ---------------------------------------------------------
+# The caller may change in place anything it passed to pb(...) / pb.many(...) or got back from
+# them, before the next call: the answers stay torch.func.vjp's.
+
+
+def _owned_case(kind):
+    """f, its primals and a cotangent maker for the storage tests (float64)."""
+    if kind == "tensor":
+        w = torch.randn(5, 4)
+        return (lambda x: torch.tanh(w @ x)), (torch.randn(4),)
+    if kind == "pytree":  # dict with unsorted keys, None leaves, a namedtuple; two primals
+        w1, w2 = torch.randn(6, 4), torch.randn(5, 6)
+
+        def f(inputs, scale):
+            h = torch.tanh(w1 @ inputs["x"] + inputs["b"]) * scale
+            return {"y": w2 @ h, "none": None, "pair": Pair(h.sum(), torch.sin(inputs["x"]))}
+
+        return f, ({"x": torch.randn(4), "b": torch.randn(6), "skip": None}, torch.tensor(1.5))
+    if kind == "complex":  # complex y (its real and imaginary parts count apart), complex x
+        w = torch.randn(3, 4, dtype=torch.complex128)
+        return (lambda x: torch.exp(1j * (w @ x))), (torch.randn(4, dtype=torch.complex128),)
+    if kind == "view":  # the pullback of a view is a view of the cotangent
+        return (lambda x: x.reshape(2, 3)), (torch.randn(6),)
+    raise AssertionError(kind)
+
+
+def _reference_vjp(f, primals):
+    """torch.func.vjp's vjp_fn of f at copies of the primals, taken now; trees through optree
+    (torch.func takes no None leaf)."""
+    leaves, treedef = optree.tree_flatten(primals)
+    leaves = [leaf.clone() for leaf in leaves]
+
+    def flat(*leaves):
+        return tuple(optree.tree_leaves(f(*optree.tree_unflatten(treedef, list(leaves)))))
+
+    vjp_fn = torch.func.vjp(flat, *leaves)[1]
+    return lambda v: optree.tree_unflatten(treedef, list(vjp_fn(tuple(optree.tree_leaves(v)))))
+
+
+def _in_place(tree, fn):
+    """``fn`` applied in place to every tensor leaf of ``tree`` (a grad may be None)."""
+    optree.tree_map(lambda leaf: None if leaf is None else fn(leaf), tree)
+
+
+def _cotangents(out, k=None):
+    return optree.tree_map(
+        lambda leaf: torch.randn(leaf.shape if k is None else (k, *leaf.shape), dtype=leaf.dtype),
+        out,
+    )
+
+
+def _row(tree, i):
+    return optree.tree_map(lambda leaf: leaf[i], tree)
+
+
+def _clone(tree):
+    return optree.tree_map(lambda leaf: leaf.clone(), tree)
+
+
+def _on_torch_func(monkeypatch):
+    """pullback on torch.func.vjp outside transforms (the path of an f with a compiled
+    backward), instead of eager autograd."""
+
+    def of_function(flat):
+        return _linearize.of_function(flat, _linearize.RandomState(flat))
+
+    monkeypatch.setattr(_linearize, "on_autograd", of_function)
+
+
+def _mutate_single(pb, out, way):
+    """One ``pb(v)`` call, a change in place of what it took or gave, and the next call's
+    cotangent, which lies in the span of the first (answered from what pb holds)."""
+    v = _cotangents(out)
+    if way == "zero the answer":
+        _in_place(pb(v), torch.Tensor.zero_)
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
+    if way == "add to the answer under no_grad":
+        grads = pb(v)
+        with torch.no_grad():
+            _in_place(grads, lambda g: g.add_(1))
+        return optree.tree_map(lambda leaf: -leaf, v)
+    if way == "zero a create_graph answer":
+        _in_place(pb(v, create_graph=True), lambda g: g.detach().zero_())
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
+    if way == "scale the cotangent":
+        pb(v)
+        _in_place(v, lambda leaf: leaf.mul_(3))
+        return v
+    if way == "copy another into the cotangent":
+        pb(v)
+        other = _cotangents(out)
+        optree.tree_map(lambda leaf, new: leaf.copy_(new), v, other)
+        return other
+    raise AssertionError(way)
+
+
+SINGLE_WAYS = [
+    "zero the answer",
+    "add to the answer under no_grad",
+    "zero a create_graph answer",
+    "scale the cotangent",
+    "copy another into the cotangent",
+]
+
+
+@pytest.mark.parametrize("path", ["autograd", "torch.func"])
+@pytest.mark.parametrize("kind", ["tensor", "pytree", "complex", "view"])
+@pytest.mark.parametrize("way", SINGLE_WAYS)
+def test_pb_holds_nothing_that_its_caller_changes_in_place(way, kind, path, monkeypatch):
+    f, primals = _owned_case(kind)
+    vjp_fn = _reference_vjp(f, primals)
+    if path == "torch.func":
+        _on_torch_func(monkeypatch)
+    out, pb = funcgrad.pullback(f, *primals)
+    v = _mutate_single(pb, out, way)
+    expected = vjp_fn(_clone(v))
+    assert_tree_close(pb(v), tuple(expected))
+    assert_tree_close(pb(_clone(v)), tuple(expected))  # (and once more, from the basis)
+
+
+@pytest.mark.parametrize("path", ["autograd", "torch.func"])
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("kind", ["tensor", "pytree", "complex", "view"])
+@pytest.mark.parametrize("way", ["scale the answers", "copy others into the cotangents"])
+def test_many_holds_nothing_that_its_caller_changes_in_place(
+    way, kind, chunk_size, path, monkeypatch
+):
+    f, primals = _owned_case(kind)
+    vjp_fn = _reference_vjp(f, primals)
+    if path == "torch.func":
+        _on_torch_func(monkeypatch)
+    out, pb = funcgrad.pullback(f, *primals)
+    first = _cotangents(out, k=2)
+    grads = pb.many(first, chunk_size=chunk_size)
+    if way == "scale the answers":
+        _in_place(grads, lambda g: g.mul_(-1))
+        mix = torch.tensor([[1.0, 2.0], [0.5, -1.0], [0.0, 3.0]])  # in the span of the first
+        then = optree.tree_map(
+            lambda leaf: torch.tensordot(mix.to(leaf.dtype), leaf, dims=1), first
+        )
+    else:
+        then = _cotangents(out, k=2)
+        optree.tree_map(lambda leaf, new: leaf.copy_(new), first, then)
+    got = pb.many(then, chunk_size=chunk_size)
+    k = optree.tree_leaves(then)[0].shape[0]
+    for i in range(k):
+        assert_tree_close(_row(got, i), tuple(vjp_fn(_row(then, i))))
