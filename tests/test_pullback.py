@@ -889,3 +889,28 @@ def test_many_holds_nothing_that_its_caller_changes_in_place(
     k = optree.tree_leaves(then)[0].shape[0]
     for i in range(k):
         assert_tree_close(_row(got, i), tuple(vjp_fn(_row(then, i))))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiny"), [(torch.float64, 1e-310), (torch.float32, 1e-39), (torch.float64, 0.0)]
+)
+def test_a_subnormal_or_zero_cotangent_row_leaves_later_calls_exact(dtype, tiny):
+    """A held row whose unit scale overflows (1 / 1e-310) is not derived by linearity: its
+    direction goes through f; zero rows give none."""
+    w = torch.randn(5, 4, dtype=dtype)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(4, dtype=dtype)
+    vjp_fn = torch.func.vjp(lambda x: torch.tanh(w.double() @ x), x.double().clone())[1]
+    _, pb = funcgrad.pullback(f, x)
+    held = torch.randn(3, 5, dtype=dtype)
+    held[1] = tiny * torch.tensor([1.0, -0.5, 0.25, 0.0, 1.0], dtype=dtype)
+    pb.many(held)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    for v in [held[0] + held[2], torch.randn(5, dtype=dtype), held[1] / tiny if tiny else held[1]]:
+        (got,) = pb(v)
+        torch.testing.assert_close(got.double(), vjp_fn(v.double())[0], **tolerance)
+    (got,) = pb.many(held)
+    for i in range(3):
+        torch.testing.assert_close(got[i].double(), vjp_fn(held[i].double())[0], **tolerance)
+    # The three held rows and the random one span 4 directions (3 where one row is zero).
+    assert pb.rank == (4 if tiny else 3)
