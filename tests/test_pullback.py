@@ -914,3 +914,34 @@ def test_a_subnormal_or_zero_cotangent_row_leaves_later_calls_exact(dtype, tiny)
         torch.testing.assert_close(got[i].double(), vjp_fn(held[i].double())[0], **tolerance)
     # The three held rows and the random one span 4 directions (3 where one row is zero).
     assert pb.rank == (4 if tiny else 3)
+
+
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_primal_changed_in_place_after_pullback(requires_grad, many):
+    """torch.func.vjp's vjp_fn reads the primals' storage when it runs. Where f's graph saved
+    no primal (a linear f), pb's answers stay exact, as vjp_fn's; where it did, pb refuses
+    (vjp_fn would silently mix the old and the new values)."""
+    w = torch.randn(5, 4)
+    v = torch.randn(3, 5) if many else torch.randn(5)
+
+    def pull(pb):
+        return pb.many(v)[0] if many else pb(v)[0]
+
+    for f, saved in [(lambda x: w @ x, False), (lambda x: w @ torch.sin(x), True)]:
+        x = torch.randn(4, requires_grad=requires_grad)
+        expected = torch.func.vjp(f, x.detach().clone())[1]
+        _, pb = funcgrad.pullback(f, x)
+        with torch.no_grad():
+            x.mul_(2)
+        if saved:
+            with pytest.raises(
+                RuntimeError,
+                match=r"pullback\(f, \*primals\): a tensor that f's graph saved was modified in "
+                r"place after pullback returned .*version.*Pull back before changing them",
+            ):
+                pull(pb)
+        else:
+            got = pull(pb)
+            want = torch.func.vmap(expected)(v)[0] if many else expected(v)[0]
+            torch.testing.assert_close(got, want)
