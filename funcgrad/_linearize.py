@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, _engine_run_backward
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.overrides import has_torch_function
 
 from . import _graph
@@ -203,18 +203,19 @@ def autograd_grad(
     create_graph: bool = False,
     is_grads_batched: bool = False,
     plain: bool | None = None,
-    edges: tuple[torch.Tensor | GradientEdge, ...] | None = None,
+    edges: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None,
 ) -> Tensors:
     """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach
     (with a leading batch dim where the cotangents are batched). ``plain``: the caller's
-    :func:`_plain` of these arguments (None: found out here). ``edges``: where to
-    differentiate instead of the inputs themselves (gradient edges taken earlier)."""
+    :func:`_plain` of these arguments (None: found out here). ``edges``: what to
+    differentiate from and at instead of the outputs and inputs themselves (each a tensor
+    or a gradient edge taken earlier)."""
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if isinstance(cotangents, torch.Tensor):
         cotangents = (cotangents,)
     if plain is None:
         plain = not is_grads_batched and _plain(outputs, inputs, cotangents)
-    targets: Any = inputs if edges is None else edges  # (torch takes tensors and edges)
+    roots, targets = (outputs, inputs) if edges is None else edges  # (torch takes both)
     if plain:
         # k calls of it per call (the losses' backward, the eager per-head pulls):
         # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs ~13 us
@@ -223,7 +224,7 @@ def autograd_grad(
         if cotangents is None:
             cotangents = [torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs]
         grads = _engine_run_backward(
-            outputs,
+            roots,
             tuple(cotangents),
             retain_graph,
             create_graph,
@@ -233,7 +234,7 @@ def autograd_grad(
         )
     else:
         grads = torch.autograd.grad(
-            outputs,
+            roots,
             targets,
             cotangents,
             retain_graph=retain_graph,
@@ -421,9 +422,9 @@ def _kept(tensors: Tensors) -> Tensors:
 
 
 def _edge(x: torch.Tensor) -> torch.Tensor | GradientEdge:
-    """The gradient edge of ``x`` where it has a grad_fn (a view of a primal: a C++ node, so
-    none of get_gradient_edge's work is needed, ~1 us), else ``x``."""
-    node = x.grad_fn
+    """The gradient edge of a view of a primal (a C++ node: none of get_gradient_edge's
+    work, ~1 us), else ``x`` (a leaf: its edge stays)."""
+    node = x.grad_fn if x._is_view() else None
     return x if node is None else GradientEdge(node, x.output_nr)
 
 
@@ -474,10 +475,12 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
     # nothing, as in torch.func's vjp_fn: autograd would refuse it.
     live = [i for i, o in enumerate(out) if o.requires_grad]
     roots = tuple(out[i] for i in live)
-    # The pulls differentiate at the gradient edges taken now. An input view's grad_fn is
-    # regenerated once its base changes in place (the caller's primal, after pullback
-    # returns), and the new one is off f's graph: its gradients would come out zeros.
-    edges = tuple(_edge(x) if linked and x._is_view() else x for x in inputs)
+    # The pulls run between the gradient edges taken now, where the caller can change
+    # tensors in place after pullback returns. An input view's grad_fn is regenerated once
+    # its base (the caller's primal) changes, and the new one is off f's graph (its
+    # gradients would come out zeros); an output changed in place in grad mode (a linked
+    # one) gets the caller's op as its grad_fn, which vjp_fn's does not see.
+    edges = (tuple(map(get_gradient_edge, roots)), tuple(map(_edge, inputs))) if linked else None
 
     def pull_once(cotangents: Tensors, retain: bool) -> Tensors:
         graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's

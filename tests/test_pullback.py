@@ -945,3 +945,25 @@ def test_a_primal_changed_in_place_after_pullback(requires_grad, many):
             got = pull(pb)
             want = torch.func.vmap(expected)(v)[0] if many else expected(v)[0]
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_an_output_changed_in_place_after_pullback(grad_mode):
+    """f's output, linked to x's graph, changed in place by the caller: in grad mode that
+    gives it the caller's op as grad_fn, which vjp_fn does not see. Where f's graph saved it
+    (tanh), pb refuses, as for a primal."""
+    w = torch.randn(5, 4)
+    v = torch.randn(5)
+    for f, saved in [(lambda x: w @ x, False), (lambda x: torch.tanh(w @ x), True)]:
+        x = torch.randn(4, requires_grad=True)
+        expected = torch.func.vjp(f, x.detach().clone())[1](v)[0]
+        out, pb = funcgrad.pullback(f, x)
+        assert out.requires_grad
+        with torch.set_grad_enabled(grad_mode):
+            out.mul_(2)
+        if saved:
+            with pytest.raises(RuntimeError, match=r"modified in place after pullback returned"):
+                pb(v)
+        else:
+            torch.testing.assert_close(pb(v)[0], expected)
+            torch.testing.assert_close(pb.many(torch.stack([v, -v]))[0][1], -expected)
