@@ -967,3 +967,33 @@ def test_an_output_changed_in_place_after_pullback(grad_mode):
         else:
             torch.testing.assert_close(pb(v)[0], expected)
             torch.testing.assert_close(pb.many(torch.stack([v, -v]))[0][1], -expected)
+
+
+@pytest.mark.parametrize("changed", ["primal", "out", "aux"])
+def test_on_torch_func_a_primal_or_output_changed_in_place_is_refused(changed, monkeypatch):
+    """torch.func's vjp_fn reads the storage of its primals and outputs with no version
+    check (tanh saves its output: torch.func.vjp would mix old and new values), so on that
+    path (an f with a compiled backward) pb refuses any in-place change of them."""
+    _on_torch_func(monkeypatch)
+    w = torch.randn(5, 4)
+
+    def f(x):
+        h = w @ x
+        return torch.tanh(h), h
+
+    x = torch.randn(4)
+    out, pb, aux = funcgrad.pullback(f, x, has_aux=True)
+    v = torch.randn(5)
+    expected = autograd_vjp(lambda x: f(x)[0], x, v)
+    torch.testing.assert_close(pb(v)[0], expected)
+    target = {"primal": x, "out": out, "aux": aux}[changed]
+    target.add_(1)
+    which = {"primal": "primal leaf 0", "out": "leaf 0 of f's output", "aux": "leaf 0 of aux"}
+    with pytest.raises(
+        RuntimeError,
+        match=rf"pb\(cotangent\): {which[changed]} .*was modified in place after "
+        r"funcgrad.pullback returned \(version 0 -> 1\).*runs on torch.func",
+    ):
+        pb(v)
+    with pytest.raises(RuntimeError, match="was modified in place"):
+        pb.many(v[None])
