@@ -823,6 +823,11 @@ def _mutate_single(pb, out, way):
         with torch.no_grad():
             _in_place(grads, lambda g: g.add_(1))
         return optree.tree_map(lambda leaf: -leaf, v)
+    if way == "zero the answer through .data and numpy":  # (no version counter sees these)
+        grads = pb(v)
+        _in_place(grads, lambda g: g.data.zero_())
+        _in_place(grads, lambda g: g.numpy().fill(1))
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
     if way == "zero a create_graph answer":
         _in_place(pb(v, create_graph=True), lambda g: g.detach().zero_())
         return optree.tree_map(lambda leaf: 2 * leaf, v)
@@ -841,6 +846,7 @@ def _mutate_single(pb, out, way):
 SINGLE_WAYS = [
     "zero the answer",
     "add to the answer under no_grad",
+    "zero the answer through .data and numpy",
     "zero a create_graph answer",
     "scale the cotangent",
     "copy another into the cotangent",
