@@ -410,7 +410,10 @@ def pullback(
         dropped, then one backward of f per cotangent outside the span of those already
         pulled back, batched; once ``m = numel(y)`` independent directions are kept, none.
         Memory: the kept basis holds ``r`` images, one per direction, each the size of the
-        primals, up to ``max_basis_bytes``. Host reads: none on the first call, one on each
+        primals, up to ``max_basis_bytes``; what it keeps of a call (its cotangents and
+        answers) are copies of its own (copy-on-write on the CPU), so the caller may change
+        them in place. A primal or ``out`` changed in place that f's graph saved is refused
+        at the next call (see docs/reliability.md). Host reads: none on the first call, one on each
         later call in the usual cases (see `Pullback`). Rank detection is invariant to each
         cotangent's scale and runs in float32 for half-precision cotangents; non-finite
         cotangents, images or products are answered by pulling the cotangents themselves
