@@ -771,7 +771,7 @@ def _unit_scales(coords: torch.Tensor) -> torch.Tensor:
     amax = coords.abs().amax(dim=1, keepdim=True)
     amax = torch.where(amax > 0, amax, 1)
     norms = (coords / amax).norm(dim=1, keepdim=True)
-    return 1 / (amax * torch.where(norms > 0, norms, 1))
+    return 1 / amax / torch.where(norms > 0, norms, 1)
 
 
 def _unit_rows(coords: torch.Tensor) -> torch.Tensor:
