@@ -413,8 +413,8 @@ def pullback(
         primals, up to ``max_basis_bytes``; what it keeps of a call (its cotangents and
         answers) are copies of its own (copy-on-write on the CPU), so the caller may change
         them in place. A primal or ``out`` changed in place that f's graph saved is refused
-        at the next call (see docs/reliability.md). Host reads: none on the first call, one on each
-        later call in the usual cases (see `Pullback`). Rank detection is invariant to each
+        at the next call (see docs/reliability.md). Host reads: none on the first call, one
+        on each later call in the usual cases (see `Pullback`). Rank detection is invariant to each
         cotangent's scale and runs in float32 for half-precision cotangents; non-finite
         cotangents, images or products are answered by pulling the cotangents themselves
         back, so NaN and inf come out as in autograd. Host work beyond f's forward, on
