@@ -872,24 +872,25 @@ def test_pb_holds_nothing_that_its_caller_changes_in_place(way, kind, path, monk
 @pytest.mark.parametrize("chunk_size", [None, 1])
 @pytest.mark.parametrize("kind", ["tensor", "pytree", "complex", "view"])
 @pytest.mark.parametrize("way", ["scale the answers", "copy others into the cotangents"])
+@pytest.mark.parametrize("k", [2, 11])  # (11 > m: y's unit directions, then a product)
 def test_many_holds_nothing_that_its_caller_changes_in_place(
-    way, kind, chunk_size, path, monkeypatch
+    k, way, kind, chunk_size, path, monkeypatch
 ):
     f, primals = _owned_case(kind)
     vjp_fn = _reference_vjp(f, primals)
     if path == "torch.func":
         _on_torch_func(monkeypatch)
     out, pb = funcgrad.pullback(f, *primals)
-    first = _cotangents(out, k=2)
+    first = _cotangents(out, k=k)
     grads = pb.many(first, chunk_size=chunk_size)
     if way == "scale the answers":
         _in_place(grads, lambda g: g.mul_(-1))
-        mix = torch.tensor([[1.0, 2.0], [0.5, -1.0], [0.0, 3.0]])  # in the span of the first
+        mix = torch.randn(3, k)  # in the span of the first
         then = optree.tree_map(
             lambda leaf: torch.tensordot(mix.to(leaf.dtype), leaf, dims=1), first
         )
     else:
-        then = _cotangents(out, k=2)
+        then = _cotangents(out, k=k)
         optree.tree_map(lambda leaf, new: leaf.copy_(new), first, then)
     got = pb.many(then, chunk_size=chunk_size)
     k = optree.tree_leaves(then)[0].shape[0]
