@@ -7,6 +7,7 @@ that the shapes require.
 """
 
 import contextlib
+import typing
 from importlib.metadata import PackageNotFoundError, version
 
 from ._bridge import grads
@@ -69,6 +70,16 @@ __all__ = [
 
 for _name in __all__:
     _obj = globals()[_name]
+    if isinstance(_obj, type) and "__annotations__" in vars(_obj):
+        # typing.get_type_hints(cls) looks names up in cls.__module__'s namespace: resolve
+        # the class's annotations in the module that wrote them, before it is renamed.
+        # (One that cannot resolve stays as written: tests/test_typing.py names it.)
+        with contextlib.suppress(NameError, TypeError, AttributeError):
+            _obj.__annotations__ = {
+                key: hint
+                for key, hint in typing.get_type_hints(_obj).items()
+                if key in vars(_obj)["__annotations__"]
+            }
     with contextlib.suppress(AttributeError, TypeError):  # report the public module
         _obj.__module__ = "funcgrad"
 del _name, _obj

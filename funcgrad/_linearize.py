@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.autograd.graph import _engine_run_backward
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.overrides import has_torch_function
 
 from . import _graph
@@ -71,6 +71,10 @@ TORCH_LIMITS: dict[str, TorchLimit] = {
     # A torch.compile'd backward that donates its buffers runs once (not a torch.func limit).
     "donated buffers": TorchLimit("donated buffers", reverse=False),
 }
+
+
+# autograd's error for a saved tensor changed in place since it was saved (its version).
+MODIFIED_IN_PLACE = "modified by an inplace operation"
 
 
 def torch_limit(error: BaseException) -> str | None:
@@ -199,15 +203,19 @@ def autograd_grad(
     create_graph: bool = False,
     is_grads_batched: bool = False,
     plain: bool | None = None,
+    edges: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None,
 ) -> Tensors:
     """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach
     (with a leading batch dim where the cotangents are batched). ``plain``: the caller's
-    :func:`_plain` of these arguments (None: found out here)."""
+    :func:`_plain` of these arguments (None: found out here). ``edges``: what to
+    differentiate from and at instead of the outputs and inputs themselves (each a tensor
+    or a gradient edge taken earlier)."""
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if isinstance(cotangents, torch.Tensor):
         cotangents = (cotangents,)
     if plain is None:
         plain = not is_grads_batched and _plain(outputs, inputs, cotangents)
+    roots, targets = (outputs, inputs) if edges is None else edges  # (torch takes both)
     if plain:
         # k calls of it per call (the losses' backward, the eager per-head pulls):
         # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs ~13 us
@@ -216,18 +224,18 @@ def autograd_grad(
         if cotangents is None:
             cotangents = [torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs]
         grads = _engine_run_backward(
-            outputs,
+            roots,
             tuple(cotangents),
             retain_graph,
             create_graph,
-            inputs,
+            targets,
             True,
             accumulate_grad=False,
         )
     else:
         grads = torch.autograd.grad(
-            outputs,
-            inputs,
+            roots,
+            targets,
             cotangents,
             retain_graph=retain_graph,
             create_graph=create_graph,
@@ -413,6 +421,13 @@ def _kept(tensors: Tensors) -> Tensors:
     return tuple(t.detach().clone() for t in tensors)
 
 
+def _edge(x: torch.Tensor) -> torch.Tensor | GradientEdge:
+    """The gradient edge of a view of a primal (a C++ node: none of get_gradient_edge's
+    work, ~1 us), else ``x`` (a leaf: its edge stays)."""
+    node = x.grad_fn if x._is_view() else None
+    return x if node is None else GradientEdge(node, x.output_nr)
+
+
 def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearization:
     """The contract of ``torch.func.vjp``, on plain autograd (one retained graph). Where
     grad mode is on (the caller wants the graph of the results: ``create_graph=True``), the
@@ -460,6 +475,12 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
     # nothing, as in torch.func's vjp_fn: autograd would refuse it.
     live = [i for i, o in enumerate(out) if o.requires_grad]
     roots = tuple(out[i] for i in live)
+    # The pulls run between the gradient edges taken now, where the caller can change
+    # tensors in place after pullback returns. An input view's grad_fn is regenerated once
+    # its base (the caller's primal) changes, and the new one is off f's graph (its
+    # gradients would come out zeros); an output changed in place in grad mode (a linked
+    # one) gets the caller's op as its grad_fn, which vjp_fn's does not see.
+    edges = (tuple(map(get_gradient_edge, roots)), tuple(map(_edge, inputs))) if linked else None
 
     def pull_once(cotangents: Tensors, retain: bool) -> Tensors:
         graph = differentiable and torch.is_grad_enabled()  # at call time, as vjp_fn's
@@ -468,8 +489,17 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
                 return tuple(torch.zeros_like(x) for x in inputs)
             cotangents = tuple(cotangents[i] for i in live)
         try:
-            return autograd_grad(roots, inputs, cotangents, retain, create_graph=graph)
+            return autograd_grad(roots, inputs, cotangents, retain, graph, edges=edges)
         except RuntimeError as error:
+            if linked and MODIFIED_IN_PLACE in str(error):
+                raise RuntimeError(
+                    f"{flat.call}: a tensor that f's graph saved was modified in place after "
+                    f"pullback returned ({first_line(error)}): a primal, f's output, or a "
+                    "tensor f captured. The pullback is J_f at the values f saw, and its graph "
+                    "shares their storage (torch.func.vjp would silently use the new values). "
+                    "Pull back before changing them, call funcgrad.pullback again after the "
+                    "change, or change a copy (x.clone())."
+                ) from error
             if not (linked and _graph.FREED_GRAPH in str(error)):
                 raise
             raise RuntimeError(

@@ -73,6 +73,15 @@ class Pullback:
         if not (reuse and values_readable(lin.out)):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
+        # On torch.func (an f whose backward is torch.compile'd) vjp_fn reads the storage of
+        # the primals, of out and of aux when it runs, with no version check: a change in
+        # place after pullback returns is refused (on eager autograd, autograd checks what
+        # f's graph saved). Versions are Python ints: no host read.
+        self._watched: tuple[Tensors, tuple[int, ...]] | None = None
+        if lin.engine == "torch.func" and values_readable(lin.out):
+            watched = (*flat.leaves, *lin.out, *lin.aux)
+            with contextlib.suppress(RuntimeError):  # (an inference tensor has no version)
+                self._watched = watched, tuple(t._version for t in watched)
         # chunk_size="auto": what a direction through f costs here (measured once; the
         # chunk follows the budget in force at each call).
         self._fit = _engine.ChunkFit()
@@ -166,6 +175,8 @@ class Pullback:
                 f"{call}: this pullback was released (pb.release() freed f's graph); "
                 "build a new one with funcgrad.pullback(f, *primals)."
             )
+        if self._watched is not None:
+            self._check_unchanged(call)
         if isinstance(tree, torch.Tensor) and self._out_def.is_leaf():  # (f returns a tensor)
             leaves, treedef = [tree], self._out_def
         else:
@@ -218,6 +229,28 @@ class Pullback:
                 )
             batch = shape[0] if batched else 1
         return tuple(leaves)
+
+    def _check_unchanged(self, call: str) -> None:
+        assert self._watched is not None
+        tensors, versions = self._watched
+        for index, (t, version) in enumerate(zip(tensors, versions)):
+            if t._version == version:
+                continue
+            primals, outputs = len(self._flat.leaves), len(self._out_like)
+            if index < primals:
+                which = f"primal leaf {index} (of the flattened primals)"
+            elif index < primals + outputs:
+                which = f"leaf {index - primals} of f's output"
+            else:
+                which = f"leaf {index - primals - outputs} of aux"
+            raise RuntimeError(
+                f"{call}: {which} was modified in place after funcgrad.pullback returned "
+                f"(version {version} -> {t._version}). This pullback runs on torch.func (f's "
+                "backward is torch.compile'd), whose vjp_fn reads that storage when it runs, "
+                "with no check: it would mix the old values and the new. Pull back before "
+                "changing it, call funcgrad.pullback again after the change, or change a copy "
+                "(x.clone())."
+            )
 
     def _apply(
         self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
@@ -377,8 +410,11 @@ def pullback(
         dropped, then one backward of f per cotangent outside the span of those already
         pulled back, batched; once ``m = numel(y)`` independent directions are kept, none.
         Memory: the kept basis holds ``r`` images, one per direction, each the size of the
-        primals, up to ``max_basis_bytes``. Host reads: none on the first call, one on each
-        later call in the usual cases (see `Pullback`). Rank detection is invariant to each
+        primals, up to ``max_basis_bytes``; what it keeps of a call (its cotangents and
+        answers) are copies of its own (copy-on-write on the CPU), so the caller may change
+        them in place. A primal or ``out`` changed in place that f's graph saved is refused
+        at the next call (see docs/reliability.md). Host reads: none on the first call, one
+        on each later call in the usual cases (see `Pullback`). Rank detection is invariant to each
         cotangent's scale and runs in float32 for half-precision cotangents; non-finite
         cotangents, images or products are answered by pulling the cotangents themselves
         back, so NaN and inf come out as in autograd. Host work beyond f's forward, on

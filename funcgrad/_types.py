@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias, Union
 
 import torch
 
@@ -46,7 +46,9 @@ which is called on the k x n Jacobian where it needs more than the Gramian. Each
 `torch.nn.Module` from a tensor to a tensor, so it type-checks as this callable.
 """
 
-ProcessGroupLike: TypeAlias = "torch.distributed.ProcessGroup | torch.nn.Module"
+# (A Union with a forward reference, not a string: a string inside `ProcessGroupLike | None`
+# breaks typing.get_type_hints. The reference resolves where torch.distributed is available.)
+ProcessGroupLike: TypeAlias = Union["torch.distributed.ProcessGroup", torch.nn.Module]
 """Where data-parallel training communicates (`process_group=` of `funcgrad.backward` and
 `funcgrad.combine_heads`).
 

@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import funcgrad
+from funcgrad import _linearize
 
 
 def slow_fun(x, n=20):
@@ -739,3 +740,267 @@ def test_pb_takes_a_cotangent_with_a_0_dim_leaf_after_the_first():
     _, pb = funcgrad.pullback(f, x)
     v = (torch.ones(3, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64))
     torch.testing.assert_close(pb(v)[0], torch.func.vjp(f, x)[1](v)[0])
+
+
+# -- a Pullback owns what it holds ---------------------------------------------------------
+# The caller may change in place anything it passed to pb(...) / pb.many(...) or got back from
+# them, before the next call: the answers stay torch.func.vjp's.
+
+
+def _owned_case(kind):
+    """f, its primals and a cotangent maker for the storage tests (float64)."""
+    if kind == "tensor":
+        w = torch.randn(5, 4)
+        return (lambda x: torch.tanh(w @ x)), (torch.randn(4),)
+    if kind == "pytree":  # dict with unsorted keys, None leaves, a namedtuple; two primals
+        w1, w2 = torch.randn(6, 4), torch.randn(5, 6)
+
+        def f(inputs, scale):
+            h = torch.tanh(w1 @ inputs["x"] + inputs["b"]) * scale
+            return {"y": w2 @ h, "none": None, "pair": Pair(h.sum(), torch.sin(inputs["x"]))}
+
+        return f, ({"x": torch.randn(4), "b": torch.randn(6), "skip": None}, torch.tensor(1.5))
+    if kind == "complex":  # complex y (its real and imaginary parts count apart), complex x
+        w = torch.randn(3, 4, dtype=torch.complex128)
+        return (lambda x: torch.exp(1j * (w @ x))), (torch.randn(4, dtype=torch.complex128),)
+    if kind == "view":  # the pullback of a view is a view of the cotangent
+        return (lambda x: x.reshape(2, 3)), (torch.randn(6),)
+    raise AssertionError(kind)
+
+
+def _reference_vjp(f, primals):
+    """torch.func.vjp's vjp_fn of f at copies of the primals, taken now; trees through optree
+    (torch.func takes no None leaf)."""
+    leaves, treedef = optree.tree_flatten(primals)
+    leaves = [leaf.clone() for leaf in leaves]
+
+    def flat(*leaves):
+        return tuple(optree.tree_leaves(f(*optree.tree_unflatten(treedef, list(leaves)))))
+
+    vjp_fn = torch.func.vjp(flat, *leaves)[1]
+    return lambda v: optree.tree_unflatten(treedef, list(vjp_fn(tuple(optree.tree_leaves(v)))))
+
+
+def _in_place(tree, fn):
+    """``fn`` applied in place to every tensor leaf of ``tree`` (a grad may be None)."""
+    optree.tree_map(lambda leaf: None if leaf is None else fn(leaf), tree)
+
+
+def _cotangents(out, k=None):
+    return optree.tree_map(
+        lambda leaf: torch.randn(leaf.shape if k is None else (k, *leaf.shape), dtype=leaf.dtype),
+        out,
+    )
+
+
+def _row(tree, i):
+    return optree.tree_map(lambda leaf: leaf[i], tree)
+
+
+def _clone(tree):
+    return optree.tree_map(lambda leaf: leaf.clone(), tree)
+
+
+def _on_torch_func(monkeypatch):
+    """pullback on torch.func.vjp outside transforms (the path of an f with a compiled
+    backward), instead of eager autograd."""
+
+    def of_function(flat):
+        return _linearize.of_function(flat, _linearize.RandomState(flat))
+
+    monkeypatch.setattr(_linearize, "on_autograd", of_function)
+
+
+def _mutate_single(pb, out, way):
+    """One ``pb(v)`` call, a change in place of what it took or gave, and the next call's
+    cotangent, which lies in the span of the first (answered from what pb holds)."""
+    v = _cotangents(out)
+    if way == "zero the answer":
+        _in_place(pb(v), torch.Tensor.zero_)
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
+    if way == "add to the answer under no_grad":
+        grads = pb(v)
+        with torch.no_grad():
+            _in_place(grads, lambda g: g.add_(1))
+        return optree.tree_map(lambda leaf: -leaf, v)
+    if way == "zero the answer through .data and numpy":  # (no version counter sees these)
+        grads = pb(v)
+        _in_place(grads, lambda g: g.data.zero_())
+        _in_place(grads, lambda g: g.numpy().fill(1))
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
+    if way == "zero a create_graph answer":
+        _in_place(pb(v, create_graph=True), lambda g: g.detach().zero_())
+        return optree.tree_map(lambda leaf: 2 * leaf, v)
+    if way == "scale the cotangent":
+        pb(v)
+        _in_place(v, lambda leaf: leaf.mul_(3))
+        return v
+    if way == "copy another into the cotangent":
+        pb(v)
+        other = _cotangents(out)
+        optree.tree_map(lambda leaf, new: leaf.copy_(new), v, other)
+        return other
+    raise AssertionError(way)
+
+
+SINGLE_WAYS = [
+    "zero the answer",
+    "add to the answer under no_grad",
+    "zero the answer through .data and numpy",
+    "zero a create_graph answer",
+    "scale the cotangent",
+    "copy another into the cotangent",
+]
+
+
+@pytest.mark.parametrize("path", ["autograd", "torch.func"])
+@pytest.mark.parametrize("kind", ["tensor", "pytree", "complex", "view"])
+@pytest.mark.parametrize("way", SINGLE_WAYS)
+def test_pb_holds_nothing_that_its_caller_changes_in_place(way, kind, path, monkeypatch):
+    f, primals = _owned_case(kind)
+    vjp_fn = _reference_vjp(f, primals)
+    if path == "torch.func":
+        _on_torch_func(monkeypatch)
+    out, pb = funcgrad.pullback(f, *primals)
+    v = _mutate_single(pb, out, way)
+    expected = vjp_fn(_clone(v))
+    assert_tree_close(pb(v), tuple(expected))
+    assert_tree_close(pb(_clone(v)), tuple(expected))  # (and once more, from the basis)
+
+
+@pytest.mark.parametrize("path", ["autograd", "torch.func"])
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("kind", ["tensor", "pytree", "complex", "view"])
+@pytest.mark.parametrize("way", ["scale the answers", "copy others into the cotangents"])
+@pytest.mark.parametrize("k", [2, 11])  # (11 > m: y's unit directions, then a product)
+def test_many_holds_nothing_that_its_caller_changes_in_place(
+    k, way, kind, chunk_size, path, monkeypatch
+):
+    f, primals = _owned_case(kind)
+    vjp_fn = _reference_vjp(f, primals)
+    if path == "torch.func":
+        _on_torch_func(monkeypatch)
+    out, pb = funcgrad.pullback(f, *primals)
+    first = _cotangents(out, k=k)
+    grads = pb.many(first, chunk_size=chunk_size)
+    if way == "scale the answers":
+        _in_place(grads, lambda g: g.mul_(-1))
+        mix = torch.randn(3, k)  # in the span of the first
+        then = optree.tree_map(
+            lambda leaf: torch.tensordot(mix.to(leaf.dtype), leaf, dims=1), first
+        )
+    else:
+        then = _cotangents(out, k=k)
+        optree.tree_map(lambda leaf, new: leaf.copy_(new), first, then)
+    got = pb.many(then, chunk_size=chunk_size)
+    k = optree.tree_leaves(then)[0].shape[0]
+    for i in range(k):
+        assert_tree_close(_row(got, i), tuple(vjp_fn(_row(then, i))))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tiny"), [(torch.float64, 1e-310), (torch.float32, 1e-39), (torch.float64, 0.0)]
+)
+def test_a_subnormal_or_zero_cotangent_row_leaves_later_calls_exact(dtype, tiny):
+    """A held row whose unit scale overflows (1 / 1e-310) is not derived by linearity: its
+    direction goes through f; zero rows give none."""
+    w = torch.randn(5, 4, dtype=dtype)
+    f = lambda x: torch.tanh(w @ x)  # noqa: E731
+    x = torch.randn(4, dtype=dtype)
+    vjp_fn = torch.func.vjp(lambda x: torch.tanh(w.double() @ x), x.double().clone())[1]
+    _, pb = funcgrad.pullback(f, x)
+    held = torch.randn(3, 5, dtype=dtype)
+    held[1] = tiny * torch.tensor([1.0, -0.5, 0.25, 0.0, 1.0], dtype=dtype)
+    pb.many(held)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    for v in [held[0] + held[2], torch.randn(5, dtype=dtype), held[1] / tiny if tiny else held[1]]:
+        (got,) = pb(v)
+        torch.testing.assert_close(got.double(), vjp_fn(v.double())[0], **tolerance)
+    (got,) = pb.many(held)
+    for i in range(3):
+        torch.testing.assert_close(got[i].double(), vjp_fn(held[i].double())[0], **tolerance)
+    # The three held rows and the random one span 4 directions (3 where one row is zero).
+    assert pb.rank == (4 if tiny else 3)
+
+
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_a_primal_changed_in_place_after_pullback(requires_grad, many):
+    """torch.func.vjp's vjp_fn reads the primals' storage when it runs. Where f's graph saved
+    no primal (a linear f), pb's answers stay exact, as vjp_fn's; where it did, pb refuses
+    (vjp_fn would silently mix the old and the new values)."""
+    w = torch.randn(5, 4)
+    v = torch.randn(3, 5) if many else torch.randn(5)
+
+    def pull(pb):
+        return pb.many(v)[0] if many else pb(v)[0]
+
+    for f, saved in [(lambda x: w @ x, False), (lambda x: w @ torch.sin(x), True)]:
+        x = torch.randn(4, requires_grad=requires_grad)
+        expected = torch.func.vjp(f, x.detach().clone())[1]
+        _, pb = funcgrad.pullback(f, x)
+        with torch.no_grad():
+            x.mul_(2)
+        if saved:
+            with pytest.raises(
+                RuntimeError,
+                match=r"pullback\(f, \*primals\): a tensor that f's graph saved was modified in "
+                r"place after pullback returned .*version.*Pull back before changing them",
+            ):
+                pull(pb)
+        else:
+            got = pull(pb)
+            want = torch.func.vmap(expected)(v)[0] if many else expected(v)[0]
+            torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_an_output_changed_in_place_after_pullback(grad_mode):
+    """f's output, linked to x's graph, changed in place by the caller: in grad mode that
+    gives it the caller's op as grad_fn, which vjp_fn does not see. Where f's graph saved it
+    (tanh), pb refuses, as for a primal."""
+    w = torch.randn(5, 4)
+    v = torch.randn(5)
+    for f, saved in [(lambda x: w @ x, False), (lambda x: torch.tanh(w @ x), True)]:
+        x = torch.randn(4, requires_grad=True)
+        expected = torch.func.vjp(f, x.detach().clone())[1](v)[0]
+        out, pb = funcgrad.pullback(f, x)
+        assert out.requires_grad
+        with torch.set_grad_enabled(grad_mode):
+            out.mul_(2)
+        if saved:
+            with pytest.raises(RuntimeError, match=r"modified in place after pullback returned"):
+                pb(v)
+        else:
+            torch.testing.assert_close(pb(v)[0], expected)
+            torch.testing.assert_close(pb.many(torch.stack([v, -v]))[0][1], -expected)
+
+
+@pytest.mark.parametrize("changed", ["primal", "out", "aux"])
+def test_on_torch_func_a_primal_or_output_changed_in_place_is_refused(changed, monkeypatch):
+    """torch.func's vjp_fn reads the storage of its primals and outputs with no version
+    check (tanh saves its output: torch.func.vjp would mix old and new values), so on that
+    path (an f with a compiled backward) pb refuses any in-place change of them."""
+    _on_torch_func(monkeypatch)
+    w = torch.randn(5, 4)
+
+    def f(x):
+        h = w @ x
+        return torch.tanh(h), h
+
+    x = torch.randn(4)
+    out, pb, aux = funcgrad.pullback(f, x, has_aux=True)
+    v = torch.randn(5)
+    expected = autograd_vjp(lambda x: f(x)[0], x, v)
+    torch.testing.assert_close(pb(v)[0], expected)
+    target = {"primal": x, "out": out, "aux": aux}[changed]
+    target.add_(1)
+    which = {"primal": "primal leaf 0", "out": "leaf 0 of f's output", "aux": "leaf 0 of aux"}
+    with pytest.raises(
+        RuntimeError,
+        match=rf"pb\(cotangent\): {which[changed]} .*was modified in place after "
+        r"funcgrad.pullback returned \(version 0 -> 1\).*runs on torch.func",
+    ):
+        pb(v)
+    with pytest.raises(RuntimeError, match="was modified in place"):
+        pb.many(v[None])
