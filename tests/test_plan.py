@@ -916,6 +916,7 @@ def test_plan_shape_only_run_leaves_a_captured_tensor_usable_after_a_data_setter
         assert torch.equal(c, torch.zeros(5)), c
         """
     )
+
     def bounded() -> None:  # reading a fake tensor's data may read garbage sizes: cap it
         import resource
 
