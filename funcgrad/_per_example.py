@@ -433,6 +433,38 @@ def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
     return found
 
 
+def _grads_after_hooks(
+    losses: torch.Tensor, edges: list[Any], retain_graph: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients along all ones at ``edges``, as the nodes there use them: after the
+    tensor hooks on those outputs (``out.register_hook``) and the nodes' pre-hooks.
+
+    torch's engine captures an input of ``autograd.grad`` before the tensor hooks when its
+    node also runs (a layer with layers below it), after them when it does not. A pre-hook
+    of ours on each node, registered last, sees what the node itself receives; it only
+    reads, so each user hook fires once, as in one backward of ``losses.sum()``."""
+    seen: dict[Any, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+    for node in {e.node: None for e in edges}:
+
+        def read(grads: Any, node: Any = node) -> None:
+            seen[node] = tuple(grads)
+
+        handles.append(node.register_prehook(read))
+    try:
+        deltas = torch.autograd.grad(
+            losses,
+            edges,
+            grad_outputs=torch.ones_like(losses),
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(seen[e.node][e.output_nr] if e.node in seen else d for e, d in zip(edges, deltas))
+
+
 # -- layers: one rule each -------------------------------------------------------------------
 
 
@@ -1223,13 +1255,7 @@ class _Run:
         edges = [e for use in uses for e in use.edges]
         self.recorder._recording = False
         try:
-            deltas = torch.autograd.grad(
-                self.losses,
-                edges,
-                grad_outputs=torch.ones_like(self.losses),
-                retain_graph=retain_graph,
-                allow_unused=True,
-            )
+            deltas = _grads_after_hooks(self.losses, edges, retain_graph)
         finally:
             self.recorder._recording = True
         start = 0
