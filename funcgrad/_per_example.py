@@ -55,6 +55,7 @@ class _Use:
     nested: list[_Use]  # uses of hooked modules inside this call
     upstream: list[Any]  # gradient edges of the inputs that require grad
     deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -82,6 +83,47 @@ def _refuse_batch_statistics(name: str, module: nn.Module, call: str) -> None:
         "Call model.eval() on it (running statistics), or replace it by GroupNorm / "
         "LayerNorm / InstanceNorm."
     )
+
+
+def _is_recorder_hook(hook: Any) -> bool:
+    return getattr(hook, "__func__", None) is PerExample._post
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def _foreign_hooks(module: nn.Module) -> str | None:
+    """The user hooks of ``module`` that the rules cannot honour, described, or None.
+
+    The rules differentiate ``forward`` itself, from the recorded input (what forward got,
+    after any forward pre-hook) to the recorded output (what forward returned) along the
+    output gradients (after any full backward pre-hook). So pre-hooks, module forward hooks
+    that run after ours and full backward hooks are exact. Not so a forward hook that runs
+    before ours (a global one, or one registered later with prepend=True: the output we see
+    may be its rescaled one) nor a non-full backward hook (it rewrites the gradients that
+    the node of the output computes, parameters' included)."""
+    before = list(nn.modules.module._global_forward_hooks.values())
+    for hook in module._forward_hooks.values():
+        if _is_recorder_hook(hook):
+            break
+        before.append(hook)
+    before = [h for h in before if not _is_recorder_hook(h)]
+    if before:
+        return (
+            f"a forward hook that runs before funcgrad's ({_hook_name(before[0])}: a global "
+            "one, torch.nn.modules.module.register_module_forward_hook, or one registered "
+            "with prepend=True after funcgrad.per_example), which may change the output that "
+            "the rules differentiate"
+        )
+    if module._backward_hooks or nn.modules.module._global_backward_hooks:
+        _, non_full = module._get_backward_hooks()
+        if non_full:
+            return (
+                f"a non-full backward hook ({_hook_name(non_full[0])}, register_backward_hook), "
+                "which rewrites the gradients of its output's node, the parameters' included"
+            )
+    return None
 
 
 class PerExample:
@@ -129,7 +171,14 @@ class PerExample:
             if (params and module in self._parents) or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             if params:
-                self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+                # First of the module's forward hooks, so that it sees the output of forward
+                # itself (what the rules differentiate), before any user hook rescales it; and
+                # called when forward raises, so that the call's frame is closed.
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._post, with_kwargs=True, prepend=True, always_call=True
+                    )
+                )
         _RECORDERS.add(self)
 
     # Hooks ---------------------------------------------------------------------------
@@ -175,6 +224,7 @@ class PerExample:
             (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
+        use.hooked = _foreign_hooks(module)
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
@@ -981,7 +1031,7 @@ class _Generic(_Layer):
                 for i, v in zip(batched, values):
                     filled[i] = v.unsqueeze(0)
                 args, kwargs = _pytree.tree_unflatten(filled, spec)
-                flat, _ = _pytree.tree_flatten(torch.func.functional_call(module, p, args, kwargs))
+                flat, _ = _pytree.tree_flatten(_bare_call(module, p, args, kwargs))
                 return tuple(flat[i] for i in positions)
 
             pull = torch.func.vjp(call, params)[1]
@@ -1022,7 +1072,7 @@ class _Generic(_Layer):
                 leaves[i] = x[b : b + 1]
         args, kwargs = _pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad():
-            flat = _pytree.tree_leaves(self.module(*args, **kwargs))
+            flat = _pytree.tree_leaves(self.module.forward(*args, **kwargs))
             outs = [flat[i] for i, _, _ in use.outputs]
             cotangents = [self.delta(use, i)[b : b + 1] for i in range(len(outs))]
             params = list(self.params.values())
@@ -1042,6 +1092,14 @@ class _Generic(_Layer):
             k: torch.tensordot(weights.to(g.dtype), g, dims=1)
             for k, g in self.per_example().items()
         }
+
+
+def _bare_call(module: nn.Module, params: dict[str, Any], args: Any, kwargs: Any) -> Any:
+    """``forward`` alone, with ``params`` in place of the module's parameters (as
+    torch.func.functional_call, but not through ``module(...)``): the module's own hooks are
+    out, as the recorded input and output gradients already hold their effect."""
+    with torch.nn.utils.stateless._reparametrize_module(module, params):
+        return module.forward(*args, **kwargs)
 
 
 def _nested_params(use: _Use) -> set[torch.Tensor]:
@@ -1179,6 +1237,18 @@ class _Run:
             )
         return [use for top in self.recorder._uses if id(top) in reached for use in top.walk()]
 
+    def _refuse_hooks(self, uses: list[_Use]) -> None:
+        for use in uses:
+            if use.hooked is not None:
+                name = self.recorder._names.get(use.module, type(use.module).__name__)
+                raise ValueError(
+                    f"{self.call}: module {name!r} ({type(use.module).__name__}) has "
+                    f"{use.hooked}. Nothing was written. Register the hook on the module "
+                    "without prepend=True (module forward hooks, pre-hooks and full backward "
+                    "hooks are honoured), remove it during the per-example forward, or leave "
+                    "the module's parameters out with inputs=."
+                )
+
     def _check_leaf(self, leaf: torch.Tensor) -> None:
         name = self.selected.get(leaf)
         if name is not None:
@@ -1269,6 +1339,7 @@ class _Run:
         recorder = self.recorder
         try:
             uses = self._uses()
+            self._refuse_hooks(uses)
             blocks = self._layers(uses)
             for block in blocks:
                 for layer in block:

@@ -88,3 +88,125 @@ def test_tensor_hook_matches_the_loop_and_fires_once(where):
         return losses
 
     assert check_exact(model, losses_fn, calls) == 1
+
+
+# -- module hooks --------------------------------------------------------------------------
+
+
+class Scale(nn.Module):
+    """A custom module (the generic rule: a functional call of its forward alone)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.scale + torch.sin(x * self.scale)
+
+
+def with_custom():
+    return nn.Sequential(nn.Linear(3, 4), Scale(), nn.Tanh(), nn.Linear(4, 1))
+
+
+def plain_losses(m):
+    return (m(X).squeeze(1) - Y) ** 2
+
+
+def rescale_output(module, args, output):
+    return 0.5 * output
+
+
+def shift_input(module, args):
+    return (args[0] + 1.0,)
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # a Linear rule, the generic rule
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_forward_hooks_and_pre_hooks_are_honoured(layer, when):
+    """A forward hook that rescales a layer's output: the rules took output = forward(input),
+    and the recorded output was the hook's (0.5 off)."""
+    model = with_custom()
+
+    def install():
+        model[layer].register_forward_hook(rescale_output)
+        model[layer].register_forward_pre_hook(shift_input)
+
+    if when == "before":
+        install()
+        check_exact(model, plain_losses)
+        return
+    jac = None
+    with funcgrad.per_example(model) as pe:
+        install()
+        jac = loop_jacobian(model, plain_losses)
+        gram = pe.gramian(plain_losses(model))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 3])
+def test_full_backward_hooks_are_honoured_and_fire_once(layer):
+    model, calls = with_custom(), []
+
+    def grad_output_hook(module, grad_output):
+        calls.append("pre")
+        return (2 * grad_output[0],)
+
+    def grad_input_hook(module, grad_input, grad_output):
+        calls.append("post")
+        return (3 * grad_input[0],)
+
+    model[layer].register_full_backward_pre_hook(grad_output_hook)
+    model[layer].register_full_backward_hook(grad_input_hook)
+    x = X.clone().requires_grad_()  # so that the first layer has a grad_input too
+
+    def losses_fn(m):
+        return (m(x).squeeze(1) - Y) ** 2
+
+    check_exact(model, losses_fn)
+    # one backward of the losses fires each hook as torch's autograd.grad of their sum to
+    # the parameters does (the first layer's grad_input hook is not on the way to one)
+    calls.clear()
+    torch.autograd.grad(losses_fn(model).sum(), trainable(model))
+    want = sorted(calls)
+    calls.clear()
+    with funcgrad.per_example(model) as pe:
+        pe.gramian(losses_fn(model))
+    assert sorted(calls) == want
+    assert "pre" in want
+
+
+def test_forward_hook_before_ours_is_refused():
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        model[2].register_forward_hook(rescale_output, prepend=True)
+        with pytest.raises(
+            ValueError,
+            match=r"module '2' \(Linear\) has a forward hook that runs before funcgrad's "
+            r"\(rescale_output.*prepend=True.*Nothing was written",
+        ):
+            pe.backward(plain_losses(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_global_forward_hook_is_refused():
+    model = mlp()
+    handle = torch.nn.modules.module.register_module_forward_hook(rescale_output)
+    try:
+        with funcgrad.per_example(model) as pe:
+            losses = plain_losses(model)
+            with pytest.raises(ValueError, match=r"forward hook .*register_module_forward_hook"):
+                pe.backward(losses)
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_full_backward_hook_is_refused():
+    model = mlp()
+    model[2].register_backward_hook(lambda module, gi, go: tuple(2 * g for g in gi))
+    with funcgrad.per_example(model) as pe:
+        with pytest.warns(FutureWarning, match="non-full backward hook"):  # torch's own
+            losses = plain_losses(model)
+        with pytest.raises(ValueError, match=r"module '2' \(Linear\) has a non-full backward"):
+            pe.backward(losses)
+    assert all(p.grad is None for p in model.parameters())
