@@ -210,3 +210,43 @@ def test_non_full_backward_hook_is_refused():
         with pytest.raises(ValueError, match=r"module '2' \(Linear\) has a non-full backward"):
             pe.backward(losses)
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- state left behind, and calls in the wrong order --------------------------------------
+
+
+class Fails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.fail = nn.Linear(3, 4), nn.Linear(4, 1), False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            raise RuntimeError("boom")
+        return self.b(torch.tanh(h))
+
+
+class Outer(nn.Module):
+    """A parent with its own parameter (its calls collect the nested ones) around a module
+    whose forward may raise."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.w = Fails(), nn.Parameter(torch.tensor([1.5]))
+
+    def forward(self, x):
+        return self.inner(x) * self.w
+
+
+def test_a_forward_that_raised_inside_a_nested_module_leaves_no_state():
+    """Its parent's frame stayed open, and the next forward's calls went into it."""
+    model = Outer()
+    with funcgrad.per_example(model) as pe:
+        model.inner.fail = True
+        with pytest.raises(RuntimeError, match="boom"):
+            model(X)
+        model.inner.fail = False
+        gram = pe.gramian(plain_losses(model))
+    jac = loop_jacobian(model, plain_losses)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
