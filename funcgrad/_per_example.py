@@ -469,7 +469,8 @@ def _keys(use: _Use) -> list[tuple[Any, int]]:
 
 
 def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
-    found: set[tuple[Any, int]] = set()
+    root = get_gradient_edge(losses)
+    found: set[tuple[Any, int]] = {(root.node, root.output_nr)}
     stack, seen = [losses.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -1212,7 +1213,10 @@ class _Run:
                 by_edge[key] = top
         reached: dict[int, _Use] = {}
         # Edges to visit; a recorded call is stepped over, from its outputs to its inputs.
-        stack: list[tuple[Any, int]] = [(self.losses.grad_fn, -1)]
+        # From the losses' own edge: they may be a recorded call's output (a module that
+        # returns the per-example losses).
+        root = get_gradient_edge(self.losses)
+        stack: list[tuple[Any, int]] = [(root.node, root.output_nr)]
         seen: set[Any] = set()
         while stack:
             node, nr = stack.pop()

@@ -250,3 +250,50 @@ def test_a_forward_that_raised_inside_a_nested_module_leaves_no_state():
         gram = pe.gramian(plain_losses(model))
     jac = loop_jacobian(model, plain_losses)
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+# -- losses that are a hooked module's own output ------------------------------------------
+
+
+class TemperedCrossEntropy(nn.Module):
+    """Cross-entropy with a learned temperature inside forward: the losses are this module's
+    output."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.t = nn.Linear(3, 4), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.lin(x) / self.t, labels, reduction="none")
+
+
+class Score(nn.Module):
+    """A last module that returns the (B,) losses itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.v = nn.Parameter(torch.randn(4))
+
+    def forward(self, h):
+        return (h @ self.v).cosh()
+
+
+LABELS = torch.randint(4, (B,))
+
+
+@pytest.mark.parametrize(
+    ("make", "forward"),
+    [
+        (TemperedCrossEntropy, lambda m: m(X, LABELS)),
+        (lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), Score()), lambda m: m(X)),
+    ],
+)
+def test_losses_that_are_a_hooked_modules_output(make, forward):
+    """Refused, blaming a functional use (the walk started below the losses' own node)."""
+    model = make()
+    jac = loop_jacobian(model, forward)
+    with funcgrad.per_example(model):
+        weights = funcgrad.backward(forward(model), batch_dim=0, weighting=lambda g: g.diagonal())
+        gram = funcgrad.per_example_gramian(forward(model))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(flat_grads(model), weights @ jac, rtol=1e-9, atol=1e-11)
