@@ -131,9 +131,11 @@ class PerExample:
     that per-example Gramians and weighted updates cost about one backward.
 
     Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
-    the end of a ``with`` block). Each call of `gramian` or `backward` consumes
-    what the forward recorded; records of forwards that no call consumed are dropped at the
-    next call. Nothing is recorded while grad is disabled.
+    the end of a ``with`` block; a block's end is final: make a new one for the next).
+    Each call of `gramian` or `backward` (without ``retain_graph``) consumes what its
+    forward recorded and drops the records of older forwards that no call used; those of
+    later forwards stay for their own calls. A call on losses whose records are gone says
+    why. Nothing is recorded while grad is disabled.
     """
 
     def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
@@ -159,6 +161,7 @@ class PerExample:
         self._uses: list[_Use] = []
         self._frames: list[tuple[nn.Module, list[_Use]]] = []
         self._recording = True
+        self._removed = False
         self._handles = []
         self._direct = {module: tuple(_direct(module)) for module in model.modules()}
         self._batchnorms = {
@@ -253,17 +256,54 @@ class PerExample:
 
     def clear(self) -> None:
         """Drop what the forwards recorded (no call consumed it)."""
-        self._uses, self._frames = [], []
+        self._drop("cleared")
+
+    def _drop(self, why: str, keep: int = 0) -> None:
+        """Drop the records but the last ``keep`` top-level calls, marking the graph nodes of
+        the dropped ones with ``why`` (for the message of a later call on their losses)."""
+        kept = self._uses[len(self._uses) - keep :] if keep else []
+        for top in self._uses[: len(self._uses) - len(kept)]:
+            for use in top.walk():
+                for edge in use.edges:
+                    _mark(edge.node, why)
+        self._uses = kept
+        if not kept:
+            self._frames = []
+
+    def _consume(self, done: list[_Use] | None) -> None:
+        """After a call without retain_graph: drop the records of the forward it consumed
+        (``done``) and of older forwards that no call consumed, and keep those of later
+        forwards (their losses may come next, as with two forwards, then two calls). A call
+        that failed (``done`` None) drops every record."""
+        if done is None:
+            self._drop("failed")
+            return
+        ids = {id(use) for use in done}
+        last = max((i for i, top in enumerate(self._uses) if id(top) in ids), default=-1)
+        for top in self._uses[: last + 1]:
+            if id(top) in ids:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "consumed")
+        self._drop("dropped", keep=len(self._uses) - last - 1)
 
     def remove(self) -> None:
         """Remove the hooks and the records."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.clear()
+        self._drop("removed")
+        self._removed = True
         _RECORDERS.discard(self)
 
     def __enter__(self) -> PerExample:
+        if self._removed:
+            raise RuntimeError(
+                f"{_MARK}: this PerExample's hooks were removed (the end of its with block, or "
+                "remove()), and a block does not put them back. Make a new one for each "
+                "block (`with funcgrad.per_example(model) as pe:`), or keep one without "
+                "`with` and call pe.remove() once at the end."
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -452,6 +492,8 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     if len(live) == 1:
         return live[0]
     if not live:
+        if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
+            _explain_spent(losses, call, None)
         raise ValueError(
             f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
             "per-example Gramians need each layer's input, recorded during the forward. "
@@ -462,6 +504,51 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
         f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses; "
         "call .backward / .gramian on the one you mean."
     )
+
+
+_SPENT = "funcgrad.per_example"  # the key of our mark in a graph node's metadata
+
+_WHY = {
+    "consumed": "an earlier call (gramian or backward) on these losses consumed their "
+    "forward's records, and freed its graph. Run the forward again for each call, or pass "
+    "retain_graph=True to every call on it but the last",
+    "dropped": "a call on the losses of a later forward dropped this forward's records (a "
+    "call drops the records of older forwards that no call used). Call gramian / backward "
+    "on each forward's losses in the order of the forwards, or run this forward again",
+    "failed": "an earlier call on the losses of this (or a later) forward raised, which "
+    "dropped the records (see that error). Run the forward again",
+    "cleared": "pe.clear() dropped this forward's records. Run the forward again",
+    "removed": "the hooks were removed (the end of the `with funcgrad.per_example(model)` "
+    "block, or remove()), which drops their records. Call gramian / backward inside the "
+    "block, before the hooks are removed",
+}
+
+
+def _mark(node: Any, why: str) -> None:
+    metadata = getattr(node, "metadata", None)
+    if isinstance(metadata, dict):  # the first reason stays (consumed, then dropped)
+        metadata.setdefault(_SPENT, why)
+
+
+def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None) -> None:
+    """Raise the reason that no record of the forward of ``losses`` is left, if known: our
+    mark on one of its graph nodes, or a recorder whose hooks were removed."""
+    root = get_gradient_edge(losses).node
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        metadata = getattr(node, "metadata", None)
+        why = metadata.get(_SPENT) if isinstance(metadata, dict) else None
+        if why in _WHY:
+            raise ValueError(
+                f"{call}: no record of the forward of these losses is left: {_WHY[why]}."
+            )
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if recorder is not None and recorder._removed:
+        raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
 
 
 def _keys(use: _Use) -> list[tuple[Any, int]]:
@@ -1341,8 +1428,13 @@ class _Run:
 
     def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = self.recorder
+        done: list[_Use] | None = None
         try:
-            uses = self._uses()
+            try:
+                uses = self._uses()
+            except ValueError:  # no record of this forward: say why, if known
+                _explain_spent(self.losses, self.call, recorder)
+                raise
             self._refuse_hooks(uses)
             blocks = self._layers(uses)
             for block in blocks:
@@ -1353,10 +1445,11 @@ class _Run:
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
             )
+            done = uses
         finally:
             recorder._recording = True
             if not retain_graph:  # consumed (and older forwards dropped)
-                recorder.clear()
+                recorder._consume(done)
         if write:  # Apply: the one place that writes .grad.
             taken: set[int] = set()
             for param, grad in update:

@@ -297,3 +297,79 @@ def test_losses_that_are_a_hooked_modules_output(make, forward):
         gram = funcgrad.per_example_gramian(forward(model))
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(flat_grads(model), weights @ jac, rtol=1e-9, atol=1e-11)
+
+
+def test_a_second_call_on_consumed_losses_says_so():
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        losses = plain_losses(model)
+        pe.backward(losses)
+        before = flat_grads(model).clone()
+        for call in (pe.backward, lambda l: funcgrad.backward(l, batch_dim=0)):
+            with pytest.raises(ValueError, match=r"earlier call .* consumed .*retain_graph=True"):
+                call(losses)
+        assert torch.equal(flat_grads(model), before)
+
+
+def test_two_forwards_then_two_calls():
+    """The first call dropped the second forward's records (a message blaming a functional
+    use); a second forward's losses after the first's call are valid use."""
+    model = mlp()
+    x2 = torch.randn(B, 3)
+    jacs = [
+        loop_jacobian(model, plain_losses),
+        loop_jacobian(model, lambda m: (m(x2).squeeze(1) - Y) ** 2),
+    ]
+    with funcgrad.per_example(model) as pe:
+        first = plain_losses(model)
+        second = (model(x2).squeeze(1) - Y) ** 2
+        grams = [pe.gramian(first), funcgrad.per_example_gramian(second)]
+    for gram, jac in zip(grams, jacs):
+        torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+def test_calls_in_the_reverse_order_of_the_forwards_say_so():
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        first = plain_losses(model)
+        second = plain_losses(model)
+        pe.gramian(second)
+        with pytest.raises(ValueError, match=r"later forward dropped this forward's records"):
+            pe.backward(first)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_call_after_the_block_says_the_hooks_were_removed():
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        losses = plain_losses(model)
+    for call in (pe.backward, lambda l: funcgrad.backward(l, batch_dim=0)):
+        with pytest.raises(ValueError, match=r"hooks were removed .*inside the block"):
+            call(losses)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_per_example_is_not_reentered_after_its_block():
+    """Re-entered, its hooks were gone: the forward recorded nothing, and the call blamed a
+    functional use."""
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        pe.backward(plain_losses(model))
+    with pytest.raises(RuntimeError, match=r"hooks were removed .*Make a new one"):
+        with pe:
+            pass
+    with funcgrad.per_example(model) as pe:  # a new one works
+        pe.backward(plain_losses(model))
+
+
+def test_a_call_after_a_failed_call_says_so():
+    model = mlp()
+    with funcgrad.per_example(model) as pe:
+        losses = plain_losses(model)
+        with pytest.raises(TypeError, match=r"`weighting`"):  # before the call starts
+            pe.backward(losses, weighting="nonsense")
+        with pytest.raises(ValueError, match=r"parameter .*outside"):  # a functional use
+            pe.backward(losses + model[0].weight.sum())
+        with pytest.raises(ValueError, match=r"earlier call on the losses .* raised"):
+            pe.backward(losses)
+    assert all(p.grad is None for p in model.parameters())
