@@ -707,8 +707,22 @@ class _Layer:
         if tensor.ndim == 0 or tensor.shape[0] != self.batch:
             self.fail(what, f"has shape {tuple(tensor.shape)}")
 
+    def check_layout(self) -> None:
+        """A module that says which dim is its batch (``batch_first``) has it at dim 0:
+        time-major layouts are refused by their attribute, also where T == B."""
+        if getattr(self.module, "batch_first", None) is False:
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) has "
+                "batch_first=False: its inputs and outputs are time-major (T, B, ...), "
+                "where per-example Gramians need them batched along dim 0 (this holds even "
+                "where T == B, which the shapes cannot tell). Build it with "
+                "batch_first=True and pass (B, T, ...) inputs, or leave its parameters out "
+                "with inputs=."
+            )
+
     def precheck(self) -> None:
         """The batch dimension of every recorded input and output, before the backward."""
+        self.check_layout()
         for use in self.uses:
             for _, shape, _ in use.outputs:
                 if len(shape) == 0 or shape[0] != self.batch:
@@ -1182,6 +1196,73 @@ class _Generic(_Layer):
         }
 
 
+class _Recurrent(_Generic):
+    """nn.RNN / nn.GRU / nn.LSTM with batch_first=True: the generic rule, with h_0 and
+    h_n / c_n batched along dim 1 ((layers, B, H)). torch.func cannot vmap them, so a loop
+    of plain autograd calls of ``forward`` alone on one example each (B calls)."""
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of recorded output k: the output (B, T, H) at 0, h_n / c_n at 1."""
+        return 0 if use.outputs[k][0] == 0 else 1
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The flat arguments, their spec and each one's batch dim (None: not batched):
+        the input at 0, h_0 / c_0 at 1."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        x = use.args[0] if use.args else use.kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            self.fail(
+                "has an input that",
+                f"is {describe(x)} (per-example gradients need a (B, T, H) tensor: no "
+                "unbatched input, no PackedSequence)",
+            )
+        dims = [
+            (0 if leaf is x else 1) if isinstance(leaf, torch.Tensor) else None for leaf in leaves
+        ]
+        for leaf, dim in zip(leaves, dims):
+            if dim is not None and leaf.shape[dim] != self.batch:
+                self.fail("has an input that", f"has shape {tuple(leaf.shape)}")
+        return leaves, spec, dims
+
+    def precheck(self) -> None:
+        self.check_layout()
+        for use in self.uses:
+            for k, (_, shape, _) in enumerate(use.outputs):
+                dim = self.out_dim(use, k)
+                if len(shape) <= dim or shape[dim] != self.batch:
+                    self.fail("has an output that", f"has shape {tuple(shape)}")
+            self.leaf_dims(use)
+
+    def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
+        d = use.deltas[i]
+        if d is None:
+            _, shape, dtype = use.outputs[i]
+            d = torch.zeros(shape, dtype=dtype, device=self.run.device)
+        return d
+
+    def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        self.rule = "materialised, loop (recurrent)"
+        rows = [self.eager(use, b) for b in range(self.batch)]
+        return {k: torch.stack([r[k] for r in rows]) for k in self.params}
+
+    def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
+        leaves, spec, dims = self.leaf_dims(use)
+        leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
+        args, kwargs = _pytree.tree_unflatten(leaves, spec)
+        with torch.enable_grad():
+            flat = _pytree.tree_leaves(self.module.forward(*args, **kwargs))
+            outs = [flat[i] for i, _, _ in use.outputs]
+            cotangents = [
+                self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
+            ]
+            params = list(self.params.values())
+            grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
+        return {
+            k: torch.zeros_like(p) if g is None else g
+            for (k, p), g in zip(self.params.items(), grads)
+        }
+
+
 def _bare_call(module: nn.Module, params: dict[str, Any], args: Any, kwargs: Any) -> Any:
     """``forward`` alone, with ``params`` in place of the module's parameters (as
     torch.func.functional_call, but not through ``module(...)``): the module's own hooks are
@@ -1224,6 +1305,8 @@ def _layer_class(module: nn.Module) -> type[_Layer]:
         return _Conv
     if type(module) is nn.Embedding:
         return _Embedding
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
+        return _Recurrent
     if type(module) in (nn.LayerNorm, nn.GroupNorm) or (
         isinstance(module, nn.modules.batchnorm._BatchNorm)
         and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

@@ -373,3 +373,53 @@ def test_a_call_after_a_failed_call_says_so():
         with pytest.raises(ValueError, match=r"earlier call on the losses .* raised"):
             pe.backward(losses)
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- layouts: which dim is the batch -------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["attention", "encoder", "gru"])
+def test_time_major_layout_is_refused_also_where_t_equals_b(module):
+    """dim 0's size was checked, not the layout: with T == B, a torch shape error."""
+    model = {
+        "attention": lambda: nn.MultiheadAttention(4, 2, batch_first=False),
+        "encoder": lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0).eval(),
+        "gru": lambda: nn.GRU(4, 3, batch_first=False),
+    }[module]()
+    x = torch.randn(B, B, 4)  # (T, B, E) with T == B
+
+    def forward(m):
+        if module == "attention":
+            return m(x, x, x)[0]
+        return m(x)[0] if module == "gru" else m(x)
+
+    with funcgrad.per_example(model) as pe:
+        losses = forward(model).pow(2).sum((0, 2))
+        with pytest.raises(ValueError, match=r"batch_first=False: .*time-major .*T == B"):
+            pe.backward(losses)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell, **kwargs):
+        super().__init__()
+        self.rnn = cell(3, 4, num_layers=2, batch_first=True, **kwargs)
+        directions = 2 if kwargs.get("bidirectional") else 1
+        self.head = nn.Linear(4 * directions, 1)
+        self.h0 = torch.randn(2 * directions, B, 4)
+
+    def forward(self, x):
+        h0 = self.h0 if not isinstance(self.rnn, nn.LSTM) else (self.h0, self.h0.cos())
+        out, state = self.rnn(x, h0)
+        h_n = state[0] if isinstance(state, tuple) else state  # (layers, B, H)
+        return self.head(out).pow(2).sum((1, 2)) + h_n.sin().sum((0, 2))
+
+
+@pytest.mark.parametrize("cell", [nn.RNN, nn.GRU, nn.LSTM])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_recurrent_batch_first_is_exact(cell, bidirectional):
+    """Always refused before (h_n is (layers, B, H)), with a batch_first=True hint that did
+    not help."""
+    model = Recurrent(cell, bidirectional=bidirectional)
+    x = torch.randn(B, 6, 3)
+    check_exact(model, lambda m: m(x))
