@@ -1108,9 +1108,10 @@ class _Generic(_Layer):
         if cached is not None:
             return cached
         found: dict[str, torch.Tensor] = {}
-        for use in self.uses:
-            for key, g in self.one_use(use).items():
-                _add(found, key, g)
+        with _RefuseTensorHooks(self):
+            for use in self.uses:
+                for key, g in self.one_use(use).items():
+                    _add(found, key, g)
         self.grads = found
         return found
 
@@ -1261,6 +1262,29 @@ class _Recurrent(_Generic):
             k: torch.zeros_like(p) if g is None else g
             for (k, p), g in zip(self.params.items(), grads)
         }
+
+
+class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
+    """Around the second call of a module's forward (the generic rule): a tensor hook that
+    forward registers fired in the one backward already, and would fire again there (on
+    per-example gradients, under vmap), which torch's backward never does."""
+
+    def __init__(self, layer: _Layer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            layer = self.layer
+            raise ValueError(
+                f"{layer.run.call}: module {layer.name!r} ({type(layer.module).__name__}) "
+                "registers a tensor hook inside its forward. Its per-example gradients come "
+                "from a second call of that forward alone, where the hook would fire again "
+                "(on per-example gradients), not once as in torch's backward. Nothing was "
+                "written. Register the hook on the module's output instead (hooks between "
+                "modules are honoured), or leave its parameters out with inputs=."
+            )
+        return func(*args, **(kwargs or {}))
 
 
 def _bare_call(module: nn.Module, params: dict[str, Any], args: Any, kwargs: Any) -> Any:

@@ -423,3 +423,35 @@ def test_recurrent_batch_first_is_exact(cell, bidirectional):
     model = Recurrent(cell, bidirectional=bidirectional)
     x = torch.randn(B, 6, 3)
     check_exact(model, lambda m: m(x))
+
+
+class HookedInside(nn.Module):
+    """A custom module (the generic rule) that registers a tensor hook inside forward."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.scale, self.calls = nn.Parameter(torch.randn(4)), calls
+
+    def forward(self, x):
+        h = x * self.scale
+        if h.requires_grad:
+            h.register_hook(lambda g: self.calls.append(1) or 2 * g)
+        return torch.sin(h)
+
+
+def test_tensor_hook_inside_a_generic_modules_forward_is_refused():
+    """It fired twice: in the one backward and again in the second call of the forward."""
+    model = nn.Sequential(nn.Linear(3, 4), HookedInside([]), nn.Linear(4, 1))
+    with funcgrad.per_example(model) as pe:
+        losses = plain_losses(model)
+        with pytest.raises(
+            ValueError, match=r"module '1' \(HookedInside\) registers a tensor hook inside"
+        ):
+            pe.backward(losses)
+    assert all(p.grad is None for p in model.parameters())
+    with funcgrad.per_example(model) as pe:  # without its parameters: exact, fired once
+        jac = loop_jacobian(model, plain_losses)[:, :16]  # the first Linear's
+        model[1].calls.clear()
+        gram = pe.gramian(plain_losses(model), inputs=model[0])
+        assert len(model[1].calls) == 1
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
