@@ -533,8 +533,8 @@ def _mark(node: Any, why: str) -> None:
 def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None) -> None:
     """Raise the reason that no record of the forward of ``losses`` is left, if known: our
     mark on one of its graph nodes, or a recorder whose hooks were removed."""
-    root = get_gradient_edge(losses).node
-    stack, seen = [root], set()
+    stack: list[Any] = [get_gradient_edge(losses).node]
+    seen: set[Any] = set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:

@@ -305,7 +305,7 @@ def test_a_second_call_on_consumed_losses_says_so():
         losses = plain_losses(model)
         pe.backward(losses)
         before = flat_grads(model).clone()
-        for call in (pe.backward, lambda l: funcgrad.backward(l, batch_dim=0)):
+        for call in (pe.backward, lambda losses: funcgrad.backward(losses, batch_dim=0)):
             with pytest.raises(ValueError, match=r"earlier call .* consumed .*retain_graph=True"):
                 call(losses)
         assert torch.equal(flat_grads(model), before)
@@ -343,7 +343,7 @@ def test_a_call_after_the_block_says_the_hooks_were_removed():
     model = mlp()
     with funcgrad.per_example(model) as pe:
         losses = plain_losses(model)
-    for call in (pe.backward, lambda l: funcgrad.backward(l, batch_dim=0)):
+    for call in (pe.backward, lambda losses: funcgrad.backward(losses, batch_dim=0)):
         with pytest.raises(ValueError, match=r"hooks were removed .*inside the block"):
             call(losses)
     assert all(p.grad is None for p in model.parameters())
@@ -355,9 +355,8 @@ def test_a_per_example_is_not_reentered_after_its_block():
     model = mlp()
     with funcgrad.per_example(model) as pe:
         pe.backward(plain_losses(model))
-    with pytest.raises(RuntimeError, match=r"hooks were removed .*Make a new one"):
-        with pe:
-            pass
+    with pytest.raises(RuntimeError, match=r"hooks were removed .*Make a new one"), pe:
+        pass
     with funcgrad.per_example(model) as pe:  # a new one works
         pe.backward(plain_losses(model))
 
