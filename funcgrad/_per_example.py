@@ -383,6 +383,12 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         dropout are fine; random draws inside a module with parameters are refused (its
         per-example gradients would need the same draws). No process group: the
         cross-rank blocks of G need every rank's per-layer A and Δ (see the README).
+        User hooks act as in one backward of the losses: tensor hooks, module forward
+        (pre-)hooks and full backward hooks are honoured; a forward hook that runs before
+        funcgrad's (a global one, or ``prepend=True``), a non-full backward hook and a tensor
+        hook registered inside a generic-rule module's forward are refused before anything
+        is written. Modules with ``batch_first=False`` are refused; nn.RNN/GRU/LSTM with
+        ``batch_first=True`` are exact (a loop over the examples).
     """
     return PerExample(model, batch_dim=batch_dim)
 

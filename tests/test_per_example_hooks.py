@@ -454,3 +454,36 @@ def test_tensor_hook_inside_a_generic_modules_forward_is_refused():
         gram = pe.gramian(plain_losses(model), inputs=model[0])
         assert len(model[1].calls) == 1
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+def test_global_pre_hooks_and_backward_hooks_are_honoured():
+    model, calls = with_custom(), []
+
+    def grad_output_hook(module, grad_output):
+        calls.append(type(module).__name__)
+        return tuple(None if g is None else 2 * g for g in grad_output)
+
+    module_hooks = torch.nn.modules.module
+    handles = [
+        module_hooks.register_module_forward_pre_hook(
+            lambda module, args: (args[0] * 1.5,) if isinstance(module, Scale) else None
+        ),
+        module_hooks.register_module_full_backward_pre_hook(grad_output_hook),
+    ]
+    x = X.clone().requires_grad_()  # else torch warns that the hooks see no inputs
+
+    def losses_fn(m):
+        return (m(x).squeeze(1) - Y) ** 2
+
+    try:
+        check_exact(model, losses_fn)
+        calls.clear()
+        torch.autograd.grad(losses_fn(model).sum(), trainable(model))
+        want = sorted(calls)
+        calls.clear()
+        with funcgrad.per_example(model) as pe:
+            pe.gramian(losses_fn(model))
+        assert sorted(calls) == want
+    finally:
+        for handle in handles:
+            handle.remove()
