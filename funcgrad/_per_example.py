@@ -89,6 +89,15 @@ def _is_recorder_hook(hook: Any) -> bool:
     return getattr(hook, "__func__", None) is PerExample._post
 
 
+def _is_observer(hook: Any) -> bool:
+    """A recorder's hook, or torch's ModuleTracker's (FlopCounterMode's): they return None."""
+    if _is_recorder_hook(hook):
+        return True
+    from torch.utils.module_tracker import ModuleTracker
+
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
+
+
 def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
@@ -108,7 +117,7 @@ def _foreign_hooks(module: nn.Module) -> str | None:
         if _is_recorder_hook(hook):
             break
         before.append(hook)
-    before = [h for h in before if not _is_recorder_hook(h)]
+    before = [h for h in before if not _is_observer(h)]
     if before:
         return (
             f"a forward hook that runs before funcgrad's ({_hook_name(before[0])}: a global "

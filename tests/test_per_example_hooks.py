@@ -487,3 +487,14 @@ def test_global_pre_hooks_and_backward_hooks_are_honoured():
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_flop_counter_global_hooks_are_known_observers():
+    """FlopCounterMode's ModuleTracker registers a global forward hook that returns None."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = mlp()
+    jac = loop_jacobian(model, plain_losses)
+    with funcgrad.per_example(model) as pe, FlopCounterMode(display=False):
+        gram = pe.gramian(plain_losses(model))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
