@@ -1462,6 +1462,22 @@ class _Run:
                     "the module's parameters out with inputs=."
                 )
 
+    def _refuse_parameter_hooks(self) -> None:
+        """A tensor hook on a parameter rewrites each of its gradients in torch's per-example
+        loop; the rules never form them (the ghost products) nor run the parameter's node."""
+        for param, name in self.selected.items():
+            if param._backward_hooks:
+                hook = next(iter(param._backward_hooks.values()))
+                raise ValueError(
+                    f"{self.call}: parameter {name!r} has a tensor hook "
+                    f"({_hook_name(hook)}, register_hook), which torch applies to each of "
+                    "its gradients; the per-example rules never form that gradient (the "
+                    "Gramian comes from the layer's inputs and output gradients), so they "
+                    "cannot apply it. Nothing was written. Remove the hook during the call "
+                    "(handle.remove()), put it on the module's output instead, or leave the "
+                    "parameter out with inputs=."
+                )
+
     def _check_leaf(self, leaf: torch.Tensor) -> None:
         name = self.selected.get(leaf)
         if name is not None:
@@ -1558,6 +1574,7 @@ class _Run:
                 _explain_spent(self.losses, self.call, recorder)
                 raise
             self._refuse_hooks(uses)
+            self._refuse_parameter_hooks()
             blocks = self._layers(uses)
             for block in blocks:
                 for layer in block:

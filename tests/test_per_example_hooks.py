@@ -498,3 +498,17 @@ def test_flop_counter_global_hooks_are_known_observers():
     with funcgrad.per_example(model) as pe, FlopCounterMode(display=False):
         gram = pe.gramian(plain_losses(model))
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+def test_tensor_hook_on_a_parameter_is_refused():
+    """It was ignored: the last layer's .grad was half of torch's."""
+    model = mlp()
+    model[2].weight.register_hook(lambda g: 2 * g)
+    with funcgrad.per_example(model) as pe:
+        for call in (pe.gramian, pe.backward):
+            with pytest.raises(
+                ValueError, match=r"parameter '2.weight' has a tensor hook \(test_tensor_hook_on"
+            ):
+                call(plain_losses(model))
+        pe.backward(plain_losses(model), inputs=[model[0].weight])  # without it: fine
+    assert model[2].weight.grad is None and model[0].weight.grad is not None
