@@ -102,7 +102,7 @@ def _hook_name(hook: Any) -> str:
     return getattr(hook, "__qualname__", None) or type(hook).__qualname__
 
 
-def _foreign_hooks(module: nn.Module) -> str | None:
+def _foreign_hooks(module: nn.Module, recorder: PerExample) -> str | None:
     """The user hooks of ``module`` that the rules cannot honour, described, or None.
 
     The rules differentiate ``forward`` itself, from the recorded input (what forward got,
@@ -114,7 +114,7 @@ def _foreign_hooks(module: nn.Module) -> str | None:
     the node of the output computes, parameters' included)."""
     before = list(nn.modules.module._global_forward_hooks.values())
     for hook in module._forward_hooks.values():
-        if _is_recorder_hook(hook):
+        if _is_recorder_hook(hook) and getattr(hook, "__self__", None) is recorder:
             break
         before.append(hook)
     before = [h for h in before if not _is_observer(h)]
@@ -236,7 +236,7 @@ class PerExample:
             (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
-        use.hooked = _foreign_hooks(module)
+        use.hooked = _foreign_hooks(module, self)
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------

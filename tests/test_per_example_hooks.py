@@ -512,3 +512,15 @@ def test_tensor_hook_on_a_parameter_is_refused():
                 call(plain_losses(model))
         pe.backward(plain_losses(model), inputs=[model[0].weight])  # without it: fine
     assert model[2].weight.grad is None and model[0].weight.grad is not None
+
+
+def test_a_hook_between_two_recorders_is_seen_by_the_inner_one():
+    model = mlp()
+    with funcgrad.per_example(model) as first:
+        model[2].register_forward_hook(rescale_output, prepend=True)
+        with funcgrad.per_example(model) as second:  # its hook runs first of all
+            losses = plain_losses(model)
+            with pytest.raises(ValueError, match=r"module '2' \(Linear\) has a forward hook"):
+                first.backward(losses)
+            second.clear()
+    assert all(p.grad is None for p in model.parameters())
