@@ -1306,7 +1306,8 @@ def _bare_call(module: nn.Module, params: dict[str, Any], args: Any, kwargs: Any
     """``forward`` alone, with ``params`` in place of the module's parameters (as
     torch.func.functional_call, but not through ``module(...)``): the module's own hooks are
     out, as the recorded input and output gradients already hold their effect."""
-    with torch.nn.utils.stateless._reparametrize_module(module, params):
+    # tie_weights as functional_call: a parameter under two names is replaced under both
+    with torch.nn.utils.stateless._reparametrize_module(module, params, tie_weights=True):
         return module.forward(*args, **kwargs)
 
 

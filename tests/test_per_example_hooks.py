@@ -524,3 +524,23 @@ def test_a_hook_between_two_recorders_is_seen_by_the_inner_one():
                 first.backward(losses)
             second.clear()
     assert all(p.grad is None for p in model.parameters())
+
+
+class TwoNames(nn.Module):
+    """One parameter under two attribute names, read through both in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.w2 = self.w
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) @ self.w2
+
+
+def test_generic_rule_replaces_a_parameter_under_all_its_names():
+    """The generic rule calls forward alone (not module(...), whose hooks are out of it); it
+    still replaces a parameter under both of its names, as torch.func.functional_call."""
+    model = nn.Sequential(nn.Linear(3, 4), TwoNames(), nn.Linear(4, 1))
+    model[1].register_forward_hook(rescale_output)
+    check_exact(model, plain_losses)
