@@ -1123,10 +1123,15 @@ class _Generic(_Layer):
         if cached is not None:
             return cached
         found: dict[str, torch.Tensor] = {}
-        with _RefuseTensorHooks(self):
-            for use in self.uses:
-                for key, g in self.one_use(use).items():
-                    _add(found, key, g)
+        try:
+            with _RefuseTensorHooks(self):
+                for use in self.uses:
+                    for key, g in self.one_use(use).items():
+                        _add(found, key, g)
+        except _PreHookChangesInput as error:  # from the loop, where vmap's was caught
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {error}"
+            ) from None
         self.grads = found
         return found
 
@@ -1190,7 +1195,7 @@ class _Generic(_Layer):
                 leaves[i] = x[b : b + 1]
         args, kwargs = _pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad():
-            flat = _pytree.tree_leaves(self.module.forward(*args, **kwargs))
+            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
             outs = [flat[i] for i, _, _ in use.outputs]
             cotangents = [self.delta(use, i)[b : b + 1] for i in range(len(outs))]
             params = list(self.params.values())
@@ -1266,7 +1271,7 @@ class _Recurrent(_Generic):
         leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
         args, kwargs = _pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad():
-            flat = _pytree.tree_leaves(self.module.forward(*args, **kwargs))
+            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
             outs = [flat[i] for i, _, _ in use.outputs]
             cotangents = [
                 self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
@@ -1302,13 +1307,44 @@ class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _bare_call(module: nn.Module, params: dict[str, Any], args: Any, kwargs: Any) -> Any:
-    """``forward`` alone, with ``params`` in place of the module's parameters (as
-    torch.func.functional_call, but not through ``module(...)``): the module's own hooks are
-    out, as the recorded input and output gradients already hold their effect."""
+def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
+    """``forward`` after the module's forward pre-hooks, with ``params`` (if any) in place
+    of its parameters, as torch.func.functional_call, but not through ``module(...)``: the
+    recorded input already holds what the pre-hooks changed, and the recorded output
+    gradients what its forward hooks and backward hooks did. The pre-hooks run again for
+    what they set from the parameters (torch.nn.utils.weight_norm computes ``weight``
+    there); one that returns a new input is refused (its change, made again from the
+    recorded input, would count twice)."""
+    if params is None:
+        return _forward_after_pre_hooks(module, args, kwargs)
     # tie_weights as functional_call: a parameter under two names is replaced under both
     with torch.nn.utils.stateless._reparametrize_module(module, params, tie_weights=True):
-        return module.forward(*args, **kwargs)
+        return _forward_after_pre_hooks(module, args, kwargs)
+
+
+def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    hooks = [
+        *nn.modules.module._global_forward_pre_hooks.items(),
+        *module._forward_pre_hooks.items(),
+    ]
+    for key, hook in hooks:
+        if key in module._forward_pre_hooks_with_kwargs:
+            changed = hook(module, args, kwargs)
+        else:
+            changed = hook(module, args)
+        if changed is not None:
+            raise _PreHookChangesInput(
+                f"has a forward pre-hook ({_hook_name(hook)}) "
+                "that returns a new input. Its per-example gradients come from a second "
+                "call of its forward on the recorded input, which holds that change already. "
+                "Nothing was written. Change the input before the call (in the parent's "
+                "forward), or leave the module's parameters out with inputs=."
+            )
+    return module.forward(*args, **kwargs)
+
+
+class _PreHookChangesInput(ValueError):
+    pass
 
 
 def _nested_params(use: _Use) -> set[torch.Tensor]:
@@ -1334,6 +1370,12 @@ def _overrides(module: nn.Module, base: type) -> bool:
 def _layer_class(module: nn.Module) -> type[_Layer]:
     """The rule of a module, by its class: only torch's own forward (a subclass with its
     own forward, such as a LoRA Linear, is materialised as any other module)."""
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
+        return _Recurrent
+    if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
+        # its forward reads other tensors than its parameters (torch.nn.utils.weight_norm's
+        # weight_g / weight_v make `weight` in a pre-hook): the generic rule runs that
+        return _Generic
     if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
         return _Dense
     if (
@@ -1345,8 +1387,6 @@ def _layer_class(module: nn.Module) -> type[_Layer]:
         return _Conv
     if type(module) is nn.Embedding:
         return _Embedding
-    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
-        return _Recurrent
     if type(module) in (nn.LayerNorm, nn.GroupNorm) or (
         isinstance(module, nn.modules.batchnorm._BatchNorm)
         and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)

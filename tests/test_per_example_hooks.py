@@ -124,12 +124,15 @@ def shift_input(module, args):
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_forward_hooks_and_pre_hooks_are_honoured(layer, when):
     """A forward hook that rescales a layer's output: the rules took output = forward(input),
-    and the recorded output was the hook's (0.5 off)."""
+    and the recorded output was the hook's (0.5 off). A pre-hook that changes the input is
+    exact under the Linear rule (it reads the input forward got); the generic rule's
+    second call of forward would apply it twice, so it is refused there (below)."""
     model = with_custom()
 
     def install():
         model[layer].register_forward_hook(rescale_output)
-        model[layer].register_forward_pre_hook(shift_input)
+        if layer == 0:
+            model[layer].register_forward_pre_hook(shift_input)
 
     if when == "before":
         install()
@@ -456,6 +459,35 @@ def test_tensor_hook_inside_a_generic_modules_forward_is_refused():
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
 
 
+def test_input_changing_pre_hook_on_a_generic_module_is_refused():
+    """The second call of its forward applied the change twice (functional_call ran it)."""
+    model = with_custom()
+    model[1].register_forward_pre_hook(shift_input)
+    with (
+        funcgrad.per_example(model) as pe,
+        pytest.raises(
+            ValueError,
+            match=r"module '1' \(Scale\) has a forward pre-hook \(shift_input\) that returns a "
+            r"new input.*Nothing was written",
+        ),
+    ):
+        pe.backward(plain_losses(model))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_weight_norm_pre_hook_is_honoured(generic):
+    """torch.nn.utils.weight_norm computes `weight` from weight_g / weight_v in a forward
+    pre-hook: a Linear took the Linear rule ('bias only', weight_g and weight_v left out)."""
+    model = with_custom()
+    with pytest.warns(FutureWarning, match="weight_norm"):  # torch's deprecation
+        if generic:
+            model[1] = torch.nn.utils.weight_norm(model[1], name="scale", dim=None)
+        else:
+            model[3] = torch.nn.utils.weight_norm(model[3])
+    check_exact(model, plain_losses)
+
+
 def test_global_pre_hooks_and_backward_hooks_are_honoured():
     model, calls = with_custom(), []
 
@@ -466,7 +498,7 @@ def test_global_pre_hooks_and_backward_hooks_are_honoured():
     module_hooks = torch.nn.modules.module
     handles = [
         module_hooks.register_module_forward_pre_hook(
-            lambda module, args: (args[0] * 1.5,) if isinstance(module, Scale) else None
+            lambda module, args: (args[0] * 1.5,) if isinstance(module, nn.Linear) else None
         ),
         module_hooks.register_module_full_backward_pre_hook(grad_output_hook),
     ]
