@@ -55,6 +55,7 @@ class _Use:
     nested: list[_Use]  # uses of hooked modules inside this call
     upstream: list[Any]  # gradient edges of the inputs that require grad
     deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -84,14 +85,66 @@ def _refuse_batch_statistics(name: str, module: nn.Module, call: str) -> None:
     )
 
 
+def _is_recorder_hook(hook: Any) -> bool:
+    return getattr(hook, "__func__", None) is PerExample._post
+
+
+def _is_observer(hook: Any) -> bool:
+    """A recorder's hook, or torch's ModuleTracker's (FlopCounterMode's): they return None."""
+    if _is_recorder_hook(hook):
+        return True
+    from torch.utils.module_tracker import ModuleTracker
+
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+def _foreign_hooks(module: nn.Module, recorder: PerExample) -> str | None:
+    """The user hooks of ``module`` that the rules cannot honour, described, or None.
+
+    The rules differentiate ``forward`` itself, from the recorded input (what forward got,
+    after any forward pre-hook) to the recorded output (what forward returned) along the
+    output gradients (after any full backward pre-hook). So pre-hooks, module forward hooks
+    that run after ours and full backward hooks are exact. Not so a forward hook that runs
+    before ours (a global one, or one registered later with prepend=True: the output we see
+    may be its rescaled one) nor a non-full backward hook (it rewrites the gradients that
+    the node of the output computes, parameters' included)."""
+    before = list(nn.modules.module._global_forward_hooks.values())
+    for hook in module._forward_hooks.values():
+        if _is_recorder_hook(hook) and getattr(hook, "__self__", None) is recorder:
+            break
+        before.append(hook)
+    before = [h for h in before if not _is_observer(h)]
+    if before:
+        return (
+            f"a forward hook that runs before funcgrad's ({_hook_name(before[0])}: a global "
+            "one, torch.nn.modules.module.register_module_forward_hook, or one registered "
+            "with prepend=True after funcgrad.per_example), which may change the output that "
+            "the rules differentiate"
+        )
+    if module._backward_hooks or nn.modules.module._global_backward_hooks:
+        _, non_full = module._get_backward_hooks()
+        if non_full:
+            return (
+                f"a non-full backward hook ({_hook_name(non_full[0])}, register_backward_hook), "
+                "which rewrites the gradients of its output's node, the parameters' included"
+            )
+    return None
+
+
 class PerExample:
     """The modules of ``model`` hooked to record each layer's input during the forward, so
     that per-example Gramians and weighted updates cost about one backward.
 
     Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
-    the end of a ``with`` block). Each call of `gramian` or `backward` consumes
-    what the forward recorded; records of forwards that no call consumed are dropped at the
-    next call. Nothing is recorded while grad is disabled.
+    the end of a ``with`` block; a block's end is final: make a new one for the next).
+    Each call of `gramian` or `backward` (without ``retain_graph``) consumes what its
+    forward recorded and drops the records of older forwards that no call used; those of
+    later forwards stay for their own calls. A call on losses whose records are gone says
+    why. Nothing is recorded while grad is disabled.
     """
 
     def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
@@ -117,6 +170,7 @@ class PerExample:
         self._uses: list[_Use] = []
         self._frames: list[tuple[nn.Module, list[_Use]]] = []
         self._recording = True
+        self._removed = False
         self._handles = []
         self._direct = {module: tuple(_direct(module)) for module in model.modules()}
         self._batchnorms = {
@@ -129,7 +183,14 @@ class PerExample:
             if (params and module in self._parents) or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             if params:
-                self._handles.append(module.register_forward_hook(self._post, with_kwargs=True))
+                # First of the module's forward hooks, so that it sees the output of forward
+                # itself (what the rules differentiate), before any user hook rescales it; and
+                # called when forward raises, so that the call's frame is closed.
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._post, with_kwargs=True, prepend=True, always_call=True
+                    )
+                )
         _RECORDERS.add(self)
 
     # Hooks ---------------------------------------------------------------------------
@@ -175,6 +236,7 @@ class PerExample:
             (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
+        use.hooked = _foreign_hooks(module, self)
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
@@ -203,17 +265,54 @@ class PerExample:
 
     def clear(self) -> None:
         """Drop what the forwards recorded (no call consumed it)."""
-        self._uses, self._frames = [], []
+        self._drop("cleared")
+
+    def _drop(self, why: str, keep: int = 0) -> None:
+        """Drop the records but the last ``keep`` top-level calls, marking the graph nodes of
+        the dropped ones with ``why`` (for the message of a later call on their losses)."""
+        kept = self._uses[len(self._uses) - keep :] if keep else []
+        for top in self._uses[: len(self._uses) - len(kept)]:
+            for use in top.walk():
+                for edge in use.edges:
+                    _mark(edge.node, why)
+        self._uses = kept
+        if not kept:
+            self._frames = []
+
+    def _consume(self, done: list[_Use] | None) -> None:
+        """After a call without retain_graph: drop the records of the forward it consumed
+        (``done``) and of older forwards that no call consumed, and keep those of later
+        forwards (their losses may come next, as with two forwards, then two calls). A call
+        that failed (``done`` None) drops every record."""
+        if done is None:
+            self._drop("failed")
+            return
+        ids = {id(use) for use in done}
+        last = max((i for i, top in enumerate(self._uses) if id(top) in ids), default=-1)
+        for top in self._uses[: last + 1]:
+            if id(top) in ids:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "consumed")
+        self._drop("dropped", keep=len(self._uses) - last - 1)
 
     def remove(self) -> None:
         """Remove the hooks and the records."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.clear()
+        self._drop("removed")
+        self._removed = True
         _RECORDERS.discard(self)
 
     def __enter__(self) -> PerExample:
+        if self._removed:
+            raise RuntimeError(
+                f"{_MARK}: this PerExample's hooks were removed (the end of its with block, or "
+                "remove()), and a block does not put them back. Make a new one for each "
+                "block (`with funcgrad.per_example(model) as pe:`), or keep one without "
+                "`with` and call pe.remove() once at the end."
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -293,6 +392,12 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         dropout are fine; random draws inside a module with parameters are refused (its
         per-example gradients would need the same draws). No process group: the
         cross-rank blocks of G need every rank's per-layer A and Δ (see the README).
+        User hooks act as in one backward of the losses: tensor hooks, module forward
+        (pre-)hooks and full backward hooks are honoured; a forward hook that runs before
+        funcgrad's (a global one, or ``prepend=True``), a non-full backward hook and a tensor
+        hook registered inside a generic-rule module's forward are refused before anything
+        is written. Modules with ``batch_first=False`` are refused; nn.RNN/GRU/LSTM with
+        ``batch_first=True`` are exact (a loop over the examples).
     """
     return PerExample(model, batch_dim=batch_dim)
 
@@ -402,6 +507,8 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     if len(live) == 1:
         return live[0]
     if not live:
+        if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
+            _explain_spent(losses, call, None)
         raise ValueError(
             f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
             "per-example Gramians need each layer's input, recorded during the forward. "
@@ -414,12 +521,58 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     )
 
 
+_SPENT = "funcgrad.per_example"  # the key of our mark in a graph node's metadata
+
+_WHY = {
+    "consumed": "an earlier call (gramian or backward) on these losses consumed their "
+    "forward's records, and freed its graph. Run the forward again for each call, or pass "
+    "retain_graph=True to every call on it but the last",
+    "dropped": "a call on the losses of a later forward dropped this forward's records (a "
+    "call drops the records of older forwards that no call used). Call gramian / backward "
+    "on each forward's losses in the order of the forwards, or run this forward again",
+    "failed": "an earlier call on the losses of this (or a later) forward raised, which "
+    "dropped the records (see that error). Run the forward again",
+    "cleared": "pe.clear() dropped this forward's records. Run the forward again",
+    "removed": "the hooks were removed (the end of the `with funcgrad.per_example(model)` "
+    "block, or remove()), which drops their records. Call gramian / backward inside the "
+    "block, before the hooks are removed",
+}
+
+
+def _mark(node: Any, why: str) -> None:
+    metadata = getattr(node, "metadata", None)
+    if isinstance(metadata, dict):  # the first reason stays (consumed, then dropped)
+        metadata.setdefault(_SPENT, why)
+
+
+def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None) -> None:
+    """Raise the reason that no record of the forward of ``losses`` is left, if known: our
+    mark on one of its graph nodes, or a recorder whose hooks were removed."""
+    stack: list[Any] = [get_gradient_edge(losses).node]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        metadata = getattr(node, "metadata", None)
+        why = metadata.get(_SPENT) if isinstance(metadata, dict) else None
+        if why in _WHY:
+            raise ValueError(
+                f"{call}: no record of the forward of these losses is left: {_WHY[why]}."
+            )
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if recorder is not None and recorder._removed:
+        raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
+
+
 def _keys(use: _Use) -> list[tuple[Any, int]]:
     return [(e.node, e.output_nr) for e in use.edges]
 
 
 def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
-    found: set[tuple[Any, int]] = set()
+    root = get_gradient_edge(losses)
+    found: set[tuple[Any, int]] = {(root.node, root.output_nr)}
     stack, seen = [losses.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -431,6 +584,38 @@ def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
                 found.add((nxt, nr))
                 stack.append(nxt)
     return found
+
+
+def _grads_after_hooks(
+    losses: torch.Tensor, edges: list[Any], retain_graph: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients along all ones at ``edges``, as the nodes there use them: after the
+    tensor hooks on those outputs (``out.register_hook``) and the nodes' pre-hooks.
+
+    torch's engine captures an input of ``autograd.grad`` before the tensor hooks when its
+    node also runs (a layer with layers below it), after them when it does not. A pre-hook
+    of ours on each node, registered last, sees what the node itself receives; it only
+    reads, so each user hook fires once, as in one backward of ``losses.sum()``."""
+    seen: dict[Any, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+    for node in {e.node: None for e in edges}:
+
+        def read(grads: Any, node: Any = node) -> None:
+            seen[node] = tuple(grads)
+
+        handles.append(node.register_prehook(read))
+    try:
+        deltas = torch.autograd.grad(
+            losses,
+            edges,
+            grad_outputs=torch.ones_like(losses),
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(seen[e.node][e.output_nr] if e.node in seen else d for e, d in zip(edges, deltas))
 
 
 # -- layers: one rule each -------------------------------------------------------------------
@@ -537,8 +722,22 @@ class _Layer:
         if tensor.ndim == 0 or tensor.shape[0] != self.batch:
             self.fail(what, f"has shape {tuple(tensor.shape)}")
 
+    def check_layout(self) -> None:
+        """A module that says which dim is its batch (``batch_first``) has it at dim 0:
+        time-major layouts are refused by their attribute, also where T == B."""
+        if getattr(self.module, "batch_first", None) is False:
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) has "
+                "batch_first=False: its inputs and outputs are time-major (T, B, ...), "
+                "where per-example Gramians need them batched along dim 0 (this holds even "
+                "where T == B, which the shapes cannot tell). Build it with "
+                "batch_first=True and pass (B, T, ...) inputs, or leave its parameters out "
+                "with inputs=."
+            )
+
     def precheck(self) -> None:
         """The batch dimension of every recorded input and output, before the backward."""
+        self.check_layout()
         for use in self.uses:
             for _, shape, _ in use.outputs:
                 if len(shape) == 0 or shape[0] != self.batch:
@@ -924,9 +1123,15 @@ class _Generic(_Layer):
         if cached is not None:
             return cached
         found: dict[str, torch.Tensor] = {}
-        for use in self.uses:
-            for key, g in self.one_use(use).items():
-                _add(found, key, g)
+        try:
+            with _RefuseTensorHooks(self):
+                for use in self.uses:
+                    for key, g in self.one_use(use).items():
+                        _add(found, key, g)
+        except _PreHookChangesInput as error:  # from the loop, where vmap's was caught
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {error}"
+            ) from None
         self.grads = found
         return found
 
@@ -949,7 +1154,7 @@ class _Generic(_Layer):
                 for i, v in zip(batched, values):
                     filled[i] = v.unsqueeze(0)
                 args, kwargs = _pytree.tree_unflatten(filled, spec)
-                flat, _ = _pytree.tree_flatten(torch.func.functional_call(module, p, args, kwargs))
+                flat, _ = _pytree.tree_flatten(_bare_call(module, p, args, kwargs))
                 return tuple(flat[i] for i in positions)
 
             pull = torch.func.vjp(call, params)[1]
@@ -990,7 +1195,7 @@ class _Generic(_Layer):
                 leaves[i] = x[b : b + 1]
         args, kwargs = _pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad():
-            flat = _pytree.tree_leaves(self.module(*args, **kwargs))
+            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
             outs = [flat[i] for i, _, _ in use.outputs]
             cotangents = [self.delta(use, i)[b : b + 1] for i in range(len(outs))]
             params = list(self.params.values())
@@ -1010,6 +1215,136 @@ class _Generic(_Layer):
             k: torch.tensordot(weights.to(g.dtype), g, dims=1)
             for k, g in self.per_example().items()
         }
+
+
+class _Recurrent(_Generic):
+    """nn.RNN / nn.GRU / nn.LSTM with batch_first=True: the generic rule, with h_0 and
+    h_n / c_n batched along dim 1 ((layers, B, H)). torch.func cannot vmap them, so a loop
+    of plain autograd calls of ``forward`` alone on one example each (B calls)."""
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of recorded output k: the output (B, T, H) at 0, h_n / c_n at 1."""
+        return 0 if use.outputs[k][0] == 0 else 1
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The flat arguments, their spec and each one's batch dim (None: not batched):
+        the input at 0, h_0 / c_0 at 1."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        x = use.args[0] if use.args else use.kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            self.fail(
+                "has an input that",
+                f"is {describe(x)} (per-example gradients need a (B, T, H) tensor: no "
+                "unbatched input, no PackedSequence)",
+            )
+        dims = [
+            (0 if leaf is x else 1) if isinstance(leaf, torch.Tensor) else None for leaf in leaves
+        ]
+        for leaf, dim in zip(leaves, dims):
+            if dim is not None and leaf.shape[dim] != self.batch:
+                self.fail("has an input that", f"has shape {tuple(leaf.shape)}")
+        return leaves, spec, dims
+
+    def precheck(self) -> None:
+        self.check_layout()
+        for use in self.uses:
+            for k, (_, shape, _) in enumerate(use.outputs):
+                dim = self.out_dim(use, k)
+                if len(shape) <= dim or shape[dim] != self.batch:
+                    self.fail("has an output that", f"has shape {tuple(shape)}")
+            self.leaf_dims(use)
+
+    def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
+        d = use.deltas[i]
+        if d is None:
+            _, shape, dtype = use.outputs[i]
+            d = torch.zeros(shape, dtype=dtype, device=self.run.device)
+        return d
+
+    def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        self.rule = "materialised, loop (recurrent)"
+        rows = [self.eager(use, b) for b in range(self.batch)]
+        return {k: torch.stack([r[k] for r in rows]) for k in self.params}
+
+    def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
+        leaves, spec, dims = self.leaf_dims(use)
+        leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
+        args, kwargs = _pytree.tree_unflatten(leaves, spec)
+        with torch.enable_grad():
+            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
+            outs = [flat[i] for i, _, _ in use.outputs]
+            cotangents = [
+                self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
+            ]
+            params = list(self.params.values())
+            grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
+        return {
+            k: torch.zeros_like(p) if g is None else g
+            for (k, p), g in zip(self.params.items(), grads)
+        }
+
+
+class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
+    """Around the second call of a module's forward (the generic rule): a tensor hook that
+    forward registers fired in the one backward already, and would fire again there (on
+    per-example gradients, under vmap), which torch's backward never does."""
+
+    def __init__(self, layer: _Layer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            layer = self.layer
+            raise ValueError(
+                f"{layer.run.call}: module {layer.name!r} ({type(layer.module).__name__}) "
+                "registers a tensor hook inside its forward. Its per-example gradients come "
+                "from a second call of that forward alone, where the hook would fire again "
+                "(on per-example gradients), not once as in torch's backward. Nothing was "
+                "written. Register the hook on the module's output instead (hooks between "
+                "modules are honoured), or leave its parameters out with inputs=."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
+    """``forward`` after the module's forward pre-hooks, with ``params`` (if any) in place
+    of its parameters, as torch.func.functional_call, but not through ``module(...)``: the
+    recorded input already holds what the pre-hooks changed, and the recorded output
+    gradients what its forward hooks and backward hooks did. The pre-hooks run again for
+    what they set from the parameters (torch.nn.utils.weight_norm computes ``weight``
+    there); one that returns a new input is refused (its change, made again from the
+    recorded input, would count twice)."""
+    if params is None:
+        return _forward_after_pre_hooks(module, args, kwargs)
+    # tie_weights as functional_call: a parameter under two names is replaced under both
+    with torch.nn.utils.stateless._reparametrize_module(module, params, tie_weights=True):
+        return _forward_after_pre_hooks(module, args, kwargs)
+
+
+def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    hooks = [
+        *nn.modules.module._global_forward_pre_hooks.items(),
+        *module._forward_pre_hooks.items(),
+    ]
+    for key, hook in hooks:
+        if key in module._forward_pre_hooks_with_kwargs:
+            changed = hook(module, args, kwargs)
+        else:
+            changed = hook(module, args)
+        if changed is not None:
+            raise _PreHookChangesInput(
+                f"has a forward pre-hook ({_hook_name(hook)}) "
+                "that returns a new input. Its per-example gradients come from a second "
+                "call of its forward on the recorded input, which holds that change already. "
+                "Nothing was written. Change the input before the call (in the parent's "
+                "forward), or leave the module's parameters out with inputs=."
+            )
+    return module.forward(*args, **kwargs)
+
+
+class _PreHookChangesInput(ValueError):
+    pass
 
 
 def _nested_params(use: _Use) -> set[torch.Tensor]:
@@ -1035,6 +1370,12 @@ def _overrides(module: nn.Module, base: type) -> bool:
 def _layer_class(module: nn.Module) -> type[_Layer]:
     """The rule of a module, by its class: only torch's own forward (a subclass with its
     own forward, such as a LoRA Linear, is materialised as any other module)."""
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
+        return _Recurrent
+    if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
+        # its forward reads other tensors than its parameters (torch.nn.utils.weight_norm's
+        # weight_g / weight_v make `weight` in a pre-hook): the generic rule runs that
+        return _Generic
     if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
         return _Dense
     if (
@@ -1122,7 +1463,10 @@ class _Run:
                 by_edge[key] = top
         reached: dict[int, _Use] = {}
         # Edges to visit; a recorded call is stepped over, from its outputs to its inputs.
-        stack: list[tuple[Any, int]] = [(self.losses.grad_fn, -1)]
+        # From the losses' own edge: they may be a recorded call's output (a module that
+        # returns the per-example losses).
+        root = get_gradient_edge(self.losses)
+        stack: list[tuple[Any, int]] = [(root.node, root.output_nr)]
         seen: set[Any] = set()
         while stack:
             node, nr = stack.pop()
@@ -1146,6 +1490,34 @@ class _Run:
                 "that forward."
             )
         return [use for top in self.recorder._uses if id(top) in reached for use in top.walk()]
+
+    def _refuse_hooks(self, uses: list[_Use]) -> None:
+        for use in uses:
+            if use.hooked is not None:
+                name = self.recorder._names.get(use.module, type(use.module).__name__)
+                raise ValueError(
+                    f"{self.call}: module {name!r} ({type(use.module).__name__}) has "
+                    f"{use.hooked}. Nothing was written. Register the hook on the module "
+                    "without prepend=True (module forward hooks, pre-hooks and full backward "
+                    "hooks are honoured), remove it during the per-example forward, or leave "
+                    "the module's parameters out with inputs=."
+                )
+
+    def _refuse_parameter_hooks(self) -> None:
+        """A tensor hook on a parameter rewrites each of its gradients in torch's per-example
+        loop; the rules never form them (the ghost products) nor run the parameter's node."""
+        for param, name in self.selected.items():
+            if param._backward_hooks:
+                hook = next(iter(param._backward_hooks.values()))
+                raise ValueError(
+                    f"{self.call}: parameter {name!r} has a tensor hook "
+                    f"({_hook_name(hook)}, register_hook), which torch applies to each of "
+                    "its gradients; the per-example rules never form that gradient (the "
+                    "Gramian comes from the layer's inputs and output gradients), so they "
+                    "cannot apply it. Nothing was written. Remove the hook during the call "
+                    "(handle.remove()), put it on the module's output instead, or leave the "
+                    "parameter out with inputs=."
+                )
 
     def _check_leaf(self, leaf: torch.Tensor) -> None:
         name = self.selected.get(leaf)
@@ -1223,13 +1595,7 @@ class _Run:
         edges = [e for use in uses for e in use.edges]
         self.recorder._recording = False
         try:
-            deltas = torch.autograd.grad(
-                self.losses,
-                edges,
-                grad_outputs=torch.ones_like(self.losses),
-                retain_graph=retain_graph,
-                allow_unused=True,
-            )
+            deltas = _grads_after_hooks(self.losses, edges, retain_graph)
         finally:
             self.recorder._recording = True
         start = 0
@@ -1241,8 +1607,15 @@ class _Run:
 
     def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = self.recorder
+        done: list[_Use] | None = None
         try:
-            uses = self._uses()
+            try:
+                uses = self._uses()
+            except ValueError:  # no record of this forward: say why, if known
+                _explain_spent(self.losses, self.call, recorder)
+                raise
+            self._refuse_hooks(uses)
+            self._refuse_parameter_hooks()
             blocks = self._layers(uses)
             for block in blocks:
                 for layer in block:
@@ -1252,10 +1625,11 @@ class _Run:
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
             )
+            done = uses
         finally:
             recorder._recording = True
             if not retain_graph:  # consumed (and older forwards dropped)
-                recorder.clear()
+                recorder._consume(done)
         if write:  # Apply: the one place that writes .grad.
             taken: set[int] = set()
             for param, grad in update:
