@@ -1608,6 +1608,8 @@ class _Run:
     def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = self.recorder
         done: list[_Use] | None = None
+        if write:  # every .grad to be written is checked before anything runs
+            _sync.check_presets([(name, p) for p, name in self.selected.items()], self.call)
         try:
             try:
                 uses = self._uses()
@@ -1634,6 +1636,8 @@ class _Run:
             taken: set[int] = set()
             for param, grad in update:
                 _sync.accumulate(param, grad.to(param.dtype), taken)
+            # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
+            _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
         return gram, weights
 
     def _weigh(

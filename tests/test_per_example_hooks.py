@@ -576,3 +576,54 @@ def test_generic_rule_replaces_a_parameter_under_all_its_names():
     model = nn.Sequential(nn.Linear(3, 4), TwoNames(), nn.Linear(4, 1))
     model[1].register_forward_hook(rescale_output)
     check_exact(model, plain_losses)
+
+
+# -- .grad writes: presets checked first, post-accumulate-grad hooks once -------------------
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_parameter_on_its_final_grad():
+    torch.manual_seed(0)
+    model = mlp().double()
+    x, y = X.double(), Y.double()
+    seen = []
+    for name, p in model.named_parameters():
+        p.grad = torch.ones_like(p)  # accumulated into: the hook sees the sum
+        p.register_post_accumulate_grad_hook(lambda t, n=name: seen.append((n, t.grad.clone())))
+    with funcgrad.per_example(model):
+        losses = (model(x).squeeze(1) - y) ** 2
+        funcgrad.backward(losses, batch_dim=0)
+    assert sorted(n for n, _ in seen) == sorted(n for n, _ in model.named_parameters())
+    final = dict(model.named_parameters())
+    for name, grad in seen:
+        torch.testing.assert_close(grad, final[name].grad)
+
+
+def test_an_expanded_grad_preset_is_refused_before_anything_is_written():
+    torch.manual_seed(0)
+    model = mlp().double()
+    x, y = X.double(), Y.double()
+    first, last = model[0].weight, model[2].bias
+    first.grad = torch.zeros_like(first)
+    last.grad = torch.zeros(1, dtype=torch.float64).expand(*last.shape)  # stride 0
+    before = first.grad.clone()
+    with funcgrad.per_example(model):
+        losses = (model(x).squeeze(1) - y) ** 2
+        with pytest.raises(ValueError, match=r"backward.*expanded: stride 0"):
+            funcgrad.backward(losses, batch_dim=0)
+    assert torch.equal(first.grad, before)
+
+
+def test_a_channels_last_conv_weight_gets_a_grad_in_its_own_layout():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 1)).double()
+    model[0].to(memory_format=torch.channels_last)
+    x = torch.randn(B, 2, 4, 4, dtype=torch.float64)
+    reference = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(12, 1)).double()
+    reference.load_state_dict(model.state_dict())
+    reference[0].to(memory_format=torch.channels_last)
+    reference(x).squeeze(1).pow(2).sum().backward()
+    with funcgrad.per_example(model):
+        funcgrad.backward(model(x).squeeze(1).pow(2), batch_dim=0)
+    weight, want = model[0].weight, reference[0].weight
+    assert weight.grad.stride() == want.grad.stride()
+    torch.testing.assert_close(weight.grad, want.grad)
