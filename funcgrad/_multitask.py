@@ -455,11 +455,14 @@ def backward(
             task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
             # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and
             # w @ P, and the update written back sparse, as .grad would be.
-            sparse = [g.is_sparse for g in task_grads]
+            # (Each keeps its leaf's sparse dims, the stacked task dim aside: an embedding's
+            # (rows, dim) gradient has one, so that the update adds to torch's own sparse
+            # .grad, and torch's to it.)
+            sparse = [max(g.sparse_dim() - 1, 1) if g.is_sparse else 0 for g in task_grads]
             task_grads = tuple(g.to_dense() if s else g for g, s in zip(task_grads, sparse))
             what = "with respect to the shared parameters"
             weights, update = weigh_params(task.rule, task_grads, sync, what, _CALL, task.weighed)
-            update = tuple(u.to_sparse() if s else u for u, s in zip(update, sparse))
+            update = tuple(u.to_sparse(s) if s else u for u, s in zip(update, sparse))
             if sync.by_backward(one_pull=False):  # DDP: one backward per forward, of w @ V_r,
                 update = None  # which its reducer averages into w @ (global per-task gradients)
 

@@ -206,6 +206,13 @@ def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None
     after it wrote other leaves. ``leaves``: (name, leaf) pairs for the message."""
     for name, leaf in leaves:
         grad = leaf.grad
+        if grad is not None and not (grad.is_floating_point() or grad.is_complex()):
+            raise ValueError(
+                f"{call}: the .grad of {name} (shape {tuple(leaf.shape)}) is of dtype "
+                f"{grad.dtype}, which a floating-point gradient cannot be added into (torch's "
+                "backward raises there too, after writing other leaves). Nothing was run or "
+                "written. Set it to None, or to a floating-point tensor."
+            )
         if grad is None or grad.layout != torch.strided:
             continue
         dims = [d for d, (n, s) in enumerate(zip(grad.shape, grad.stride())) if s == 0 and n > 1]

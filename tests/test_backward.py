@@ -547,6 +547,28 @@ def test_sparse_embedding_gradients_are_written_sparse_as_torch(level):
         funcgrad.backward(losses, through=f, level=level, weighting=lambda g: weights)
     assert emb.weight.grad.is_sparse
     torch.testing.assert_close(emb.weight.grad.to_dense(), want)
+    # Torch's own sparse .grad and funcgrad's add to each other, in both orders (the same
+    # sparse dims: one, the rows).
+    f = emb(idx, offsets)
+    (heads[0](f).sum() + 2 * heads[1](f).sum()).backward()
+    assert emb.weight.grad.sparse_dim() == 1
+    f = emb(idx, offsets)
+    losses = [h(f).sum() for h in heads]
+    funcgrad.backward(losses, through=f, level=level, weighting=lambda g: weights)
+    torch.testing.assert_close(emb.weight.grad.to_dense(), 3 * want)
+
+
+def test_an_integer_grad_preset_is_refused_before_anything_is_written():
+    torch.manual_seed(0)
+    encoder, heads = torch.nn.Linear(3, 4).double(), [torch.nn.Linear(4, 1).double()] * 2
+    encoder.weight.grad = torch.zeros_like(encoder.weight)
+    encoder.bias.grad_dtype = None  # (torch lets a .grad of another dtype be set then)
+    encoder.bias.grad = torch.ones(4, dtype=torch.int64)
+    f = encoder(torch.randn(5, 3, dtype=torch.float64))
+    losses = [h(f).sum() for h in heads]
+    with pytest.raises(ValueError, match=r"backward.*dtype torch.int64.*Nothing was run"):
+        funcgrad.backward(losses, through=f, weighting=lambda g: torch.ones(2), level="params")
+    assert torch.equal(encoder.weight.grad, torch.zeros_like(encoder.weight))
 
 
 @pytest.mark.parametrize("weighting", [None, "ones"])
