@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import types
 import warnings
@@ -659,6 +660,19 @@ def forward_columns(
     ``check`` found a wrong batching rule); the generators are then restored, and the caller
     uses reverse mode, which covers strictly more of PyTorch.
     """
+    with _FORWARD_AD:
+        return _forward_columns(flat, check, rng)
+
+
+# torch's forward-mode AD levels are global to the process: two threads in forward mode at once
+# corrupt each other's tangents (or raise, which read as a forward-mode limit). One at a time;
+# re-entrant, for an f that calls funcgrad.
+_FORWARD_AD = threading.RLock()
+
+
+def _forward_columns(
+    flat: FlatFunction, check: bool | str, rng: RandomState
+) -> tuple[Tensors, Tensors, Tensors] | None:
     primals = flat.leaves
     jvp = _linearize.jvp_of(flat)
     try:

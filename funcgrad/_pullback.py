@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -73,6 +74,9 @@ class Pullback:
         if not (reuse and values_readable(lin.out)):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
+        # The basis and the stats change on every call: one call at a time, whatever the
+        # thread (re-entrant: f may call funcgrad, and a head this pullback).
+        self._lock = threading.RLock()
         # On torch.func (an f whose backward is torch.compile'd) vjp_fn reads the storage of
         # the primals, of out and of aux when it runs, with no version check: a change in
         # place after pullback returns is refused (on eager autograd, autograd checks what
@@ -92,6 +96,10 @@ class Pullback:
 
         Reading it turns the cotangents held from the last call into directions now (a few
         host reads), which the next call would otherwise do in its one read."""
+        with self._lock:
+            return self._settled_rank()
+
+    def _settled_rank(self) -> int:
         if self._lin is not None:
             lin = self._lin
 
@@ -109,6 +117,10 @@ class Pullback:
 
     def release(self) -> None:
         """Free f's graph and the kept directions; any later call raises an error."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
         self._lin = None
         self._basis.clear()
         self.stats.kept, self.stats.kept_bytes = 0, 0
@@ -255,7 +267,17 @@ class Pullback:
     def _apply(
         self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
     ) -> Tensors:
-        assert self._lin is not None  # checked by _check_cotangent
+        with self._lock:
+            return self._apply_locked(cotangents, chunk_size, check, create_graph)
+
+    def _apply_locked(
+        self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
+    ) -> Tensors:
+        if self._lin is None:  # (released by another thread since the arguments were checked)
+            raise ReleasedPullbackError(
+                "This Pullback was released (pb.release()) by another call: pull back before "
+                "releasing it, or call funcgrad.pullback again."
+            )
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
         with (

@@ -1004,3 +1004,37 @@ def test_on_torch_func_a_primal_or_output_changed_in_place_is_refused(changed, m
         pb(v)
     with pytest.raises(RuntimeError, match="was modified in place"):
         pb.many(v[None])
+
+
+def test_one_pullback_called_from_several_threads_answers_each_call_exactly():
+    """Review finding: the held basis and stats changed under concurrent calls (errors up to
+    217, and raw shape errors). One call at a time now; every answer is V @ J."""
+    import threading
+
+    torch.manual_seed(0)
+    weight, x = torch.randn(5, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+
+    def f(z):
+        return torch.tanh(weight @ z)
+
+    jac = torch.func.jacrev(f)(x)
+    _, pb = funcgrad.pullback(f, x)
+    errors, failures = [], []
+
+    def work(seed):
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(20):
+                cotangents = torch.randn(2, 5, generator=generator, dtype=torch.float64)
+                (grads,) = pb.many(cotangents)
+                errors.append(float((grads - cotangents @ jac).abs().max()))
+        except Exception as error:  # reported below, with the errors
+            failures.append(repr(error))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert len(errors) == 80 and max(errors) < 1e-10
