@@ -34,13 +34,19 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
 
 class _Draws(TorchFunctionMode):
     """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
-    in every torch random op) the first time it is seen, with its state before that draw."""
+    in every torch random op) the first time it is seen, with its state before that draw; and,
+    given ``flat``, whether f registered a tensor hook (``flat.hooked``)."""
 
-    def __init__(self, seen: dict[torch.Generator, torch.Tensor]) -> None:
+    def __init__(
+        self, seen: dict[torch.Generator, torch.Tensor], flat: FlatFunction | None = None
+    ) -> None:
         super().__init__()
         self.seen = seen
+        self.flat = flat
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook and self.flat is not None:
+            self.flat.hooked = True
         kwargs = kwargs or {}
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and generator not in self.seen:
@@ -221,6 +227,10 @@ class FlatFunction:
         # dropout on a non-contiguous tensor: see _linearize.of_function).
         self.drew = False
         self.eager = False
+        # Whether f registered a tensor hook in a watched run: a hook may be nonlinear in its
+        # gradient, so only the cotangents themselves may go through f (no forward mode, no
+        # product of unit directions, no reuse by linearity).
+        self.hooked = False
         # Whether the caller's timing chose eager autograd for f's linearisation (see
         # _heads.Composition): used where no graph of the results is wanted.
         self.autograd = False
@@ -258,7 +268,7 @@ class FlatFunction:
         watching = self.watch and not torch.compiler.is_compiling()
         try:
             if watching:
-                with _Draws(self.generators), Random(self):
+                with _Draws(self.generators, self), Random(self):
                     result = self.f(*args)
             else:
                 result = self.f(*args)

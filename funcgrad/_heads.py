@@ -488,6 +488,9 @@ class Signature:
     # Whether f draws random numbers (seen in a watched run): then it is linearised on eager
     # autograd (same draws as one eager forward), and forward mode is no candidate.
     random: bool = False
+    # Whether f registered a tensor hook (seen in a watched run): then only the cotangents
+    # themselves go through f (a hook may be nonlinear in its gradient).
+    hooked: bool = False
     # auto, no graph of the results: what f's linearisation runs on (None: not decided yet;
     # the trial runs the first calls on torch.func and eager autograd in turn, and keeps
     # each call's seconds, without its measuring, by engine, with whether it ran vmap to
@@ -620,8 +623,8 @@ class Composition:
         m = record.size if record.size is not None else record.fake_size
         if m is None and planning:
             m = self.output_size(flat)
-        if m is None or record.random:  # forward mode draws its own
-            return False, None
+        if m is None or record.random or record.hooked:  # (forward mode draws its own; it
+            return False, None  # runs no backward hook)
         return self.planner(flat, m)(m, False).strategy == "jacfwd", m
 
     def planner(self, flat: FlatFunction, m_before: int | None) -> _engine.Planner:
@@ -638,9 +641,13 @@ class Composition:
         why = record.engine_why if record is not None else None
 
         def plan(m: int, instead_of_forward: bool) -> Plan:
+            # (read when the plan is made: after f ran, on a call that watched it)
+            linear = not (flat.hooked or (record is not None and record.hooked))
             if instead_of_forward:
                 return self._measuring(
-                    flat, make_plan("auto", self.k, m, n, chunk, forward=False), chunk
+                    flat,
+                    make_plan("auto", self.k, m, n, chunk, forward=False, linear=linear),
+                    chunk,
                 )
             forward = m_before is not None
             return self._measuring(
@@ -659,6 +666,7 @@ class Composition:
                     engine=engine,
                     engine_trial=trial,
                     engine_why=why,
+                    linear=linear,
                 ),
                 chunk,
             )
@@ -896,6 +904,7 @@ class Composition:
         if record is not None and record.draws is None:
             record.draws = bool(flat.generators)
             record.random = record.random or flat.eager
+            record.hooked = record.hooked or flat.hooked
         return result
 
     def _per_head(

@@ -214,6 +214,7 @@ def make_plan(
     engine: Engine = "torch.func",
     engine_trial: bool = False,
     engine_why: str | None = None,
+    linear: bool = True,
 ) -> Plan:
     """The plan for k cotangents on an m-dimensional y and n-dimensional inputs.
 
@@ -227,8 +228,22 @@ def make_plan(
     ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
     ``not_forward``: why an earlier call measured reverse mode faster than forward mode.
     ``engine``, ``engine_trial``: see :class:`Plan`; ``engine_why``: why the timed calls
-    chose eager autograd.
+    chose eager autograd. ``linear=False``: f's backward may not be linear in the cotangent
+    (f registers a tensor hook): only the k cotangents themselves go through f (``vjp`` or
+    ``loop``); ``jacrev`` and ``jacfwd`` are refused.
     """
+    if not linear and requested in ("jacrev", "jacfwd"):
+        raise ValueError(
+            f"{call}: f registers a tensor hook (Tensor.register_hook) in its forward, and a "
+            f"hook may act nonlinearly on its gradient (a clamp), while strategy={requested!r} "
+            + (
+                "combines the pullbacks of y's unit directions"
+                if requested == "jacrev"
+                else "runs forward mode, which never runs backward hooks"
+            )
+            + ": its answer would be autograd's only for a hook linear in its gradient. Use "
+            "strategy='vjp', 'loop' or 'auto' (which pull each head's cotangent through f)."
+        )
     one_batch = chunk_size is None or chunk_size == "auto" or chunk_size >= n
     if requested == "jacfwd" and not one_batch:
         raise ValueError(
@@ -240,8 +255,8 @@ def make_plan(
     costs = {"vjp": k, "jacrev": m}
     if n and one_batch and (forward or requested != "auto"):
         costs["jacfwd"] = FORWARD_MODE_PENALTY * n
-    candidates: list[Executed] = ["vjp", "jacrev"]
-    if "jacfwd" in costs and forward:
+    candidates: list[Executed] = ["vjp", "jacrev"] if linear else ["vjp"]
+    if "jacfwd" in costs and forward and linear:
         candidates.append("jacfwd")
     strategy: Executed
     if weighted:
@@ -254,7 +269,7 @@ def make_plan(
         strategy = requested
     measured = not_forward if requested == "auto" and not weighted else None
     if unbatched is not None and requested == "auto" and not weighted and strategy != "jacfwd":
-        strategy = "loop" if k <= m else "jacrev"
+        strategy = "loop" if k <= m or not linear else "jacrev"
         chunk_size = None if strategy == "loop" else 1
         measured = unbatched if measured is None else f"{measured}; {unbatched}"
     if engine_why is not None and requested == "auto" and not weighted:

@@ -323,6 +323,9 @@ class _Signature:
     # f's eager graph held a torch.compile'd backward, which torch may run wrongly twice on
     # one graph: later calls stay on torch.func.
     compiled: bool = False
+    # Whether f registered a tensor hook (None: not watched yet; the first pullback on this
+    # signature watches f's calls): a hook may be nonlinear in its gradient, so no reuse.
+    hooked: bool | None = None
 
 
 class _Signatures:
@@ -468,12 +471,17 @@ def pullback(
             _signatures.put(f, key, record)
     if record is not None and not record.compiled:
         # Outside torch.func transforms: f runs once on eager autograd, never re-run (so
-        # nothing to watch or replay), without torch.func's wrapping of every op.
-        flat.watch, flat.signature = False, record
+        # nothing to replay), without torch.func's wrapping of every op; watched for hooks
+        # on the first call on this signature only.
+        flat.watch, flat.signature = record.hooked is None, record
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    pb = Pullback(flat, lin, reuse, max_basis_bytes)
+    if record is not None and record.hooked is None:
+        record.hooked = flat.hooked
+    # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
+    hooked = flat.hooked or (record is not None and bool(record.hooked))
+    pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)
     return flat.outputs(lin.out), pb

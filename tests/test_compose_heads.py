@@ -748,3 +748,46 @@ def test_forward_mode_from_several_threads_answers_each_call_exactly():
         thread.join()
     assert not failures
     assert len(errors) == 60 and max(errors) < 1e-10
+
+
+def _hooked(weight, hook):
+    def f(q):
+        h = weight @ q
+        if h.requires_grad:
+            h.register_hook(hook)
+        return torch.sin(h)
+
+    return f
+
+
+def _per_head_autograd(f, heads, x):
+    rows = []
+    for head in heads:
+        leaf = x.clone().requires_grad_()
+        rows.append(torch.autograd.grad(head(f(leaf)), leaf)[0])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "vjp", "loop"])
+def test_a_nonlinear_hook_in_f_gives_autograds_answer_on_every_call(strategy):
+    """Review finding: a tensor hook registered in f (a clamp) is not linear in its gradient,
+    so y's unit directions combined (jacrev) and forward mode (no backward hook runs) gave
+    other answers than autograd's, and auto switched between them from call to call. f's
+    hook is seen on the first call; from then on only the heads' cotangents go through f."""
+    torch.manual_seed(0)
+    weight = torch.randn(40, 2, dtype=torch.float64)  # n = 2, m = 40, k = 30: forward mode's
+    f = _hooked(weight, lambda g: g.clamp(-0.05, 0.05))
+    heads = [lambda y, i=i: y[i] * y[i + 5] for i in range(30)]
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy)
+    x = torch.randn(2, dtype=torch.float64)
+    want = _per_head_autograd(f, heads, x)
+    for _ in range(5):
+        torch.testing.assert_close(fn(x)[1], want)
+        assert fn.plan(x).strategy in ("vjp", "loop")
+
+
+def test_jacrev_is_refused_for_an_f_that_registers_a_hook():
+    f = _hooked(torch.randn(5, 4, dtype=torch.float64), lambda g: 3 * g)
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]], strategy="jacrev")
+    with pytest.raises(ValueError, match=r"registers a tensor hook.*strategy='jacrev'.*'vjp'"):
+        fn(torch.randn(4, dtype=torch.float64))
