@@ -161,6 +161,11 @@ def _name_head(error: Exception, where: str, call: str) -> None:
     """Add which head raised to an exception from a user's head, keeping its type and text."""
     if where not in str(error):  # funcgrad's own messages name the head already
         error.add_note(f"{call}: raised by {where}.")
+    if "used in an in-place operation" in str(error):  # (y is a leaf of the heads' graph)
+        error.add_note(
+            f"{call}: {where} changes y (f's output) in place; every head reads the same y, "
+            "so heads must not modify it. Write the head out of place (y * 2, not y.mul_(2))."
+        )
 
 
 @contextlib.contextmanager
@@ -1218,9 +1223,11 @@ def compose_heads(
             1: a loop), as torch.func's. Bounds memory at the price of more passes.
         check: compare batched results with unbatched ones on a sample (see
             `funcgrad.set_check`); None uses the global setting.
-        create_graph: build the graph of the results (grads and aux), for a backward
-            through them, as ``torch.autograd.grad``'s. By default (False) no graph is
-            built, so the results hold no memory of f and ``chunk_size`` bounds the peak.
+        create_graph: build the graph of the results (values, grads and aux), for a
+            backward through them, as ``torch.autograd.grad``'s. By default (False) no graph
+            is built, so the results hold no memory of f and ``chunk_size`` bounds the peak
+            (the values too are detached: ``values.sum().backward()`` needs
+            ``create_graph=True``).
             Inside ``torch.func`` transforms the graph is always built (they differentiate
             through it).
 

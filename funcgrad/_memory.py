@@ -51,7 +51,10 @@ _FORMS = (
 
 def _check(nbytes: object, where: str) -> int:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
-        raise ValueError(f"{where} must be a positive number of bytes, got {nbytes!r}. {_FORMS}")
+        raise ValueError(
+            f"{where} must be a positive int (a number of bytes) or a string, got {nbytes!r}. "
+            f"{_FORMS}"
+        )
     return nbytes
 
 

@@ -281,6 +281,14 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
             return rule.fn(stat.detach())
         except Exception as error:
             _name(error, rule, given, call)
+            if not values_readable([stat]) and not torch.compiler.is_compiling():
+                error.add_note(
+                    f"{call}: the weighting ran inside a torch.func transform (vmap, grad, "
+                    "jacrev), whose tensors have no data that code outside torch can read: a "
+                    "weighting that solves with NumPy or a QP solver (TorchJD's UPGrad, "
+                    "DualProj, NashMTL, CAGrad) cannot run there. Call funcgrad outside the "
+                    "transform, or pass a weighting written in torch operations."
+                )
             raise
 
 

@@ -137,3 +137,17 @@ def test_combine_heads_one_pullback_runs_on_eager_autograd_without_a_result_grap
     want = torch.autograd.grad(sum(h(w @ x) for h in heads), x)[0]
     torch.testing.assert_close(grad, want)
     assert grad.requires_grad == create_graph
+
+
+def test_a_numpy_weighting_inside_vmap_says_why_it_cannot_run():
+    """Review finding: TorchJD's UPGradWeighting (quadprog) under torch.func.vmap raised
+    torch's "Cannot access data pointer" with no word on the weighting or the transform."""
+    weight = torch.randn(5, 4, dtype=torch.float64)
+    fn = funcgrad.combine_heads(
+        lambda q: torch.tanh(weight @ q), [lambda y: y.sum(), lambda y: y[0]], tjd.UPGradWeighting()
+    )
+    with pytest.raises(RuntimeError) as raised:
+        torch.func.vmap(fn)(torch.randn(3, 4, dtype=torch.float64))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "UPGradWeighting" in notes and "inside a torch.func transform" in notes
+    assert "outside the transform" in notes

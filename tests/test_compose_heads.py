@@ -791,3 +791,11 @@ def test_jacrev_is_refused_for_an_f_that_registers_a_hook():
     fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]], strategy="jacrev")
     with pytest.raises(ValueError, match=r"registers a tensor hook.*strategy='jacrev'.*'vjp'"):
         fn(torch.randn(4, dtype=torch.float64))
+
+
+def test_a_head_that_changes_y_in_place_is_told_so():
+    fn = funcgrad.compose_heads(torch.sin, [lambda y: y.mul_(2).sum(), lambda y: y.sum()])
+    with pytest.raises(RuntimeError) as raised:
+        fn(torch.randn(3, dtype=torch.float64))
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "head 0 changes y (f's output) in place" in notes and "y * 2" in notes

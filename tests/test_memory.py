@@ -163,8 +163,10 @@ def test_memory_budget_nests_and_restores(monkeypatch):
 
 
 def test_bad_budgets_and_chunk_sizes_are_clear_errors(monkeypatch):
-    with pytest.raises(ValueError, match=r"memory_budget\(nbytes\) must be a positive number"):
+    with pytest.raises(ValueError, match=r"memory_budget\(nbytes\) must be a positive int"):
         funcgrad.memory_budget(0).__enter__()
+    with pytest.raises(ValueError, match=r"must be a positive int .* got 2\.5"):
+        funcgrad.memory_budget(2.5).__enter__()  # (a float of bytes: an int, or "2.5")
     with pytest.raises(ValueError, match=r"'lots' is not a number of bytes\. Give a positive int"):
         funcgrad.memory_budget("lots").__enter__()
     monkeypatch.setenv("FUNCGRAD_MEMORY_BUDGET", "much")
