@@ -59,6 +59,8 @@ TORCH_LIMITS: dict[str, TorchLimit] = {
     "saved tensor hooks": TorchLimit("don't yet support saved tensor hooks", eager=True),
     # A forward hook calling requires_grad_() (transformers' gradient checkpointing).
     "requires_grad_": TorchLimit("You are attempting to call Tensor.requires_grad_()", eager=True),
+    # f calling retain_grad() on an intermediate (a debugging habit).
+    "retain_grad": TorchLimit("You are attempting to call Tensor.retain_grad()", eager=True),
     # f updates a captured tensor in place (BatchNorm's running statistics in training
     # mode): torch.func refuses it at the first in-place op, before anything is mutated.
     "mutates a captured tensor": TorchLimit("would mutate a captured Tensor", eager=True),

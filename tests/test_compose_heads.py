@@ -799,3 +799,20 @@ def test_a_head_that_changes_y_in_place_is_told_so():
         fn(torch.randn(3, dtype=torch.float64))
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "head 0 changes y (f's output) in place" in notes and "y * 2" in notes
+
+
+def test_retain_grad_in_f_falls_back_to_eager_autograd_with_one_warning():
+    """Review finding: torch.func refuses Tensor.retain_grad() inside f, which eager autograd
+    (and funcgrad.pullback) run as they are: compose_heads let torch's error through."""
+    weight, x = torch.randn(5, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+
+    def f(q):
+        h = weight @ q
+        if h.requires_grad:
+            h.retain_grad()
+        return torch.tanh(h)
+
+    heads = [lambda y: y.sum(), lambda y: y[0]]
+    with pytest.warns(funcgrad.FuncgradWarning, match=r"retain_grad\(\).*fell back to eager"):
+        grads = funcgrad.compose_heads(f, heads, strategy="vjp")(x)[1]
+    torch.testing.assert_close(grads, _per_head_autograd(f, heads, x))
