@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree
 
 from . import _sync, _weighting
+from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._types import Tensors
 from ._validate import named_inputs, outside_transforms
@@ -110,6 +112,7 @@ class PerExample:
         self.model = model
         self.batch_dim = batch_dim
         self.plan: PerExamplePlan | None = None
+        self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
         self._names = {module: name or "<model>" for name, module in model.named_modules()}
         for name, module in model.named_modules():
             if _batch_statistics(module):
@@ -180,12 +183,17 @@ class PerExample:
     # Public --------------------------------------------------------------------------
 
     def gramian(
-        self, losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+        self,
+        losses: torch.Tensor,
+        *,
+        inputs: Any = None,
+        retain_graph: bool = False,
+        check: CheckMode | None = None,
     ) -> torch.Tensor:
         """The (B, B) Gramian ``G[b, b'] = <grad_b, grad_b'>`` of the per-example gradients
         of the selected parameters; no ``.grad`` is written. See
         `funcgrad.per_example_gramian`."""
-        run = _Run(self, losses, inputs, None, _GRAMIAN)
+        run = _Run(self, losses, inputs, None, _GRAMIAN, check)
         return run.execute(retain_graph, write=False)[0]
 
     def backward(
@@ -195,10 +203,11 @@ class PerExample:
         weighting: Any = None,
         inputs: Any = None,
         retain_graph: bool = False,
+        check: CheckMode | None = None,
     ) -> torch.Tensor:
         """``.grad += sum_b w_b grad_b`` with ``w = weighting(G)``; returns ``w``. See
         `funcgrad.per_example`."""
-        run = _Run(self, losses, inputs, weighting, _BACKWARD)
+        run = _Run(self, losses, inputs, weighting, _BACKWARD, check)
         return run.execute(retain_graph, write=True)[1]
 
     def clear(self) -> None:
@@ -298,7 +307,11 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
 
 
 def per_example_gramian(
-    losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+    losses: torch.Tensor,
+    *,
+    inputs: Any = None,
+    retain_graph: bool = False,
+    check: CheckMode | None = None,
 ) -> torch.Tensor:
     """The (B, B) Gramian of the per-example gradients, ``G[b, b'] = <grad_b, grad_b'>``,
     for per-example losses computed under `funcgrad.per_example`; no ``.grad`` is
@@ -317,6 +330,9 @@ def per_example_gramian(
             ``named_parameters()`` pairs); None: every parameter of the hooked model that
             requires grad.
         retain_graph: keep the graph after the backward.
+        check: True or ``"strict"``: verify on this call that loss b reads example b alone
+            (one more backward, see `funcgrad.per_example`); False: only on the first call
+            of each signature; None: the global setting (`funcgrad.set_check`).
 
     Returns:
         G, shape (B, B), detached (float32 for half-precision parameters).
@@ -332,7 +348,7 @@ def per_example_gramian(
         True
     """
     recorder = _recorder_of(losses, _GRAMIAN)
-    return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph)
+    return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph, check=check)
 
 
 def backward_from_losses(
@@ -368,16 +384,17 @@ def backward_from_losses(
             f"{_BACKWARD}: `level` must be 'params' for per-example losses (the Gramian of "
             f"the per-example parameter gradients), got {level!r}: there is no `through`."
         )
-    for name, value in (("chunk_size", chunk_size), ("check", check)):
-        if value is not None:
-            raise ValueError(
-                f"{_BACKWARD}: `{name}` does not apply to per-example losses (one backward, "
-                f"no batched pullback); got {value!r}, remove it."
-            )
+    if chunk_size is not None:
+        raise ValueError(
+            f"{_BACKWARD}: `chunk_size` does not apply to per-example losses (one backward, "
+            f"no batched pullback); got {chunk_size!r}, remove it."
+        )
     if process_group is not None:
         raise NotImplementedError(_distributed_refusal(_BACKWARD))
     recorder = _recorder_of(losses, _BACKWARD)
-    return recorder.backward(losses, weighting=weighting, inputs=inputs, retain_graph=retain_graph)
+    return recorder.backward(
+        losses, weighting=weighting, inputs=inputs, retain_graph=retain_graph, check=check
+    )
 
 
 def _distributed_refusal(call: str) -> str:
@@ -1061,9 +1078,16 @@ class _Run:
     """One call of ``gramian`` / ``backward``: validated at construction, before any pass."""
 
     def __init__(
-        self, recorder: PerExample, losses: Any, inputs: Any, weighting: Any, call: str
+        self,
+        recorder: PerExample,
+        losses: Any,
+        inputs: Any,
+        weighting: Any,
+        call: str,
+        check: CheckMode | None = None,
     ) -> None:
         self.recorder, self.call = recorder, call
+        self.check = resolve_check(check, call)
         self.rule = _weighting.resolve(weighting, "params", call)
         if self.rule.needs_jacobian:
             raise ValueError(
@@ -1243,11 +1267,17 @@ class _Run:
         recorder = self.recorder
         try:
             uses = self._uses()
+            _refuse_foreign_reads(self, uses)
             blocks = self._layers(uses)
             for block in blocks:
                 for layer in block:
                     layer.precheck()
+            due = _independence_due(self, blocks)
+            probe = None if due is None else _probe(self, blocks)
             self._collect(uses, retain_graph)
+            if due is not None and probe is not None:
+                _verify_independence(self, blocks, probe)
+                recorder._independent.add(due)
             recorder._recording = False  # functional calls of modules record nothing
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
@@ -1307,3 +1337,222 @@ class _Run:
                     for name, grad in layer.update(weights).items():
                         update.append((layer.params[name], grad))
         return gram.detach(), weights.detach(), update
+
+
+# -- independence: loss b reads example b alone ----------------------------------------------
+#
+# The rules are exact when, for every layer whose parameters count, loss c depends on the
+# layer's output Y only through Y[c]: then the one backward's Δ[b] is ∂L_b/∂Y[b], example b's
+# own output gradient. Mixing the inputs before the first hooked layer is fine (it is data);
+# mixing after a layer (h - h.mean(0), a sort, a pairwise loss...) puts ∂L_c/∂Y[b] into Δ[b].
+# The check: one more backward, of Σ u_b L_b with random u, to the same outputs. For
+# independent losses its Δ is u_b·Δ[b] row by row; a cross-example term shows as a row that
+# differs.
+
+_PROBE_SEED = 20260  # u comes from its own generator: the user's random streams are untouched
+
+
+def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] | None:
+    """The call's signature when the independence check runs on it (the first call of the
+    signature, or every call under check=True / "strict"), else None."""
+    tested = [use for block in blocks for layer in block for use in layer.uses]
+    if not tested or run.batch == 0:
+        return None
+    losses = run.losses
+    parts: list[Any] = [
+        tuple(losses.shape),
+        losses.dtype,
+        losses.device,
+        type(losses.grad_fn).__name__,
+        tuple(run.selected.values()),
+    ]
+    for use in tested:
+        leaves = _pytree.tree_leaves((use.args, use.kwargs))
+        shapes = tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+        parts.append((id(use.module), shapes, tuple(shape for _, shape, _ in use.outputs)))
+    key = tuple(parts)
+    if run.check is False and key in run.recorder._independent:
+        return None
+    return key
+
+
+def _probe(
+    run: _Run, blocks: list[list[_Layer]]
+) -> tuple[torch.Tensor, list[tuple[_Use, list[torch.Tensor | None]]]]:
+    """The extra backward, of Σ u_b L_b, to the outputs of the layers whose parameters count
+    (no weight products); the graph is kept for the one backward that follows."""
+    tested = [use for block in blocks for layer in block for use in layer.uses]
+    generator = torch.Generator().manual_seed(_PROBE_SEED)
+    u = 1 + torch.rand(run.batch, generator=generator, dtype=torch.float64)  # in [1, 2)
+    weights = u.to(device=run.device, dtype=run.losses.dtype)
+    edges = [e for use in tested for e in use.edges]
+    run.recorder._recording = False
+    try:
+        found = torch.autograd.grad(
+            run.losses, edges, grad_outputs=weights, retain_graph=True, allow_unused=True
+        )
+    finally:
+        run.recorder._recording = True
+    probed, start = [], 0
+    for use in tested:
+        probed.append((use, list(found[start : start + len(use.edges)])))
+        start += len(use.edges)
+    return weights, probed
+
+
+def _verify_independence(
+    run: _Run,
+    blocks: list[list[_Layer]],
+    probe: tuple[torch.Tensor, list[tuple[_Use, list[torch.Tensor | None]]]],
+) -> None:
+    """Compare the probe's Δ with u_b times the one backward's Δ, row by row; raise naming
+    the mixed layer and the ops after it, before anything is written."""
+    weights, probed = probe
+    excess, relative, owners = [], [], []
+    for use, scaled in probed:
+        for plain, other in zip(use.deltas, scaled):
+            if plain is None or other is None:
+                continue
+            work = torch.float64 if plain.dtype == torch.float64 else torch.float32
+            a = plain.detach().reshape(run.batch, -1).to(work)
+            b = other.detach().reshape(run.batch, -1).to(work)
+            wa = weights.to(work)[:, None] * a
+            err = (b - wa).norm(dim=1)
+            scale = b.norm(dim=1) + wa.norm(dim=1)
+            # Rounding is relative to each example's own row (independent rows are computed
+            # from that example alone); a cross-example term is not.
+            tol = math.sqrt(torch.finfo(plain.dtype).eps)
+            excess.append((err - tol * (scale + 1e-6 * scale.max())).max())
+            relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max().to(torch.float64))
+            owners.append(use)
+    if not excess:
+        return
+    flags = (torch.stack(excess) > 0).tolist()  # one read of the host for every layer
+    dirty = [use for use, flag in zip(owners, flags) if flag]
+    if not dirty:
+        return
+    worst = {id(use): float(r) for use, r, flag in zip(owners, relative, flags) if flag}
+    tested = [use for block in blocks for layer in block for use in layer.uses]
+    mixed, top, ops = _mixing_site(run, tested, {id(use) for use in dirty})
+    names = run.recorder._names
+    where = f"module {names.get(mixed.module)!r} ({type(mixed.module).__name__})"
+    after = (
+        "the losses"
+        if top is None
+        else (
+            f"the input of module {names.get(top.module)!r} ({type(top.module).__name__}) (or "
+            "inside that module's own forward)"
+        )
+    )
+    ops = ops[::-1]  # met from the losses back: in forward order
+    listed = (", ..., " if len(ops) > 12 else "") + ", ".join(ops[-12:])
+    raise ValueError(
+        f"{run.call}: the losses do not treat the examples independently: the output "
+        f"gradient of {where} on example b also carries other examples' losses (a backward "
+        "of sum_b u_b * losses[b] with random u differs from u_b times the plain one by up "
+        f"to {worst.get(id(mixed), max(worst.values())):.2g} of an example's row), so its "
+        "per-example gradients, G and the update would be wrong. The examples are mixed "
+        f"between the output of {where} and {after}"
+        + (f", by one of these ops (in forward order): {listed}" if listed else "")
+        + ". The rules need loss b to depend on every hooked layer's output through row b "
+        "alone: no reduction, normalisation, sort or permutation over dim 0 after a layer "
+        "whose parameters count (h - h.mean(0), softmax(dim=0), batch statistics, h[perm], "
+        "roll), no loss that reads other examples (pairwise, contrastive / InfoNCE), and "
+        "every hooked layer with the examples along dim 0 (not time-major); mixing the "
+        "inputs before the first layer is fine. Compute loss b from example b alone, or leave "
+        "the parameters of the layers before the mixing out with inputs= (those after it "
+        "stay exact), or use a per-example loop of torch.autograd.grad."
+    )
+
+
+def _mixing_site(
+    run: _Run, tested: list[_Use], dirty: set[int]
+) -> tuple[_Use, _Use | None, list[str]]:
+    """Where the examples mix: the stretch of graph between a point whose output gradients
+    are clean (the losses, or the input of a checked layer that is clean) and a checked
+    layer's mixed output, with the ops met on the way (by the graph's node names)."""
+    by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    starts: list[tuple[_Use | None, list[tuple[Any, int]]]] = [(None, [(run.losses.grad_fn, -1)])]
+    for use in reversed(tested):
+        if id(use) not in dirty:
+            starts.append((use, [(e.node, e.output_nr) for e in use.upstream]))
+    for top, stack in starts:
+        ops: list[str] = []
+        seen: set[Any] = set()
+        hit: _Use | None = None
+        while stack:
+            node, nr = stack.pop(0)
+            use = by_edge.get((node, nr))
+            if use is not None:  # a recorded call's output: the stretch ends there
+                if id(use) in dirty and hit is None:
+                    hit = use
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            if getattr(node, "variable", None) is None:
+                name = _op_name(node)
+                if name not in ops:
+                    ops.append(name)
+            stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
+        if hit is not None:
+            return hit, top, ops
+    first = next(use for use in tested if id(use) in dirty)
+    return first, None, []
+
+
+def _op_name(node: Any) -> str:
+    """``MeanBackward1`` -> ``mean``, ``NativeBatchNormBackward0`` -> ``native_batch_norm``."""
+    name = re.sub(r"Backward\d*$", "", type(node).__name__).strip("_")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
+    """Refuse a module materialised by its functional call (a custom module, a parent with
+    its own parameters) that reads, in its own forward, a counted parameter that is not
+    its own: a child's that it also calls (``h + F.linear(h, self.lin.weight)`` after
+    ``self.lin(h)``), or another module's. The walk from the losses steps over every
+    recorded call, and the child's rule sees only its own calls, so that use would be
+    missed. Only the graph inside such calls is walked (nested calls stepped over)."""
+    generic = [use for use in uses if _layer_class(use.module) is _Generic]
+    if not generic:
+        return
+    by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    for use in generic:
+        called = _nested_params(use)
+        own = {p for p in use.module.parameters() if p not in called}
+        inner = {key: n for n in use.nested for key in _keys(n)}
+        inputs = {(e.node, e.output_nr) for e in use.upstream}
+        stack: list[tuple[Any, int]] = list(_keys(use))
+        seen: set[Any] = set()
+        while stack:
+            key = stack.pop()
+            if key in inputs:
+                continue
+            nested = inner.get(key)
+            if nested is not None:  # a child's call: its own rule covers it
+                stack.extend((e.node, e.output_nr) for e in nested.upstream)
+                continue
+            if by_edge.get(key, use) is not use:  # another recorded call, outside this one
+                continue
+            node = key[0]
+            if node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if isinstance(leaf, torch.Tensor) and leaf not in own and leaf in run.selected:
+                name = run.recorder._names.get(use.module)
+                why = (
+                    "a child it also calls: the hooks see that child's calls, not this use"
+                    if leaf in called
+                    else "a parameter of another module"
+                )
+                raise ValueError(
+                    f"{run.call}: module {name!r} ({type(use.module).__name__}) reads "
+                    f"parameter {run.selected[leaf]!r} in its own forward, outside the calls "
+                    f"of the module that holds it ({why}), so that use would be missing from "
+                    "the per-example gradients. Use the parameter only through calls of its "
+                    "module (self.lin(h) for every use, or a module whose weight is tied to "
+                    "it), or leave it out with inputs=."
+                )
+            stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
