@@ -1393,7 +1393,8 @@ def _probe(
         )
     finally:
         run.recorder._recording = True
-    probed, start = [], 0
+    probed: list[tuple[_Use, list[torch.Tensor | None]]] = []
+    start = 0
     for use in tested:
         probed.append((use, list(found[start : start + len(use.edges)])))
         start += len(use.edges)
@@ -1482,10 +1483,10 @@ def _mixing_site(
         hit: _Use | None = None
         while stack:
             node, nr = stack.pop(0)
-            use = by_edge.get((node, nr))
-            if use is not None:  # a recorded call's output: the stretch ends there
-                if id(use) in dirty and hit is None:
-                    hit = use
+            end = by_edge.get((node, nr))
+            if end is not None:  # a recorded call's output: the stretch ends there
+                if id(end) in dirty and hit is None:
+                    hit = end
                 continue
             if node in seen:
                 continue
