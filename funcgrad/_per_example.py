@@ -1275,13 +1275,15 @@ class _Run:
             due = _independence_due(self, blocks)
             probe = None if due is None else _probe(self, blocks)
             self._collect(uses, retain_graph)
-            if due is not None and probe is not None:
+            if probe is not None:
                 _verify_independence(self, blocks, probe)
-                recorder._independent.add(due)
             recorder._recording = False  # functional calls of modules record nothing
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
             )
+            if due is not None and probe is not None:
+                _verify_materialised(self, blocks, probe)
+                recorder._independent.add(due)
         finally:
             recorder._recording = True
             if not retain_graph:  # consumed (and older forwards dropped)
@@ -1376,41 +1378,51 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
     return key
 
 
-def _probe(
-    run: _Run, blocks: list[list[_Layer]]
-) -> tuple[torch.Tensor, list[tuple[_Use, list[torch.Tensor | None]]]]:
+@dataclasses.dataclass
+class _Probe:
+    """What the check's backward of Σ u_b L_b found."""
+
+    weights: torch.Tensor  # u, (B,)
+    deltas: list[tuple[_Use, list[torch.Tensor | None]]]  # each checked call's Δ(u)
+    grads: dict[_Layer, dict[str, torch.Tensor | None]]  # materialised layers' gradients
+
+
+def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
     """The extra backward, of Σ u_b L_b, to the outputs of the layers whose parameters count
-    (no weight products); the graph is kept for the one backward that follows."""
+    (no weight products, except for the modules materialised by their functional call,
+    alone in their block: their rows must add up to it); the graph is kept for the one
+    backward that follows."""
     tested = [use for block in blocks for layer in block for use in layer.uses]
+    own = [block[0] for block in blocks if len(block) == 1 and isinstance(block[0], _Generic)]
     generator = torch.Generator().manual_seed(_PROBE_SEED)
     u = 1 + torch.rand(run.batch, generator=generator, dtype=torch.float64)  # in [1, 2)
     weights = u.to(device=run.device, dtype=run.losses.dtype)
     edges = [e for use in tested for e in use.edges]
+    params = [p for layer in own for p in layer.params.values()]
     run.recorder._recording = False
     try:
         found = torch.autograd.grad(
-            run.losses, edges, grad_outputs=weights, retain_graph=True, allow_unused=True
+            run.losses, [*edges, *params], weights, retain_graph=True, allow_unused=True
         )
     finally:
         run.recorder._recording = True
-    probed: list[tuple[_Use, list[torch.Tensor | None]]] = []
+    probe = _Probe(weights, [], {})
     start = 0
     for use in tested:
-        probed.append((use, list(found[start : start + len(use.edges)])))
+        probe.deltas.append((use, list(found[start : start + len(use.edges)])))
         start += len(use.edges)
-    return weights, probed
+    for layer in own:
+        probe.grads[layer] = dict(zip(layer.params, found[start : start + len(layer.params)]))
+        start += len(layer.params)
+    return probe
 
 
-def _verify_independence(
-    run: _Run,
-    blocks: list[list[_Layer]],
-    probe: tuple[torch.Tensor, list[tuple[_Use, list[torch.Tensor | None]]]],
-) -> None:
+def _verify_independence(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -> None:
     """Compare the probe's Δ with u_b times the one backward's Δ, row by row; raise naming
     the mixed layer and the ops after it, before anything is written."""
-    weights, probed = probe
+    weights = probe.weights
     excess, relative, owners = [], [], []
-    for use, scaled in probed:
+    for use, scaled in probe.deltas:
         for plain, other in zip(use.deltas, scaled):
             if plain is None or other is None:
                 continue
@@ -1464,6 +1476,43 @@ def _verify_independence(
         "the parameters of the layers before the mixing out with inputs= (those after it "
         "stay exact), or use a per-example loop of torch.autograd.grad."
     )
+
+
+def _verify_materialised(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -> None:
+    """A module materialised by its functional call (on each example alone, by vmap or a
+    loop) is exact only if its own forward treats the examples independently: its rows,
+    weighted by u, must add up to the probe's gradient of its parameters. Seen here: a
+    module that mixes the examples inside its forward, or a wrong batching rule."""
+    excess, relative, layers = [], [], []
+    for layer, grads in probe.grads.items():
+        rows = getattr(layer, "grads", None)
+        if rows is None:
+            continue
+        for name, want in grads.items():
+            got = torch.tensordot(probe.weights.to(rows[name].dtype), rows[name], dims=1)
+            work = torch.float64 if got.dtype == torch.float64 else torch.float32
+            got = got.to(work)
+            want_ = torch.zeros_like(got) if want is None else want.detach().to(work)
+            err, scale = (got - want_).norm(), got.norm() + want_.norm()
+            tol = math.sqrt(torch.finfo(rows[name].dtype).eps)
+            excess.append(err - tol * scale)
+            relative.append(err / scale.clamp_min(torch.finfo(work).tiny))
+            layers.append(layer)
+    if not excess:
+        return
+    flags = (torch.stack([e.to(torch.float64) for e in excess]) > 0).tolist()
+    for layer, r, flag in zip(layers, relative, flags):
+        if flag:
+            raise ValueError(
+                f"{run.call}: module {layer.name!r} ({type(layer.module).__name__}) does not "
+                "treat the examples independently in its own forward: its per-example "
+                "gradients, from calls of it on each example alone, weighted by a random u, "
+                f"differ from the gradient of sum_b u_b * losses[b] by {float(r):.2g} "
+                "(relative). It mixes the examples (a reduction, normalisation or "
+                "permutation over dim 0 inside it), or torch.func batches one of its ops "
+                "wrongly. Make its forward treat each example alone, or leave its "
+                "parameters out with inputs=."
+            )
 
 
 def _mixing_site(

@@ -368,3 +368,46 @@ def test_a_module_reading_another_modules_parameter_is_refused():
     refused = r"module '1' \(Foreign\) reads parameter '2.weight'.*another module"
     with funcgrad.per_example(model) as pe, pytest.raises(ValueError, match=refused):
         pe.gramian(model(x).pow(2).sum(1))
+
+
+# -- mixing inside a module materialised by its functional call ------------------------------
+
+
+class CenterScale(nn.Module):
+    """A custom module with a parameter that centres its batch: its per-example gradients,
+    from calls on each example alone, are not the rows of its Jacobian."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        return (x - x.mean(0)) * self.gain
+
+
+def test_a_module_that_mixes_examples_inside_its_forward_is_refused():
+    """The first hooked module: no layer before it whose output gradients would show the
+    mixing; its rows, weighted by u, do not add up to the probe's gradient."""
+    model = nn.Sequential(CenterScale(), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(B, 3)
+    losses_fn = lambda m: m(x).squeeze(1).exp()  # noqa: E731
+    want = loop_gramian(copy.deepcopy(model), losses_fn)
+    refused = r"module '0' \(CenterScale\) does not treat the examples independently in its own"
+    with funcgrad.per_example(model) as pe:
+        assert not torch.allclose(_unchecked_gramian(pe, losses_fn(model)), want, rtol=1e-3)
+        with pytest.raises(ValueError, match=refused):
+            pe.backward(losses_fn(model), weighting=lambda g: g.diagonal())
+        # Its parameter left out, the rest is exact.
+        gram = pe.gramian(losses_fn(model), inputs=list(model[2].parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    params = list(model[2].parameters())
+    losses = losses_fn(model)
+    jac = torch.stack(
+        [
+            torch.cat(
+                [g.flatten() for g in torch.autograd.grad(losses[b], params, retain_graph=True)]
+            )
+            for b in range(B)
+        ]
+    )
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
