@@ -1281,8 +1281,8 @@ class _Run:
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
             )
-            if due is not None and probe is not None:
-                _verify_materialised(self, blocks, probe)
+            if due is not None:
+                _verify_materialised(self, blocks)
                 recorder._independent.add(due)
         finally:
             recorder._recording = True
@@ -1384,36 +1384,32 @@ class _Probe:
 
     weights: torch.Tensor  # u, (B,)
     deltas: list[tuple[_Use, list[torch.Tensor | None]]]  # each checked call's Δ(u)
-    grads: dict[_Layer, dict[str, torch.Tensor | None]]  # materialised layers' gradients
 
 
 def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
     """The extra backward, of Σ u_b L_b, to the outputs of the layers whose parameters count
-    (no weight products, except for the modules materialised by their functional call,
-    alone in their block: their rows must add up to it); the graph is kept for the one
-    backward that follows."""
+    (no weight products); the graph is kept for the one backward that follows. u_b = ±2^k:
+    for independent losses each row of Δ(u) is then u_b times the row of Δ exactly, as
+    scaling by a power of two commutes with rounding (a gradient that is only rounding
+    noise, behind a LayerNorm, stays exactly proportional)."""
     tested = [use for block in blocks for layer in block for use in layer.uses]
-    own = [block[0] for block in blocks if len(block) == 1 and isinstance(block[0], _Generic)]
     generator = torch.Generator().manual_seed(_PROBE_SEED)
-    u = 1 + torch.rand(run.batch, generator=generator, dtype=torch.float64)  # in [1, 2)
-    weights = u.to(device=run.device, dtype=run.losses.dtype)
+    exponent = torch.randint(4, (run.batch,), generator=generator).to(torch.float64)
+    sign = torch.randint(2, (run.batch,), generator=generator).to(torch.float64) * 2 - 1
+    weights = (sign * 2**exponent).to(device=run.device, dtype=run.losses.dtype)
     edges = [e for use in tested for e in use.edges]
-    params = [p for layer in own for p in layer.params.values()]
     run.recorder._recording = False
     try:
         found = torch.autograd.grad(
-            run.losses, [*edges, *params], weights, retain_graph=True, allow_unused=True
+            run.losses, edges, grad_outputs=weights, retain_graph=True, allow_unused=True
         )
     finally:
         run.recorder._recording = True
-    probe = _Probe(weights, [], {})
+    probe = _Probe(weights, [])
     start = 0
     for use in tested:
         probe.deltas.append((use, list(found[start : start + len(use.edges)])))
         start += len(use.edges)
-    for layer in own:
-        probe.grads[layer] = dict(zip(layer.params, found[start : start + len(layer.params)]))
-        start += len(layer.params)
     return probe
 
 
@@ -1478,41 +1474,74 @@ def _verify_independence(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -
     )
 
 
-def _verify_materialised(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -> None:
-    """A module materialised by its functional call (on each example alone, by vmap or a
-    loop) is exact only if its own forward treats the examples independently: its rows,
-    weighted by u, must add up to the probe's gradient of its parameters. Seen here: a
-    module that mixes the examples inside its forward, or a wrong batching rule."""
-    excess, relative, layers = [], [], []
-    for layer, grads in probe.grads.items():
-        rows = getattr(layer, "grads", None)
-        if rows is None:
-            continue
-        for name, want in grads.items():
-            got = torch.tensordot(probe.weights.to(rows[name].dtype), rows[name], dims=1)
-            work = torch.float64 if got.dtype == torch.float64 else torch.float32
-            got = got.to(work)
-            want_ = torch.zeros_like(got) if want is None else want.detach().to(work)
-            err, scale = (got - want_).norm(), got.norm() + want_.norm()
-            tol = math.sqrt(torch.finfo(rows[name].dtype).eps)
-            excess.append(err - tol * scale)
-            relative.append(err / scale.clamp_min(torch.finfo(work).tiny))
-            layers.append(layer)
-    if not excess:
+def _verify_materialised(run: _Run, blocks: list[list[_Layer]]) -> None:
+    """A module materialised by its functional call on each example alone (vmap or a loop)
+    is exact only if its own forward treats the examples independently: its outputs on each
+    example alone must be the rows of its output on the batch. Seen here: a module that
+    mixes the examples inside its forward (batch statistics, a sort), where no hooked
+    layer before it would show the mixing in its output gradients."""
+    run.recorder._recording = False
+    try:
+        for block in blocks:
+            for layer in block:
+                if isinstance(layer, _Generic):
+                    for use in layer.uses:
+                        _compare_rows(run, layer, use)
+    finally:
+        run.recorder._recording = True
+
+
+def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
+    leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+    batched = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == run.batch
+    ]
+    positions = [i for i, _, _ in use.outputs]
+    module = layer.module
+
+    def call(values: list[torch.Tensor], unsqueeze: bool) -> tuple[torch.Tensor, ...]:
+        filled = list(leaves)
+        for i, v in zip(batched, values):
+            filled[i] = v.unsqueeze(0) if unsqueeze else v
+        args, kwargs = _pytree.tree_unflatten(filled, spec)
+        flat = _pytree.tree_leaves(module(*args, **kwargs))
+        return tuple(flat[i].detach() for i in positions)
+
+    values = [leaves[i] for i in batched]
+    with torch.enable_grad():  # as the recorded call (no inference fast paths)
+        whole = call(values, unsqueeze=False)
+        try:
+            rows = torch.func.vmap(lambda *v: call(list(v), unsqueeze=True))(*values)
+        except Exception:  # what vmap cannot run: one call per example
+            alone = [call([v[b : b + 1] for v in values], False) for b in range(run.batch)]
+            rows = tuple(torch.cat(parts) for parts in zip(*alone))
+    flags, relative = [], []
+    for got, want in zip(rows, whole):
+        work = torch.float64 if want.dtype == torch.float64 else torch.float32
+        got = got.reshape(run.batch, -1).to(work)
+        want = want.reshape(run.batch, -1).to(work)
+        err = (got - want).norm(dim=1)
+        scale = got.norm(dim=1) + want.norm(dim=1)
+        tol = math.sqrt(torch.finfo(use.outputs[0][2]).eps)
+        flags.append((err - tol * (scale + 1e-6 * scale.max())).max())
+        relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max())
+    if not flags:
         return
-    flags = (torch.stack([e.to(torch.float64) for e in excess]) > 0).tolist()
-    for layer, r, flag in zip(layers, relative, flags):
-        if flag:
-            raise ValueError(
-                f"{run.call}: module {layer.name!r} ({type(layer.module).__name__}) does not "
-                "treat the examples independently in its own forward: its per-example "
-                "gradients, from calls of it on each example alone, weighted by a random u, "
-                f"differ from the gradient of sum_b u_b * losses[b] by {float(r):.2g} "
-                "(relative). It mixes the examples (a reduction, normalisation or "
-                "permutation over dim 0 inside it), or torch.func batches one of its ops "
-                "wrongly. Make its forward treat each example alone, or leave its "
-                "parameters out with inputs=."
-            )
+    bad = (torch.stack(flags) > 0).tolist()
+    if any(bad):
+        worst = max(float(r) for r, flag in zip(relative, bad) if flag)
+        raise ValueError(
+            f"{run.call}: module {layer.name!r} ({type(module).__name__}) does not treat the "
+            "examples independently in its own forward: its output on each example alone "
+            f"differs from its row of the output on the batch (by up to {worst:.2g} of a "
+            "row, relative), so its per-example gradients, computed from calls on each "
+            "example alone, would be wrong. It mixes the examples (a reduction, "
+            "normalisation, sort or permutation over dim 0 inside it, or inputs whose dim 0 "
+            "is not the batch). Make its forward treat each example alone, or leave its "
+            "parameters out with inputs=."
+        )
 
 
 def _mixing_site(
