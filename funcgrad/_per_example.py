@@ -1394,9 +1394,14 @@ def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
     noise, behind a LayerNorm, stays exactly proportional)."""
     tested = [use for block in blocks for layer in block for use in layer.uses]
     generator = torch.Generator().manual_seed(_PROBE_SEED)
-    exponent = torch.randint(4, (run.batch,), generator=generator).to(torch.float64)
-    sign = torch.randint(2, (run.batch,), generator=generator).to(torch.float64) * 2 - 1
-    weights = (sign * 2**exponent).to(device=run.device, dtype=run.losses.dtype)
+    # 2K values ±2^k, each block of 2K examples a new permutation of them: two examples in
+    # one block always get different weights (a cross term between them shows), with no
+    # fixed period; float16 keeps k < 4 (its range is narrow).
+    powers = 2.0 ** torch.arange(4 if run.losses.dtype == torch.float16 else 8)
+    values = torch.cat([powers, -powers]).to(torch.float64)
+    rounds = -(-run.batch // len(values))
+    index = torch.cat([torch.randperm(len(values), generator=generator) for _ in range(rounds)])
+    weights = values[index[: run.batch]].to(device=run.device, dtype=run.losses.dtype)
     edges = [e for use in tested for e in use.edges]
     run.recorder._recording = False
     try:

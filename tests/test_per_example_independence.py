@@ -411,3 +411,50 @@ def test_a_module_that_mixes_examples_inside_its_forward_is_refused():
         ]
     )
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+class Offset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.offset = nn.Parameter(torch.randn(()))
+
+    def forward(self, x):
+        return x + self.offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rounding_noise_is_not_mixing(dtype):
+    """Gradients that are zero but for rounding (an offset before a LayerNorm, a layer whose
+    output gradient a LayerNorm cancels): independent, so not refused, and exact in
+    float64."""
+    torch.manual_seed(0)
+    offset = nn.Sequential(nn.Linear(5, 8), Offset(), nn.LayerNorm(8), nn.Linear(8, 3))
+    cancelled = nn.Sequential(
+        nn.Linear(5, 8), nn.LayerNorm(8, elementwise_affine=False), nn.Linear(8, 8)
+    )
+    with torch.no_grad():
+        cancelled[2].weight.fill_(1.0)  # equal rows: the LayerNorm's input gradient is 0
+    x = torch.randn(16, 5, dtype=dtype)
+    for model in (offset.to(dtype), cancelled.to(dtype)):
+        losses_fn = lambda m: m(x).pow(2).sum(1)  # noqa: E731
+        with funcgrad.per_example(model) as pe, funcgrad.checking(True):
+            gram = pe.gramian(losses_fn(model))
+        if dtype == torch.float64:
+            want = loop_gramian(copy.deepcopy(model), losses_fn)
+            torch.testing.assert_close(gram, want, rtol=1e-9, atol=1e-9 * want.abs().max())
+
+
+def test_two_examples_mixed_in_a_large_batch_are_seen():
+    """Only examples 0 and 1 of 64 interact (their losses swap a term): the probe's weights
+    differ within each block of 16 examples, so that pair shows."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(64, 3)
+
+    def losses_fn(m):
+        z = m(x).squeeze(1)
+        swap = torch.arange(64)
+        swap[0], swap[1] = 1, 0
+        return z.pow(2) + 0.5 * z[swap]
+
+    with funcgrad.per_example(model) as pe, pytest.raises(ValueError, match=MIXED):
+        pe.gramian(losses_fn(model))
