@@ -1352,6 +1352,7 @@ class _Run:
 # differs.
 
 _PROBE_SEED = 20260  # u comes from its own generator: the user's random streams are untouched
+_ALONE = 32  # examples run alone through a materialised module, at most
 
 
 def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] | None:
@@ -1497,6 +1498,9 @@ def _verify_materialised(run: _Run, blocks: list[list[_Layer]]) -> None:
 
 
 def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
+    """One call's output on the batch against calls on single examples (all of them up to
+    _ALONE, else _ALONE drawn by funcgrad's own generator): eager calls, as vmap would fall
+    back to a slow loop for attention."""
     leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
     batched = [
         i
@@ -1506,30 +1510,37 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
     positions = [i for i, _, _ in use.outputs]
     module = layer.module
 
-    def call(values: list[torch.Tensor], unsqueeze: bool) -> tuple[torch.Tensor, ...]:
+    def call(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         filled = list(leaves)
         for i, v in zip(batched, values):
-            filled[i] = v.unsqueeze(0) if unsqueeze else v
+            filled[i] = v
         args, kwargs = _pytree.tree_unflatten(filled, spec)
         flat = _pytree.tree_leaves(module(*args, **kwargs))
         return tuple(flat[i].detach() for i in positions)
 
     values = [leaves[i] for i in batched]
-    with torch.enable_grad():  # as the recorded call (no inference fast paths)
-        whole = call(values, unsqueeze=False)
-        try:
-            rows = torch.func.vmap(lambda *v: call(list(v), unsqueeze=True))(*values)
-        except Exception:  # what vmap cannot run: one call per example
-            alone = [call([v[b : b + 1] for v in values], False) for b in range(run.batch)]
-            rows = tuple(torch.cat(parts) for parts in zip(*alone))
+    if run.batch <= _ALONE:
+        picked = list(range(run.batch))
+    else:
+        generator = torch.Generator().manual_seed(_PROBE_SEED)
+        picked = sorted(torch.randperm(run.batch, generator=generator)[:_ALONE].tolist())
+    # As the recorded call (grad enabled: no inference fast paths); its warnings were given
+    # by the user's forward already.
+    with torch.enable_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = call(values)
+        alone = [call([v[b : b + 1] for v in values]) for b in picked]
+    index = torch.tensor(picked, device=run.device)
+    rows = [torch.cat(parts) for parts in zip(*alone)]
+    whole = tuple(w.index_select(0, index.to(w.device)) for w in whole)
     flags, relative = [], []
     for got, want in zip(rows, whole):
+        tol = math.sqrt(torch.finfo(want.dtype).eps)
         work = torch.float64 if want.dtype == torch.float64 else torch.float32
-        got = got.reshape(run.batch, -1).to(work)
-        want = want.reshape(run.batch, -1).to(work)
+        got = got.reshape(len(picked), -1).to(work)
+        want = want.reshape(len(picked), -1).to(work)
         err = (got - want).norm(dim=1)
         scale = got.norm(dim=1) + want.norm(dim=1)
-        tol = math.sqrt(torch.finfo(use.outputs[0][2]).eps)
         flags.append((err - tol * (scale + 1e-6 * scale.max())).max())
         relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max())
     if not flags:
