@@ -1431,9 +1431,9 @@ def _verify_independence(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -
             work = torch.float64 if plain.dtype == torch.float64 else torch.float32
             a = plain.detach().reshape(run.batch, -1).to(work)
             b = other.detach().reshape(run.batch, -1).to(work)
-            wa = weights.to(work)[:, None] * a
-            err = (b - wa).norm(dim=1)
-            scale = b.norm(dim=1) + wa.norm(dim=1)
+            w = weights.to(work)[:, None]
+            err = torch.addcmul(b, w, a, value=-1).norm(dim=1)  # one temporary
+            scale = b.norm(dim=1) + w[:, 0].abs() * a.norm(dim=1)
             # Rounding is relative to each example's own row (independent rows are computed
             # from that example alone); a cross-example term is not.
             tol = math.sqrt(torch.finfo(plain.dtype).eps)
