@@ -302,6 +302,18 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         dropout are fine; random draws inside a module with parameters are refused (its
         per-example gradients would need the same draws). No process group: the
         cross-rank blocks of G need every rank's per-layer A and Δ (see the README).
+
+        Independence: loss b must read each counted layer's output through row b alone
+        (mixing the inputs before the first layer is fine). It is verified on the first
+        call of each signature, and on every call under ``check=True`` or ``"strict"``: one
+        more backward, of ``sum_b u_b * losses[b]``, must give each layer's output
+        gradients as ``u_b`` times those of the plain one, row by row, and materialised
+        modules are run on single examples against their rows. A model that mixes the
+        examples (``h - h.mean(0)``, a softmax or batch statistics over dim 0, a sort, a
+        pairwise or InfoNCE loss, a time-major layer) is refused naming the module and the
+        ops, before ``.grad`` is written. A hooked module that reads a counted parameter
+        not its own in its forward (``h + F.linear(h, self.lin.weight)`` after
+        ``self.lin(h)``) is refused on every call.
     """
     return PerExample(model, batch_dim=batch_dim)
 
