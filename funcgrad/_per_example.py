@@ -1410,10 +1410,13 @@ def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
     # 2K values ±2^k, each block of 2K examples a new permutation of them: two examples in
     # one block always get different weights (a cross term between them shows), with no
     # fixed period; float16 keeps k < 4 (its range is narrow).
-    powers = 2.0 ** torch.arange(4 if run.losses.dtype == torch.float16 else 8)
+    cpu = torch.device("cpu")  # the generator's device, whatever the default device is
+    powers = 2.0 ** torch.arange(4 if run.losses.dtype == torch.float16 else 8, device=cpu)
     values = torch.cat([powers, -powers]).to(torch.float64)
     rounds = -(-run.batch // len(values))
-    index = torch.cat([torch.randperm(len(values), generator=generator) for _ in range(rounds)])
+    index = torch.cat(
+        [torch.randperm(len(values), generator=generator, device=cpu) for _ in range(rounds)]
+    )
     weights = values[index[: run.batch]].to(device=run.device, dtype=run.losses.dtype)
     edges = [e for use in tested for e in use.edges]
     run.recorder._recording = False
@@ -1535,7 +1538,8 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         picked = list(range(run.batch))
     else:
         generator = torch.Generator().manual_seed(_PROBE_SEED)
-        picked = sorted(torch.randperm(run.batch, generator=generator)[:_ALONE].tolist())
+        drawn = torch.randperm(run.batch, generator=generator, device=torch.device("cpu"))
+        picked = sorted(drawn[:_ALONE].tolist())
     # As the recorded call (grad enabled: no inference fast paths); its warnings were given
     # by the user's forward already.
     with torch.enable_grad(), warnings.catch_warnings():
