@@ -1541,11 +1541,23 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         drawn = torch.randperm(run.batch, generator=generator, device=torch.device("cpu"))
         picked = sorted(drawn[:_ALONE].tolist())
     # As the recorded call (grad enabled: no inference fast paths); its warnings were given
-    # by the user's forward already.
-    with torch.enable_grad(), warnings.catch_warnings():
+    # by the user's forward already. The re-runs leave the random generators and the
+    # module's buffers as they were.
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    devices = [run.device] if run.device.type == "cuda" else []
+    with (
+        torch.enable_grad(),
+        warnings.catch_warnings(),
+        torch.random.fork_rng(devices=devices),
+    ):
         warnings.simplefilter("ignore")
-        whole = call(values)
-        alone = [call([v[b : b + 1] for v in values]) for b in picked]
+        try:
+            whole = call(values)
+            alone = [call([v[b : b + 1] for v in values]) for b in picked]
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
     index = torch.tensor(picked, device=run.device)
     rows = [torch.cat(parts) for parts in zip(*alone)]
     whole = tuple(w.index_select(0, index.to(w.device)) for w in whole)

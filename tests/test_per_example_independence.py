@@ -458,3 +458,43 @@ def test_two_examples_mixed_in_a_large_batch_are_seen():
 
     with funcgrad.per_example(model) as pe, pytest.raises(ValueError, match=MIXED):
         pe.gramian(losses_fn(model))
+
+
+class Monitored(nn.Module):
+    """A custom module that counts its calls in a buffer: the check's re-runs of it on
+    single examples must leave the count as it was."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(3))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(x * self.gain)
+
+
+def test_the_check_leaves_buffers_generators_and_preset_grads_alone():
+    model = nn.Sequential(Monitored(), nn.Linear(3, 1))
+    x = torch.randn(B, 3)
+    counts = []
+    with funcgrad.per_example(model) as pe:
+        for check in (True, False):  # checked, then not (the same signature)
+            before = model[0].calls.item()
+            losses = model(x).squeeze(1).exp()
+            state = torch.random.get_rng_state()
+            pe.backward(losses, check=check)
+            assert torch.equal(torch.random.get_rng_state(), state)
+            counts.append(model[0].calls.item() - before)
+    # The check adds no count (the rest: the user's forward, and the module's per-example
+    # rule, which calls it on each example where torch.func refuses its in-place write).
+    assert counts[0] == counts[1]
+
+    mixed = between(lambda h: h - h.mean(0))
+    preset = [torch.full_like(p, 7.0) for p in mixed.parameters()]
+    for p, g in zip(mixed.parameters(), preset):
+        p.grad = g.clone()
+    with funcgrad.per_example(mixed) as pe, pytest.raises(ValueError, match=MIXED):
+        pe.backward(mixed(x).squeeze(1).pow(2), weighting=lambda g: g.diagonal())
+    for p, g in zip(mixed.parameters(), preset):
+        assert torch.equal(p.grad, g)  # nothing written on refusal
