@@ -69,7 +69,7 @@ class TimeMajor(nn.Module):
 
 
 def mixing_cases():
-    x = torch.randn(B, 3)
+    x, noise = torch.randn(B, 3), 0.1 * torch.randn(B, 3)  # noise: InfoNCE's second view
     squared = lambda m: m(x).squeeze(1).pow(2)  # noqa: E731
 
     def pairwise(m):
@@ -77,7 +77,7 @@ def mixing_cases():
         return (z[:, None] - z[None]).pow(2).sum(-1).mean(1)
 
     def info_nce(m):
-        z1, z2 = F.normalize(m(x), dim=1), F.normalize(m(x + 0.1 * torch.randn(B, 3)), dim=1)
+        z1, z2 = F.normalize(m(x), dim=1), F.normalize(m(x + noise), dim=1)
         return F.cross_entropy(z1 @ z2.T / 0.5, torch.arange(B), reduction="none")
 
     seq = torch.randn(B, B, 3)  # T == B
