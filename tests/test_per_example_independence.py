@@ -262,6 +262,8 @@ def test_the_check_costs_one_backward_on_the_first_call_of_a_signature():
         ]
         with funcgrad.checking(True):
             assert [passes(B), passes(B)] == [2, 2]
+        with pytest.raises(ValueError, match=r"batch_dim=0\): `check` must be True, False"):
+            passes(B, check="full")
         previous = funcgrad.set_check("strict")
         try:
             assert passes(B) == 2
