@@ -15,11 +15,14 @@ block and its update) -> weigh -> apply (``.grad`` written in one place, at the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import re
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +61,8 @@ class _Use:
     upstream: list[Any]  # gradient edges of the inputs that require grad
     deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
+    # the tensor-hook dicts of the call's inputs and outputs (see _hook_dict)
+    hook_dicts: list[Any] = dataclasses.field(default_factory=list)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -234,12 +239,16 @@ class PerExample:
         upstream = [
             get_gradient_edge(x) for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad
         ]
+        leaves_before = leaves
         leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
         saved_args, saved_kwargs = (
             (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
         use.hooked = _foreign_hooks(module, self)
+        for x in (*flat, *leaves_before):
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
+                use.hook_dicts.append(_hook_dict(x))
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
@@ -615,11 +624,28 @@ def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
     return found
 
 
+def _hook_dict(tensor: torch.Tensor) -> Any:
+    """The dict of the tensor hooks of ``tensor``, a non-leaf, made now if it has none (as
+    ``Tensor.register_hook`` makes it): the hooks that the user registers on it later go
+    there, where the independence check can hold them back for its own backward, even once
+    the tensor itself is gone (its node keeps the dict)."""
+    if tensor._backward_hooks is None:
+        tensor._backward_hooks = OrderedDict()
+        node = tensor.grad_fn
+        assert node is not None  # a non-leaf
+        node._register_hook_dict(tensor)
+    return tensor._backward_hooks
+
+
 def _grads_after_hooks(
-    losses: torch.Tensor, edges: list[Any], retain_graph: bool
+    losses: torch.Tensor,
+    edges: list[Any],
+    retain_graph: bool,
+    grad_outputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """The gradients along all ones at ``edges``, as the nodes there use them: after the
-    tensor hooks on those outputs (``out.register_hook``) and the nodes' pre-hooks.
+    """The gradients along ``grad_outputs`` (all ones by default) at ``edges``, as the nodes
+    there use them: after the tensor hooks on those outputs (``out.register_hook``) and the
+    nodes' pre-hooks.
 
     torch's engine captures an input of ``autograd.grad`` before the tensor hooks when its
     node also runs (a layer with layers below it), after them when it does not. A pre-hook
@@ -637,7 +663,7 @@ def _grads_after_hooks(
         deltas = torch.autograd.grad(
             losses,
             edges,
-            grad_outputs=torch.ones_like(losses),
+            grad_outputs=torch.ones_like(losses) if grad_outputs is None else grad_outputs,
             retain_graph=retain_graph,
             allow_unused=True,
         )
@@ -773,6 +799,20 @@ class _Layer:
                     self.fail("has an output that", f"has shape {tuple(shape)}")
             if self.kind != "generic":
                 self.input(use)
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of the call's recorded output k."""
+        return 0
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The call's flat arguments, their spec and each one's batch dim (None: not
+        batched)."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        dims: list[int | None] = [
+            0 if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch else None
+            for x in leaves
+        ]
+        return leaves, spec, dims
 
     def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
         d = use.deltas[i]
@@ -1774,16 +1814,64 @@ class _Probe:
     """What the check's backward of Σ u_b L_b found."""
 
     weights: torch.Tensor  # u, (B,)
-    deltas: list[tuple[_Use, list[torch.Tensor | None]]]  # each checked call's Δ(u)
+    # each checked call, its layer, its Δ(u), and its Δ along all ones where the check ran
+    # its own (user hooks held back), else None: compared with the one backward's
+    deltas: list[tuple[_Use, _Layer, list[torch.Tensor | None], list[torch.Tensor | None] | None]]
+
+
+@contextlib.contextmanager
+def _hooks_held_back(run: _Run, uses: list[_Use]) -> Iterator[bool]:
+    """Hold back, for the check's backward, the user hooks that funcgrad can find, so that
+    each fires once per call, in the one backward: the tensor hooks on the losses and on the
+    inputs and outputs of the recorded calls (their dicts, made at the call), and the full
+    backward hooks and backward pre-hooks of the model's modules (torch's BackwardHook
+    objects, found by the garbage collector's referrers, only where such hooks exist).
+    Yields whether any was held back."""
+    dicts = [d for use in uses for d in use.hook_dicts]
+    if run.losses._backward_hooks is not None:
+        dicts.append(run.losses._backward_hooks)
+    saved = [(d, list(d.items())) for d in {id(d): d for d in dicts}.values() if d]
+    module_hooks = []
+    modules = list(run.recorder.model.modules())
+    globals_ = nn.modules.module
+    if (
+        globals_._global_backward_hooks
+        or globals_._global_backward_pre_hooks
+        or any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+    ):
+        from torch.utils.hooks import BackwardHook
+
+        mine = {id(m) for m in modules}
+        for obj in gc.get_referrers(*modules):
+            held = isinstance(obj, BackwardHook) and id(obj.module) in mine
+            if held and (obj.user_hooks or obj.user_pre_hooks):
+                module_hooks.append((obj, obj.user_hooks, obj.user_pre_hooks))
+    try:
+        for d, _ in saved:
+            d.clear()
+        for obj, _, _ in module_hooks:
+            obj.user_hooks, obj.user_pre_hooks = [], []
+        yield bool(saved or module_hooks)
+    finally:
+        for d, items in saved:
+            d.update(items)
+        for obj, hooks, pre_hooks in module_hooks:
+            obj.user_hooks, obj.user_pre_hooks = hooks, pre_hooks
 
 
 def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
     """The extra backward, of Σ u_b L_b, to the outputs of the layers whose parameters count
-    (no weight products); the graph is kept for the one backward that follows. u_b = ±2^k:
-    for independent losses each row of Δ(u) is then u_b times the row of Δ exactly, as
+    (no weight products), read as the one backward reads them (after the tensor hooks on
+    those outputs); the graph is kept for the one backward that follows. u_b = ±2^k: for
+    independent losses each row of Δ(u) is then u_b times the row of Δ exactly, as
     scaling by a power of two commutes with rounding (a gradient that is only rounding
-    noise, behind a LayerNorm, stays exactly proportional)."""
-    tested = [use for block in blocks for layer in block for use in layer.uses]
+    noise, behind a LayerNorm, stays exactly proportional).
+
+    The user hooks that funcgrad finds are held back (`_hooks_held_back`): they fire once
+    per call, and a hook that is not linear in the gradient (clipping) is no mixing. Where
+    one was held back, the comparison is with a second backward along all ones, with the
+    same hooks held back (the one backward applied them): one more backward."""
+    tested = [(use, layer) for block in blocks for layer in block for use in layer.uses]
     generator = torch.Generator().manual_seed(_PROBE_SEED)
     # 2K values ±2^k, each block of 2K examples a new permutation of them: two examples in
     # one block always get different weights (a cross term between them shows), with no
@@ -1796,34 +1884,48 @@ def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
         [torch.randperm(len(values), generator=generator, device=cpu) for _ in range(rounds)]
     )
     weights = values[index[: run.batch]].to(device=run.device, dtype=run.losses.dtype)
-    edges = [e for use in tested for e in use.edges]
+    edges = [e for use, _ in tested for e in use.edges]
+    plain: tuple[torch.Tensor | None, ...] | None = None
     run.recorder._recording = False
     try:
-        found = torch.autograd.grad(
-            run.losses, edges, grad_outputs=weights, retain_graph=True, allow_unused=True
-        )
+        # its warnings are the one backward's, given there
+        with _hooks_held_back(run, [u for u, _ in tested]) as held, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = _grads_after_hooks(run.losses, edges, True, weights)
+            if held:
+                plain = _grads_after_hooks(run.losses, edges, True)
     finally:
         run.recorder._recording = True
     probe = _Probe(weights, [])
     start = 0
-    for use in tested:
-        probe.deltas.append((use, list(found[start : start + len(use.edges)])))
-        start += len(use.edges)
+    for use, layer in tested:
+        stop = start + len(use.edges)
+        probe.deltas.append(
+            (
+                use,
+                layer,
+                list(found[start:stop]),
+                None if plain is None else list(plain[start:stop]),
+            )
+        )
+        start = stop
     return probe
 
 
 def _verify_independence(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -> None:
-    """Compare the probe's Δ with u_b times the one backward's Δ, row by row; raise naming
-    the mixed layer and the ops after it, before anything is written."""
+    """Compare the probe's Δ with u_b times the one backward's Δ, row by row (along each
+    output's batch dim); raise naming the mixed layer and the ops after it, before anything
+    is written."""
     weights = probe.weights
     excess, relative, owners = [], [], []
-    for use, scaled in probe.deltas:
-        for plain, other in zip(use.deltas, scaled):
+    for use, layer, scaled, own in probe.deltas:
+        for k, (plain, other) in enumerate(zip(use.deltas if own is None else own, scaled)):
             if plain is None or other is None:
                 continue
             work = torch.float64 if plain.dtype == torch.float64 else torch.float32
-            a = plain.detach().reshape(run.batch, -1).to(work)
-            b = other.detach().reshape(run.batch, -1).to(work)
+            dim = layer.out_dim(use, k)
+            a = plain.detach().movedim(dim, 0).reshape(run.batch, -1).to(work)
+            b = other.detach().movedim(dim, 0).reshape(run.batch, -1).to(work)
             w = weights.to(work)[:, None]
             err = torch.addcmul(b, w, a, value=-1).norm(dim=1)  # one temporary
             scale = b.norm(dim=1) + w[:, 0].abs() * a.norm(dim=1)
@@ -1894,12 +1996,8 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
     """One call's output on the batch against calls on single examples (all of them up to
     _ALONE, else _ALONE drawn by funcgrad's own generator): eager calls, as vmap would fall
     back to a slow loop for attention."""
-    leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
-    batched = [
-        i
-        for i, x in enumerate(leaves)
-        if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == run.batch
-    ]
+    leaves, spec, dims = layer.leaf_dims(use)
+    batched = [i for i, dim in enumerate(dims) if dim is not None]
     positions = [i for i, _, _ in use.outputs]
     module = layer.module
 
@@ -1908,10 +2006,13 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         for i, v in zip(batched, values):
             filled[i] = v
         args, kwargs = _pytree.tree_unflatten(filled, spec)
-        flat = _pytree.tree_leaves(module(*args, **kwargs))
+        # forward alone, as the rule's own calls: the user's forward hooks and backward
+        # hooks are not run again (their effect is in the recorded output and gradients)
+        flat = _pytree.tree_leaves(_bare_call(module, None, args, kwargs))
         return tuple(flat[i].detach() for i in positions)
 
     values = [leaves[i] for i in batched]
+    narrow = [dims[i] for i in batched]
     if run.batch <= _ALONE:
         picked = list(range(run.batch))
     else:
@@ -1931,14 +2032,17 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         warnings.simplefilter("ignore")
         try:
             whole = call(values)
-            alone = [call([v[b : b + 1] for v in values]) for b in picked]
+            alone = [call([v.narrow(d, b, 1) for v, d in zip(values, narrow)]) for b in picked]
         finally:
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
     index = torch.tensor(picked, device=run.device)
-    rows = [torch.cat(parts) for parts in zip(*alone)]
-    whole = tuple(w.index_select(0, index.to(w.device)) for w in whole)
+    outs = [layer.out_dim(use, k) for k in range(len(positions))]
+    rows = [torch.cat(parts, dim).movedim(dim, 0) for parts, dim in zip(zip(*alone), outs)]
+    whole = tuple(
+        w.index_select(dim, index.to(w.device)).movedim(dim, 0) for w, dim in zip(whole, outs)
+    )
     flags, relative = [], []
     for got, want in zip(rows, whole):
         tol = math.sqrt(torch.finfo(want.dtype).eps)
@@ -1993,7 +2097,7 @@ def _mixing_site(
             seen.add(node)
             if getattr(node, "variable", None) is None:
                 name = _op_name(node)
-                if name not in ops:
+                if name not in ops and name != "backward_hook_function":  # a module hook's
                     ops.append(name)
             stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
         if hit is not None:

@@ -500,3 +500,151 @@ def test_the_check_leaves_buffers_generators_and_preset_grads_alone():
         pe.backward(mixed(x).squeeze(1).pow(2), weighting=lambda g: g.diagonal())
     for p, g in zip(mixed.parameters(), preset):
         assert torch.equal(p.grad, g)  # nothing written on refusal
+
+
+# -- the check with user hooks: held back in its backward ------------------------------------
+
+
+def loop_jacobian(model, losses_fn):
+    """(B, P): rows of torch.autograd.grad(losses[b], params), a fresh forward each (so that
+    the hooks that losses_fn registers apply to each example's backward)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for b in range(B):
+        grads = torch.autograd.grad(losses_fn(model)[b], params, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
+            )
+        )
+    return torch.stack(rows)
+
+
+def clamp(calls):
+    def hook(g):
+        calls.append(1)
+        return g.clamp(-0.05, 0.05)  # not linear in g: clamp(u g) != u clamp(g)
+
+    return hook
+
+
+def row_clip(calls):
+    def hook(g):  # each example's row clipped to norm 0.1
+        calls.append(1)
+        norms = g.reshape(g.shape[0], -1).norm(dim=1).clamp_min(1e-12)
+        return g * (0.1 / norms).clamp(max=1.0).view(-1, *([1] * (g.ndim - 1)))
+
+    return hook
+
+
+@pytest.mark.parametrize("make_hook", [clamp, row_clip])
+@pytest.mark.parametrize("where", ["layer output", "losses"])
+def test_a_clipping_hook_is_no_mixing_and_fires_once(make_hook, where):
+    """A hook not linear in the gradient, on the first (checked) call: it ran in the check's
+    backward too, along u (twice per call, and clamp(u g) != u clamp(g) was refused as
+    mixing). Held back there, it fires once and the result is the per-example loop's with
+    the same hook."""
+    model, calls = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2), nn.Linear(2, 1)), []
+    x, y = torch.randn(B, 3), torch.randn(B)
+    hook = make_hook(calls)
+
+    def losses_fn(m):
+        h = m[2](m[1](m[0](x)))
+        if where == "layer output":
+            h.register_hook(hook)
+        losses = (m[3](h).squeeze(1) - y) ** 2
+        if where == "losses":
+            losses.register_hook(hook)
+        return losses
+
+    jac = loop_jacobian(model, losses_fn)
+    assert calls, "the hook is on the way"
+    counts = []
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):  # checked (first of the signature), then not
+            calls.clear()
+            gram = pe.gramian(losses_fn(model))
+            counts.append(len(calls))
+        calls.clear()
+        weights = pe.backward(losses_fn(model), weighting=lambda g: g.diagonal(), check=True)
+        counts.append(len(calls))
+    assert counts == [1, 1, 1]
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads, weights @ jac, rtol=1e-9, atol=1e-11)
+
+
+class HookedGRU(nn.Module):
+    """Linear -> GRU (batch_first) -> head: h_n has the batch at dim 1; a full backward
+    pre-hook on the GRU and a clipping tensor hook on its output."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.inp = nn.Linear(3, 3)
+        self.rnn = nn.GRU(3, 4, num_layers=2, batch_first=True)
+        self.head = nn.Linear(4, 1)
+        self.calls = calls
+
+        def pre_hook(module, grad_output):
+            calls.append("module")
+            return tuple(None if g is None else 2 * g for g in grad_output)
+
+        self.rnn.register_full_backward_pre_hook(pre_hook)
+
+    def forward(self, x):
+        out, h_n = self.rnn(self.inp(x))
+        if out.requires_grad:
+            out.register_hook(lambda g: self.calls.append("tensor") or g.clamp(-0.02, 0.02))
+        return self.head(out).pow(2).sum((1, 2)) + h_n.sin().sum((0, 2))
+
+
+def test_a_hooked_gru_passes_the_check_exactly_and_its_hooks_fire_once():
+    """The check compared the rows of h_n along dim 0 (its layers) and refused an
+    independent GRU; its backward ran the hooks once more, and the clipping hook along u."""
+    calls = []
+    model = HookedGRU(calls)
+    x = torch.randn(B, 6, 3)
+    jac = loop_jacobian(model, lambda m: m(x))
+    calls.clear()
+    torch.autograd.grad(model(x).sum(), [p for p in model.parameters()])
+    once = sorted(calls)
+    assert once == ["module", "tensor"]
+    with funcgrad.per_example(model) as pe:
+        calls.clear()
+        gram = pe.gramian(model(x))  # the first call: checked
+        assert sorted(calls) == once
+        calls.clear()
+        weights = pe.backward(model(x), weighting=lambda g: g.diagonal(), check=True)
+        assert sorted(calls) == once
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(grads, weights @ jac, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("hook", ["tensor", "module"])
+def test_a_mixing_model_with_a_hook_is_still_refused(hook):
+    """Hooks held back in the check's backward: the comparison is with a backward along all
+    ones with the same hooks held back, so the mixing below a hooked layer still shows."""
+    model = between(lambda h: h - h.mean(0))
+    x = torch.randn(B, 3)
+    calls = []
+    if hook == "module":
+        model[3].register_full_backward_pre_hook(
+            lambda m, go: calls.append(1) or tuple(g.clamp(-0.1, 0.1) for g in go)
+        )
+
+    def losses_fn(m):
+        out = m(x)
+        if hook == "tensor":
+            out.register_hook(lambda g: calls.append(1) or g.clamp(-0.1, 0.1))
+        return out.squeeze(1).pow(2)
+
+    with funcgrad.per_example(model) as pe:
+        with pytest.raises(ValueError, match=MIXED + r".*output gradient of module '0' \(Li"):
+            pe.backward(losses_fn(model))
+        assert calls == [1]  # in the one backward; held back in the check's
+        gram = pe.gramian(losses_fn(model), inputs=list(model[3].parameters()))  # after it
+    assert calls == [1, 1]
+    assert all(p.grad is None for p in model.parameters())
+    jac = loop_jacobian(model, losses_fn)[:, -5:]  # the last Linear's 4 + 1
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
