@@ -648,3 +648,33 @@ def test_a_mixing_model_with_a_hook_is_still_refused(hook):
     assert all(p.grad is None for p in model.parameters())
     jac = loop_jacobian(model, losses_fn)[:, -5:]  # the last Linear's 4 + 1
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
+
+
+def test_a_held_back_hook_costs_one_more_backward_on_checked_calls():
+    """With a user hook held back, the check's comparison is a second hook-free backward:
+    3 passes on a checked call (the check's two and the one backward), 1 on later calls;
+    a hook funcgrad cannot reach (on a tensor that is no recorded call's input or output)
+    runs in each of the check's backwards."""
+    counter = funcgrad.PassCounter()
+    model = nn.Sequential(nn.Linear(3, 4), Lambda(counter), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(B, 3)
+    calls = []
+
+    def passes(held):
+        counter.reset()
+        calls.clear()
+        h = model[2](model[1](model[0](x)))
+        h.register_hook(lambda g: calls.append("unreached") or g)  # Tanh's output, then * 1
+        h = h * 1.0
+        if held:  # the last Linear's input: reached
+            h.register_hook(lambda g: calls.append("held") or g)
+        funcgrad.backward(model[3](h).squeeze(1).exp(), batch_dim=0)
+        return counter.backward, sorted(calls)
+
+    with funcgrad.per_example(model):
+        assert [passes(False), passes(False)] == [(2, ["unreached"] * 2), (1, ["unreached"])]
+    with funcgrad.per_example(model):
+        assert [passes(True), passes(True)] == [
+            (3, ["held", *["unreached"] * 3]),
+            (1, ["held", "unreached"]),
+        ]
