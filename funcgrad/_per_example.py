@@ -421,13 +421,17 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         (mixing the inputs before the first layer is fine). It is verified on the first
         call of each signature, and on every call under ``check=True`` or ``"strict"``: one
         more backward, of ``sum_b u_b * losses[b]``, must give each layer's output
-        gradients as ``u_b`` times those of the plain one, row by row, and materialised
-        modules are run on single examples against their rows. A model that mixes the
-        examples (``h - h.mean(0)``, a softmax or batch statistics over dim 0, a sort, a
-        pairwise or InfoNCE loss, a time-major layer) is refused naming the module and the
-        ops, before ``.grad`` is written. A hooked module that reads a counted parameter
-        not its own in its forward (``h + F.linear(h, self.lin.weight)`` after
-        ``self.lin(h)``) is refused on every call.
+        gradients as ``u_b`` times those of the plain one, row by row (along each output's
+        batch dim), and materialised modules are run on single examples against their rows.
+        The user hooks it finds (tensor hooks on the losses and on hooked modules' inputs
+        and outputs, the model's module backward hooks) are held back in that backward, so
+        they fire once per call; the comparison is then with one more hook-free backward.
+        Hooks elsewhere run in the check's backwards too (see docs/per_example.md). A
+        model that mixes the examples (``h - h.mean(0)``, a softmax or batch statistics
+        over dim 0, a sort, a pairwise or InfoNCE loss, a time-major layer) is refused
+        naming the module and the ops, before ``.grad`` is written. A hooked module that
+        reads a counted parameter not its own in its forward (``h + F.linear(h,
+        self.lin.weight)`` after ``self.lin(h)``) is refused on every call.
     """
     return PerExample(model, batch_dim=batch_dim)
 
