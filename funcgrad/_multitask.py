@@ -334,7 +334,8 @@ def backward(
             are averaged too. None: nothing is communicated. See the docs page "Scaling out".
         batch_dim: 0 for per-example losses: ``losses`` is then a 1-D tensor (one loss per
             example) from a forward under `funcgrad.per_example`, and there is no
-            ``through`` (see there).
+            ``through`` (see there); ``check`` then says whether per-example independence
+            is verified on every call (True, "strict") or on the first of each signature.
 
     Returns:
         The weights, shape (k,), detached (a dict for a mapping of losses); None for a

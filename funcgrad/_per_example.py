@@ -15,10 +15,14 @@ block and its update) -> weigh -> apply (``.grad`` written in one place, at the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
+import re
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,6 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree
 
 from . import _sync, _weighting
+from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._types import Tensors
 from ._validate import named_inputs, outside_transforms
@@ -56,6 +61,8 @@ class _Use:
     upstream: list[Any]  # gradient edges of the inputs that require grad
     deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
+    # the tensor-hook dicts of the call's inputs and outputs (see _hook_dict)
+    hook_dicts: list[Any] = dataclasses.field(default_factory=list)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -163,6 +170,7 @@ class PerExample:
         self.model = model
         self.batch_dim = batch_dim
         self.plan: PerExamplePlan | None = None
+        self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
         self._names = {module: name or "<model>" for name, module in model.named_modules()}
         for name, module in model.named_modules():
             if _batch_statistics(module):
@@ -231,23 +239,32 @@ class PerExample:
         upstream = [
             get_gradient_edge(x) for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad
         ]
+        leaves_before = leaves
         leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
         saved_args, saved_kwargs = (
             (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
         use.hooked = _foreign_hooks(module, self)
+        for x in (*flat, *leaves_before):
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
+                use.hook_dicts.append(_hook_dict(x))
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
 
     def gramian(
-        self, losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+        self,
+        losses: torch.Tensor,
+        *,
+        inputs: Any = None,
+        retain_graph: bool = False,
+        check: CheckMode | None = None,
     ) -> torch.Tensor:
         """The (B, B) Gramian ``G[b, b'] = <grad_b, grad_b'>`` of the per-example gradients
         of the selected parameters; no ``.grad`` is written. See
         `funcgrad.per_example_gramian`."""
-        run = _Run(self, losses, inputs, None, _GRAMIAN)
+        run = _Run(self, losses, inputs, None, _GRAMIAN, check)
         return run.execute(retain_graph, write=False)[0]
 
     def backward(
@@ -257,10 +274,11 @@ class PerExample:
         weighting: Any = None,
         inputs: Any = None,
         retain_graph: bool = False,
+        check: CheckMode | None = None,
     ) -> torch.Tensor:
         """``.grad += sum_b w_b grad_b`` with ``w = weighting(G)``; returns ``w``. See
         `funcgrad.per_example`."""
-        run = _Run(self, losses, inputs, weighting, _BACKWARD)
+        run = _Run(self, losses, inputs, weighting, _BACKWARD, check)
         return run.execute(retain_graph, write=True)[1]
 
     def clear(self) -> None:
@@ -398,12 +416,32 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         hook registered inside a generic-rule module's forward are refused before anything
         is written. Modules with ``batch_first=False`` are refused; nn.RNN/GRU/LSTM with
         ``batch_first=True`` are exact (a loop over the examples).
+
+        Independence: loss b must read each counted layer's output through row b alone
+        (mixing the inputs before the first layer is fine). It is verified on the first
+        call of each signature, and on every call under ``check=True`` or ``"strict"``: one
+        more backward, of ``sum_b u_b * losses[b]``, must give each layer's output
+        gradients as ``u_b`` times those of the plain one, row by row (along each output's
+        batch dim), and materialised modules are run on single examples against their rows.
+        The user hooks it finds (tensor hooks on the losses and on hooked modules' inputs
+        and outputs, the model's module backward hooks) are held back in that backward, so
+        they fire once per call; the comparison is then with one more hook-free backward.
+        Hooks elsewhere run in the check's backwards too (see docs/per_example.md). A
+        model that mixes the examples (``h - h.mean(0)``, a softmax or batch statistics
+        over dim 0, a sort, a pairwise or InfoNCE loss, a time-major layer) is refused
+        naming the module and the ops, before ``.grad`` is written. A hooked module that
+        reads a counted parameter not its own in its forward (``h + F.linear(h,
+        self.lin.weight)`` after ``self.lin(h)``) is refused on every call.
     """
     return PerExample(model, batch_dim=batch_dim)
 
 
 def per_example_gramian(
-    losses: torch.Tensor, *, inputs: Any = None, retain_graph: bool = False
+    losses: torch.Tensor,
+    *,
+    inputs: Any = None,
+    retain_graph: bool = False,
+    check: CheckMode | None = None,
 ) -> torch.Tensor:
     """The (B, B) Gramian of the per-example gradients, ``G[b, b'] = <grad_b, grad_b'>``,
     for per-example losses computed under `funcgrad.per_example`; no ``.grad`` is
@@ -422,6 +460,9 @@ def per_example_gramian(
             ``named_parameters()`` pairs); None: every parameter of the hooked model that
             requires grad.
         retain_graph: keep the graph after the backward.
+        check: True or ``"strict"``: verify on this call that loss b reads example b alone
+            (one more backward, see `funcgrad.per_example`); False: only on the first call
+            of each signature; None: the global setting (`funcgrad.set_check`).
 
     Returns:
         G, shape (B, B), detached (float32 for half-precision parameters).
@@ -437,7 +478,7 @@ def per_example_gramian(
         True
     """
     recorder = _recorder_of(losses, _GRAMIAN)
-    return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph)
+    return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph, check=check)
 
 
 def backward_from_losses(
@@ -473,16 +514,17 @@ def backward_from_losses(
             f"{_BACKWARD}: `level` must be 'params' for per-example losses (the Gramian of "
             f"the per-example parameter gradients), got {level!r}: there is no `through`."
         )
-    for name, value in (("chunk_size", chunk_size), ("check", check)):
-        if value is not None:
-            raise ValueError(
-                f"{_BACKWARD}: `{name}` does not apply to per-example losses (one backward, "
-                f"no batched pullback); got {value!r}, remove it."
-            )
+    if chunk_size is not None:
+        raise ValueError(
+            f"{_BACKWARD}: `chunk_size` does not apply to per-example losses (one backward, "
+            f"no batched pullback); got {chunk_size!r}, remove it."
+        )
     if process_group is not None:
         raise NotImplementedError(_distributed_refusal(_BACKWARD))
     recorder = _recorder_of(losses, _BACKWARD)
-    return recorder.backward(losses, weighting=weighting, inputs=inputs, retain_graph=retain_graph)
+    return recorder.backward(
+        losses, weighting=weighting, inputs=inputs, retain_graph=retain_graph, check=check
+    )
 
 
 def _distributed_refusal(call: str) -> str:
@@ -586,11 +628,28 @@ def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
     return found
 
 
+def _hook_dict(tensor: torch.Tensor) -> Any:
+    """The dict of the tensor hooks of ``tensor``, a non-leaf, made now if it has none (as
+    ``Tensor.register_hook`` makes it): the hooks that the user registers on it later go
+    there, where the independence check can hold them back for its own backward, even once
+    the tensor itself is gone (its node keeps the dict)."""
+    if tensor._backward_hooks is None:
+        tensor._backward_hooks = OrderedDict()
+        node = tensor.grad_fn
+        assert node is not None  # a non-leaf
+        node._register_hook_dict(tensor)
+    return tensor._backward_hooks
+
+
 def _grads_after_hooks(
-    losses: torch.Tensor, edges: list[Any], retain_graph: bool
+    losses: torch.Tensor,
+    edges: list[Any],
+    retain_graph: bool,
+    grad_outputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """The gradients along all ones at ``edges``, as the nodes there use them: after the
-    tensor hooks on those outputs (``out.register_hook``) and the nodes' pre-hooks.
+    """The gradients along ``grad_outputs`` (all ones by default) at ``edges``, as the nodes
+    there use them: after the tensor hooks on those outputs (``out.register_hook``) and the
+    nodes' pre-hooks.
 
     torch's engine captures an input of ``autograd.grad`` before the tensor hooks when its
     node also runs (a layer with layers below it), after them when it does not. A pre-hook
@@ -608,7 +667,7 @@ def _grads_after_hooks(
         deltas = torch.autograd.grad(
             losses,
             edges,
-            grad_outputs=torch.ones_like(losses),
+            grad_outputs=torch.ones_like(losses) if grad_outputs is None else grad_outputs,
             retain_graph=retain_graph,
             allow_unused=True,
         )
@@ -744,6 +803,20 @@ class _Layer:
                     self.fail("has an output that", f"has shape {tuple(shape)}")
             if self.kind != "generic":
                 self.input(use)
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of the call's recorded output k."""
+        return 0
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The call's flat arguments, their spec and each one's batch dim (None: not
+        batched)."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        dims: list[int | None] = [
+            0 if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch else None
+            for x in leaves
+        ]
+        return leaves, spec, dims
 
     def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
         d = use.deltas[i]
@@ -1402,9 +1475,16 @@ class _Run:
     """One call of ``gramian`` / ``backward``: validated at construction, before any pass."""
 
     def __init__(
-        self, recorder: PerExample, losses: Any, inputs: Any, weighting: Any, call: str
+        self,
+        recorder: PerExample,
+        losses: Any,
+        inputs: Any,
+        weighting: Any,
+        call: str,
+        check: CheckMode | None = None,
     ) -> None:
         self.recorder, self.call = recorder, call
+        self.check = resolve_check(check, call)
         self.rule = _weighting.resolve(weighting, "params", call)
         if self.rule.needs_jacobian:
             raise ValueError(
@@ -1618,15 +1698,23 @@ class _Run:
                 raise
             self._refuse_hooks(uses)
             self._refuse_parameter_hooks()
+            _refuse_foreign_reads(self, uses)
             blocks = self._layers(uses)
             for block in blocks:
                 for layer in block:
                     layer.precheck()
+            due = _independence_due(self, blocks)
+            probe = None if due is None else _probe(self, blocks)
             self._collect(uses, retain_graph)
+            if probe is not None:
+                _verify_independence(self, blocks, probe)
             recorder._recording = False  # functional calls of modules record nothing
             gram, weights, update = self._weigh(
                 blocks, need_gramian=not write or self.rule.kind != "sum", write=write
             )
+            if due is not None:
+                _verify_materialised(self, blocks)
+                recorder._independent.add(due)
             done = uses
         finally:
             recorder._recording = True
@@ -1685,3 +1773,395 @@ class _Run:
                     for name, grad in layer.update(weights).items():
                         update.append((layer.params[name], grad))
         return gram.detach(), weights.detach(), update
+
+
+# -- independence: loss b reads example b alone ----------------------------------------------
+#
+# The rules are exact when, for every layer whose parameters count, loss c depends on the
+# layer's output Y only through Y[c]: then the one backward's Δ[b] is ∂L_b/∂Y[b], example b's
+# own output gradient. Mixing the inputs before the first hooked layer is fine (it is data);
+# mixing after a layer (h - h.mean(0), a sort, a pairwise loss...) puts ∂L_c/∂Y[b] into Δ[b].
+# The check: one more backward, of Σ u_b L_b with random u, to the same outputs. For
+# independent losses its Δ is u_b·Δ[b] row by row; a cross-example term shows as a row that
+# differs.
+
+_PROBE_SEED = 20260  # u comes from its own generator: the user's random streams are untouched
+_ALONE = 32  # examples run alone through a materialised module, at most
+
+
+def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] | None:
+    """The call's signature when the independence check runs on it (the first call of the
+    signature, or every call under check=True / "strict"), else None."""
+    tested = [use for block in blocks for layer in block for use in layer.uses]
+    if not tested or run.batch == 0:
+        return None
+    losses = run.losses
+    parts: list[Any] = [
+        tuple(losses.shape),
+        losses.dtype,
+        losses.device,
+        type(losses.grad_fn).__name__,
+        tuple(run.selected.values()),
+    ]
+    for use in tested:
+        leaves = _pytree.tree_leaves((use.args, use.kwargs))
+        shapes = tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
+        parts.append((id(use.module), shapes, tuple(shape for _, shape, _ in use.outputs)))
+    key = tuple(parts)
+    if run.check is False and key in run.recorder._independent:
+        return None
+    return key
+
+
+@dataclasses.dataclass
+class _Probe:
+    """What the check's backward of Σ u_b L_b found."""
+
+    weights: torch.Tensor  # u, (B,)
+    # each checked call, its layer, its Δ(u), and its Δ along all ones where the check ran
+    # its own (user hooks held back), else None: compared with the one backward's
+    deltas: list[tuple[_Use, _Layer, list[torch.Tensor | None], list[torch.Tensor | None] | None]]
+
+
+@contextlib.contextmanager
+def _hooks_held_back(run: _Run, uses: list[_Use]) -> Iterator[bool]:
+    """Hold back, for the check's backward, the user hooks that funcgrad can find, so that
+    each fires once per call, in the one backward: the tensor hooks on the losses and on the
+    inputs and outputs of the recorded calls (their dicts, made at the call), and the full
+    backward hooks and backward pre-hooks of the model's modules (torch's BackwardHook
+    objects, found by the garbage collector's referrers, only where such hooks exist).
+    Yields whether any was held back."""
+    dicts = [d for use in uses for d in use.hook_dicts]
+    if run.losses._backward_hooks is not None:
+        dicts.append(run.losses._backward_hooks)
+    saved = [(d, list(d.items())) for d in {id(d): d for d in dicts}.values() if d]
+    module_hooks = []
+    modules = list(run.recorder.model.modules())
+    globals_ = nn.modules.module
+    if (
+        globals_._global_backward_hooks
+        or globals_._global_backward_pre_hooks
+        or any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+    ):
+        from torch.utils.hooks import BackwardHook
+
+        mine = {id(m) for m in modules}
+        for obj in gc.get_referrers(*modules):
+            held = isinstance(obj, BackwardHook) and id(obj.module) in mine
+            if held and (obj.user_hooks or obj.user_pre_hooks):
+                module_hooks.append((obj, obj.user_hooks, obj.user_pre_hooks))
+    try:
+        for d, _ in saved:
+            d.clear()
+        for obj, _, _ in module_hooks:
+            obj.user_hooks, obj.user_pre_hooks = [], []
+        yield bool(saved or module_hooks)
+    finally:
+        for d, items in saved:
+            d.update(items)
+        for obj, hooks, pre_hooks in module_hooks:
+            obj.user_hooks, obj.user_pre_hooks = hooks, pre_hooks
+
+
+def _probe(run: _Run, blocks: list[list[_Layer]]) -> _Probe:
+    """The extra backward, of Σ u_b L_b, to the outputs of the layers whose parameters count
+    (no weight products), read as the one backward reads them (after the tensor hooks on
+    those outputs); the graph is kept for the one backward that follows. u_b = ±2^k: for
+    independent losses each row of Δ(u) is then u_b times the row of Δ exactly, as
+    scaling by a power of two commutes with rounding (a gradient that is only rounding
+    noise, behind a LayerNorm, stays exactly proportional).
+
+    The user hooks that funcgrad finds are held back (`_hooks_held_back`): they fire once
+    per call, and a hook that is not linear in the gradient (clipping) is no mixing. Where
+    one was held back, the comparison is with a second backward along all ones, with the
+    same hooks held back (the one backward applied them): one more backward."""
+    tested = [(use, layer) for block in blocks for layer in block for use in layer.uses]
+    generator = torch.Generator().manual_seed(_PROBE_SEED)
+    # 2K values ±2^k, each block of 2K examples a new permutation of them: two examples in
+    # one block always get different weights (a cross term between them shows), with no
+    # fixed period; float16 keeps k < 4 (its range is narrow).
+    cpu = torch.device("cpu")  # the generator's device, whatever the default device is
+    powers = 2.0 ** torch.arange(4 if run.losses.dtype == torch.float16 else 8, device=cpu)
+    values = torch.cat([powers, -powers]).to(torch.float64)
+    rounds = -(-run.batch // len(values))
+    index = torch.cat(
+        [torch.randperm(len(values), generator=generator, device=cpu) for _ in range(rounds)]
+    )
+    weights = values[index[: run.batch]].to(device=run.device, dtype=run.losses.dtype)
+    edges = [e for use, _ in tested for e in use.edges]
+    plain: tuple[torch.Tensor | None, ...] | None = None
+    run.recorder._recording = False
+    try:
+        # its warnings are the one backward's, given there
+        with _hooks_held_back(run, [u for u, _ in tested]) as held, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            found = _grads_after_hooks(run.losses, edges, True, weights)
+            if held:
+                plain = _grads_after_hooks(run.losses, edges, True)
+    finally:
+        run.recorder._recording = True
+    probe = _Probe(weights, [])
+    start = 0
+    for use, layer in tested:
+        stop = start + len(use.edges)
+        probe.deltas.append(
+            (
+                use,
+                layer,
+                list(found[start:stop]),
+                None if plain is None else list(plain[start:stop]),
+            )
+        )
+        start = stop
+    return probe
+
+
+def _verify_independence(run: _Run, blocks: list[list[_Layer]], probe: _Probe) -> None:
+    """Compare the probe's Δ with u_b times the one backward's Δ, row by row (along each
+    output's batch dim); raise naming the mixed layer and the ops after it, before anything
+    is written."""
+    weights = probe.weights
+    excess, relative, owners = [], [], []
+    for use, layer, scaled, own in probe.deltas:
+        for k, (plain, other) in enumerate(zip(use.deltas if own is None else own, scaled)):
+            if plain is None or other is None:
+                continue
+            work = torch.float64 if plain.dtype == torch.float64 else torch.float32
+            dim = layer.out_dim(use, k)
+            a = plain.detach().movedim(dim, 0).reshape(run.batch, -1).to(work)
+            b = other.detach().movedim(dim, 0).reshape(run.batch, -1).to(work)
+            w = weights.to(work)[:, None]
+            err = torch.addcmul(b, w, a, value=-1).norm(dim=1)  # one temporary
+            scale = b.norm(dim=1) + w[:, 0].abs() * a.norm(dim=1)
+            # Rounding is relative to each example's own row (independent rows are computed
+            # from that example alone); a cross-example term is not.
+            tol = math.sqrt(torch.finfo(plain.dtype).eps)
+            excess.append((err - tol * (scale + 1e-6 * scale.max())).max())
+            relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max().to(torch.float64))
+            owners.append(use)
+    if not excess:
+        return
+    flags = (torch.stack(excess) > 0).tolist()  # one read of the host for every layer
+    dirty = [use for use, flag in zip(owners, flags) if flag]
+    if not dirty:
+        return
+    worst = {id(use): float(r) for use, r, flag in zip(owners, relative, flags) if flag}
+    tested = [use for block in blocks for layer in block for use in layer.uses]
+    mixed, top, ops = _mixing_site(run, tested, {id(use) for use in dirty})
+    names = run.recorder._names
+    where = f"module {names.get(mixed.module)!r} ({type(mixed.module).__name__})"
+    after = (
+        "the losses"
+        if top is None
+        else (
+            f"the input of module {names.get(top.module)!r} ({type(top.module).__name__}) (or "
+            "inside that module's own forward)"
+        )
+    )
+    ops = ops[::-1]  # met from the losses back: in forward order
+    listed = (", ..., " if len(ops) > 12 else "") + ", ".join(ops[-12:])
+    raise ValueError(
+        f"{run.call}: the losses do not treat the examples independently: the output "
+        f"gradient of {where} on example b also carries other examples' losses (a backward "
+        "of sum_b u_b * losses[b] with random u differs from u_b times the plain one by up "
+        f"to {worst.get(id(mixed), max(worst.values())):.2g} of an example's row), so its "
+        "per-example gradients, G and the update would be wrong. The examples are mixed "
+        f"between the output of {where} and {after}"
+        + (f", by one of these ops (in forward order): {listed}" if listed else "")
+        + ". The rules need loss b to depend on every hooked layer's output through row b "
+        "alone: no reduction, normalisation, sort or permutation over dim 0 after a layer "
+        "whose parameters count (h - h.mean(0), softmax(dim=0), batch statistics, h[perm], "
+        "roll), no loss that reads other examples (pairwise, contrastive / InfoNCE), and "
+        "every hooked layer with the examples along dim 0 (not time-major); mixing the "
+        "inputs before the first layer is fine. Compute loss b from example b alone, or leave "
+        "the parameters of the layers before the mixing out with inputs= (those after it "
+        "stay exact), or use a per-example loop of torch.autograd.grad."
+    )
+
+
+def _verify_materialised(run: _Run, blocks: list[list[_Layer]]) -> None:
+    """A module materialised by its functional call on each example alone (vmap or a loop)
+    is exact only if its own forward treats the examples independently: its outputs on each
+    example alone must be the rows of its output on the batch. Seen here: a module that
+    mixes the examples inside its forward (batch statistics, a sort), where no hooked
+    layer before it would show the mixing in its output gradients."""
+    run.recorder._recording = False
+    try:
+        for block in blocks:
+            for layer in block:
+                if isinstance(layer, _Generic):
+                    for use in layer.uses:
+                        _compare_rows(run, layer, use)
+    finally:
+        run.recorder._recording = True
+
+
+def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
+    """One call's output on the batch against calls on single examples (all of them up to
+    _ALONE, else _ALONE drawn by funcgrad's own generator): eager calls, as vmap would fall
+    back to a slow loop for attention."""
+    leaves, spec, dims = layer.leaf_dims(use)
+    batched = [i for i, dim in enumerate(dims) if dim is not None]
+    positions = [i for i, _, _ in use.outputs]
+    module = layer.module
+
+    def call(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        filled = list(leaves)
+        for i, v in zip(batched, values):
+            filled[i] = v
+        args, kwargs = _pytree.tree_unflatten(filled, spec)
+        # forward alone, as the rule's own calls: the user's forward hooks and backward
+        # hooks are not run again (their effect is in the recorded output and gradients)
+        flat = _pytree.tree_leaves(_bare_call(module, None, args, kwargs))
+        return tuple(flat[i].detach() for i in positions)
+
+    values = [leaves[i] for i in batched]
+    narrow = [dims[i] for i in batched]
+    if run.batch <= _ALONE:
+        picked = list(range(run.batch))
+    else:
+        generator = torch.Generator().manual_seed(_PROBE_SEED)
+        drawn = torch.randperm(run.batch, generator=generator, device=torch.device("cpu"))
+        picked = sorted(drawn[:_ALONE].tolist())
+    # As the recorded call (grad enabled: no inference fast paths); its warnings were given
+    # by the user's forward already. The re-runs leave the random generators and the
+    # module's buffers as they were.
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    devices = [run.device] if run.device.type == "cuda" else []
+    with (
+        torch.enable_grad(),
+        warnings.catch_warnings(),
+        torch.random.fork_rng(devices=devices),
+    ):
+        warnings.simplefilter("ignore")
+        try:
+            whole = call(values)
+            alone = [call([v.narrow(d, b, 1) for v, d in zip(values, narrow)]) for b in picked]
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+    index = torch.tensor(picked, device=run.device)
+    outs = [layer.out_dim(use, k) for k in range(len(positions))]
+    rows = [torch.cat(parts, dim).movedim(dim, 0) for parts, dim in zip(zip(*alone), outs)]
+    whole = tuple(
+        w.index_select(dim, index.to(w.device)).movedim(dim, 0) for w, dim in zip(whole, outs)
+    )
+    flags, relative = [], []
+    for got, want in zip(rows, whole):
+        tol = math.sqrt(torch.finfo(want.dtype).eps)
+        work = torch.float64 if want.dtype == torch.float64 else torch.float32
+        got = got.reshape(len(picked), -1).to(work)
+        want = want.reshape(len(picked), -1).to(work)
+        err = (got - want).norm(dim=1)
+        scale = got.norm(dim=1) + want.norm(dim=1)
+        flags.append((err - tol * (scale + 1e-6 * scale.max())).max())
+        relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max())
+    if not flags:
+        return
+    bad = (torch.stack(flags) > 0).tolist()
+    if any(bad):
+        worst = max(float(r) for r, flag in zip(relative, bad) if flag)
+        raise ValueError(
+            f"{run.call}: module {layer.name!r} ({type(module).__name__}) does not treat the "
+            "examples independently in its own forward: its output on each example alone "
+            f"differs from its row of the output on the batch (by up to {worst:.2g} of a "
+            "row, relative), so its per-example gradients, computed from calls on each "
+            "example alone, would be wrong. It mixes the examples (a reduction, "
+            "normalisation, sort or permutation over dim 0 inside it, or inputs whose dim 0 "
+            "is not the batch). Make its forward treat each example alone, or leave its "
+            "parameters out with inputs=."
+        )
+
+
+def _mixing_site(
+    run: _Run, tested: list[_Use], dirty: set[int]
+) -> tuple[_Use, _Use | None, list[str]]:
+    """Where the examples mix: the stretch of graph between a point whose output gradients
+    are clean (the losses, or the input of a checked layer that is clean) and a checked
+    layer's mixed output, with the ops met on the way (by the graph's node names)."""
+    by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    starts: list[tuple[_Use | None, list[tuple[Any, int]]]] = [(None, [(run.losses.grad_fn, -1)])]
+    for use in reversed(tested):
+        if id(use) not in dirty:
+            starts.append((use, [(e.node, e.output_nr) for e in use.upstream]))
+    for top, stack in starts:
+        ops: list[str] = []
+        seen: set[Any] = set()
+        hit: _Use | None = None
+        while stack:
+            node, nr = stack.pop(0)
+            end = by_edge.get((node, nr))
+            if end is not None:  # a recorded call's output: the stretch ends there
+                if id(end) in dirty and hit is None:
+                    hit = end
+                continue
+            if node in seen:
+                continue
+            seen.add(node)
+            if getattr(node, "variable", None) is None:
+                name = _op_name(node)
+                if name not in ops and name != "backward_hook_function":  # a module hook's
+                    ops.append(name)
+            stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
+        if hit is not None:
+            return hit, top, ops
+    first = next(use for use in tested if id(use) in dirty)
+    return first, None, []
+
+
+def _op_name(node: Any) -> str:
+    """``MeanBackward1`` -> ``mean``, ``NativeBatchNormBackward0`` -> ``native_batch_norm``."""
+    name = re.sub(r"Backward\d*$", "", type(node).__name__).strip("_")
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
+    """Refuse a module materialised by its functional call (a custom module, a parent with
+    its own parameters) that reads, in its own forward, a counted parameter that is not
+    its own: a child's that it also calls (``h + F.linear(h, self.lin.weight)`` after
+    ``self.lin(h)``), or another module's. The walk from the losses steps over every
+    recorded call, and the child's rule sees only its own calls, so that use would be
+    missed. Only the graph inside such calls is walked (nested calls stepped over)."""
+    generic = [use for use in uses if _layer_class(use.module) is _Generic]
+    if not generic:
+        return
+    by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    for use in generic:
+        called = _nested_params(use)
+        own = {p for p in use.module.parameters() if p not in called}
+        inner = {key: n for n in use.nested for key in _keys(n)}
+        inputs = {(e.node, e.output_nr) for e in use.upstream}
+        stack: list[tuple[Any, int]] = list(_keys(use))
+        seen: set[Any] = set()
+        while stack:
+            key = stack.pop()
+            if key in inputs:
+                continue
+            nested = inner.get(key)
+            if nested is not None:  # a child's call: its own rule covers it
+                stack.extend((e.node, e.output_nr) for e in nested.upstream)
+                continue
+            if by_edge.get(key, use) is not use:  # another recorded call, outside this one
+                continue
+            node = key[0]
+            if node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)
+            if isinstance(leaf, torch.Tensor) and leaf not in own and leaf in run.selected:
+                name = run.recorder._names.get(use.module)
+                why = (
+                    "a child it also calls: the hooks see that child's calls, not this use"
+                    if leaf in called
+                    else "a parameter of another module"
+                )
+                raise ValueError(
+                    f"{run.call}: module {name!r} ({type(use.module).__name__}) reads "
+                    f"parameter {run.selected[leaf]!r} in its own forward, outside the calls "
+                    f"of the module that holds it ({why}), so that use would be missing from "
+                    "the per-example gradients. Use the parameter only through calls of its "
+                    "module (self.lin(h) for every use, or a module whose weight is tied to "
+                    "it), or leave it out with inputs=."
+                )
+            stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)

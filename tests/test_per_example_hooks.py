@@ -451,11 +451,16 @@ def test_tensor_hook_inside_a_generic_modules_forward_is_refused():
         ):
             pe.backward(losses)
     assert all(p.grad is None for p in model.parameters())
-    with funcgrad.per_example(model) as pe:  # without its parameters: exact, fired once
+    with funcgrad.per_example(model) as pe:  # without its parameters: exact
         jac = loop_jacobian(model, plain_losses)[:, :16]  # the first Linear's
-        model[1].calls.clear()
-        gram = pe.gramian(plain_losses(model), inputs=model[0])
-        assert len(model[1].calls) == 1
+        counts = []
+        for _ in range(2):
+            model[1].calls.clear()
+            gram = pe.gramian(plain_losses(model), inputs=model[0])
+            counts.append(len(model[1].calls))
+        # A hook inside a module's forward is out of funcgrad's reach: the independence
+        # check's backward (on the first call of a signature) runs it once more.
+        assert counts == [2, 1]
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-11)
 
 
