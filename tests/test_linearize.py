@@ -71,6 +71,7 @@ TRIGGERS = {
         lambda x: torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False), _x()
     ),
     "requires_grad_": lambda: torch.func.vjp(lambda x: x.detach().requires_grad_() * x, _x()),
+    "retain_grad": lambda: torch.func.vjp(lambda x: (x * 2).retain_grad(), _x()),
     "mutates a captured tensor": lambda: torch.func.vjp(
         torch.nn.BatchNorm1d(3).double(), torch.randn(4, 3, dtype=torch.float64)
     ),
