@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import inspect
 import math
 import re
 import warnings
@@ -63,6 +64,9 @@ class _Use:
     hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
     # the tensor-hook dicts of the call's inputs and outputs (see _hook_dict)
     hook_dicts: list[Any] = dataclasses.field(default_factory=list)
+    # (tensor, its version at the call): the inputs and the module's own parameters, which
+    # the rules read at the call; one changed in place since then gives wrong rows
+    versions: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -175,6 +179,17 @@ class PerExample:
         for name, module in model.named_modules():
             if _batch_statistics(module):
                 _refuse_batch_statistics(name or "<model>", module, _MARK)
+            if torch.nn.utils.parametrize.is_parametrized(module):
+                raise ValueError(
+                    f"{_MARK}: module {name or '<model>'!r} ({type(module).__name__}) has "
+                    "parametrized tensors (torch.nn.utils.parametrize: parametrizations."
+                    "weight_norm, spectral_norm, orthogonal, register_parametrization), whose "
+                    "per-example gradients would go through the parametrization, which "
+                    "funcgrad's rules do not do. Nothing was hooked. Use "
+                    "torch.nn.utils.weight_norm (supported), remove the parametrization "
+                    "(parametrize.remove_parametrizations), or leave the module out of the "
+                    "model given to per_example."
+                )
         self._uses: list[_Use] = []
         self._frames: list[tuple[nn.Module, list[_Use]]] = []
         self._recording = True
@@ -246,6 +261,11 @@ class PerExample:
         )
         use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
         use.hooked = _foreign_hooks(module, self)
+        use.versions = [
+            (x, x._version)
+            for x in (*leaves, *self._direct[module])
+            if isinstance(x, torch.Tensor) and not x.is_inference()
+        ]
         for x in (*flat, *leaves_before):
             if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
                 use.hook_dicts.append(_hook_dict(x))
@@ -812,11 +832,37 @@ class _Layer:
         """The call's flat arguments, their spec and each one's batch dim (None: not
         batched)."""
         leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        shared = self.shared_arguments(use)
         dims: list[int | None] = [
-            0 if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch else None
+            0
+            if isinstance(x, torch.Tensor)
+            and x.ndim >= 1
+            and x.shape[0] == self.batch
+            and not any(x is s for s in shared)
+            else None
             for x in leaves
         ]
         return leaves, spec, dims
+
+    def shared_arguments(self, use: _Use) -> list[torch.Tensor]:
+        """Arguments that are not per example though their dim 0 may be B: an
+        nn.MultiheadAttention's 2-D ``attn_mask`` (T, S), shared by the batch (T == B would
+        read as batched). Every other tensor of size B along dim 0 is taken as per example."""
+        if not isinstance(self.module, nn.MultiheadAttention):
+            return []
+        bound = inspect.signature(self.module.forward).bind_partial(*use.args, **use.kwargs)
+        mask = bound.arguments.get("attn_mask")
+        if not isinstance(mask, torch.Tensor):
+            return []
+        if mask.ndim == 3:
+            self.fail(
+                "has an attn_mask that",
+                f"has shape {tuple(mask.shape)} (a 3-D mask holds one (T, S) mask per example "
+                "and head, (B * num_heads, T, S), which per-example gradients cannot split by "
+                "example here): pass a 2-D (T, S) mask shared by the batch, or key_padding_mask "
+                "(B, S)",
+            )
+        return [mask]
 
     def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
         d = use.deltas[i]
@@ -1209,12 +1255,8 @@ class _Generic(_Layer):
         return found
 
     def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
-        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
-        batched = [
-            i
-            for i, x in enumerate(leaves)
-            if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch
-        ]
+        leaves, spec, dims = self.leaf_dims(use)
+        batched = [i for i, dim in enumerate(dims) if dim == 0]
         if not batched:
             self.fail("has no input batched along dim 0; its inputs are", describe(leaves))
         deltas = [self.delta(use, i) for i in range(len(use.outputs))]
@@ -1262,10 +1304,8 @@ class _Generic(_Layer):
         """Example b's gradients by plain autograd on a call of the module on that example
         (no torch.func: also for what its transforms refuse, e.g. an autograd.Function
         without setup_context)."""
-        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
-        for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor) and x.ndim >= 1 and x.shape[0] == self.batch:
-                leaves[i] = x[b : b + 1]
+        leaves, spec, dims = self.leaf_dims(use)
+        leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
         args, kwargs = _pytree.tree_unflatten(leaves, spec)
         with torch.enable_grad():
             flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
@@ -1571,6 +1611,29 @@ class _Run:
             )
         return [use for top in self.recorder._uses if id(top) in reached for use in top.walk()]
 
+    def _refuse_changed(self, uses: list[_Use]) -> None:
+        """An input or parameter of a recorded call changed in place since the forward (the
+        next batch copied into the input buffer, an optimizer step): torch's backward would
+        raise for a tensor it saved; the rules read them all, so each is checked."""
+        for use in uses:
+            for tensor, version in use.versions:
+                if tensor._version != version:
+                    name = self.recorder._names.get(use.module, type(use.module).__name__)
+                    what = (
+                        "a parameter"
+                        if any(tensor is p for p in use.module.parameters(recurse=False))
+                        else "an input"
+                    )
+                    raise RuntimeError(
+                        f"{self.call}: {what} of module {name!r} "
+                        f"({type(use.module).__name__}), shape {tuple(tensor.shape)}, was "
+                        "changed in place after the forward (e.g. the next batch copied into "
+                        "the input buffer, or an optimizer step), so the per-example "
+                        "gradients read from it would be wrong (torch's own backward raises "
+                        "there too). Nothing was written. Call gramian/backward before "
+                        "changing it, or give the model a copy."
+                    )
+
     def _refuse_hooks(self, uses: list[_Use]) -> None:
         for use in uses:
             if use.hooked is not None:
@@ -1696,6 +1759,7 @@ class _Run:
             except ValueError:  # no record of this forward: say why, if known
                 _explain_spent(self.losses, self.call, recorder)
                 raise
+            self._refuse_changed(uses)
             self._refuse_hooks(uses)
             self._refuse_parameter_hooks()
             _refuse_foreign_reads(self, uses)
@@ -2000,10 +2064,46 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
     """One call's output on the batch against calls on single examples (all of them up to
     _ALONE, else _ALONE drawn by funcgrad's own generator): eager calls, as vmap would fall
     back to a slow loop for attention."""
+    worst = _rows_differ(run, layer, use, None)
+    state = [*layer.module.named_parameters(), *layer.module.named_buffers()]
+    if worst is not None and any(
+        t.is_floating_point() and t.dtype != torch.float64 for _, t in state
+    ):
+        # Rounding, not mixing? A float32 forward may cancel (h - h.mean(1) on large h) where
+        # a single example's call rounds otherwise than the batch's: in float64 it decides.
+        double = {n: t.double() if t.is_floating_point() else t for n, t in state}
+        with contextlib.suppress(Exception):  # (one that cannot run in float64: as it was)
+            worst = _rows_differ(run, layer, use, double)
+    if worst is not None:
+        raise ValueError(
+            f"{run.call}: module {layer.name!r} ({type(layer.module).__name__}) does not "
+            "treat the examples independently in its own forward: its output on each example "
+            f"alone differs from its row of the output on the batch (by up to {worst:.2g} of "
+            "a row, relative), so its per-example gradients, computed from calls on each "
+            "example alone, would be wrong. It mixes the examples (a reduction, "
+            "normalisation, sort or permutation over dim 0 inside it), or it takes an "
+            "argument whose dim 0 has size B but is not per example (a (T, d) table with T "
+            "== B: funcgrad splits every argument of size B along dim 0; make such a table "
+            "a buffer or parameter of the module, or pass it as (1, T, d)). Make its "
+            "forward treat each example alone, or leave its parameters out with inputs=."
+        )
+
+
+def _rows_differ(
+    run: _Run, layer: _Layer, use: _Use, double: dict[str, torch.Tensor] | None
+) -> float | None:
+    """The worst relative difference between the module's rows on the batch and on single
+    examples where it exceeds rounding (``double``: float64 copies of its parameters and
+    buffers, run on float64 copies of the floating-point arguments); None where none does."""
+    module = layer.module
     leaves, spec, dims = layer.leaf_dims(use)
+    if double is not None:
+        leaves = [
+            x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in leaves
+        ]
     batched = [i for i, dim in enumerate(dims) if dim is not None]
     positions = [i for i, _, _ in use.outputs]
-    module = layer.module
 
     def call(values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         filled = list(leaves)
@@ -2012,7 +2112,7 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         args, kwargs = _pytree.tree_unflatten(filled, spec)
         # forward alone, as the rule's own calls: the user's forward hooks and backward
         # hooks are not run again (their effect is in the recorded output and gradients)
-        flat = _pytree.tree_leaves(_bare_call(module, None, args, kwargs))
+        flat = _pytree.tree_leaves(_bare_call(module, double, args, kwargs))
         return tuple(flat[i].detach() for i in positions)
 
     values = [leaves[i] for i in batched]
@@ -2058,20 +2158,11 @@ def _compare_rows(run: _Run, layer: _Layer, use: _Use) -> None:
         flags.append((err - tol * (scale + 1e-6 * scale.max())).max())
         relative.append((err / scale.clamp_min(torch.finfo(work).tiny)).max())
     if not flags:
-        return
+        return None
     bad = (torch.stack(flags) > 0).tolist()
-    if any(bad):
-        worst = max(float(r) for r, flag in zip(relative, bad) if flag)
-        raise ValueError(
-            f"{run.call}: module {layer.name!r} ({type(module).__name__}) does not treat the "
-            "examples independently in its own forward: its output on each example alone "
-            f"differs from its row of the output on the batch (by up to {worst:.2g} of a "
-            "row, relative), so its per-example gradients, computed from calls on each "
-            "example alone, would be wrong. It mixes the examples (a reduction, "
-            "normalisation, sort or permutation over dim 0 inside it, or inputs whose dim 0 "
-            "is not the batch). Make its forward treat each example alone, or leave its "
-            "parameters out with inputs=."
-        )
+    if not any(bad):
+        return None
+    return max(float(r) for r, flag in zip(relative, bad) if flag)
 
 
 def _mixing_site(

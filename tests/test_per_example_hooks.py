@@ -632,3 +632,119 @@ def test_a_channels_last_conv_weight_gets_a_grad_in_its_own_layout():
     weight, want = model[0].weight, reference[0].weight
     assert weight.grad.stride() == want.grad.stride()
     torch.testing.assert_close(weight.grad, want.grad)
+
+
+# -- review C: shared arguments, inputs changed in place, parametrizations, rounding -------
+
+
+def _loop_gramian(model, inputs, params=None):
+    params = params or [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for b in range(inputs[0].shape[0]):
+        loss = model(*inputs)[b]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
+            )
+        )
+    jac = torch.stack(rows)
+    return jac @ jac.T
+
+
+def test_attention_with_a_shared_2d_mask_where_t_equals_b_is_exact():
+    """Review finding: a (T, T) attn_mask with T == B was split by example (a torch shape
+    error inside the rule): a 2-D mask is shared by the batch."""
+
+    class Causal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+
+        def forward(self, x):
+            mask = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+            return self.attention(x, x, x, attn_mask=mask)[0].pow(2).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = Causal().double()
+    x = torch.randn(5, 5, 4, dtype=torch.float64)  # B = T = 5
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x))
+    torch.testing.assert_close(gram, _loop_gramian(model, (x,)))
+
+
+def test_a_shared_table_of_size_b_is_refused_with_its_cause():
+    """Review finding: a (T, d) argument with T == B was split by example, silently (5x off);
+    the independence check refuses it, and its message names that cause."""
+
+    class AddPos(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x, pos):
+            return torch.tanh((x + pos) @ self.w)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = AddPos()
+
+        def forward(self, x, pos):
+            return self.a(x, pos).pow(2).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = Model().double()
+    x, pos = torch.randn(5, 5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    with funcgrad.per_example(model), pytest.raises(ValueError, match=r"a \(T, d\) table"):
+        funcgrad.per_example_gramian(model(x, pos))
+
+
+def test_an_input_changed_in_place_after_the_forward_is_refused():
+    """Review finding: the next batch copied into the input buffer between the forward and
+    the call gave a wrong Gramian (torch's own backward raises there)."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    buffer = torch.randn(B, 3, dtype=torch.float64)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    with funcgrad.per_example(model):
+        losses = model(buffer).squeeze(1) ** 2
+        buffer.copy_(torch.randn(B, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"an input of module '0' .* changed in place"):
+            funcgrad.backward(losses, batch_dim=0)
+    assert all(not p.grad.any() for p in model.parameters())
+
+
+def test_parametrized_modules_are_refused_by_name():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    with pytest.raises(ValueError, match=r"module '0' .* parametrized tensors"):
+        funcgrad.per_example(model)
+
+
+def test_float32_rounding_in_a_materialised_module_is_no_mixing():
+    """Review finding: an independent module whose float32 forward cancels (h - h.mean(1) on
+    large h) rounds a single example otherwise than the batch (with BLAS threads: a single
+    row takes another kernel), and was refused as mixing. A difference that float64 does not
+    show is rounding: the module below stands for such a kernel, off by 1e-2 on one example
+    alone, in float32 only (1e-2)."""
+
+    class Kernel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(6, 8, dtype=torch.float32))
+
+        def forward(self, x):
+            h = x @ self.w
+            if h.dtype == torch.float32 and x.shape[0] == 1:  # another kernel's rounding
+                h = h * (1 + 1e-2)
+            return h - h.mean(1, keepdim=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Kernel(), nn.Linear(8, 1)).float()
+    x = torch.randn(6, 6, dtype=torch.float32)
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x).squeeze(1) ** 2)
+    want = _loop_gramian(lambda t: model(t).squeeze(1) ** 2, (x,), list(model.parameters()))
+    torch.testing.assert_close(gram, want, rtol=5e-2, atol=1e-3)  # (the 1e-2 "rounding")
