@@ -660,6 +660,8 @@ def forward_columns(
     ``check`` found a wrong batching rule); the generators are then restored, and the caller
     uses reverse mode, which covers strictly more of PyTorch.
     """
+    if torch.compiler.is_compiling():  # (dynamo cannot enter a lock; compiled code is traced)
+        return _forward_columns(flat, check, rng)
     with _FORWARD_AD:
         return _forward_columns(flat, check, rng)
 

@@ -96,7 +96,7 @@ class Pullback:
 
         Reading it turns the cotangents held from the last call into directions now (a few
         host reads), which the next call would otherwise do in its one read."""
-        with self._lock:
+        with self._locked():
             return self._settled_rank()
 
     def _settled_rank(self) -> int:
@@ -111,13 +111,17 @@ class Pullback:
             self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
         return self._basis.rank
 
+    def _locked(self) -> contextlib.AbstractContextManager[Any]:
+        """One call at a time (not in compiled code: dynamo cannot enter a lock)."""
+        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
+
     @property
     def released(self) -> bool:
         return self._lin is None
 
     def release(self) -> None:
         """Free f's graph and the kept directions; any later call raises an error."""
-        with self._lock:
+        with self._locked():
             self._release()
 
     def _release(self) -> None:
@@ -267,7 +271,7 @@ class Pullback:
     def _apply(
         self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
     ) -> Tensors:
-        with self._lock:
+        with self._locked():
             return self._apply_locked(cotangents, chunk_size, check, create_graph)
 
     def _apply_locked(
