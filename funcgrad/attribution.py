@@ -311,6 +311,12 @@ def _composed(
                 "their embeddings."
             )
         logits = _logits(output, _CALL)[:, prompt - 1 :]
+        if logits.shape[:2] != (rows, targets) or logits.shape[-1] <= int(target_ids.max()):
+            raise ValueError(
+                f"{_CALL}: the model returned logits of shape {tuple(logits.shape)} at the "
+                f"last {targets} positions, expected ({rows}, {targets}, vocabulary) with a "
+                f"vocabulary above the largest target id, {int(target_ids.max())}."
+            )
         chosen = target_ids.expand(rows, -1)[..., None]
         return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
 
