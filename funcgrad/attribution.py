@@ -113,7 +113,7 @@ def _ids(value: object, name: str, call: str) -> torch.Tensor:
                 f"{call}: `{name}` must be a 1-D tensor of token ids or a sequence of ints, "
                 f"got a {type(value).__name__} holding {sorted({type(v).__name__ for v in value})}."
             )
-        value = torch.tensor(list(value), dtype=torch.long)
+        value = torch.tensor(list(value), dtype=torch.long, device="cpu")
     if not isinstance(value, torch.Tensor):
         raise TypeError(
             f"{call}: `{name}` must be a 1-D tensor of token ids (int64), got {describe(value)}."
@@ -211,7 +211,7 @@ def _quadrature(args: _Args) -> tuple[list[float], list[float]]:
         return [1.0], [1.0]
     nodes, weights = np.polynomial.legendre.leggauss(args.n_steps)
     alphas = (0.5 * (1 + nodes)).tolist()
-    steps = torch.tensor((0.5 * weights).tolist()).float().tolist()
+    steps = torch.tensor((0.5 * weights).tolist(), device="cpu").float().tolist()
     return alphas, steps
 
 
@@ -322,14 +322,15 @@ def _composed(
 
     # Head i: the sum over the steps of step_size * log p(target i) (one step, of size 1,
     # without integration).
-    weights = torch.tensor(steps, dtype=dtype)
-    eye = torch.eye(targets, dtype=dtype)
+    device = args.input_ids.device
+    weights = torch.tensor(steps, dtype=dtype, device=device)
+    eye = torch.eye(targets, dtype=dtype, device=device)
     params = weights[None, :, None] * eye[:, None, :]  # (T, rows, T)
 
     def head(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return (p * y).sum()
 
-    heads = stacked_heads(head, params.to(args.input_ids.device))
+    heads = stacked_heads(head, params)
     strategy: Literal["vjp", "jacfwd"] = "jacfwd" if mode == "forward" else "vjp"
     # Forward mode forms all L_in tangents with the one forward: no chunks there.
     chunk = None if mode == "forward" else chunk_size
