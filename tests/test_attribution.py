@@ -417,3 +417,47 @@ def test_errors_on_the_model():
     flat = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 4), torch.nn.Flatten(0))
     with pytest.raises(ValueError, match=CALL + ".*logits of shape"):
         token_attr(flat, [1, 2], [3], embedding=flat[0])
+
+
+# ------------------------------------------------------- Hugging Face outputs as pytrees (item 5)
+
+
+def test_compose_heads_takes_a_model_output(gpt2):
+    """f may return a ModelOutput (registered with torch.utils._pytree only): its tensors are
+    leaves, heads read its fields."""
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    embeds = gpt2.get_input_embeddings()(ids).detach()
+
+    def f(e):
+        return gpt2(inputs_embeds=e, use_cache=False)
+
+    heads = [lambda out: out.logits[0, -1, 2], lambda out: out["logits"][0, 2].logsumexp(-1)]
+    _, grads = funcgrad.compose_heads(f, heads)(embeds)
+    for i, head in enumerate(heads):
+        leaf = embeds.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(head(f(leaf)), leaf)
+        torch.testing.assert_close(grads[i], expected, rtol=0, atol=1e-13)
+    with pytest.raises(TypeError, match=r"leaf \['cache'\], must be a floating-point"):
+        funcgrad.compose_heads(lambda e: gpt2(inputs_embeds=e, use_cache=True), heads)(embeds)
+
+
+class Pair:
+    """A user's type, registered with torch's pytree registry only."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+torch.utils._pytree.register_pytree_node(
+    Pair, lambda p: ([p.first, p.second], ["first", "second"]), lambda xs, _: Pair(*xs)
+)
+
+
+def test_a_type_registered_with_torch_only_is_a_node():
+    x = torch.randn(3)
+    _, grads = funcgrad.compose_heads(
+        lambda x: Pair(x.sin(), x.exp()), [lambda p: p.first.sum(), lambda p: p.second[0]]
+    )(x)
+    torch.testing.assert_close(grads, torch.stack([x.cos(), torch.eye(3)[0] * x.exp()]))
+    with pytest.raises(TypeError, match=r"leaf \['second'\]"):
+        funcgrad.compose_heads(lambda x: Pair(x.sin(), 1), [lambda p: p.first.sum()])(x)

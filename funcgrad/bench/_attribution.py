@@ -83,7 +83,11 @@ def _gpt2(quick: bool) -> torch.nn.Module:
         raise SkipCase(
             "transformers is not installed (pip install funcgrad[attribution])"
         ) from error
-    size = {"n_embd": 32, "n_layer": 2, "n_head": 2} if quick else {"n_embd": 256, "n_layer": 4}
+    size = (
+        {"n_embd": 32, "n_layer": 2, "n_head": 2}
+        if quick
+        else {"n_embd": 256, "n_layer": 4, "n_head": 4}
+    )
     config = transformers.GPT2Config(
         vocab_size=256 if quick else 4096,
         n_positions=256,
