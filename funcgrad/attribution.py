@@ -177,13 +177,18 @@ def _validate(
         raise ValueError(f"{call}: `input_ids` is empty; the first target needs a prompt.")
     if len(targets) == 0:
         raise ValueError(f"{call}: `target_ids` is empty (T = 0); give at least one target token.")
-    skips = _ids(list(skip_ids) if isinstance(skip_ids, tuple) else skip_ids, "skip_ids", call)
+    skips = _ids(skip_ids, "skip_ids", call)
     vocabulary = getattr(embedding, "num_embeddings", None)
     for name, ids in (("input_ids", inputs), ("target_ids", targets)):
         if len(ids) and (int(ids.min()) < 0 or (vocabulary and int(ids.max()) >= vocabulary)):
+            expected = (
+                f"in [0, {vocabulary}), the embedding's vocabulary"
+                if vocabulary
+                else ("non-negative")
+            )
             raise ValueError(
-                f"{call}: `{name}` must hold token ids in [0, {vocabulary}), the embedding's "
-                f"vocabulary, got ids from {int(ids.min())} to {int(ids.max())}."
+                f"{call}: `{name}` must hold token ids {expected}, got ids from "
+                f"{int(ids.min())} to {int(ids.max())}."
             )
     if method == "integrated_gradients" and vocabulary and not 0 <= baseline_id < vocabulary:
         raise ValueError(
