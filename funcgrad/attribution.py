@@ -15,6 +15,7 @@ the same gradient with respect to every earlier embedding.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import warnings
 import weakref
@@ -56,9 +57,13 @@ _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 # rule): "auto" takes reverse mode on them from then on.
 _NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 # One composed function per model, embedding and shapes, so that what compose_heads learns on
-# a first call (chunk_size="auto"'s measurement) serves the later calls.
-_COMPOSED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[Any, ...], ComposedHeads[Any]]]
+# a first call (chunk_size="auto"'s measurement) serves the later calls; the last
+# _COMPOSED_PER_MODEL shapes per model (each holds its heads' (T, rows, T) weights).
+_COMPOSED: weakref.WeakKeyDictionary[
+    torch.nn.Module, collections.OrderedDict[tuple[Any, ...], ComposedHeads[Any]]
+]
 _COMPOSED = weakref.WeakKeyDictionary()
+_COMPOSED_PER_MODEL = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,9 +276,10 @@ def _composed(
         dtype,
         args.input_ids.device,
     )
-    cache = _COMPOSED.setdefault(args.model, {})
+    cache = _COMPOSED.setdefault(args.model, collections.OrderedDict())
     found = cache.get(key)
     if found is not None:
+        cache.move_to_end(key)
         return found
     model_ref, embedding_ref = weakref.ref(args.model), weakref.ref(args.embedding)
     rows = len(alphas)
@@ -341,6 +347,8 @@ def _composed(
     chunk = None if mode == "forward" else chunk_size
     fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
     cache[key] = fn
+    while len(cache) > _COMPOSED_PER_MODEL:
+        cache.popitem(last=False)
     return fn
 
 

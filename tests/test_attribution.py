@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -265,6 +266,21 @@ def test_memory_is_bounded_under_a_budget():
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
     assert chunked < all_at_once / 4, (chunked, all_at_once, floor_peak)
     assert chunked <= 1.5 * floor_peak, (chunked, floor_peak)
+
+
+def test_what_is_kept_between_calls_is_bounded_and_lets_the_model_go():
+    import gc
+
+    from funcgrad import attribution
+
+    model = TinyLM()
+    for targets in range(1, 21):  # 20 shapes: the last 16 are kept
+        token_attr(model, [1, 2], list(range(targets)), embedding=model.embed, mode="reverse")
+    assert len(attribution._COMPOSED[model]) == attribution._COMPOSED_PER_MODEL
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
 
 
 # ------------------------------------------------------------------------- against captum
