@@ -154,7 +154,7 @@ def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
 @pytest.mark.parametrize("method", METHODS)
 def test_any_module_with_an_embedding_layer(method):
     model = TinyLM().double()
-    input_ids, target_ids = _ids(4, 9)  # 2 L_in < T: forward mode under "auto"
+    input_ids, target_ids = _ids(4, 9)  # L_in < T: forward mode under "auto"
     plan = funcgrad.attribution.plan(model, input_ids, target_ids, embedding=model.embed)
     assert plan.mode == "forward" and plan.directions == 4
     expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps=5)
