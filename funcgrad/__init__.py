@@ -7,10 +7,9 @@ that the shapes require.
 """
 
 import contextlib
-import types
 from importlib.metadata import PackageNotFoundError, version
 
-from . import attribution
+from . import attribution as attribution  # funcgrad.attribution.token_attr, plan
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
 from ._config import CheckMode, checking, set_check
@@ -41,8 +40,6 @@ __all__ = [
     # per-example heads
     "per_example",
     "per_example_gramian",
-    # many-target attribution (captum's LLMGradientAttribution, one forward)
-    "attribution",
     # their objects
     "Pullback",
     "PullbackStats",
@@ -73,8 +70,6 @@ __all__ = [
 
 for _name in __all__:
     _obj = globals()[_name]
-    if isinstance(_obj, types.ModuleType):  # a public submodule keeps its own name
-        continue
     with contextlib.suppress(AttributeError, TypeError):  # report the public module
         _obj.__module__ = "funcgrad"
 del _name, _obj

@@ -477,3 +477,14 @@ def test_a_type_registered_with_torch_only_is_a_node():
     torch.testing.assert_close(grads, torch.stack([x.cos(), torch.eye(3)[0] * x.exp()]))
     with pytest.raises(TypeError, match=r"leaf \['second'\]"):
         funcgrad.compose_heads(lambda x: Pair(x.sin(), 1), [lambda p: p.first.sum()])(x)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [token_attr, funcgrad.attribution.plan, funcgrad.attribution.AttributionPlan],
+    ids=lambda obj: obj.__name__,
+)
+def test_type_hints_are_readable(obj):
+    import typing
+
+    assert typing.get_type_hints(obj)
