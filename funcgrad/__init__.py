@@ -10,6 +10,7 @@ import contextlib
 import typing
 from importlib.metadata import PackageNotFoundError, version
 
+from . import attribution as attribution  # funcgrad.attribution.token_attr, plan
 from ._bridge import grads
 from ._combine import CombinedHeads, combine_heads
 from ._config import CheckMode, checking, set_check

@@ -238,3 +238,24 @@ def test_a_method_that_raises_is_an_error_cell_not_a_crash(bench_state):
     assert "| toy k=2 | naive | error: RuntimeError: no kernel for this |" in bench._markdown(
         report
     )
+
+
+@pytest.mark.slow  # a subprocess: tiny GPT-2, captum's loop, every method once
+def test_attribution_case_runs_and_agrees(tmp_path):
+    """--cases attribution, quick (L_in = 8, T = 4; one round): every method's token_attr
+    agrees with the hand loop, captum's included where captum is installed."""
+    pytest.importorskip("transformers")
+    done = _bench(
+        "--cases", "attribution", "--rounds", "1", "--no-memory", "--out", str(tmp_path)
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["disagreements"] == [] and report["errors"] == []
+    assert {e["variant"] for e in report["cases"].values()} == {
+        "grad_x_input L=8",
+        "integrated_gradients L=8",
+    }
+    for entry in report["cases"].values():
+        assert all(verdict == "ok" for verdict in entry["agreement"].values())
+        expected = {"funcgrad reverse", "funcgrad forward", "funcgrad auto", "expand trick"}
+        assert expected <= set(entry["agreement"])

@@ -38,6 +38,9 @@ from tqdm.auto import tqdm
 
 import funcgrad
 
+from ._attribution import CELLS as ATTRIBUTION_CELLS
+from ._attribution import TARGETS as ATTRIBUTION_TARGETS
+from ._attribution import attribution_case
 from ._cases import BUILDERS as STANDARD_BUILDERS
 from ._cases import HEAD_COUNTS, Case, SkipCase, device, set_device
 from ._ddp import NOTE as DDP_NOTE
@@ -64,10 +67,12 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     "planner": planner_case,
     "overhead": overhead_case,
     "per-example": per_example_case,
+    "attribution": attribution_case,
 }
 # Not in a default run: the planner's grid (funcgrad against itself), the chunk-memory
-# case (gigabytes at full size: a GPU check) and per-example (minutes at B = 512).
-NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example")
+# case (gigabytes at full size: a GPU check), per-example (minutes at B = 512) and
+# attribution (captum's loop: minutes; docs/benchmarks_attribution.md).
+NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example", "attribution")
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
 DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
@@ -86,6 +91,7 @@ TARGETS = [
     ("mtl-weighting k=32", "funcgrad backward params", "torchjd mtl_backward+jac_to_grad", 0.5),
     *PER_EXAMPLE_TARGETS,
     *REAL_STACKS_TARGETS,
+    *ATTRIBUTION_TARGETS,
 ]
 OVERHEAD_TARGETS = [
     (f"overhead {name} k=8", "funcgrad", "recipe", 1.2) for name in overhead_names()
@@ -119,6 +125,8 @@ def _cells(name: str, mode: str) -> list[tuple[str, int]]:
         return REAL_STACKS_CELLS[mode]
     if name == "per-example":
         return PER_EXAMPLE_CELLS[mode]
+    if name == "attribution":
+        return ATTRIBUTION_CELLS[mode]
     if name == "overhead":
         return [(entry, 8) for entry in overhead_names()]
     return [("", k) for k in HEAD_COUNTS[name][mode]]

@@ -1,0 +1,649 @@
+"""Attribution with many targets: every target token's attribution from one forward.
+
+``funcgrad.attribution.token_attr`` gives what captum 0.9's ``LLMGradientAttribution`` gives
+(``.token_attr``: one row per target token, one column per prompt token) with the model run
+once (or once per integration step, batched), instead of once per target. It is a thin
+composition of `funcgrad.compose_heads`: f is the model, fed the output of its embedding
+layer (a forward hook substitutes it, as captum's layer methods do), and the heads are the
+log-probabilities of the target tokens under teacher forcing.
+
+Why one forward is enough: in a causal LM, position i's logits read positions ``<= i`` only.
+So the teacher-forced forward of ``prompt + targets[:-1]`` computes, at position
+``len(prompt) + i - 1``, the same logits as captum's forward of ``prompt + targets[:i]``, and
+the same gradient with respect to every earlier embedding.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal, TypeAlias, cast, overload
+
+import numpy as np
+import torch
+
+from ._errors import FuncgradWarning, describe
+from ._heads import ComposedHeads, compose_heads, stacked_heads
+from ._types import ChunkSize
+
+__all__ = ["AttributionPlan", "Method", "Mode", "plan", "token_attr"]
+
+Method: TypeAlias = Literal["gradient", "grad_x_input", "integrated_gradients"]
+"""What `token_attr` computes, each as a captum method under ``LLMGradientAttribution``:
+
+- ``"gradient"``: ``LayerGradientXActivation(model, emb, multiply_by_inputs=False)``, the
+  gradient of each target's log-probability with respect to each prompt embedding, summed
+  over the embedding dimension;
+- ``"grad_x_input"``: ``LayerGradientXActivation(model, emb)``, gradient times embedding,
+  summed;
+- ``"integrated_gradients"``: ``LayerIntegratedGradients(model, emb)`` with
+  ``n_steps`` Gauss-Legendre steps from the baseline token's embedding, summed.
+"""
+Mode: TypeAlias = Literal["auto", "reverse", "forward"]
+"""How the T x L_in attributions are formed: ``"reverse"``, T cotangents pulled back through
+the model in one batched backward; ``"forward"``, L_in directional derivatives (one per prompt
+token) in one batched forward-mode pass; ``"auto"``, forward mode where ``L_in < T``
+(and it runs: fused attention kernels have no forward-mode rule), else reverse mode."""
+
+METHODS: tuple[Method, ...] = ("gradient", "grad_x_input", "integrated_gradients")
+MODES: tuple[Mode, ...] = ("auto", "reverse", "forward")
+_CALL = "funcgrad.attribution.token_attr(model, input_ids, target_ids)"
+_PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
+
+# Models on which forward mode failed (a fused attention kernel without a forward-mode
+# rule): "auto" takes reverse mode on them from then on.
+_NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# One composed function per model, embedding and shapes, so that what compose_heads learns on
+# a first call (chunk_size="auto"'s measurement) serves the later calls; the last
+# _COMPOSED_PER_MODEL shapes per model (each holds its heads' (T, rows, T) weights).
+_COMPOSED: weakref.WeakKeyDictionary[
+    torch.nn.Module, collections.OrderedDict[tuple[Any, ...], ComposedHeads[Any]]
+]
+_COMPOSED = weakref.WeakKeyDictionary()
+_COMPOSED_PER_MODEL = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class AttributionPlan:
+    """What `token_attr` runs for given shapes, and what captum would run.
+
+    Attributes:
+        mode: ``"reverse"`` or ``"forward"`` (never ``"auto"``).
+        method: the attribution method.
+        targets: T, the number of target tokens.
+        prompt: L_in, the number of prompt tokens.
+        rows: sequences in the one batched forward (``n_steps`` for integrated
+            gradients, else 1), each ``L_in + T - 1`` tokens long.
+        directions: what goes through the model after that forward: T cotangents (reverse
+            mode) or L_in tangents (forward mode, computed with the forward).
+        captum_forwards: the forwards captum's loop runs for the same answer, each of a batch
+            of ``rows`` sequences: T (gradient, grad x input) or 3 T (integrated gradients:
+            the input, the baseline and the ``n_steps`` scaled inputs for each target).
+        why: the reason for the mode.
+    """
+
+    mode: Literal["reverse", "forward"]
+    method: Method
+    targets: int
+    prompt: int
+    rows: int
+    directions: int
+    captum_forwards: int
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Args:
+    """The validated arguments of one call."""
+
+    model: torch.nn.Module
+    embedding: torch.nn.Module
+    input_ids: torch.Tensor  # (L_in,), on the embedding's device
+    target_ids: torch.Tensor  # (T,)
+    kept: torch.Tensor | None  # (L_in,) bool: the prompt tokens not skipped; None: all
+    method: Method
+    n_steps: int
+    baseline_id: int
+
+
+def _ids(value: object, name: str, call: str) -> torch.Tensor:
+    """A 1-D integer tensor of token ids from a tensor of shape (n,) or (1, n), or a sequence
+    of ints."""
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise TypeError(
+                f"{call}: `{name}` must be a 1-D tensor of token ids or a sequence of ints, "
+                f"got a {type(value).__name__} holding {sorted({type(v).__name__ for v in value})}."
+            )
+        value = torch.tensor(list(value), dtype=torch.long, device="cpu")
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{call}: `{name}` must be a 1-D tensor of token ids (int64), got {describe(value)}."
+        )
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(
+            f"{call}: `{name}` must hold integer token ids (torch.long), got {describe(value)}. "
+            "Pass the tokenizer's ids, e.g. `tokenizer.encode(text, return_tensors='pt')`."
+        )
+    if value.dim() == 2 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 1:
+        raise ValueError(
+            f"{call}: `{name}` must have shape (n,) or (1, n) (one sequence), got "
+            f"{describe(value)}. Attribute one sequence per call."
+        )
+    return value.long()
+
+
+def _validate(
+    model: object,
+    input_ids: object,
+    target_ids: object,
+    method: object,
+    n_steps: object,
+    baseline_id: object,
+    embedding: object,
+    skip_ids: object,
+    mode: object,
+    call: str,
+) -> tuple[_Args, Mode]:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{call}: `model` must be a torch.nn.Module (its embedding layer is hooked), got "
+            f"{describe(model)}."
+        )
+    if method not in METHODS:
+        raise ValueError(f"{call}: `method` must be one of {METHODS}, got {method!r}.")
+    if mode not in MODES:
+        raise ValueError(f"{call}: `mode` must be one of {MODES}, got {mode!r}.")
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
+        raise ValueError(f"{call}: `n_steps` must be a positive int, got {n_steps!r}.")
+    if not isinstance(baseline_id, int) or isinstance(baseline_id, bool):
+        raise TypeError(f"{call}: `baseline_id` must be an int token id, got {baseline_id!r}.")
+    if embedding is None:
+        get = getattr(model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if not isinstance(embedding, torch.nn.Module):
+            raise ValueError(
+                f"{call}: `model` has no `get_input_embeddings()` returning a module: pass "
+                "`embedding=`, the layer whose output is attributed (e.g. `model.embed`)."
+            )
+    elif not isinstance(embedding, torch.nn.Module):
+        raise TypeError(
+            f"{call}: `embedding` must be the model's embedding layer (a torch.nn.Module), got "
+            f"{describe(embedding)}."
+        )
+    inputs = _ids(input_ids, "input_ids", call)
+    targets = _ids(target_ids, "target_ids", call)
+    if len(inputs) == 0:
+        raise ValueError(f"{call}: `input_ids` is empty; the first target needs a prompt.")
+    if len(targets) == 0:
+        raise ValueError(f"{call}: `target_ids` is empty (T = 0); give at least one target token.")
+    skips = _ids(skip_ids, "skip_ids", call)
+    vocabulary = getattr(embedding, "num_embeddings", None)
+    for name, ids in (("input_ids", inputs), ("target_ids", targets)):
+        if len(ids) and (int(ids.min()) < 0 or (vocabulary and int(ids.max()) >= vocabulary)):
+            expected = (
+                f"in [0, {vocabulary}), the embedding's vocabulary"
+                if vocabulary
+                else ("non-negative")
+            )
+            raise ValueError(
+                f"{call}: `{name}` must hold token ids {expected}, got ids from "
+                f"{int(ids.min())} to {int(ids.max())}."
+            )
+    if method == "integrated_gradients" and vocabulary and not 0 <= baseline_id < vocabulary:
+        raise ValueError(
+            f"{call}: `baseline_id` must be a token id in [0, {vocabulary}), got {baseline_id}."
+        )
+    weight = next(embedding.parameters(), None)
+    device = weight.device if weight is not None else inputs.device
+    inputs, targets = inputs.to(device), targets.to(device)
+    kept = None
+    if len(skips):
+        kept = ~torch.isin(inputs, skips.to(device))
+        if not bool(kept.any()):
+            raise ValueError(f"{call}: `skip_ids` skips every prompt token; nothing is left.")
+    args = _Args(
+        model, embedding, inputs, targets, kept, cast(Method, method), n_steps, baseline_id
+    )
+    return args, cast(Mode, mode)
+
+
+def _quadrature(args: _Args) -> tuple[list[float], list[float]]:
+    """(alphas, step sizes) as captum's ``gausslegendre``: numpy's nodes and weights mapped to
+    [0, 1]; the step sizes rounded to float32 as captum rounds them (``torch.tensor(
+    step_sizes).float()``), even where the model runs in float64."""
+    if args.method != "integrated_gradients":
+        return [1.0], [1.0]
+    nodes, weights = np.polynomial.legendre.leggauss(args.n_steps)
+    alphas = (0.5 * (1 + nodes)).tolist()
+    steps = torch.tensor((0.5 * weights).tolist(), device="cpu").float().tolist()
+    return alphas, steps
+
+
+def _choose(
+    args: _Args, mode: Mode, gradients: bool, call: str
+) -> tuple[Literal["reverse", "forward"], str]:
+    prompt, targets = len(args.input_ids), len(args.target_ids)
+    if gradients:
+        if mode == "forward":
+            raise ValueError(
+                f"{call}: `return_gradients=True` needs mode='reverse' (or 'auto'): forward "
+                "mode forms the attributions, summed over the embedding dimension, directly."
+            )
+        return "reverse", "return_gradients=True: the (T, L_in, d) gradients come from reverse mode"
+    if mode != "auto":
+        return mode, f"mode={mode!r} requested"
+    failed = _NO_FORWARD.get(args.model)
+    # Measured (docs/benchmarks_attribution.md): at L_in = 16 forward mode took 2.9x reverse
+    # mode's time at T = 8, 0.78x at T = 32 and 0.15x at T = 128. Reverse mode's T backward
+    # passes each run over the whole teacher-forced sequence, where captum's run over a prefix.
+    if prompt < targets and failed is None:
+        return "forward", f"L_in = {prompt} < T = {targets}: L_in tangents, not T cotangents"
+    if failed is not None:
+        return "reverse", f"forward mode failed on this model before ({failed})"
+    return "reverse", f"T = {targets} <= L_in = {prompt}: T cotangents, not L_in tangents"
+
+
+def _logits(output: object, call: str) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        logits = output[0] if isinstance(output, tuple | list) and output else output
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        raise ValueError(
+            f"{call}: the model must return logits of shape (batch, length, vocabulary), as a "
+            f"tensor, the first of a tuple, or `.logits`; got {describe(logits)}."
+        )
+    return logits
+
+
+def _composed(
+    args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize, dtype: torch.dtype
+) -> ComposedHeads[Any]:
+    """compose_heads of the model (fed embeddings through a hook) and the T heads, cached per
+    model, embedding, method and shapes."""
+    prompt, targets = len(args.input_ids), len(args.target_ids)
+    alphas, steps = _quadrature(args)
+    key = (
+        id(args.embedding),
+        args.method,
+        args.n_steps,
+        prompt,
+        targets,
+        mode,
+        chunk_size if isinstance(chunk_size, int | str) or chunk_size is None else None,
+        dtype,
+        args.input_ids.device,
+    )
+    cache = _COMPOSED.setdefault(args.model, collections.OrderedDict())
+    found = cache.get(key)
+    if found is not None:
+        cache.move_to_end(key)
+        return found
+    model_ref, embedding_ref = weakref.ref(args.model), weakref.ref(args.embedding)
+    rows = len(alphas)
+
+    def f(
+        x: torch.Tensor,
+        scaled: torch.Tensor,
+        direction: torch.Tensor,
+        sequence: torch.Tensor,
+        target_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """The (rows, T) target log-probabilities with the prompt's embeddings moved by x:
+        by x itself (reverse mode, x of shape (L_in, d)) or x times ``direction`` (forward
+        mode, x of shape (L_in,))."""
+        model, embedding = model_ref(), embedding_ref()
+        assert model is not None and embedding is not None
+        moved = x if x.dim() == 2 else x[:, None] * direction
+        embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
+        calls: list[tuple[int, ...]] = []
+
+        def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor:
+            calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
+            if calls[-1] != tuple(embeds.shape):
+                raise ValueError(
+                    f"{_CALL}: the embedding layer returned {describe(output)}, expected shape "
+                    f"{tuple(embeds.shape)} (batch, length, d): pass `embedding=`, the layer "
+                    "that maps the token ids to their embeddings."
+                )
+            return embeds
+
+        handle = embedding.register_forward_hook(substitute)
+        try:
+            output = model(sequence.expand(rows, -1))
+        finally:
+            handle.remove()
+        if len(calls) != 1:
+            raise ValueError(
+                f"{_CALL}: the embedding layer ran {len(calls)} times in one forward of the "
+                "model, expected once: pass `embedding=`, the layer that maps the token ids to "
+                "their embeddings."
+            )
+        logits = _logits(output, _CALL)[:, prompt - 1 :]
+        if logits.shape[:2] != (rows, targets) or logits.shape[-1] <= int(target_ids.max()):
+            raise ValueError(
+                f"{_CALL}: the model returned logits of shape {tuple(logits.shape)} at the "
+                f"last {targets} positions, expected ({rows}, {targets}, vocabulary) with a "
+                f"vocabulary above the largest target id, {int(target_ids.max())}."
+            )
+        chosen = target_ids.expand(rows, -1)[..., None]
+        return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
+
+    # Head i: the sum over the steps of step_size * log p(target i) (one step, of size 1,
+    # without integration).
+    device = args.input_ids.device
+    weights = torch.tensor(steps, dtype=dtype, device=device)
+    eye = torch.eye(targets, dtype=dtype, device=device)
+    params = weights[None, :, None] * eye[:, None, :]  # (T, rows, T)
+
+    def head(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (p * y).sum()
+
+    heads = stacked_heads(head, params)
+    strategy: Literal["vjp", "jacfwd"] = "jacfwd" if mode == "forward" else "vjp"
+    # Forward mode forms all L_in tangents with the one forward: no chunks there.
+    chunk = None if mode == "forward" else chunk_size
+    fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
+    cache[key] = fn
+    while len(cache) > _COMPOSED_PER_MODEL:
+        cache.popitem(last=False)
+    return fn
+
+
+def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence, scaled, direction): the teacher-forced ids ``prompt + targets[:-1]``; the
+    embeddings of every row of the batch (the integration path's points, else the input's);
+    and what the attributions multiply the gradients by (ones, the input's embeddings, or the
+    input's minus the baseline's), each as captum forms them."""
+    prompt = len(args.input_ids)
+    sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
+    with torch.no_grad():
+        embeds = args.embedding(sequence[None])
+        if (
+            not isinstance(embeds, torch.Tensor)
+            or embeds.dim() != 3
+            or not embeds.is_floating_point()
+        ):
+            raise ValueError(
+                f"{_CALL}: the embedding layer must map (1, length) token ids to (1, length, d) "
+                f"floating embeddings, got {describe(embeds)}."
+            )
+        if args.method != "integrated_gradients":
+            return (
+                sequence,
+                embeds,
+                embeds[0, :prompt]
+                if args.method == "grad_x_input"
+                else (torch.ones_like(embeds[0, :prompt])),
+            )
+        # captum's baseline: the baseline token at every prompt position it attributes to
+        # (skipped tokens and the targets keep theirs), so the path moves the prompt only.
+        base_ids = sequence.clone()
+        replaced = torch.full_like(args.input_ids, args.baseline_id)
+        if args.kept is not None:
+            replaced = torch.where(args.kept, replaced, args.input_ids)
+        base_ids[:prompt] = replaced
+        baseline = args.embedding(base_ids[None])
+        alphas, _ = _quadrature(args)
+        scaled = torch.cat([baseline + alpha * (embeds - baseline) for alpha in alphas], dim=0)
+        return sequence, scaled, (embeds - baseline)[0, :prompt]
+
+
+def _run(
+    args: _Args,
+    mode: Literal["reverse", "forward"],
+    chunk_size: ChunkSize,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    sequence, scaled, direction = _prepare(args)
+    fn = _composed(args, mode, chunk_size, scaled.dtype)
+    shape = direction.shape[:1] if mode == "forward" else direction.shape
+    x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
+    with torch.enable_grad():
+        _, grads = fn(x, scaled, direction, sequence, args.target_ids)
+    if mode == "forward":
+        return grads, None
+    return (grads * direction).sum(-1), grads
+
+
+def _forward_fallback(caught: list[warnings.WarningMessage]) -> int | None:
+    """The index of compose_heads' warning that forward mode could not run (an op without a
+    forward-mode rule, such as fused attention) among ``caught``, or None."""
+    for index, message in enumerate(caught):
+        text = str(message.message)
+        if issubclass(message.category, FuncgradWarning) and "used reverse mode instead" in text:
+            return index
+    return None
+
+
+def _why_not_forward(text: str) -> str:
+    """The error inside compose_heads' fallback warning: "... in one call (<error>); used
+    reverse mode instead ..."."""
+    inner = text.split(" call (", 1)[-1].rsplit("); used reverse mode", 1)[0]
+    return inner[:200]
+
+
+@overload
+def token_attr(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | Sequence[int],
+    target_ids: torch.Tensor | Sequence[int],
+    *,
+    method: Method = "grad_x_input",
+    n_steps: int = 50,
+    baseline_id: int = 0,
+    embedding: torch.nn.Module | None = None,
+    skip_ids: torch.Tensor | Sequence[int] = (),
+    mode: Mode = "auto",
+    chunk_size: ChunkSize = "auto",
+    return_gradients: Literal[False] = False,
+) -> torch.Tensor: ...
+@overload
+def token_attr(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | Sequence[int],
+    target_ids: torch.Tensor | Sequence[int],
+    *,
+    method: Method = "grad_x_input",
+    n_steps: int = 50,
+    baseline_id: int = 0,
+    embedding: torch.nn.Module | None = None,
+    skip_ids: torch.Tensor | Sequence[int] = (),
+    mode: Mode = "auto",
+    chunk_size: ChunkSize = "auto",
+    return_gradients: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+def token_attr(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | Sequence[int],
+    target_ids: torch.Tensor | Sequence[int],
+    *,
+    method: Method = "grad_x_input",
+    n_steps: int = 50,
+    baseline_id: int = 0,
+    embedding: torch.nn.Module | None = None,
+    skip_ids: torch.Tensor | Sequence[int] = (),
+    mode: Mode = "auto",
+    chunk_size: ChunkSize = "auto",
+    return_gradients: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every target token's attribution to every prompt token, from one forward of the model.
+
+    Same values as captum 0.9's
+
+    ```python
+    LLMGradientAttribution(LayerGradientXActivation(model, embedding), tokenizer).attribute(
+        TextTokenInput(prompt, tokenizer, baselines=baseline_id, skip_tokens=skip_ids),
+        target=target_ids,
+    ).token_attr
+    ```
+
+    (``LayerIntegratedGradients(model, embedding)`` and ``n_steps=`` for integrated
+    gradients; ``multiply_by_inputs=False`` for the gradient), a ``(T, L_in)`` tensor: row i
+    is the attribution of ``log p(target_i | prompt, targets[:i])`` to each prompt token, the
+    gradient with respect to the embedding layer's output summed over the embedding dimension.
+    captum runs a forward and a backward per target (T x (n_steps + 2) forwards for
+    integrated gradients); here the model runs once on ``prompt + targets[:-1]`` (teacher
+    forcing: in a causal LM position i reads positions ``<= i`` only, so each target's
+    log-probability is the one captum's prefix forward computes), with the n_steps points of
+    the integration path as one batch, and the T log-probabilities are differentiated
+    together by `funcgrad.compose_heads`.
+
+    Args:
+        model: a causal language model: ``model(ids)`` of shape (batch, length) returns
+            logits of shape (batch, length, vocabulary), as a tensor, the first of a tuple,
+            or ``.logits`` (Hugging Face). It must treat the rows of a batch independently
+            and position i must depend on positions ``<= i`` only. Put it in ``eval()`` mode
+            (dropout draws a new mask on every forward, as under captum).
+        input_ids: the prompt's token ids, shape (L_in,) or (1, L_in) (a tokenizer's
+            ``return_tensors="pt"``), or a list of ints.
+        target_ids: the T target token ids that follow the prompt, shape (T,) or (1, T).
+        method: ``"gradient"``, ``"grad_x_input"`` or ``"integrated_gradients"`` (see
+            `funcgrad.attribution.Method`).
+        n_steps: integration steps (Gauss-Legendre, as captum's default ``"gausslegendre"``,
+            its step sizes rounded to float32 as captum rounds them); integrated gradients
+            only.
+        baseline_id: the token whose embedding starts the integration path at every prompt
+            position (captum's ``TextTokenInput(baselines=...)``, 0 by default).
+        embedding: the layer whose output is attributed, hooked as captum hooks it; None:
+            ``model.get_input_embeddings()`` (Hugging Face: ``wte`` on GPT-2, before the
+            position embeddings are added).
+        skip_ids: prompt tokens to leave out (captum's ``skip_tokens``, e.g. a BOS token):
+            their columns are dropped and the baseline keeps them.
+        mode: ``"reverse"`` (T cotangents in one batched backward), ``"forward"`` (L_in
+            tangents in one batched forward-mode pass) or ``"auto"`` (see
+            `funcgrad.attribution.plan`).
+        chunk_size: at most this many cotangents per batched backward (``"auto"``: as many
+            as fit `funcgrad.memory_budget`; None: all T at once; 1: a loop), so that a long
+            generation does not run out of memory. Reverse mode only.
+        return_gradients: also return the (T, L_in, d) gradients (integrated gradients: the
+            path's weighted sum of gradients), from reverse mode.
+
+    Returns:
+        The ``(T, L_in)`` attributions (L_in less the skipped tokens); with
+        ``return_gradients=True``, ``(attributions, gradients)``, where ``attributions ==
+        (gradients * inputs).sum(-1)``: inputs are ones (gradient), the prompt's embeddings
+        (grad x input) or the embeddings minus the baseline's (integrated gradients).
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> class TinyLM(torch.nn.Module):  # causal: position i reads positions <= i
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = torch.nn.Embedding(10, 4)
+        ...         self.out = torch.nn.Linear(4, 10)
+        ...     def forward(self, ids):
+        ...         return self.out(self.embed(ids).tanh().cumsum(1))
+        >>> model = TinyLM()
+        >>> attr = funcgrad.attribution.token_attr(
+        ...     model, torch.tensor([1, 2, 3]), torch.tensor([4, 5]), embedding=model.embed
+        ... )
+        >>> attr.shape  # (T, L_in)
+        torch.Size([2, 3])
+
+    Notes:
+        Cost: one forward of the model on ``L_in + T - 1`` tokens (a batch of ``n_steps``
+        for integrated gradients), then, in reverse mode, T cotangents pulled back in one
+        batched backward (chunks of ``chunk_size``): the backward work of captum's T
+        backwards, without its T (or T x (n_steps + 2)) forwards. In forward mode (where
+        ``L_in < T``), the L_in tangents go through with that forward, whatever T.
+        Forward mode needs forward-mode rules for every op: fused attention kernels
+        (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
+        mode and remembers it for the model (``plan`` says so).
+        GPT-2's gradient summed over the embedding dimension (``method="gradient"``) is zero
+        up to rounding: every pre-LayerNorm block ignores a shift of a token's residual.
+    """
+    args, requested = _validate(
+        model,
+        input_ids,
+        target_ids,
+        method,
+        n_steps,
+        baseline_id,
+        embedding,
+        skip_ids,
+        mode,
+        _CALL,
+    )
+    chosen, _ = _choose(args, requested, return_gradients, _CALL)
+    if chosen == "forward" and requested == "auto":
+        # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
+        # run; under "auto" that is this function's choice to make: no warning, and reverse
+        # mode from the start on this model from then on (plan() says why).
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FuncgradWarning)
+            attributions, gradients = _run(args, chosen, chunk_size)
+        failed = _forward_fallback(caught)
+        if failed is not None:
+            _NO_FORWARD[args.model] = _why_not_forward(str(caught[failed].message))
+        for index, message in enumerate(caught):  # every other warning, as it was
+            if index != failed:
+                warnings.warn_explicit(
+                    message.message, message.category, message.filename, message.lineno
+                )
+    else:
+        attributions, gradients = _run(args, chosen, chunk_size)
+    if args.kept is not None:
+        attributions = attributions[:, args.kept]
+        gradients = None if gradients is None else gradients[:, args.kept]
+    if return_gradients:
+        assert gradients is not None
+        return attributions, gradients
+    return attributions
+
+
+def plan(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | Sequence[int],
+    target_ids: torch.Tensor | Sequence[int],
+    *,
+    method: Method = "grad_x_input",
+    n_steps: int = 50,
+    embedding: torch.nn.Module | None = None,
+    mode: Mode = "auto",
+    return_gradients: bool = False,
+) -> AttributionPlan:
+    """What `token_attr` runs for these arguments (nothing is run).
+
+    Args:
+        model: as in `token_attr`.
+        input_ids: as in `token_attr`.
+        target_ids: as in `token_attr`.
+        method: as in `token_attr`.
+        n_steps: as in `token_attr`.
+        embedding: as in `token_attr`.
+        mode: as in `token_attr`.
+        return_gradients: as in `token_attr`.
+
+    Returns:
+        An `AttributionPlan`: the mode and why, the batch of the one forward, the directions
+        through the model, and the forwards captum's loop runs.
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+        >>> emb = model[0]
+        >>> p = funcgrad.attribution.plan(model, [1, 2], list(range(8)), embedding=emb)
+        >>> p.mode, p.directions, p.captum_forwards
+        ('forward', 2, 8)
+    """
+    args, requested = _validate(
+        model, input_ids, target_ids, method, n_steps, 0, embedding, (), mode, _PLAN_CALL
+    )
+    chosen, why = _choose(args, requested, return_gradients, _PLAN_CALL)
+    prompt, targets = len(args.input_ids), len(args.target_ids)
+    rows = n_steps if method == "integrated_gradients" else 1
+    return AttributionPlan(
+        mode=chosen,
+        method=args.method,
+        targets=targets,
+        prompt=prompt,
+        rows=rows,
+        directions=prompt if chosen == "forward" else targets,
+        captum_forwards=3 * targets if method == "integrated_gradients" else targets,
+        why=why,
+    )

@@ -1,0 +1,490 @@
+"""funcgrad.attribution.token_attr: captum 0.9's LLMGradientAttribution token_attr, from one
+teacher-forced forward.
+
+Every method is compared with a per-target loop of prefix forwards and ``torch.autograd.grad``
+(the algorithm captum runs, written out: no captum needed), and, where captum is installed,
+with captum itself to 1e-10 in float64 on a random-weight GPT-2.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+import funcgrad
+from funcgrad import _memory
+from funcgrad.attribution import token_attr
+
+transformers = pytest.importorskip("transformers")
+
+METHODS = ["gradient", "grad_x_input", "integrated_gradients"]
+VOCAB = 40
+CALL = re.escape("funcgrad.attribution.token_attr(model, input_ids, target_ids)")
+
+
+def _gpt2(attn: str = "eager", layers: int = 2, width: int = 32) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=width,
+        n_layer=layers,
+        n_head=2,
+        n_positions=96,
+        bos_token_id=None,
+        eos_token_id=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation=attn,
+    )
+    return transformers.GPT2LMHeadModel(config).double().eval()
+
+
+def _llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="eager",
+    )
+    return transformers.LlamaForCausalLM(config).double().eval()
+
+
+class TinyLM(torch.nn.Module):
+    """Not a Hugging Face model: causal by a cumulative sum, returns a bare logits tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.out = torch.nn.Linear(6, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.embed(ids)))
+        return self.out(h.cumsum(1) + h**2)
+
+
+@pytest.fixture(scope="module")
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _gpt2()
+
+
+def _quadrature(method: str, n_steps: int) -> tuple[list[float], list[float]]:
+    if method != "integrated_gradients":
+        return [1.0], [1.0]
+    nodes, weights = np.polynomial.legendre.leggauss(n_steps)
+    return (0.5 * (1 + nodes)).tolist(), torch.tensor((0.5 * weights).tolist()).float().tolist()
+
+
+def _loop(model, embedding, input_ids, target_ids, method, n_steps=16, baseline_id=0):
+    """captum's algorithm by hand: for target i, a forward of prompt + targets[:i] (a batch of
+    the path's points for integrated gradients) with the embedding's output replaced by a
+    leaf, then one torch.autograd.grad of log p(target_i). Returns (attr, gradients)."""
+    prompt = len(input_ids)
+    alphas, steps = _quadrature(method, n_steps)
+    rows, grads = [], []
+    for i in range(len(target_ids)):
+        ids = torch.cat([input_ids, target_ids[:i]])[None]
+        with torch.no_grad():
+            embeds = embedding(ids)
+            base_ids = ids.clone()
+            base_ids[0, :prompt] = baseline_id
+            baseline = embedding(base_ids)
+        if method == "integrated_gradients":
+            leaf = torch.cat([baseline + a * (embeds - baseline) for a in alphas]).requires_grad_()
+        else:
+            leaf = embeds.clone().requires_grad_()
+        handle = embedding.register_forward_hook(lambda module, inputs, output, leaf=leaf: leaf)
+        try:
+            logits = model(ids.expand(len(leaf), -1))
+        finally:
+            handle.remove()
+        logits = getattr(logits, "logits", logits)
+        logp = torch.log_softmax(logits[:, -1], -1)[:, target_ids[i]]
+        (grad,) = torch.autograd.grad(logp.sum(), leaf)
+        grad = (grad * torch.tensor(steps)[:, None, None]).sum(0)[:prompt]
+        inputs = {
+            "gradient": torch.ones_like(embeds[0, :prompt]),
+            "grad_x_input": embeds[0, :prompt],
+            "integrated_gradients": (embeds - baseline)[0, :prompt],
+        }[method]
+        rows.append((grad * inputs).sum(-1))
+        grads.append(grad)
+    return torch.stack(rows), torch.stack(grads)
+
+
+def _ids(prompt: int, targets: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(prompt * 1000 + targets)
+    ids = torch.randint(1, VOCAB, (prompt + targets,), generator=generator)
+    return ids[:prompt], ids[prompt:]
+
+
+# ----------------------------------------------------------------- against the autograd loop
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
+    input_ids, target_ids = _ids(7, 5)
+    emb = gpt2.get_input_embeddings()
+    expected, expected_grads = _loop(gpt2, emb, input_ids, target_ids, method, n_steps=4)
+    attr = token_attr(gpt2, input_ids, target_ids, method=method, n_steps=4, mode=mode)
+    assert attr.shape == (5, 7)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    if mode == "reverse":
+        attr, grads = token_attr(
+            gpt2, input_ids, target_ids, method=method, n_steps=4, return_gradients=True
+        )
+        assert grads.shape == (5, 7, 32)
+        torch.testing.assert_close(grads, expected_grads, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_any_module_with_an_embedding_layer(method):
+    model = TinyLM().double()
+    input_ids, target_ids = _ids(4, 9)  # L_in < T: forward mode under "auto"
+    plan = funcgrad.attribution.plan(model, input_ids, target_ids, embedding=model.embed)
+    assert plan.mode == "forward" and plan.directions == 4
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps=5)
+    for mode in ("auto", "reverse", "forward"):
+        attr = token_attr(
+            model, input_ids, target_ids, method=method, n_steps=5, embedding=model.embed, mode=mode
+        )
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+def test_llama_style_model():
+    torch.manual_seed(1)
+    model = _llama()
+    input_ids, target_ids = _ids(5, 6)
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, "grad_x_input")
+    # Llama's RMSNorm computes in float32 even in a float64 model: float32's rounding.
+    for mode in ("reverse", "forward"):
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 2, "auto"])
+def test_chunk_sizes_agree(gpt2, chunk_size):
+    input_ids, target_ids = _ids(6, 7)
+    expected = token_attr(gpt2, input_ids, target_ids, mode="reverse", chunk_size=None)
+    attr = token_attr(gpt2, input_ids, target_ids, mode="reverse", chunk_size=chunk_size)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
+
+
+def test_inputs_as_captum_gives_them(gpt2):
+    input_ids, target_ids = _ids(4, 3)
+    expected = token_attr(gpt2, input_ids, target_ids)
+    torch.testing.assert_close(token_attr(gpt2, input_ids[None], target_ids[None]), expected)
+    torch.testing.assert_close(token_attr(gpt2, input_ids.tolist(), target_ids.tolist()), expected)
+    with torch.no_grad():  # a user's no_grad does not stop it
+        torch.testing.assert_close(token_attr(gpt2, input_ids, target_ids), expected)
+
+
+def test_skip_ids_drop_columns_and_keep_the_skipped_tokens_in_the_baseline(gpt2):
+    input_ids, target_ids = _ids(6, 3)
+    input_ids[0] = 7  # a BOS-like token to skip
+    full = token_attr(gpt2, input_ids, target_ids, skip_ids=[7])
+    assert full.shape == (3, int((input_ids != 7).sum()))
+    torch.testing.assert_close(full, token_attr(gpt2, input_ids, target_ids)[:, input_ids != 7])
+
+
+def test_fused_attention_falls_back_to_reverse_mode_under_auto():
+    torch.manual_seed(2)
+    model = _gpt2("sdpa")
+    input_ids, target_ids = _ids(3, 10)
+    assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning under auto
+        attr = token_attr(model, input_ids, target_ids)
+    plan = funcgrad.attribution.plan(model, input_ids, target_ids)
+    assert plan.mode == "reverse" and "forward AD" in plan.why, plan
+    expected = token_attr(model, input_ids, target_ids, mode="reverse")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
+
+
+def test_plan_counts():
+    model = TinyLM()
+    input_ids, target_ids = _ids(8, 4)
+    plan = funcgrad.attribution.plan(
+        model,
+        input_ids,
+        target_ids,
+        method="integrated_gradients",
+        n_steps=16,
+        embedding=model.embed,
+    )
+    assert (plan.mode, plan.rows, plan.directions, plan.captum_forwards) == ("reverse", 16, 4, 12)
+    plan = funcgrad.attribution.plan(
+        model, input_ids[:1], target_ids, return_gradients=True, embedding=model.embed
+    )
+    assert plan.mode == "reverse" and "return_gradients" in plan.why
+
+
+@pytest.mark.slow  # ~15 s: dispatch-mode accounting of every op
+def test_memory_is_bounded_under_a_budget():
+    """chunk_size="auto" with a budget: the T-wide backward goes in chunks, so the peak stays
+    near one forward and backward of the summed log-probabilities (interpreto#96)."""
+    torch.manual_seed(3)
+    model = _gpt2(width=64)
+    input_ids, target_ids = _ids(8, 48)
+    emb = model.get_input_embeddings()
+
+    def floor() -> None:
+        sequence = torch.cat([input_ids, target_ids[:-1]])[None]
+        embeds = emb(sequence).detach().requires_grad_()
+        handle = emb.register_forward_hook(lambda module, inputs, output: embeds)
+        logits = model(sequence).logits[0, len(input_ids) - 1 :]
+        handle.remove()
+        torch.log_softmax(logits, -1).gather(-1, target_ids[:, None]).sum().backward()
+
+    def attribute(chunk_size):
+        return lambda: token_attr(
+            model, input_ids, target_ids, mode="reverse", chunk_size=chunk_size
+        )
+
+    device = torch.device("cpu")
+    _, floor_peak = _memory.peak_of(floor, device)
+    expected, all_at_once = _memory.peak_of(attribute(None), device)
+    with funcgrad.memory_budget(floor_peak // 2):
+        # The first call on new shapes measures one and two directions (chunks of 2 and 3);
+        # the calls after it run in the chunks that fit.
+        token_attr(model, input_ids, target_ids, mode="reverse")
+        attr, chunked = _memory.peak_of(attribute("auto"), device)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
+    assert chunked < all_at_once / 4, (chunked, all_at_once, floor_peak)
+    assert chunked <= 1.5 * floor_peak, (chunked, floor_peak)
+
+
+def test_what_is_kept_between_calls_is_bounded_and_lets_the_model_go():
+    import gc
+
+    from funcgrad import attribution
+
+    model = TinyLM()
+    for targets in range(1, 21):  # 20 shapes: the last 16 are kept
+        token_attr(model, [1, 2], list(range(targets)), embedding=model.embed, mode="reverse")
+    assert len(attribution._COMPOSED[model]) == attribution._COMPOSED_PER_MODEL
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+# ------------------------------------------------------------------------- against captum
+
+
+class WordTokenizer:
+    """The least of a Hugging Face tokenizer that captum's LLM attribution calls: token id i
+    is the word ``w{i}`` (no download)."""
+
+    def encode(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [int(word[1:]) for word in text.split()]
+        return torch.tensor([ids]) if return_tensors == "pt" else ids
+
+    def decode(self, ids):
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return " ".join(f"w{i}" for i in ([ids] if isinstance(ids, int) else ids))
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"w{i}" for i in ids]
+
+    def convert_tokens_to_ids(self, tokens):
+        return [int(token[1:]) for token in tokens]
+
+    def __call__(self, text, return_offsets_mapping=False, add_special_tokens=True):
+        spans = [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
+        return {"input_ids": self.encode(text), "offset_mapping": spans}
+
+
+def _captum(model, input_ids, target_ids, method, n_steps=16, skip=None, unreduced=False):
+    """captum 0.9's token_attr, or with ``unreduced`` its per-target (L_in, d) attributions
+    before the sum (the method's own attribute, as LLMGradientAttribution calls it)."""
+    attr = pytest.importorskip("captum.attr")
+    tokenizer = WordTokenizer()
+    emb = model.get_input_embeddings()
+    layer = {
+        "gradient": lambda: attr.LayerGradientXActivation(model, emb, multiply_by_inputs=False),
+        "grad_x_input": lambda: attr.LayerGradientXActivation(model, emb),
+        "integrated_gradients": lambda: attr.LayerIntegratedGradients(model, emb),
+    }[method]()
+    llm = attr.LLMGradientAttribution(layer, tokenizer)
+    inp = attr.TextTokenInput(tokenizer.decode(input_ids), tokenizer, skip_tokens=skip)
+    kwargs = {"n_steps": n_steps} if method == "integrated_gradients" else {}
+    if not unreduced:
+        return llm.attribute(inp, target=target_ids, **kwargs).token_attr
+    rows = []
+    for i in range(len(target_ids)):
+        full = llm.attr_method.attribute(
+            inp.to_tensor(), additional_forward_args=(inp, target_ids, i), **kwargs
+        )
+        rows.append(full[0, : len(input_ids)])
+    return torch.stack(rows)
+
+
+@pytest.mark.slow  # captum's loop: T (x n_steps + 2) forwards, ~5-10 s
+@pytest.mark.parametrize("method", METHODS)
+def test_matches_captum(gpt2, method):
+    input_ids, target_ids = _ids(8, 6)
+    expected = _captum(gpt2, input_ids, target_ids, method)
+    attr, grads = token_attr(
+        gpt2, input_ids, target_ids, method=method, n_steps=16, return_gradients=True
+    )
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-10)
+    forward = token_attr(gpt2, input_ids, target_ids, method=method, n_steps=16, mode="forward")
+    torch.testing.assert_close(forward, expected, rtol=0, atol=1e-10)
+    # The unreduced attributions: gradients times what captum multiplies them by.
+    unreduced = _captum(gpt2, input_ids, target_ids, method, unreduced=True)
+    emb = gpt2.get_input_embeddings()
+    with torch.no_grad():
+        embeds = emb(input_ids)
+        inputs = {
+            "gradient": torch.ones_like(embeds),
+            "grad_x_input": embeds,
+            "integrated_gradients": embeds - emb(torch.zeros_like(input_ids)),
+        }[method]
+    torch.testing.assert_close(grads * inputs, unreduced, rtol=0, atol=1e-10)
+
+
+@pytest.mark.slow
+def test_matches_captum_with_skipped_tokens(gpt2):
+    input_ids, target_ids = _ids(7, 4)
+    input_ids[0] = 3
+    method = "integrated_gradients"
+    expected = _captum(gpt2, input_ids, target_ids, method, n_steps=8, skip=[3])
+    attr = token_attr(gpt2, input_ids, target_ids, method=method, n_steps=8, skip_ids=[3])
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-10)
+
+
+# ---------------------------------------------------------------------- the classifier recipe
+
+
+def test_every_class_of_a_classifier_with_compose_heads():
+    """The documented recipe: every class's log-probability is a head on the logits."""
+    classes = 5
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, classes))
+    x = torch.randn(8)
+    heads = funcgrad.stacked_heads(
+        lambda onehot, logits: (onehot * torch.log_softmax(logits, -1)).sum(), torch.eye(classes)
+    )
+    values, grads = funcgrad.compose_heads(net, heads)(x)
+    saliency = grads  # (classes, 8): d log p(c) / dx
+    grad_x_input = grads * x
+    for c in range(classes):
+        leaf = x.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(torch.log_softmax(net(leaf), -1)[c], leaf)
+        torch.testing.assert_close(saliency[c], expected, rtol=0, atol=1e-14)
+        torch.testing.assert_close(grad_x_input[c], expected * x, rtol=0, atol=1e-14)
+    torch.testing.assert_close(values, torch.log_softmax(net(x), -1), rtol=0, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"input_ids": torch.tensor([1.0, 2.0])}, TypeError, "`input_ids` must hold integer"),
+        ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, ValueError, r"`input_ids`.*\(2, 3\)"),
+        ({"target_ids": torch.tensor([], dtype=torch.long)}, ValueError, "T = 0"),
+        ({"input_ids": []}, ValueError, "`input_ids` is empty"),
+        ({"target_ids": [1, "a"]}, TypeError, "`target_ids` must be"),
+        ({"target_ids": torch.tensor([1, VOCAB])}, ValueError, rf"\[0, {VOCAB}\).*to {VOCAB}"),
+        ({"method": "saliency"}, ValueError, r"`method` must be one of .*'saliency'"),
+        ({"mode": "jacfwd"}, ValueError, "`mode` must be one of"),
+        ({"n_steps": 0}, ValueError, "`n_steps` must be a positive int, got 0"),
+        ({"baseline_id": 1.5}, TypeError, "`baseline_id` must be an int"),
+        ({"embedding": "wte"}, TypeError, "`embedding` must be"),
+        ({"mode": "forward", "return_gradients": True}, ValueError, "mode='reverse'"),
+        ({"skip_ids": [1, 2, 3]}, ValueError, "skips every prompt token"),
+    ],
+)
+def test_errors_before_the_model_runs(kwargs, error, match):
+    calls = []
+    model = TinyLM()
+    model.register_forward_hook(lambda *args: calls.append(1))
+    arguments = {"input_ids": torch.tensor([1, 2, 3]), "target_ids": torch.tensor([4, 5])}
+    arguments |= {"embedding": model.embed} | kwargs
+    with pytest.raises(error, match=CALL + ".*" + match):
+        token_attr(model, **arguments)
+    assert not calls
+
+
+def test_errors_on_the_model():
+    with pytest.raises(TypeError, match=CALL + ".*`model` must be a torch.nn.Module"):
+        token_attr(lambda ids: ids, [1], [2])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=CALL + ".*no `get_input_embeddings\\(\\)`"):
+        token_attr(TinyLM(), [1], [2])
+    model = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 4), torch.nn.Linear(4, 3))
+    with pytest.raises(ValueError, match=CALL + ".*above the largest target id, 3"):
+        token_attr(model, [1, 2], [3], embedding=model[0])
+    flat = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 4), torch.nn.Flatten(0))
+    with pytest.raises(ValueError, match=CALL + ".*logits of shape"):
+        token_attr(flat, [1, 2], [3], embedding=flat[0])
+
+
+# ------------------------------------------------------- Hugging Face outputs as pytrees (item 5)
+
+
+def test_compose_heads_takes_a_model_output(gpt2):
+    """f may return a ModelOutput (registered with torch.utils._pytree only): its tensors are
+    leaves, heads read its fields."""
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    embeds = gpt2.get_input_embeddings()(ids).detach()
+
+    def f(e):
+        return gpt2(inputs_embeds=e, use_cache=False)
+
+    heads = [lambda out: out.logits[0, -1, 2], lambda out: out["logits"][0, 2].logsumexp(-1)]
+    _, grads = funcgrad.compose_heads(f, heads)(embeds)
+    for i, head in enumerate(heads):
+        leaf = embeds.clone().requires_grad_()
+        (expected,) = torch.autograd.grad(head(f(leaf)), leaf)
+        torch.testing.assert_close(grads[i], expected, rtol=0, atol=1e-13)
+    with pytest.raises(TypeError, match=r"leaf \['cache'\], must be a floating-point"):
+        funcgrad.compose_heads(lambda e: gpt2(inputs_embeds=e, use_cache=True), heads)(embeds)
+
+
+class Pair:
+    """A user's type, registered with torch's pytree registry only."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+
+torch.utils._pytree.register_pytree_node(
+    Pair, lambda p: ([p.first, p.second], ["first", "second"]), lambda xs, _: Pair(*xs)
+)
+
+
+def test_a_type_registered_with_torch_only_is_a_node():
+    x = torch.randn(3)
+    _, grads = funcgrad.compose_heads(
+        lambda x: Pair(x.sin(), x.exp()), [lambda p: p.first.sum(), lambda p: p.second[0]]
+    )(x)
+    torch.testing.assert_close(grads, torch.stack([x.cos(), torch.eye(3)[0] * x.exp()]))
+    with pytest.raises(TypeError, match=r"leaf \['second'\]"):
+        funcgrad.compose_heads(lambda x: Pair(x.sin(), 1), [lambda p: p.first.sum()])(x)
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [token_attr, funcgrad.attribution.plan, funcgrad.attribution.AttributionPlan],
+    ids=lambda obj: obj.__name__,
+)
+def test_type_hints_are_readable(obj):
+    import typing
+
+    assert typing.get_type_hints(obj)
