@@ -1310,7 +1310,9 @@ class _Generic(_Layer):
         with torch.enable_grad():
             flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
             outs = [flat[i] for i, _, _ in use.outputs]
-            cotangents = [self.delta(use, i)[b : b + 1] for i in range(len(outs))]
+            cotangents = [
+                self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
+            ]
             params = list(self.params.values())
             grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
         return {
@@ -1378,23 +1380,6 @@ class _Recurrent(_Generic):
         self.rule = "materialised, loop (recurrent)"
         rows = [self.eager(use, b) for b in range(self.batch)]
         return {k: torch.stack([r[k] for r in rows]) for k in self.params}
-
-    def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
-        leaves, spec, dims = self.leaf_dims(use)
-        leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
-        args, kwargs = _pytree.tree_unflatten(leaves, spec)
-        with torch.enable_grad():
-            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
-            outs = [flat[i] for i, _, _ in use.outputs]
-            cotangents = [
-                self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
-            ]
-            params = list(self.params.values())
-            grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
-        return {
-            k: torch.zeros_like(p) if g is None else g
-            for (k, p), g in zip(self.params.items(), grads)
-        }
 
 
 class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
