@@ -28,6 +28,7 @@ import torch
 from ._errors import FuncgradWarning, describe
 from ._heads import ComposedHeads, compose_heads, stacked_heads
 from ._types import ChunkSize
+from ._validate import check_chunk_size, check_not_inference_mode
 
 __all__ = ["AttributionPlan", "Method", "Mode", "plan", "token_attr"]
 
@@ -54,13 +55,20 @@ _CALL = "funcgrad.attribution.token_attr(model, input_ids, target_ids)"
 _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 
 # Models on which forward mode failed (a fused attention kernel without a forward-mode
-# rule): "auto" takes reverse mode on them from then on.
-_NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# rule), with the training flag they had (in train mode dropout's draws may be why): "auto"
+# takes reverse mode on them from then on, in that mode.
+_NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]
+_NO_FORWARD = weakref.WeakKeyDictionary()
+# Models checked causal (see _check_causal).
+_CAUSAL: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 # One composed function per model, embedding and shapes, so that what compose_heads learns on
 # a first call (chunk_size="auto"'s measurement) serves the later calls; the last
 # _COMPOSED_PER_MODEL shapes per model (each holds its heads' (T, rows, T) weights).
 _COMPOSED: weakref.WeakKeyDictionary[
-    torch.nn.Module, collections.OrderedDict[tuple[Any, ...], ComposedHeads[Any]]
+    torch.nn.Module,
+    collections.OrderedDict[
+        tuple[Any, ...], tuple[weakref.ref[torch.nn.Module], ComposedHeads[Any]]
+    ],
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
 _COMPOSED_PER_MODEL = 16
@@ -149,7 +157,10 @@ def _validate(
     skip_ids: object,
     mode: object,
     call: str,
+    chunk_size: object = None,
 ) -> tuple[_Args, Mode]:
+    check_not_inference_mode(call)
+    check_chunk_size(chunk_size, call)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
             f"{call}: `model` must be a torch.nn.Module (its embedding layer is hooked), got "
@@ -183,6 +194,17 @@ def _validate(
     if len(targets) == 0:
         raise ValueError(f"{call}: `target_ids` is empty (T = 0); give at least one target token.")
     skips = _ids(skip_ids, "skip_ids", call)
+    config = getattr(model, "config", None)
+    positions = getattr(config, "n_positions", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+    length = len(inputs) + len(targets) - 1
+    if isinstance(positions, int) and length > positions:
+        raise ValueError(
+            f"{call}: the teacher-forced sequence (prompt + targets[:-1]) has {length} tokens, "
+            f"more than the model's {positions} positions (its config). Shorten the prompt or "
+            "the targets."
+        )
     vocabulary = getattr(embedding, "num_embeddings", None)
     for name, ids in (("input_ids", inputs), ("target_ids", targets)):
         if len(ids) and (int(ids.min()) < 0 or (vocabulary and int(ids.max()) >= vocabulary)):
@@ -238,7 +260,8 @@ def _choose(
         return "reverse", "return_gradients=True: the (T, L_in, d) gradients come from reverse mode"
     if mode != "auto":
         return mode, f"mode={mode!r} requested"
-    failed = _NO_FORWARD.get(args.model)
+    record = _NO_FORWARD.get(args.model)
+    failed = record[1] if record is not None and record[0] == args.model.training else None
     # Measured (docs/benchmarks_attribution.md): at L_in = 16 forward mode took 2.9x reverse
     # mode's time at T = 8, 0.78x at T = 32 and 0.15x at T = 128. Reverse mode's T backward
     # passes each run over the whole teacher-forced sequence, where captum's run over a prefix.
@@ -261,6 +284,74 @@ def _logits(output: object, call: str) -> torch.Tensor:
     return logits
 
 
+def _check_causal(args: _Args) -> None:
+    """One teacher-forced forward gives captum's prefix forwards' answers only where position
+    i's logits read positions ``<= i``. Checked once per model: two forwards without
+    gradients, in eval mode (the modules' flags restored after), the second with the last
+    token changed; the logits before it must not move."""
+    model = args.model
+    sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
+    if len(sequence) < 2 or model in _CAUSAL:
+        return
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            before = _logits(model(sequence[None]), _CALL)
+            vocabulary = getattr(args.embedding, "num_embeddings", None) or before.shape[-1]
+            changed = sequence.clone()
+            changed[-1] = (changed[-1] + 1) % vocabulary
+            after = _logits(model(changed[None]), _CALL)
+    finally:
+        for module, flag in flags:
+            module.training = flag
+    earlier, moved = before[0, :-1], after[0, :-1]
+    if earlier.shape != moved.shape:
+        return  # (the logits' shape checks name this on the call itself)
+    gap = float((earlier - moved).abs().max())
+    scale = float(earlier.abs().max())
+    if not gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0):
+        raise ValueError(
+            f"{_CALL}: the model is not causal: changing the last token of prompt + "
+            f"targets[:-1] moved the logits at earlier positions (by up to {gap:.3g}, against "
+            f"logits up to {scale:.3g}). One teacher-forced forward equals captum's prefix "
+            "forwards only where position i reads positions <= i (a causal LM: GPT-2, Llama). "
+            "For a bidirectional model (BERT), run captum's loop, or `funcgrad.compose_heads` "
+            "on each prefix's forward."
+        )
+    _CAUSAL.add(model)
+
+
+def _refuse_tensor_hooks(output: Any) -> None:
+    if getattr(output, "_backward_hooks", None):
+        raise ValueError(
+            f"{_CALL}: the embedding layer's output has a tensor hook (registered by a forward "
+            "hook on the layer?); token_attr substitutes that output, so the hook would not "
+            "run, where captum runs it. Remove it, or make the forward hook return the "
+            "changed output."
+        )
+
+
+def _check_substituted(output: Any, plain: torch.Tensor) -> None:
+    """The layer's own output in the model's forward, which the hook replaces, must be the
+    embeddings of the ids computed outside the model (``plain``): else the model changed the
+    ids before the layer (a pre-hook, a remap), the layer reads something other than the ids
+    (position embeddings), or it draws, and the attribution would be of other embeddings than
+    captum's. A tensor hook on it would be dropped with it."""
+    _refuse_tensor_hooks(output)
+    real = output.detach()
+    gap = (real - plain).abs().max()
+    if not bool(gap <= 64 * torch.finfo(real.dtype).eps * plain.abs().max()):
+        raise ValueError(
+            f"{_CALL}: inside the model's forward, the embedding layer returned other values "
+            f"than on the token ids alone (by up to {float(gap):.3g}): the model changes the "
+            "ids before the layer (a forward pre-hook, a remap), the layer is not fed the "
+            "ids (position embeddings), or it draws random numbers. Pass `embedding=`, the "
+            "layer that maps the token ids to their embeddings, and keep the ids unchanged "
+            "before it."
+        )
+
+
 def _composed(
     args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize, dtype: torch.dtype
 ) -> ComposedHeads[Any]:
@@ -275,15 +366,16 @@ def _composed(
         prompt,
         targets,
         mode,
-        chunk_size if isinstance(chunk_size, int | str) or chunk_size is None else None,
+        chunk_size,
         dtype,
         args.input_ids.device,
     )
     cache = _COMPOSED.setdefault(args.model, collections.OrderedDict())
     found = cache.get(key)
-    if found is not None:
+    # (an id is reused once its module is freed: the entry serves only the same embedding)
+    if found is not None and found[0]() is args.embedding:
         cache.move_to_end(key)
-        return found
+        return found[1]
     model_ref, embedding_ref = weakref.ref(args.model), weakref.ref(args.embedding)
     rows = len(alphas)
 
@@ -293,6 +385,7 @@ def _composed(
         direction: torch.Tensor,
         sequence: torch.Tensor,
         target_ids: torch.Tensor,
+        plain: torch.Tensor,
     ) -> torch.Tensor:
         """The (rows, T) target log-probabilities with the prompt's embeddings moved by x:
         by x itself (reverse mode, x of shape (L_in, d)) or x times ``direction`` (forward
@@ -311,6 +404,7 @@ def _composed(
                     f"{tuple(embeds.shape)} (batch, length, d): pass `embedding=`, the layer "
                     "that maps the token ids to their embeddings."
                 )
+            _check_substituted(output, plain)
             return embeds
 
         handle = embedding.register_forward_hook(substitute)
@@ -349,21 +443,40 @@ def _composed(
     # Forward mode forms all L_in tangents with the one forward: no chunks there.
     chunk = None if mode == "forward" else chunk_size
     fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
-    cache[key] = fn
+    cache[key] = (embedding_ref, fn)
     while len(cache) > _COMPOSED_PER_MODEL:
         cache.popitem(last=False)
     return fn
 
 
-def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sequence, scaled, direction): the teacher-forced ids ``prompt + targets[:-1]``; the
-    embeddings of every row of the batch (the integration path's points, else the input's);
-    and what the attributions multiply the gradients by (ones, the input's embeddings, or the
-    input's minus the baseline's), each as captum forms them."""
+def _embed(args: _Args, ids: torch.Tensor) -> Any:
+    """The layer's output on ``ids``, detached. Computed with gradients on, as in captum's
+    forward, so that a forward hook registering a tensor hook where its output requires grad
+    does so here, and is refused."""
+    try:
+        with torch.enable_grad():
+            embeds = args.embedding(ids)
+    except (IndexError, RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{_CALL}: the embedding layer could not map the (1, {ids.shape[1]}) token ids to "
+            f"embeddings ({type(error).__name__}: {error}). `embedding` must be the layer "
+            "that maps token ids to embeddings (called on the ids alone, as "
+            "`model.get_input_embeddings()`), and the ids must be in its vocabulary."
+        ) from error
+    _refuse_tensor_hooks(embeds)
+    return embeds.detach() if isinstance(embeds, torch.Tensor) else embeds
+
+
+def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sequence, scaled, direction, plain): the teacher-forced ids ``prompt +
+    targets[:-1]``; the embeddings of every row of the batch (the integration path's points,
+    else the input's); what the attributions multiply the gradients by (ones, the input's
+    embeddings, or the input's minus the baseline's), each as captum forms them; and the
+    sequence's own embeddings, which the layer must produce inside the model."""
     prompt = len(args.input_ids)
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
     with torch.no_grad():
-        embeds = args.embedding(sequence[None])
+        embeds = _embed(args, sequence[None])
         if (
             not isinstance(embeds, torch.Tensor)
             or embeds.dim() != 3
@@ -380,6 +493,7 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
                 embeds[0, :prompt]
                 if args.method == "grad_x_input"
                 else (torch.ones_like(embeds[0, :prompt])),
+                embeds,
             )
         # captum's baseline: the baseline token at every prompt position it attributes to
         # (skipped tokens and the targets keep theirs), so the path moves the prompt only.
@@ -388,10 +502,10 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if args.kept is not None:
             replaced = torch.where(args.kept, replaced, args.input_ids)
         base_ids[:prompt] = replaced
-        baseline = args.embedding(base_ids[None])
+        baseline = _embed(args, base_ids[None])
         alphas, _ = _quadrature(args)
         scaled = torch.cat([baseline + alpha * (embeds - baseline) for alpha in alphas], dim=0)
-        return sequence, scaled, (embeds - baseline)[0, :prompt]
+        return sequence, scaled, (embeds - baseline)[0, :prompt], embeds
 
 
 def _run(
@@ -399,12 +513,12 @@ def _run(
     mode: Literal["reverse", "forward"],
     chunk_size: ChunkSize,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    sequence, scaled, direction = _prepare(args)
+    sequence, scaled, direction, plain = _prepare(args)
     fn = _composed(args, mode, chunk_size, scaled.dtype)
     shape = direction.shape[:1] if mode == "forward" else direction.shape
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
     with torch.enable_grad():
-        _, grads = fn(x, scaled, direction, sequence, args.target_ids)
+        _, grads = fn(x, scaled, direction, sequence, args.target_ids, plain)
     if mode == "forward":
         return grads, None
     return (grads * direction).sum(-1), grads
@@ -568,8 +682,10 @@ def token_attr(
         skip_ids,
         mode,
         _CALL,
+        chunk_size,
     )
     chosen, _ = _choose(args, requested, return_gradients, _CALL)
+    _check_causal(args)
     if chosen == "forward" and requested == "auto":
         # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
         # run; under "auto" that is this function's choice to make: no warning, and reverse
@@ -579,7 +695,8 @@ def token_attr(
             attributions, gradients = _run(args, chosen, chunk_size)
         failed = _forward_fallback(caught)
         if failed is not None:
-            _NO_FORWARD[args.model] = _why_not_forward(str(caught[failed].message))
+            why = _why_not_forward(str(caught[failed].message))
+            _NO_FORWARD[args.model] = (args.model.training, why)
         for index, message in enumerate(caught):  # every other warning, as it was
             if index != failed:
                 warnings.warn_explicit(

@@ -283,6 +283,162 @@ def test_what_is_kept_between_calls_is_bounded_and_lets_the_model_go():
     assert alive() is None
 
 
+# ------------------------------------------------- the assumptions of one forward, checked
+
+
+class Bidirectional(TinyLM):
+    """Position i reads every position: one teacher-forced forward is not the prefixes'."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mix(self.embed(ids)))
+        return self.out(h + h.mean(1, keepdim=True))
+
+
+class Remapped(TinyLM):
+    """Changes the ids before its embedding layer: the layer's output is not embed(ids)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(torch.where(ids >= 30, 1, ids))
+
+
+def test_a_model_that_is_not_causal_is_refused():
+    model = Bidirectional()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    with pytest.raises(ValueError, match=CALL + ".*not causal"):
+        token_attr(model, [1, 2, 3], [4, 5], embedding=model.embed)
+    assert model.training  # the probe ran in eval mode, and the flags are back
+    assert len(calls) == 2  # the probe's two forwards, then nothing
+
+
+def test_bert_is_refused_as_not_causal():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    model = transformers.BertForMaskedLM(config).double().eval()
+    with pytest.raises(ValueError, match=CALL + ".*not causal"):
+        token_attr(model, [1, 2, 3], [4, 5])
+
+
+def test_the_causal_probe_runs_once_per_model():
+    model = TinyLM()
+    calls = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    for targets in ([4, 5], [4, 5, 6]):
+        token_attr(model, [1, 2, 3], targets, embedding=model.embed, mode="reverse")
+    assert len(calls) == 2 + 2  # the probe's two, then one forward per call
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_model_that_changes_the_ids_before_the_layer_is_refused(gpt2, mode):
+    model = Remapped()
+    input_ids, target_ids = torch.tensor([1, 31, 3]), torch.tensor([4, 5, 6, 7])
+    with pytest.raises(ValueError, match=CALL + ".*other values than on the token ids alone"):
+        token_attr(model, input_ids, target_ids, embedding=model.embed, mode=mode)
+    handle = gpt2.register_forward_pre_hook(lambda module, args: ((args[0] + 1) % VOCAB,))
+    try:
+        with pytest.raises(ValueError, match=CALL + ".*other values"):
+            token_attr(gpt2, input_ids, target_ids, mode=mode)
+    finally:
+        handle.remove()
+
+
+def test_a_layer_not_fed_the_ids_is_refused(gpt2):
+    with pytest.raises(ValueError, match=CALL + ".*other values.*position embeddings"):
+        token_attr(gpt2, [1, 2, 3], [4, 5], embedding=gpt2.transformer.wpe)
+    with pytest.raises(ValueError, match=CALL + ".*could not map the .* token ids"):
+        token_attr(gpt2, [1, 2, 3], [4, 5], embedding=gpt2.transformer.ln_f)
+
+
+def test_a_tensor_hook_on_the_embedding_output_is_refused(gpt2):
+    emb = gpt2.get_input_embeddings()
+
+    def hook(module, inputs, output):
+        if output.requires_grad:
+            output.register_hook(lambda grad: 3 * grad)
+
+    handle = emb.register_forward_hook(hook)
+    try:
+        with pytest.raises(ValueError, match=CALL + ".*tensor hook"):
+            token_attr(gpt2, [1, 2, 3], [4, 5], mode="reverse")
+    finally:
+        handle.remove()
+
+
+def test_a_forward_hook_that_returns_a_new_output_is_attributed_as_captum_does(gpt2):
+    """The hook's output is what captum's later hook sees: the attribution is to it."""
+    emb = gpt2.get_input_embeddings()
+    handle = emb.register_forward_hook(lambda module, inputs, output: 2 * output)
+    try:
+        input_ids, target_ids = _ids(4, 3)
+        attr = token_attr(gpt2, input_ids, target_ids, mode="reverse")
+        expected, _ = _loop(gpt2, emb, input_ids, target_ids, "grad_x_input")
+    finally:
+        handle.remove()
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+def test_a_new_embedding_module_is_never_served_an_old_entry():
+    """The composed functions are cached per id(embedding): an id is reused once a module is
+    freed, and an entry must serve only the module it was made for (here the reuse is made
+    deterministic: the old entry filed under the new module's id)."""
+    from funcgrad import attribution
+
+    model = TinyLM().double()
+    input_ids, target_ids = torch.tensor([1, 2, 3]), torch.tensor([4, 5])
+    token_attr(model, input_ids, target_ids, embedding=model.embed, mode="reverse")
+    cache = attribution._COMPOSED[model]
+    (old_key,) = cache
+    model.embed = torch.nn.Embedding(VOCAB, 6).double()
+    cache[(id(model.embed), *old_key[1:])] = cache[old_key]
+    attr = token_attr(model, input_ids, target_ids, embedding=model.embed, mode="reverse")
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+def test_a_train_mode_failure_of_forward_mode_does_not_stick_in_eval_mode():
+    class Dropped(TinyLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * torch.nn.functional.dropout(
+                torch.ones((), dtype=torch.float64), 0.5, self.training
+            )
+
+    model = Dropped().double()
+    input_ids, target_ids = torch.tensor([1, 2]), torch.tensor([4, 5, 6, 7])
+    model.train()
+    token_attr(model, input_ids, target_ids, embedding=model.embed)
+    model.eval()
+    assert funcgrad.attribution.plan(model, input_ids, target_ids, embedding=model.embed).mode == (
+        "forward"
+    )
+
+
+def test_sequences_past_the_models_positions_are_refused():
+    torch.manual_seed(0)
+    model = _gpt2()  # n_positions = 96
+    with pytest.raises(ValueError, match=CALL + ".*has 97 tokens, more than the model's 96"):
+        token_attr(model, list(range(1, 38)) + [1] * 40, list(range(1, 22)))
+
+
+@pytest.mark.parametrize("chunk_size", [0, -2, "x", 2.5, True])
+def test_chunk_size_is_checked_by_token_attr(chunk_size):
+    model = TinyLM()
+    token_attr(model, [1, 2], [3, 4], embedding=model.embed, chunk_size=1)
+    with pytest.raises(ValueError, match=CALL + ".*`chunk_size` must be"):
+        token_attr(model, [1, 2], [3, 4], embedding=model.embed, chunk_size=chunk_size)
+
+
+def test_inference_mode_is_refused_by_name():
+    model = TinyLM()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=CALL + ".*inference_mode"):
+        token_attr(model, [1, 2], [3, 4], embedding=model.embed)
+
+
 # ------------------------------------------------------------------------- against captum
 
 
