@@ -938,7 +938,7 @@ def _freeing_ranks(rank, store):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from funcgrad.bench._ddp import gloo_group
+    from funcgrad.bench.ranks import gloo_group
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
@@ -1000,7 +1000,7 @@ def _freeing_ranks(rank, store):
 
 @pytest.mark.slow
 def test_every_sync_policy_frees_the_shared_graph(tmp_path):
-    from funcgrad.bench._ddp import spawn_ranks
+    from funcgrad.bench.ranks import spawn_ranks
 
     spawn_ranks(_freeing_ranks, str(tmp_path / "store"))
 

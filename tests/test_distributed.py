@@ -3,7 +3,7 @@ each rank's .grad against one process on the whole batch, in float64; every rank
 and returns the same weights; the ranks agree before any backward, and an error leaves every
 .grad unchanged. Every collective has a 30 s timeout (a failing test
 ends, never hangs); every rank ends with the same barrier before destroying its group (see
-funcgrad.bench._ddp.gloo_group)."""
+funcgrad.bench.ranks.gloo_group)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from helpers import task_losses
 from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench._ddp import gloo_group, spawn_ranks
+from funcgrad.bench.ranks import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchjd.aggregation import GradDrop, MGDAWeighting, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench._ddp import gloo_group, spawn_ranks
+from funcgrad.bench.ranks import gloo_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 
@@ -414,6 +414,6 @@ def test_the_fsdp_example_runs_under_torchrun():
     assert done.stdout.count("equal to one process on the whole batch") == 6
     # Past the final barrier, the one failure left is torch's: DTensor's caches keep the
     # DeviceMesh, and with it the gloo group, past destroy_process_group, and gloo's threads
-    # die in the interpreter's teardown, which can abort (see bench._ddp.spawn_ranks).
+    # die in the interpreter's teardown, which can abort (see funcgrad.bench.ranks.spawn_ranks).
     teardown = "terminate called without an active exception" in done.stderr
     assert done.returncode == 0 or teardown, done.stdout[-3000:] + done.stderr[-3000:]

@@ -66,10 +66,9 @@ def gpt2(
     heads: int,
     vocab: int,
     positions: int,
-    lm_head: bool = False,
 ) -> nn.Module:
-    """``transformers.GPT2Model``, or ``GPT2LMHeadModel`` with ``lm_head`` (its
-    ``lm_head.weight`` tied to the token embedding)."""
+    """``transformers.GPT2Model`` (its config ties an LM head's weight to the token
+    embedding)."""
     tf = _transformers()
     config = tf.GPT2Config(
         vocab_size=vocab,
@@ -85,7 +84,7 @@ def gpt2(
         attn_pdrop=0.0,
         attn_implementation=attn,
     )
-    return (tf.GPT2LMHeadModel if lm_head else tf.GPT2Model)(config)
+    return tf.GPT2Model(config)
 
 
 def vit(
