@@ -260,73 +260,14 @@ def _walk_outputs(
 ) -> Walked:
     """:func:`walk` from each output on its own: (each output's nodes, see ``nodes`` there;
     the indices of the targets each reaches other than through a stop edge; whether each
-    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given.
-
-    In one loop where the outputs share no edge other than a stop edge (the usual heads
-    share nothing above ``through``); else, once that loop meets an edge another output
-    walked (its nodes would not be each output's own), a walk from each output. (The loop
-    is :func:`walk`'s, with each edge's owner recorded: kept out of ``walk``, which also
-    walks the shared part of real models.)"""
-
-    def in_one_loop() -> Walked | None:
-        seen: dict[Edge, int] = {}
-        parts: list[set[Any]] = []
-        bypassing: dict[int, set[int]] = {}
-        reaching = [False] * len(outputs)
-        ends: list[Any] = []
-        for i, z in enumerate(outputs):
-            part: set[Any] = set()
-            parts.append(part)
-            start = edge(z)
-            if start in stops:
-                reaching[i] = True
-                continue
-            if seen.setdefault(start, i) != i:
-                return None
-            todo = [start]
-            while todo:
-                e = todo.pop()
-                if e in targets:
-                    bypassing.setdefault(i, set()).add(targets[e])
-                node = e[0]
-                parents = node.next_functions
-                if not parents:
-                    if leaves is not None and hasattr(node, "variable"):
-                        leaves[i].setdefault(e, node.variable)
-                    ends.append(node)
-                    continue
-                part.add(node)
-                dead = True
-                for parent in parents:
-                    if parent[0] is None:
-                        continue
-                    dead = False
-                    if parent in stops:
-                        reaching[i] = True
-                        continue
-                    owner = seen.get(parent)
-                    if owner is None:
-                        seen[parent] = i
-                        todo.append(parent)
-                    elif owner != i:
-                        return None
-                if dead:
-                    ends.append(node)
-        return parts, bypassing, reaching, ends
-
-    walked = in_one_loop()
-    if walked is not None:
-        return walked
+    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given."""
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
     reaching: list[bool] = []
     ends: list[Any] = []
     for i, z in enumerate(outputs):
         parts.append(set())
-        mine = None
-        if leaves is not None:
-            mine = leaves[i]
-            mine.clear()  # (what the loop above found before it stopped)
+        mine = None if leaves is None else leaves[i]
         found, stopped = walk([edge(z)], targets, stops, mine, nodes=parts[i], ends=ends)
         if found:
             bypassing[i] = found
@@ -522,7 +463,7 @@ class Graph:
         upper = heads | stop_nodes
         freed, sparse, compiled, hooked = [], False, False, False
         for node in runs:
-            kind = _KINDS.get(type(node)) or _kind(node)  # (the lookup inline: ~50 nodes)
+            kind = _kind(node)
             if kind.saves or (kind.custom and _custom_saves(node)):
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
@@ -654,16 +595,9 @@ _SPENT = "funcgrad: spent"
 _REFUSES = "funcgrad: refuses a backward"
 
 
-# How many spend() calls marked nodes in this process: until one has, no node can carry a
-# mark, and spent() reads none (reading a node's metadata makes it: ~0.5 us a node).
-_marking_calls = 0
-
-
 def spent(graph: Graph) -> str | None:
     """The call that spent (see :func:`spend`) one of the nodes that ``graph``'s backward
     frees, if any: that backward would raise in torch."""
-    if not _marking_calls:
-        return None
     return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
@@ -690,7 +624,6 @@ def spend(
     freed every node the backward frees and no node needs a hook, nothing is marked: a later
     backward meets torch's own freed graph, as after ``torch.autograd.grad``, and a later
     funcgrad call gives its own message for torch's error (:func:`freed_error`)."""
-    global _marking_calls
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -705,9 +638,9 @@ def spend(
 
     # Where the call's last pass freed the shared part for real (``shared_freed``: a pull
     # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
-    # alive need a hook (a hook costs ~2 us a node: a real model's shared part has
-    # thousands). (The caller knows; reading a saved tensor to find out would run its
-    # unpack hook: a non-reentrant checkpoint's recomputation.) The same for the heads' nodes
+    # alive need a hook (a real model's shared part has thousands of nodes). (The caller
+    # knows; reading a saved tensor to find out would run its unpack hook: a non-reentrant
+    # checkpoint's recomputation.) The same for the heads' nodes
     # that each output's own backward freed (``heads_freed``).
     hooked = [
         (node, below)
@@ -718,7 +651,6 @@ def spend(
     ]
     if torch_answers and not hooked:
         return
-    _marking_calls += 1
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
     for node, below in hooked:

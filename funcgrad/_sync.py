@@ -642,7 +642,7 @@ _SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKe
 
 
 def _sharded_params(module: torch.nn.Module) -> list[Any]:
-    from torch.distributed.tensor import DTensor  # (imported late: ~1 s)
+    from torch.distributed.tensor import DTensor  # (imported late: slow to import)
 
     params = list(module.parameters())
     if all(isinstance(p, DTensor) for p in params):

@@ -48,8 +48,7 @@ def differentiating() -> contextlib.AbstractContextManager[None]:
 
 
 class _DifferentiatingBlock:
-    """The context of :func:`differentiating` (a class: a generator-based context manager
-    costs a few microseconds more a call, on every pullback and heads' run)."""
+    """The context of :func:`differentiating`."""
 
     __slots__ = ("_token",)
 
@@ -171,8 +170,6 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
         items: Any = tuple(value.unbind())
     elif isinstance(value, torch.Tensor):
         items = (value,)
-    elif isinstance(value, (list, tuple)):  # (the usual case, before the slower ABC check)
-        items = tuple(value)
     elif isinstance(value, Iterable) and not isinstance(value, (str, bytes, Mapping)):
         items = tuple(value)  # a generator, such as model.parameters()
     else:
