@@ -485,17 +485,13 @@ class Graph:
         )
 
     def refusing(self, search: bool = False) -> dict[Any, list[Any] | None]:
-        """Where a later backward must refuse, so that it raises before it writes anything,
-        and when: at a freed node always (None: torch raises there); at a node above
-        ``through`` (the losses' own included) or ``through``'s own node, when the backward
-        will run one of the first freed nodes below it (listed; as the engine prunes,
-        ``torch.autograd.grad(loss, log_var)`` may avoid them). A backward from the outputs
-        runs those nodes first, before any leaf; torch would raise only at the freed node,
-        after accumulating into a leaf that a path saving nothing reaches first (a parameter
-        added to a loss). Only such nodes need it: where every path down to a leaf passes a
-        freed node, the backward raises there before any write. The search goes down from
-        those nodes no further than the first freed ones (usually ``through``'s own node):
-        it never walks the shared part, and is skipped where the walk shows it would find
+        """Where a later backward must refuse so that it raises before it writes anything:
+        node -> None (a freed node: always) or the first freed nodes below it (a node above
+        ``through``, or ``through``'s own: when the backward will run one of them). torch
+        would raise only at the freed node, after accumulating into a leaf that a path
+        saving nothing reaches first (a parameter added to a loss); a node none of whose
+        paths reaches such a leaf needs no entry. The search stops at the first freed nodes
+        (it never walks the shared part), and is skipped where the walk shows it would find
         nothing (``search``: search anyway)."""
         freed = set(self.freed)
         refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
@@ -609,21 +605,17 @@ def spend(
     heads_freed: Collection[Any] = (),
     torch_answers: bool = False,
 ) -> None:
-    """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
-    ``retain_graph``), so that a later call through them raises before any pass (on every
-    rank: see :func:`spent`), and make any later backward, the user's own included, raise
-    as torch's would on the freed graph, before it writes anything (see
-    :meth:`Graph.refusing`). funcgrad keeps parts of the graph alive (the heads' part that
-    a later loss shares, the shared part for its batched pulls), so torch itself would not
-    raise there; ``shared_freed``:
-    the call's last pass freed the shared part (below ``through``) itself; ``heads_freed``:
-    the nodes above ``through`` that the outputs' backward freed without retain_graph (all
-    of ``graph.heads`` after one backward of their sum, ``graph.freed_by_losses`` after one
-    per output: see :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no
-    other process must refuse with this one (no process group); then, where torch itself
-    freed every node the backward frees and no node needs a hook, nothing is marked: a later
-    backward meets torch's own freed graph, as after ``torch.autograd.grad``, and a later
-    funcgrad call gives its own message for torch's error (:func:`freed_error`)."""
+    """After ``call`` ran ``graph``'s backward without ``retain_graph``: mark the nodes it
+    frees as spent (a later funcgrad call raises before any pass, on every rank: see
+    :func:`spent`), and hook the nodes funcgrad kept alive (the heads' part a later loss
+    shares, the shared part for its batched pulls) so that any later backward, the user's
+    own included, raises as torch's would, before it writes (see :meth:`Graph.refusing`).
+
+    ``shared_freed``: the last pass freed the part below ``through`` itself;
+    ``heads_freed``: the nodes above ``through`` that the outputs' backward freed (see
+    :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no other process must
+    refuse with this one; then, where torch freed every node and none needs a hook, nothing
+    is marked (a later call gives its own message for torch's error: :func:`freed_error`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -687,16 +679,11 @@ SECOND_BACKWARD = (
 
 @contextlib.contextmanager
 def hooks_fired(through: Tensors) -> Iterator[None]:
-    """Around the passes that start at ``through``, with the cotangents that the backward of
-    the losses gave it. Those cotangents already went through ``through``'s tensor hooks
-    (``register_hook``: autograd runs them before it hands a gradient out) and its
-    ``retain_grad()``, once per backward of a loss as torch's would; a pass whose roots are
-    ``through`` would run them again (a hook returning ``2 * g`` gave twice torch's
-    gradient). So in these passes the user's hooks are held back (taken out of the hook
-    dict, the same dict autograd reads when it runs the node, and put back after, in their
-    order), and a retained ``.grad`` is put back as the losses' backward left it. torch's
-    own hooks stay: they act on every backward through the node, whatever its gradient
-    (FSDP's pre-backward all-gather, which returns the gradient unchanged)."""
+    """Around the passes that start at ``through`` with the cotangents the losses' backward
+    gave it: those already went through ``through``'s tensor hooks and ``retain_grad()``,
+    once per loss as in torch, so the user's hooks are held back (out of the dict autograd
+    reads, then put back in order) and a retained ``.grad`` is restored. torch's own hooks
+    stay (FSDP's pre-backward all-gather acts on every backward)."""
     held = []
     for t in through:
         hooks = t._backward_hooks or {}

@@ -27,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._validate import is_count
+
 T = TypeVar("T")
 _ENV = "FUNCGRAD_MEMORY_BUDGET"
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -50,7 +52,7 @@ _FORMS = (
 
 
 def _check(nbytes: object, where: str) -> int:
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+    if not is_count(nbytes):
         raise ValueError(
             f"{where} must be a positive int (a number of bytes) or a string, got {nbytes!r}. "
             f"{_FORMS}"
