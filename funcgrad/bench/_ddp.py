@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -102,8 +103,12 @@ def _counting(counter: dict[str, int]) -> None:
         original = getattr(dist, name)
 
         def counted(
-            *args, _original=original, _name=name, _at=(position, keyword, factor), **kwargs
-        ):
+            *args: Any,
+            _original: Callable[..., Any] = original,
+            _name: str = name,
+            _at: tuple[int, str, float] = (position, keyword, factor),
+            **kwargs: Any,
+        ) -> Any:
             tensor = args[_at[0]] if len(args) > _at[0] else kwargs[_at[1]]
             sent = round(_at[2] * tensor.numel() * tensor.element_size())
             counter[_name] = counter.get(_name, 0) + sent
@@ -150,7 +155,7 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
     _counting(counter)
     widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 128)
     torch.manual_seed(0)
-    encoder = Encoder(widths)
+    encoder = Encoder(widths)  # type: ignore[no-untyped-call]
     # A separate instance for FSDP (fully_shard changes its class, DDP keeps its own), from
     # the same initial weights.
     fsdp = _fully_shard(copy.deepcopy(encoder))
@@ -170,7 +175,7 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
         features = module(inputs)
         losses = [h(features) for h in heads]
         if method in (DDP_METHODS[0], FSDP_METHODS[0]):
-            torch.stack(losses).sum().backward()
+            torch.autograd.backward(torch.stack(losses).sum())
         else:
             level: Literal["params", "features"] = (
                 "params" if method.endswith("params") else "features"

@@ -54,7 +54,7 @@ def spawn_ranks(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) ->
     check had passed. A rank that raises goes through ``mp.spawn``'s own error path, and
     ``faulthandler`` prints the Python stacks of a rank that aborts or crashes.
     """
-    mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=True)
+    mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=True)  # type: ignore[no-untyped-call]
 
 
 def _rank_main(rank: int, worker: Callable[..., None], *args: Any) -> None:
