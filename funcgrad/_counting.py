@@ -90,7 +90,7 @@ class PassCounter:
         self.backward = 0
 
 
-BackwardCounter = PassCounter  # the name the tests and benchmarks have used
+BackwardCounter = PassCounter  # (another name, used by some tests)
 
 
 class _CountedIdentity(torch.autograd.Function):

@@ -134,11 +134,6 @@ COMPILED_BACKWARD = "CompiledFunctionBackward"
 MODULE_HOOK = "BackwardHookFunctionBackward"
 
 
-def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
-    """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
-    return scan(outputs).checkpoint
-
-
 @dataclasses.dataclass(frozen=True)
 class Scan:
     """What one walk of the whole graph below some outputs found (see :func:`scan`)."""
@@ -260,73 +255,14 @@ def _walk_outputs(
 ) -> Walked:
     """:func:`walk` from each output on its own: (each output's nodes, see ``nodes`` there;
     the indices of the targets each reaches other than through a stop edge; whether each
-    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given.
-
-    In one loop where the outputs share no edge other than a stop edge (the usual heads
-    share nothing above ``through``); else, once that loop meets an edge another output
-    walked (its nodes would not be each output's own), a walk from each output. (The loop
-    is :func:`walk`'s, with each edge's owner recorded: kept out of ``walk``, which also
-    walks the shared part of real models.)"""
-
-    def in_one_loop() -> Walked | None:
-        seen: dict[Edge, int] = {}
-        parts: list[set[Any]] = []
-        bypassing: dict[int, set[int]] = {}
-        reaching = [False] * len(outputs)
-        ends: list[Any] = []
-        for i, z in enumerate(outputs):
-            part: set[Any] = set()
-            parts.append(part)
-            start = edge(z)
-            if start in stops:
-                reaching[i] = True
-                continue
-            if seen.setdefault(start, i) != i:
-                return None
-            todo = [start]
-            while todo:
-                e = todo.pop()
-                if e in targets:
-                    bypassing.setdefault(i, set()).add(targets[e])
-                node = e[0]
-                parents = node.next_functions
-                if not parents:
-                    if leaves is not None and hasattr(node, "variable"):
-                        leaves[i].setdefault(e, node.variable)
-                    ends.append(node)
-                    continue
-                part.add(node)
-                dead = True
-                for parent in parents:
-                    if parent[0] is None:
-                        continue
-                    dead = False
-                    if parent in stops:
-                        reaching[i] = True
-                        continue
-                    owner = seen.get(parent)
-                    if owner is None:
-                        seen[parent] = i
-                        todo.append(parent)
-                    elif owner != i:
-                        return None
-                if dead:
-                    ends.append(node)
-        return parts, bypassing, reaching, ends
-
-    walked = in_one_loop()
-    if walked is not None:
-        return walked
+    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given."""
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
     reaching: list[bool] = []
     ends: list[Any] = []
     for i, z in enumerate(outputs):
         parts.append(set())
-        mine = None
-        if leaves is not None:
-            mine = leaves[i]
-            mine.clear()  # (what the loop above found before it stopped)
+        mine = None if leaves is None else leaves[i]
         found, stopped = walk([edge(z)], targets, stops, mine, nodes=parts[i], ends=ends)
         if found:
             bypassing[i] = found
@@ -522,7 +458,7 @@ class Graph:
         upper = heads | stop_nodes
         freed, sparse, compiled, hooked = [], False, False, False
         for node in runs:
-            kind = _KINDS.get(type(node)) or _kind(node)  # (the lookup inline: ~50 nodes)
+            kind = _kind(node)
             if kind.saves or (kind.custom and _custom_saves(node)):
                 freed.append(node)
             if kind.embedding and getattr(node, "_saved_sparse", False):
@@ -544,17 +480,13 @@ class Graph:
         )
 
     def refusing(self, search: bool = False) -> dict[Any, list[Any] | None]:
-        """Where a later backward must refuse, so that it raises before it writes anything,
-        and when: at a freed node always (None: torch raises there); at a node above
-        ``through`` (the losses' own included) or ``through``'s own node, when the backward
-        will run one of the first freed nodes below it (listed; as the engine prunes,
-        ``torch.autograd.grad(loss, log_var)`` may avoid them). A backward from the outputs
-        runs those nodes first, before any leaf; torch would raise only at the freed node,
-        after accumulating into a leaf that a path saving nothing reaches first (a parameter
-        added to a loss). Only such nodes need it: where every path down to a leaf passes a
-        freed node, the backward raises there before any write. The search goes down from
-        those nodes no further than the first freed ones (usually ``through``'s own node):
-        it never walks the shared part, and is skipped where the walk shows it would find
+        """Where a later backward must refuse so that it raises before it writes anything:
+        node -> None (a freed node: always) or the first freed nodes below it (a node above
+        ``through``, or ``through``'s own: when the backward will run one of them). torch
+        would raise only at the freed node, after accumulating into a leaf that a path
+        saving nothing reaches first (a parameter added to a loss); a node none of whose
+        paths reaches such a leaf needs no entry. The search stops at the first freed nodes
+        (it never walks the shared part), and is skipped where the walk shows it would find
         nothing (``search``: search anyway)."""
         freed = set(self.freed)
         refusing: dict[Any, list[Any] | None] = dict.fromkeys(self.freed)
@@ -654,16 +586,9 @@ _SPENT = "funcgrad: spent"
 _REFUSES = "funcgrad: refuses a backward"
 
 
-# How many spend() calls marked nodes in this process: until one has, no node can carry a
-# mark, and spent() reads none (reading a node's metadata makes it: ~0.5 us a node).
-_marking_calls = 0
-
-
 def spent(graph: Graph) -> str | None:
     """The call that spent (see :func:`spend`) one of the nodes that ``graph``'s backward
     frees, if any: that backward would raise in torch."""
-    if not _marking_calls:
-        return None
     return next((node.metadata[_SPENT] for node in graph.freed if _SPENT in node.metadata), None)
 
 
@@ -675,22 +600,17 @@ def spend(
     heads_freed: Collection[Any] = (),
     torch_answers: bool = False,
 ) -> None:
-    """Mark the nodes ``graph``'s backward frees as spent by ``call`` (without
-    ``retain_graph``), so that a later call through them raises before any pass (on every
-    rank: see :func:`spent`), and make any later backward, the user's own included, raise
-    as torch's would on the freed graph, before it writes anything (see
-    :meth:`Graph.refusing`). funcgrad keeps parts of the graph alive (the heads' part that
-    a later loss shares, the shared part for its batched pulls), so torch itself would not
-    raise there; ``shared_freed``:
-    the call's last pass freed the shared part (below ``through``) itself; ``heads_freed``:
-    the nodes above ``through`` that the outputs' backward freed without retain_graph (all
-    of ``graph.heads`` after one backward of their sum, ``graph.freed_by_losses`` after one
-    per output: see :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no
-    other process must refuse with this one (no process group); then, where torch itself
-    freed every node the backward frees and no node needs a hook, nothing is marked: a later
-    backward meets torch's own freed graph, as after ``torch.autograd.grad``, and a later
-    funcgrad call gives its own message for torch's error (:func:`freed_error`)."""
-    global _marking_calls
+    """After ``call`` ran ``graph``'s backward without ``retain_graph``: mark the nodes it
+    frees as spent (a later funcgrad call raises before any pass, on every rank: see
+    :func:`spent`), and hook the nodes funcgrad kept alive (the heads' part a later loss
+    shares, the shared part for its batched pulls) so that any later backward, the user's
+    own included, raises as torch's would, before it writes (see :meth:`Graph.refusing`).
+
+    ``shared_freed``: the last pass freed the part below ``through`` itself;
+    ``heads_freed``: the nodes above ``through`` that the outputs' backward freed (see
+    :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no other process must
+    refuse with this one; then, where torch freed every node and none needs a hook, nothing
+    is marked (a later call gives its own message for torch's error: :func:`freed_error`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -705,9 +625,9 @@ def spend(
 
     # Where the call's last pass freed the shared part for real (``shared_freed``: a pull
     # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
-    # alive need a hook (a hook costs ~2 us a node: a real model's shared part has
-    # thousands). (The caller knows; reading a saved tensor to find out would run its
-    # unpack hook: a non-reentrant checkpoint's recomputation.) The same for the heads' nodes
+    # alive need a hook (a real model's shared part has thousands of nodes). (The caller
+    # knows; reading a saved tensor to find out would run its unpack hook: a non-reentrant
+    # checkpoint's recomputation.) The same for the heads' nodes
     # that each output's own backward freed (``heads_freed``).
     hooked = [
         (node, below)
@@ -718,7 +638,6 @@ def spend(
     ]
     if torch_answers and not hooked:
         return
-    _marking_calls += 1
     for node in graph.freed:
         node.metadata.setdefault(_SPENT, call)
     for node, below in hooked:
@@ -755,16 +674,11 @@ SECOND_BACKWARD = (
 
 @contextlib.contextmanager
 def hooks_fired(through: Tensors) -> Iterator[None]:
-    """Around the passes that start at ``through``, with the cotangents that the backward of
-    the losses gave it. Those cotangents already went through ``through``'s tensor hooks
-    (``register_hook``: autograd runs them before it hands a gradient out) and its
-    ``retain_grad()``, once per backward of a loss as torch's would; a pass whose roots are
-    ``through`` would run them again (a hook returning ``2 * g`` gave twice torch's
-    gradient). So in these passes the user's hooks are held back (taken out of the hook
-    dict, the same dict autograd reads when it runs the node, and put back after, in their
-    order), and a retained ``.grad`` is put back as the losses' backward left it. torch's
-    own hooks stay: they act on every backward through the node, whatever its gradient
-    (FSDP's pre-backward all-gather, which returns the gradient unchanged)."""
+    """Around the passes that start at ``through`` with the cotangents the losses' backward
+    gave it: those already went through ``through``'s tensor hooks and ``retain_grad()``,
+    once per loss as in torch, so the user's hooks are held back (out of the dict autograd
+    reads, then put back in order) and a retained ``.grad`` is restored. torch's own hooks
+    stay (FSDP's pre-backward all-gather acts on every backward)."""
     held = []
     for t in through:
         hooks = t._backward_hooks or {}

@@ -6,8 +6,8 @@ or with a unit: ``512MiB``, ``2GB``), else half of the memory free now (``torch.
 mem_get_info`` on CUDA, ``MemAvailable`` on the CPU).
 
 The measurement counts live bytes, not the process's resident size: on the CPU, glibc keeps
-freed memory, so peak RSS reads what the allocator holds (a chunk of 16 directions read 292
-MiB, more than a chunk of 64 at 128 MiB). :class:`LivePeak` sees every tensor the chunk's
+freed memory, so peak RSS reads what the allocator holds, not what a chunk needs (see
+docs/performance.md). :class:`LivePeak` sees every tensor the chunk's
 ops allocate (a TorchDispatchMode, below vmap, so it sees the batched tensors) and every
 release; on CUDA, ``max_memory_allocated`` says the same.
 """
@@ -26,6 +26,8 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from ._validate import is_count
 
 T = TypeVar("T")
 _ENV = "FUNCGRAD_MEMORY_BUDGET"
@@ -50,7 +52,7 @@ _FORMS = (
 
 
 def _check(nbytes: object, where: str) -> int:
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 1:
+    if not is_count(nbytes):
         raise ValueError(
             f"{where} must be a positive int (a number of bytes) or a string, got {nbytes!r}. "
             f"{_FORMS}"

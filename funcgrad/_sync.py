@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from . import _graph, _weighting
 from ._errors import first_line
+from ._tree import is_differentiable
 from ._types import Tensors
 from ._validate import as_tensors
 
@@ -105,21 +106,13 @@ class Sync:
         ``through`` (nothing, without a wrap)."""
 
     def configure(
-        self,
-        shared: Sequence[torch.Tensor],
-        level: str,
-        rule: _weighting.Rule,
-        checkpoint: bool,
+        self, shared: Sequence[torch.Tensor], level: str, rule: _weighting.Rule, checkpoint: bool
     ) -> None:
         """Once the shared leaves are known (before any backward): how this policy will
         run, or a ValueError for what it cannot (nothing, without a wrap)."""
 
     def task_gradients(
-        self,
-        outputs: Tensors,
-        cotangents: Tensors,
-        retain_graph: bool,
-        pull: Callable[[], Tensors],
+        self, outputs: Tensors, cotangents: Tensors, retain_graph: bool, pull: Callable[[], Tensors]
     ) -> Tensors:
         """The k per-task gradients of the shared leaves (leaves (k, ...)), global:
         ``pull()`` pulls the cotangents back through the shared part on this rank (the
@@ -135,23 +128,16 @@ class Sync:
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``:
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``.
 
-    - a first ``.grad`` keeps ``grad`` without a copy only where nothing else holds its
-      storage (``taken``: the storages already given to a leaf in this call, since autograd
-      hands one tensor to every leaf of a sum; and only a tensor that spans its whole
-      storage, not a row of the k stacked per-task gradients, which would keep all k alive:
-      a contiguous view of all of it, as tensordot's reshaped result, is kept) and whose
-      strides are the leaf's (torch's layout contract: a channels_last weight gets a
-      channels_last ``.grad``); else a copy with the leaf's strides, so that no two leaves
-      share a ``.grad``;
-    - an existing ``.grad`` is added to in place, in no-grad mode (one that requires grad
-      keeps its identity and builds no graph, as torch's); a sparse one meeting a dense
-      update is replaced by their dense sum, as torch replaces it.
-
-    :func:`check_presets` refuses beforehand what torch cannot accumulate into (an expanded
-    ``.grad``), so that an error leaves every ``.grad`` unchanged; :func:`post_accumulate`
-    fires the leaves' post-accumulate-grad hooks once all are written."""
+    A first ``.grad`` is ``grad`` itself where the leaf may own it: no other leaf of this
+    call holds its storage (``taken``: autograd hands one tensor to every leaf of a sum), it
+    spans its whole storage (not a row of the k stacked per-task gradients, which would
+    keep all k alive) and it has the leaf's strides (torch's layout contract: a
+    channels_last weight gets a channels_last ``.grad``); else a copy in the leaf's layout.
+    An existing ``.grad`` is added to in place, building no graph; a sparse one meeting a
+    dense update becomes their dense sum, as in torch. :func:`check_presets` refuses
+    beforehand what cannot be accumulated into; :func:`post_accumulate` fires the hooks."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
@@ -206,7 +192,7 @@ def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None
     after it wrote other leaves. ``leaves``: (name, leaf) pairs for the message."""
     for name, leaf in leaves:
         grad = leaf.grad
-        if grad is not None and not (grad.is_floating_point() or grad.is_complex()):
+        if grad is not None and not is_differentiable(grad):
             raise ValueError(
                 f"{call}: the .grad of {name} (shape {tuple(leaf.shape)}) is of dtype "
                 f"{grad.dtype}, which a floating-point gradient cannot be added into (torch's "
@@ -358,11 +344,7 @@ class DDPSync(GroupSync):
         self.module = module
 
     def configure(
-        self,
-        shared: Sequence[torch.Tensor],
-        level: str,
-        rule: _weighting.Rule,
-        checkpoint: bool,
+        self, shared: Sequence[torch.Tensor], level: str, rule: _weighting.Rule, checkpoint: bool
     ) -> None:
         """Decide, from the shared leaves, whether DDP's reducer can do the averaging, and
         refuse what it cannot then reduce."""
@@ -443,7 +425,7 @@ class FSDPSync(GroupSync):
                 f"{self.call}: with an FSDP module as `process_group`, `inputs` must be None: "
                 "every parameter of the FSDP module is updated."
             )
-        if _graph.has_reentrant_checkpoint(through):
+        if _graph.scan(through).checkpoint:
             raise ValueError(
                 f"{self.call}: the FSDP module runs a reentrant checkpoint "
                 "(torch.utils.checkpoint with use_reentrant=True), whose graph hides the "
@@ -452,11 +434,7 @@ class FSDPSync(GroupSync):
             )
 
     def configure(
-        self,
-        shared: Sequence[torch.Tensor],
-        level: str,
-        rule: _weighting.Rule,
-        checkpoint: bool,
+        self, shared: Sequence[torch.Tensor], level: str, rule: _weighting.Rule, checkpoint: bool
     ) -> None:
         """The shared leaves must be parameters of the module (found by identity in FSDP's
         private state; by shape where that is not found); at the params level, FSDP must
@@ -561,11 +539,7 @@ class FSDPSync(GroupSync):
         post_accumulate([p for p in params if p.grad is not None])
 
     def task_gradients(
-        self,
-        outputs: Tensors,
-        cotangents: Tensors,
-        retain_graph: bool,
-        pull: Callable[[], Tensors],
+        self, outputs: Tensors, cotangents: Tensors, retain_graph: bool, pull: Callable[[], Tensors]
     ) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
         (k, *shard shape): one backward through FSDP per task (each all-gathers the
@@ -596,7 +570,7 @@ class FSDPSync(GroupSync):
                     ) from error
                 for j, (row, p) in enumerate(zip(rows, params)):
                     self._reached[j] |= p.grad is not None
-                    local = _local(p if p.grad is None else p.grad)
+                    local = (p if p.grad is None else p.grad).to_local().detach()  # (shard)
                     row.append(local.clone() if p.grad is not None else torch.zeros_like(local))
                     p.grad = None
         return tuple(torch.stack(row) for row in rows)
@@ -628,12 +602,6 @@ class FSDPSync(GroupSync):
         post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
 
 
-def _local(tensor: Any) -> torch.Tensor:
-    """This rank's shard of a DTensor."""
-    local: torch.Tensor = tensor.to_local()
-    return local.detach()
-
-
 # The sharded parameters of each FSDP module, the objects its optimizer holds: after the
 # forward, a root keeps its unsharded parameters registered until its backward, and FSDP's
 # public way back to the sharded ones, ``reshard()``, frees them (one more all-gather in the
@@ -642,7 +610,7 @@ _SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKe
 
 
 def _sharded_params(module: torch.nn.Module) -> list[Any]:
-    from torch.distributed.tensor import DTensor  # (imported late: ~1 s)
+    from torch.distributed.tensor import DTensor  # (imported late: slow to import)
 
     params = list(module.parameters())
     if all(isinstance(p, DTensor) for p in params):

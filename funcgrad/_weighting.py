@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from . import _coords
 from ._errors import describe
 from ._types import Tensors
 from ._validate import check_level, values_readable
@@ -166,11 +167,6 @@ def resolve(weighting: Any, level: object, call: str, *, distributed: bool = Fal
     return rule
 
 
-def _name(error: BaseException, rule: Rule, given: str, call: str) -> None:
-    """Name the weighting, and what it was given, on an error raised inside it."""
-    error.add_note(f"{call}: raised by the weighting {type(rule.fn).__name__}, given {given}.")
-
-
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     # A half-precision Gramian overflows easily, and TorchJD's solvers want float32 or more.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -280,7 +276,8 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
         try:
             return rule.fn(stat.detach())
         except Exception as error:
-            _name(error, rule, given, call)
+            name = type(rule.fn).__name__
+            error.add_note(f"{call}: raised by the weighting {name}, given {given}.")
             if not values_readable([stat]) and not torch.compiler.is_compiling():
                 error.add_note(
                     f"{call}: the weighting ran inside a torch.func transform (vmap, grad, "
@@ -343,4 +340,4 @@ def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensor
     """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
     dtype (also under autocast)."""
     with no_autocast(weights.device):
-        return tuple(torch.tensordot(weights.to(g.dtype), g, dims=1) for g in grads)
+        return _coords.combine(weights, grads)

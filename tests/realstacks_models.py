@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from funcgrad.bench import _models
+from funcgrad.bench import models
 
 
 def import_or_skip(name: str) -> Any:
@@ -65,7 +65,7 @@ class Case:
             return self.features().shape[-1]
 
 
-# -- transformers (the modules: funcgrad/bench/_models.py, which the bench times) ------------
+# -- transformers (the modules: funcgrad/bench/models.py, which the bench times) ------------
 
 _TINY = dict(hidden=16, layers=1, heads=2)
 
@@ -80,7 +80,7 @@ def _eval64(model: nn.Module) -> nn.Module:
 
 def _bert(attn: str = "eager") -> nn.Module:
     import_or_skip("transformers")
-    return _models.bert(attn, **_TINY, intermediate=32, vocab=50, positions=16)
+    return models.bert(attn, **_TINY, intermediate=32, vocab=50, positions=16)
 
 
 def bert(attn: str = "eager") -> Case:
@@ -89,22 +89,23 @@ def bert(attn: str = "eager") -> Case:
 
 def gpt2(attn: str = "eager") -> Case:
     import_or_skip("transformers")
-    model = _eval64(_models.gpt2(attn, **_TINY, vocab=50, positions=16))
+    model = _eval64(models.gpt2(attn, **_TINY, vocab=50, positions=16))
     return Case(model, (_ids(),), lambda out: out.last_hidden_state.mean(1))
 
 
 def gpt2_lm_tied() -> Case:
     """GPT2LMHeadModel with lm_head.weight tied to transformer.wte.weight: the features are
     the last position's logits, so the tied weight is reached along both paths."""
-    import_or_skip("transformers")
-    model = _eval64(_models.gpt2("eager", **_TINY, vocab=50, positions=16, lm_head=True))
+    transformers = import_or_skip("transformers")
+    config = models.gpt2("eager", **_TINY, vocab=50, positions=16).config
+    model = _eval64(transformers.GPT2LMHeadModel(config))
     assert model.lm_head.weight is model.transformer.wte.weight
     return Case(model, (_ids(),), lambda out: out.logits[:, -1])
 
 
 def vit(attn: str = "eager") -> Case:
     import_or_skip("transformers")
-    model = _eval64(_models.vit(attn, image=8, patch=4, **_TINY, intermediate=32))
+    model = _eval64(models.vit(attn, image=8, patch=4, **_TINY, intermediate=32))
     pixels = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     return Case(model, (pixels,), lambda out: out.pooler_output)
 
@@ -112,7 +113,7 @@ def vit(attn: str = "eager") -> Case:
 def resnet() -> Case:
     """transformers' ResNetModel (basic blocks, BatchNorm in eval), the one the bench times."""
     import_or_skip("transformers")
-    model = _eval64(_models.resnet(embedding=4, widths=[4, 8], depths=[1, 1]))
+    model = _eval64(models.resnet(embedding=4, widths=[4, 8], depths=[1, 1]))
     pixels = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     return Case(model, (pixels,), lambda out: out.pooler_output.flatten(1))
 
@@ -196,13 +197,13 @@ def nn_resnet(train: bool) -> Case:
 
 def lstm() -> Case:
     torch.manual_seed(5)
-    model = _models.rnn("lstm", features=5, hidden=8).to(torch.float64)
+    model = models.rnn("lstm", features=5, hidden=8).to(torch.float64)
     return Case(model, (torch.randn(3, 4, 5, dtype=torch.float64),), lambda out: out[0][:, -1])
 
 
 def gru() -> Case:
     torch.manual_seed(5)
-    model = _models.rnn("gru", features=5, hidden=8).to(torch.float64)
+    model = models.rnn("gru", features=5, hidden=8).to(torch.float64)
     return Case(model, (torch.randn(3, 4, 5, dtype=torch.float64),), lambda out: out[0][:, -1])
 
 

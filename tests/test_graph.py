@@ -269,7 +269,7 @@ def test_only_nodes_with_a_write_before_any_freed_node_refuse_ahead():
     from it reaches a leaf past no freed node (a leaf added to a loss): elsewhere the backward
     raises at a freed node before anything is written. And after `grads`, whose outputs'
     backwards freed their own parts and whose last pull freed the part below `through`, no
-    hook is left to register (a hook costs ~2 us a node)."""
+    hook is left to register (see docs/performance.md)."""
     x, _, through, outputs = _forward("tanh")
     refusing = _graph.check_paths(tuple(outputs), (x,), (through,), False, "c").refusing()
     ahead = [node for node, below in refusing.items() if below is not None]

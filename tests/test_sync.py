@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from funcgrad import _graph, _sync, _weighting
-from funcgrad.bench._ddp import gloo_group
+from funcgrad.bench.ranks import gloo_group
 
 CALL = "funcgrad.backward(losses, through=...)"
 WEIGHTED = _weighting.resolve(lambda g: torch.ones(g.shape[0]), "params", CALL)

@@ -391,7 +391,7 @@ def test_features_level_pulls_the_hooked_aggregators_output(name):
 _DDP_SCRIPT = """
 import sys, torch, funcgrad
 from torchjd import aggregation as tjd
-from funcgrad.bench._ddp import gloo_group
+from funcgrad.bench.ranks import gloo_group
 
 def main():  # the DDP module dies with it, before the group: none outlives the group
     torch.manual_seed(0)

@@ -36,9 +36,6 @@ all-reduces the P parameter gradients in C++, unseen by the wrappers, so its row
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import faulthandler
 import importlib.util
 import json
 import os
@@ -46,19 +43,18 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import funcgrad
 
 from ._cases import Encoder, _mtl_heads
+from .ranks import WORLD, gloo_group, spawn_ranks
 
-WORLD = 2
 DDP_METHODS = ("plain DDP sum(losses)", "funcgrad backward features", "funcgrad backward params")
 FSDP_METHODS = (
     "plain FSDP sum(losses)",
@@ -70,53 +66,6 @@ METHODS = DDP_METHODS + FSDP_METHODS
 SAME_AS = dict(zip(FSDP_METHODS, DDP_METHODS, strict=True))
 TOLERANCE = 1e-5  # max |FSDP - DDP| / max |DDP|, per parameter: float32 sums in another order
 MISSING_TORCHJD = 'needs TorchJD: pip install -e ".[mtl]" (from the source tree)'
-
-
-@contextlib.contextmanager
-def gloo_group(timeout_s: float, **init: Any) -> Iterator[None]:
-    """A gloo process group for the body, shut down the same way on every rank.
-
-    ``torch.distributed.nn`` is imported first: DistributedDataParallel imports it on first
-    use, and its functions take ``group=group.WORLD`` as a default argument, evaluated at
-    import. Imported while a group is initialised, they would hold that ProcessGroup for the
-    life of the process, so that ``destroy_process_group`` could not free it: gloo's threads
-    and sockets would live on into interpreter exit, racing the other rank's exit.
-
-    If the body succeeds, a barrier is every rank's last collective (nothing is left in
-    flight, DDP's reducer included, on either side) before the group is destroyed. If it
-    raises, the group is destroyed without a barrier (the other rank may be in another
-    collective) and the error propagates; every collective keeps ``timeout_s``.
-    """
-    import torch.distributed.nn  # noqa: F401  (before the group exists: see above)
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s), **init)
-    try:
-        yield
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn_ranks(worker: Callable[..., None], *args: Any, nprocs: int = WORLD) -> None:
-    """Run ``worker(rank, *args)`` in ``nprocs`` spawned processes; raise if any rank fails.
-
-    A rank that returns leaves with ``os._exit(0)``, skipping the interpreter's teardown.
-    Whatever torch keeps that holds the group (DTensor's sharding-propagation cache holds every
-    DeviceMesh FSDP2 used, and a mesh holds its ProcessGroup) outlives
-    ``destroy_process_group``, and gloo's threads are then destroyed in teardown, in no set
-    order: "terminate called without an active exception", SIGABRT, now and then, after every
-    check had passed. A rank that raises goes through ``mp.spawn``'s own error path, and
-    ``faulthandler`` prints the Python stacks of a rank that aborts or crashes.
-    """
-    mp.spawn(_rank_main, args=(worker, *args), nprocs=nprocs, join=True)
-
-
-def _rank_main(rank: int, worker: Callable[..., None], *args: Any) -> None:
-    faulthandler.enable()
-    worker(rank, *args)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # Bytes each rank sends, by the function called: (the measured argument's position and
@@ -154,8 +103,12 @@ def _counting(counter: dict[str, int]) -> None:
         original = getattr(dist, name)
 
         def counted(
-            *args, _original=original, _name=name, _at=(position, keyword, factor), **kwargs
-        ):
+            *args: Any,
+            _original: Callable[..., Any] = original,
+            _name: str = name,
+            _at: tuple[int, str, float] = (position, keyword, factor),
+            **kwargs: Any,
+        ) -> Any:
             tensor = args[_at[0]] if len(args) > _at[0] else kwargs[_at[1]]
             sent = round(_at[2] * tensor.numel() * tensor.element_size())
             counter[_name] = counter.get(_name, 0) + sent
@@ -202,7 +155,7 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
     _counting(counter)
     widths, batch = ((64, 128, 128, 64), 32) if quick else ((512, 1024, 1024, 512), 128)
     torch.manual_seed(0)
-    encoder = Encoder(widths)
+    encoder = Encoder(widths)  # type: ignore[no-untyped-call]
     # A separate instance for FSDP (fully_shard changes its class, DDP keeps its own), from
     # the same initial weights.
     fsdp = _fully_shard(copy.deepcopy(encoder))
@@ -222,7 +175,7 @@ def _run(rank: int, k: int, quick: bool, rounds: int, out: str) -> None:
         features = module(inputs)
         losses = [h(features) for h in heads]
         if method in (DDP_METHODS[0], FSDP_METHODS[0]):
-            torch.stack(losses).sum().backward()
+            torch.autograd.backward(torch.stack(losses).sum())
         else:
             level: Literal["params", "features"] = (
                 "params" if method.endswith("params") else "features"

@@ -17,7 +17,7 @@ import torch
 
 import funcgrad
 
-from . import _models
+from . import models
 from ._cases import Case, SkipCase, built, linear_task_heads, on
 
 MISSING_TRANSFORMERS = (
@@ -43,7 +43,7 @@ def real_model_case(k: int, quick: bool, variant: str = "eager") -> Case:
     hidden, batch = size["hidden"], size["batch"]
     torch.manual_seed(0)
     model = built(
-        lambda: _models.bert(
+        lambda: models.bert(
             variant,
             hidden=hidden,
             layers=LAYERS,

@@ -1,6 +1,6 @@
 """The real-stacks case: per-task gradients of a real model's parameters, one cell per model.
 
-Models (``_models.py``, random weights, float32, ``eval()``, no dropout): ``nn.LSTM``,
+Models (``models.py``, random weights, float32, ``eval()``, no dropout): ``nn.LSTM``,
 ``nn.GRU``, transformers' BERT with eager and with sdpa attention, a ResNet (basic blocks,
 BatchNorm in eval), a ViT and GPT-2 (both with transformers' default attention, sdpa). k task
 heads on the pooled output (``nn.Linear`` to 1 output with MSE, to 5 classes with
@@ -29,7 +29,7 @@ import torch
 
 import funcgrad
 
-from . import _models
+from . import models
 from ._cases import Case, SkipCase, built, linear_task_heads, on, vjp
 
 MODELS = ("lstm", "gru", "bert-eager", "bert-sdpa", "resnet", "vit-sdpa", "gpt2-sdpa")
@@ -88,7 +88,7 @@ def stack(variant: str, quick: bool) -> Stack:
     kind, _, attn = variant.partition("-")
     if kind in ("lstm", "gru"):
         features = hidden // 4
-        module = built(lambda: _models.rnn(kind, features=features, hidden=hidden, layers=layers))
+        module = built(lambda: models.rnn(kind, features=features, hidden=hidden, layers=layers))
         shape = (size["batch"], size["seq"], features)
         inputs: tuple[Any, ...] = (on(torch.randn(shape, generator=_generator())),)
         return Stack(module.eval(), inputs, {}, lambda out: out[0][:, -1])
@@ -101,7 +101,7 @@ def stack(variant: str, quick: bool) -> Stack:
     positions = 2 * size["seq"]
     if kind == "bert":
         module = built(
-            lambda: _models.bert(
+            lambda: models.bert(
                 attn, **transformer, intermediate=4 * hidden, vocab=vocab, positions=positions
             )
         )
@@ -109,7 +109,7 @@ def stack(variant: str, quick: bool) -> Stack:
         return Stack(module.eval(), (_tokens(size, vocab),), kwargs, lambda out: out.pooler_output)
     if kind == "gpt2":
         module = built(
-            lambda: _models.gpt2(
+            lambda: models.gpt2(
                 attn, hidden=hidden, layers=layers, heads=heads, vocab=vocab, positions=positions
             )
         )
@@ -121,7 +121,7 @@ def stack(variant: str, quick: bool) -> Stack:
         )
     if kind == "vit":
         module = built(
-            lambda: _models.vit(
+            lambda: models.vit(
                 attn, image=size["image"], patch=8, **transformer, intermediate=4 * hidden
             )
         )
@@ -129,7 +129,7 @@ def stack(variant: str, quick: bool) -> Stack:
     if kind == "resnet":
         widths = [hidden // 4, hidden // 2, hidden] if not quick else [hidden // 4, hidden // 2]
         module = built(
-            lambda: _models.resnet(embedding=hidden // 4, widths=widths, depths=[1] * len(widths))
+            lambda: models.resnet(embedding=hidden // 4, widths=widths, depths=[1] * len(widths))
         )
         return Stack(module.eval(), (_images(size),), {}, lambda out: out.pooler_output.flatten(1))
     raise ValueError(f"real-stacks: no model {variant!r}; expected one of {MODELS}")

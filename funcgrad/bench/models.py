@@ -11,7 +11,7 @@ checkpointing tests) the forward stays deterministic.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -55,7 +55,7 @@ def bert(
         max_position_embeddings=positions,
         **_bert_encoder(attn, hidden, layers, heads, intermediate),
     )
-    return tf.BertModel(config)
+    return cast(nn.Module, tf.BertModel(config))
 
 
 def gpt2(
@@ -66,10 +66,9 @@ def gpt2(
     heads: int,
     vocab: int,
     positions: int,
-    lm_head: bool = False,
 ) -> nn.Module:
-    """``transformers.GPT2Model``, or ``GPT2LMHeadModel`` with ``lm_head`` (its
-    ``lm_head.weight`` tied to the token embedding)."""
+    """``transformers.GPT2Model`` (its config ties an LM head's weight to the token
+    embedding)."""
     tf = _transformers()
     config = tf.GPT2Config(
         vocab_size=vocab,
@@ -85,7 +84,7 @@ def gpt2(
         attn_pdrop=0.0,
         attn_implementation=attn,
     )
-    return (tf.GPT2LMHeadModel if lm_head else tf.GPT2Model)(config)
+    return cast(nn.Module, tf.GPT2Model(config))
 
 
 def vit(
@@ -106,7 +105,7 @@ def vit(
         num_channels=3,
         **_bert_encoder(attn, hidden, layers, heads, intermediate),
     )
-    return tf.ViTModel(config)
+    return cast(nn.Module, tf.ViTModel(config))
 
 
 def resnet(*, embedding: int, widths: list[int], depths: list[int]) -> nn.Module:
@@ -120,10 +119,10 @@ def resnet(*, embedding: int, widths: list[int], depths: list[int]) -> nn.Module
         depths=depths,
         layer_type="basic",
     )
-    return tf.ResNetModel(config)
+    return cast(nn.Module, tf.ResNetModel(config))
 
 
 def rnn(kind: str, *, features: int, hidden: int, layers: int = 1) -> nn.Module:
     """``nn.LSTM`` or ``nn.GRU`` (``kind``: ``"lstm"``, ``"gru"``), batch first."""
     make = {"lstm": nn.LSTM, "gru": nn.GRU}[kind]
-    return make(features, hidden, num_layers=layers, batch_first=True)
+    return cast(nn.Module, make(features, hidden, num_layers=layers, batch_first=True))
