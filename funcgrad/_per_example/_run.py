@@ -185,7 +185,7 @@ class _Run:
         if self.rule.kind == "sum" or not write:
             weights = torch.ones(self.batch, dtype=self.dtype, device=self.device)
         else:
-            weights = _weighting.weights_from_gramian(self.rule, gram, self.call)
+            weights = _weighting.weights_from_gramian(self.rule, gram, self.call, "example")
             weights = _weighting.check_finite(
                 weights, f"the {tuple(gram.shape)} Gramian", self.call
             )
