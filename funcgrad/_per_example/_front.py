@@ -64,8 +64,10 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         ``<A_b A_b'ᵀ, Δ_b Δ_b'ᵀ>`` (B²T²(d+p)) or the materialised ``A_bᵀ Δ_b`` and their
         Gram (B·T·d·p + B²·d·p); Conv1d/Conv2d: the same with T the output positions (the
         ghost products on unfolded inputs, the per-example gradients as one convolution
-        backward with the examples as groups); Embedding: the Gram of one-hot rows is index
-        equality (or the per-example gradients on the rows used); LayerNorm/GroupNorm/
+        backward with the examples as groups); Hugging Face's Conv1D: the Linear rules,
+        transposed; Embedding: the Gram of one-hot rows is index equality (or the
+        per-example gradients on the rows used; an index shared by the batch, (1, T)
+        position ids, is expanded to (B, T) at the call); LayerNorm/GroupNorm/
         BatchNorm (eval) affine
         parameters: their (B, C) per-example gradients; every other module with parameters
         (nn.MultiheadAttention, custom modules, Linear subclasses with their own forward):

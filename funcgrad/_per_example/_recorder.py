@@ -147,6 +147,13 @@ class PerExample:
                         self._post, with_kwargs=True, prepend=True, always_call=True
                     )
                 )
+        self._shared = _SharedIndex(self)
+        self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
+        for module in self._direct:
+            if type(module) is nn.Embedding:
+                self._handles.append(
+                    module.register_forward_pre_hook(self._shared.expand, with_kwargs=True)
+                )
         _RECORDERS.add(self)
 
     # Hooks ---------------------------------------------------------------------------
@@ -294,6 +301,40 @@ class PerExample:
 
 
 _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
+
+
+class _SharedIndex:
+    """An Embedding's index shared by the batch, (1, T) (the position ids of GPT-2 and BERT,
+    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward:
+    the same values, but the output gradient stays per example, where a broadcast would sum
+    it over the batch (losing each example's share). B is the batch of the hooked model's
+    own call: dim 0 of its first tensor argument (None: nothing is expanded)."""
+
+    def __init__(self, recorder: PerExample) -> None:
+        self.recorder = weakref.ref(recorder)
+        self.batch: int | None = None
+
+    def recording(self) -> bool:
+        recorder = self.recorder()
+        return recorder is not None and recorder._recording and torch.is_grad_enabled()
+
+    def root(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.recording():
+            leaves = _pytree.tree_leaves((args, kwargs))
+            first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.ndim), None)
+            self.batch = None if first is None else int(first.shape[0])
+
+    def expand(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        batch = self.batch
+        if batch is None or batch == 1 or not self.recording():
+            return None
+        index = args[0] if args else kwargs.get("input")
+        if not isinstance(index, torch.Tensor) or index.ndim < 2 or index.shape[0] != 1:
+            return None
+        expanded = index.expand(batch, *index.shape[1:])
+        if args:
+            return (expanded, *args[1:]), kwargs
+        return args, {**kwargs, "input": expanded}
 
 
 def _distributed_refusal(call: str) -> str:

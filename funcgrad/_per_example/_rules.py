@@ -20,6 +20,11 @@ class _Dense(_Layer):
 
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
+    transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
+
+    def oriented(self, grad: torch.Tensor) -> torch.Tensor:
+        """A weight gradient computed as (..., p, d), in the layout of the weight."""
+        return grad.transpose(-1, -2) if self.transposed else grad
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         a_parts, d_parts = [], []
@@ -39,9 +44,12 @@ class _Dense(_Layer):
     def dims(self) -> tuple[int, int, int]:
         """(T rows per example over all calls, d, p), from shapes alone."""
         weight = self.params.get("weight", self.module.weight)
-        width = weight[0].numel()
+        if self.transposed:
+            width, out = weight.shape
+        else:
+            width, out = weight[0].numel(), weight.shape[0]
         rows = sum(self.input(use).numel() // (self.batch * width) for use in self.uses)
-        return rows, width, weight.shape[0]
+        return rows, width, out
 
     def bias_rows(self) -> torch.Tensor:
         """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
@@ -52,7 +60,7 @@ class _Dense(_Layer):
     def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, Δ) as (B, d) and (B, p) for one call on 2-D inputs (the MLP case: the
         fewest ops, as each costs microseconds of overhead at small B), else None."""
-        if type(self) is not _Dense or len(self.uses) != 1:
+        if isinstance(self, _Conv) or len(self.uses) != 1:
             return None
         use = self.uses[0]
         a = use.args[0] if use.args else None
@@ -119,9 +127,8 @@ class _Dense(_Layer):
     def per_example(self) -> dict[str, torch.Tensor]:
         found = {}
         if "weight" in self.params:
-            found["weight"] = self.weight_per_example().reshape(
-                self.batch, *self.params["weight"].shape
-            )
+            grads = self.oriented(self.weight_per_example())
+            found["weight"] = grads.reshape(self.batch, *self.params["weight"].shape)
         if "bias" in self.params:
             found["bias"] = self.bias_rows()
         return found
@@ -133,15 +140,14 @@ class _Dense(_Layer):
             a, d = flat
             wd = d * weights.to(d.dtype).unsqueeze(1)
             if "weight" in self.params:
-                found["weight"] = wd.T @ (a if a.dtype == d.dtype else a.to(d.dtype))
+                found["weight"] = self.oriented(wd.T @ (a if a.dtype == d.dtype else a.to(d.dtype)))
             if "bias" in self.params:
                 found["bias"] = wd.sum(0)
             return found
         if self.kept is not None:  # w @ the per-example gradients: B·d·p
             kept = self.kept
-            found["weight"] = torch.tensordot(weights.to(kept.dtype), kept, dims=1).view_as(
-                self.params["weight"]
-            )
+            summed = self.oriented(torch.tensordot(weights.to(kept.dtype), kept, dims=1))
+            found["weight"] = summed.reshape(self.params["weight"].shape)
             if "bias" in self.params:
                 bias = self.bias_rows()
                 found["bias"] = bias.T @ weights.to(bias.dtype)
@@ -161,12 +167,19 @@ class _Dense(_Layer):
         found = {}
         if "weight" in self.params:  # w scales the narrower of Δ and A
             if d.shape[1] <= a.shape[1]:
-                found["weight"] = (d * w[:, None]).T @ a
+                found["weight"] = self.oriented((d * w[:, None]).T @ a)
             else:
-                found["weight"] = d.T @ (a * w[:, None])
+                found["weight"] = self.oriented(d.T @ (a * w[:, None]))
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+class _TransposedDense(_Dense):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored
+    transposed, (d, p), so ``x @ W + b``; the same rules, the weight gradients transposed."""
+
+    transposed = True
 
 
 class _Conv(_Dense):
@@ -369,6 +382,8 @@ def _layer_class(module: nn.Module) -> type[_Layer]:
         return _Generic
     if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
         return _Dense
+    if _is_hf_conv1d(module):
+        return _TransposedDense
     if (
         type(module) in (nn.Conv1d, nn.Conv2d)
         and module.groups == 1
@@ -387,3 +402,16 @@ def _layer_class(module: nn.Module) -> type[_Layer]:
 
 
 # -- one call --------------------------------------------------------------------------------
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` itself (``addmm(bias, x, weight)``, weight (d, p)), by its
+    class, without importing transformers; a subclass with its own forward is generic."""
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__ == "transformers.pytorch_utils"
+        and isinstance(weight, torch.Tensor)
+        and weight.ndim == 2
+    )
