@@ -20,7 +20,9 @@ The modules, as the stages of a call:
 
 from ._front import backward_from_losses as backward_from_losses
 from ._front import per_example as per_example
+from ._front import per_example_clip as per_example_clip
 from ._front import per_example_gramian as per_example_gramian
+from ._front import per_example_norms as per_example_norms
 
 # Looked up here by `_run` on each call, so that a test can switch the check off.
 from ._independence import _independence_due as _independence_due

@@ -11,6 +11,7 @@ from torch import nn
 from .._config import CheckMode
 from ._record import _BACKWARD, _GRAMIAN
 from ._recorder import PerExample, _distributed_refusal, _recorder_of
+from ._run import _Run
 
 
 def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
@@ -151,6 +152,123 @@ def per_example_gramian(
     """
     recorder = _recorder_of(losses, _GRAMIAN)
     return recorder.gramian(losses, inputs=inputs, retain_graph=retain_graph, check=check)
+
+
+_NORMS = "funcgrad.per_example_norms(losses)"
+_CLIP = "funcgrad.per_example_clip(losses, max_norm)"
+
+
+def per_example_norms(
+    losses: torch.Tensor,
+    *,
+    inputs: Any = None,
+    retain_graph: bool = False,
+    check: CheckMode | None = None,
+) -> torch.Tensor:
+    """The norms of the per-example gradients, ``‖grad_b‖``, for per-example losses computed
+    under `funcgrad.per_example`; no ``.grad`` is written.
+
+    Same values as ``funcgrad.per_example_gramian(losses).diagonal().sqrt()``, but only G's
+    diagonal is formed: per layer the cheaper of the ghost ``‖A_bᵀ Δ_b‖²`` from
+    ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised per-example gradient
+    (B·T·d·p), as fastDP's mixed rule, where the Gramian's cross-example blocks cost B
+    times that. Opacus's ghost clipping computes the same norms with a second backward.
+
+    Args:
+        losses: a 1-D tensor of B per-example losses, from a forward of a model hooked by
+            `funcgrad.per_example`.
+        inputs: the parameters whose gradients count (as in `funcgrad.per_example_gramian`);
+            None: every parameter of the hooked model that requires grad.
+        retain_graph: keep the graph after the backward.
+        check: as in `funcgrad.per_example_gramian`.
+
+    Returns:
+        The (B,) norms, detached (float32 for half-precision parameters).
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> model = torch.nn.Linear(3, 1)
+        >>> x = torch.randn(4, 3)
+        >>> with funcgrad.per_example(model):
+        ...     norms = funcgrad.per_example_norms(model(x).squeeze(1))
+        >>> torch.allclose(norms, (x.pow(2).sum(1) + 1).sqrt())  # d loss_b / d(W, b) = (x_b, 1)
+        True
+    """
+    recorder = _recorder_of(losses, _NORMS)
+    run = _Run(recorder, losses, inputs, None, _NORMS, check, diagonal=True)
+    return run.execute(retain_graph, write=False)[0].diagonal().sqrt()
+
+
+class _Clip:
+    """Opacus's clipping factors, ``min(1, C / (‖g_b‖ + 1e-6))``, from G's diagonal alone."""
+
+    reads_diagonal = True
+
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = max_norm
+
+    def __call__(self, gram: torch.Tensor) -> torch.Tensor:
+        return (self.max_norm / (gram.diagonal().sqrt() + 1e-6)).clamp(max=1.0)
+
+
+def per_example_clip(
+    losses: torch.Tensor,
+    max_norm: float,
+    *,
+    accumulate: bool = True,
+    inputs: Any = None,
+    retain_graph: bool = False,
+    check: CheckMode | None = None,
+) -> torch.Tensor:
+    """DP-SGD's clipped sum: ``.grad += sum_b min(1, C / (‖grad_b‖ + 1e-6)) grad_b`` with
+    ``C = max_norm``, from one forward and one backward; returns the norms ``‖grad_b‖``.
+
+    The clipping factors are Opacus's (``C / (norm + 1e-6)``, at most 1), computed from G's
+    diagonal alone (as `funcgrad.per_example_norms`), and the update is ``Aᵀ (w ⊙ Δ)`` per
+    layer from the same backward (book-keeping: no second backward, no per-example gradient
+    on the ghost layers). Add the noise and the accounting after it (docs/per_example.md's
+    DP-SGD section shows how, with Opacus's accountant).
+
+    Args:
+        losses: a 1-D tensor of B per-example losses, from a forward of a model hooked by
+            `funcgrad.per_example`.
+        max_norm: C > 0, the clipping bound of each example's gradient.
+        accumulate: True: add to ``.grad`` (as ``funcgrad.backward`` and torch's backward);
+            False: replace it (as Opacus's optimizer; ``.grad`` is None for a selected
+            parameter that does not reach the losses).
+        inputs: the parameters whose gradients count (as in `funcgrad.per_example_gramian`);
+            None: every parameter of the hooked model that requires grad.
+        retain_graph: keep the graph after the backward.
+        check: as in `funcgrad.per_example_gramian`.
+
+    Returns:
+        The (B,) per-example gradient norms before clipping, detached.
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> model = torch.nn.Linear(3, 1)
+        >>> x = 10 * torch.randn(4, 3)
+        >>> with funcgrad.per_example(model):
+        ...     norms = funcgrad.per_example_clip(model(x).squeeze(1), max_norm=1.0)
+        >>> clipped = torch.cat([x, torch.ones(4, 1)], 1) / (norms + 1e-6)[:, None]
+        >>> torch.allclose(model.weight.grad[0], clipped[:, :3].sum(0))
+        True
+    """
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not (0 < max_norm < float("inf"))
+    ):
+        raise ValueError(
+            f"{_CLIP}: `max_norm` must be a positive finite number (the clipping bound C of "
+            f"each example's gradient norm), got {max_norm!r}."
+        )
+    recorder = _recorder_of(losses, _CLIP)
+    run = _Run(
+        recorder, losses, inputs, _Clip(float(max_norm)), _CLIP, check, replace=not accumulate
+    )
+    gram, _ = run.execute(retain_graph, write=True)
+    return gram.diagonal().sqrt()
 
 
 def backward_from_losses(

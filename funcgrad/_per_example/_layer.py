@@ -44,6 +44,26 @@ def _ghost(a: torch.Tensor, d: torch.Tensor, equal: bool = False) -> torch.Tenso
     return torch.cat(blocks)
 
 
+def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``sum_{t,s} <a_bt, a_bs> <d_bt, d_bs>`` = ``‖A_bᵀ Δ_b‖²`` for each example b (G's
+    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks."""
+    batch, rows = a.shape[:2]
+    step = max(1, _BLOCK // max(1, rows * rows))
+    parts = [
+        (
+            torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
+            * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))
+        ).sum((1, 2))
+        for s in range(0, batch, step)
+    ]
+    return torch.cat(parts) if parts else a.new_zeros(0)
+
+
+def _squares(grads: torch.Tensor) -> torch.Tensor:
+    """(B,): the squared norms of per-example gradients (B, ...)."""
+    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+
+
 def _gram(grads: torch.Tensor) -> torch.Tensor:
     flat = grads.reshape(grads.shape[0], -1)
     return flat @ flat.T
@@ -199,6 +219,15 @@ class _Layer:
         """This layer's block of G (its parameters alone)."""
         self.rule = "materialised"
         return sum((_gram(g) for g in self.per_example().values()), self.zero())
+
+    def diagonal(self) -> torch.Tensor:
+        """This layer's share of G's diagonal, (B,): its per-example gradients' squared norms."""
+        self.rule = "materialised"
+        found = self.per_example().values()
+        return sum((_squares(g.to(self.run.dtype)) for g in found), self.zero_diagonal())
+
+    def zero_diagonal(self) -> torch.Tensor:
+        return torch.zeros(self.batch, dtype=self.run.dtype, device=self.run.device)
 
     def zero(self) -> torch.Tensor:
         return torch.zeros(self.batch, self.batch, dtype=self.run.dtype, device=self.run.device)

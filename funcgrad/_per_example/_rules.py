@@ -11,7 +11,7 @@ from torch import nn
 
 from .._errors import describe
 from ._generic import _Generic, _Recurrent
-from ._layer import _BLOCK, _add, _cat_rows, _ghost, _gram, _Layer
+from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
 from ._record import _Use
 
 
@@ -102,6 +102,35 @@ class _Dense(_Layer):
                 self.kept = grads
             g = _gram(grads.to(dtype))
         return g if bias is None else g + bias @ bias.T
+
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example; else per layer the
+        cheaper of the ghost ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised
+        ``‖A_bᵀ Δ_b‖²`` (B·T·d·p), fastDP's mixed rule (2T² ≤ dp, about)."""
+        dtype = self.run.dtype
+        bias = self.bias_rows().to(dtype) if "bias" in self.params else None
+        found = self.zero_diagonal() if bias is None else _squares(bias)
+        if "weight" not in self.params:
+            self.rule = "bias only"
+            return found
+        flat = self.flat()
+        if flat is not None:
+            a, d = flat[0].to(dtype), flat[1].to(dtype)
+            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
+            return found + _squares(a) * _squares(d)
+        batch = self.batch
+        rows, width, out = self.dims()
+        self.ghost_flops = float(batch * rows * rows * (width + out))
+        self.materialised_flops = float(batch * rows * width * out)
+        if self.ghost_flops <= self.materialised_flops:
+            a, d = self.rows()
+            self.rule = f"ghost <A_b A_bᵀ, Δ_b Δ_bᵀ> T={rows}"
+            return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
+        self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
+        grads = self.weight_per_example()
+        if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+            self.kept = grads
+        return found + _squares(grads.to(dtype))
 
     def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
         """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
@@ -296,6 +325,17 @@ class _Embedding(_Layer):
         unique, inverse = torch.unique(index, return_inverse=True)
         return _gram(self.scatter(inverse, d, unique.shape[0]))
 
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
+        index, d = self.rows()
+        vocab, width = self.params["weight"].shape[0], d.shape[-1]
+        offsets = torch.arange(self.batch, device=index.device).unsqueeze(1) * vocab
+        keys, inverse = torch.unique(index + offsets, return_inverse=True)
+        sums = d.new_zeros(keys.shape[0], width, dtype=self.run.dtype)
+        sums.index_add_(0, inverse.flatten(), d.reshape(-1, width).to(self.run.dtype))
+        self.rule = f"materialised on the rows each example uses T={d.shape[1]}"
+        return self.zero_diagonal().index_add_(0, keys // vocab, _squares(sums))
+
     def scatter(self, index: torch.Tensor, d: torch.Tensor, vocab: int) -> torch.Tensor:
         """(B, vocab, width): each example's rows of Δ added at its indices."""
         batch, _, width = d.shape
@@ -325,6 +365,8 @@ class _Norm(_Layer):
     grads: dict[str, torch.Tensor] | None = None
 
     def per_example(self) -> dict[str, torch.Tensor]:
+        if self.grads is not None:
+            return self.grads
         module = self.module
         found: dict[str, torch.Tensor] = {}
         for use in self.uses:
@@ -349,14 +391,15 @@ class _Norm(_Layer):
             if "bias" in self.params:
                 _add(found, "bias", d.sum(dim=dims) if dims else d)
         self.rule = "materialised (B, C) affine"
+        self.grads = found
         return found
 
     def gramian(self) -> torch.Tensor:
-        self.grads = self.per_example()
-        return sum((_gram(g.to(self.run.dtype)) for g in self.grads.values()), self.zero())
+        grads = self.per_example().values()
+        return sum((_gram(g.to(self.run.dtype)) for g in grads), self.zero())
 
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        grads = self.grads or self.per_example()
+        grads = self.per_example()
         return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in grads.items()}
 
 

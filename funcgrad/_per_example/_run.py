@@ -23,7 +23,7 @@ from ._checks import (
 )
 from ._generic import _Generic
 from ._independence import _probe, _verify_independence, _verify_materialised
-from ._layer import PerExamplePlan, _gram, _Layer, _LayerPlan
+from ._layer import PerExamplePlan, _gram, _Layer, _LayerPlan, _squares
 from ._record import _explain_spent, _grads_after_hooks, _nested_params, _Use
 from ._rules import _layer_class
 
@@ -42,8 +42,14 @@ class _Run:
         weighting: Any,
         call: str,
         check: CheckMode | None = None,
+        *,
+        diagonal: bool = False,
+        replace: bool = False,
     ) -> None:
         self.recorder, self.call = recorder, call
+        # G's diagonal alone: for the norms, or a weighting that declares it reads no more
+        self.diagonal = diagonal or getattr(weighting, "reads_diagonal", False) is True
+        self.replace = replace  # .grad = the update, where it is added to by default
         self.check = resolve_check(check, call)
         self.rule = _weighting.resolve(weighting, "params", call)
         if self.rule.needs_jacobian:
@@ -145,6 +151,9 @@ class _Run:
                 recorder._consume(done)
         if write:  # Apply: the one place that writes .grad.
             taken: set[int] = set()
+            if self.replace:
+                for param in self.selected:
+                    param.grad = None
             for param, grad in update:
                 _sync.accumulate(param, grad.to(param.dtype), taken)
             # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
@@ -157,20 +166,7 @@ class _Run:
         gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
         plans: list[_LayerPlan] = []
         if need_gramian:
-            for block in blocks:
-                if len(block) == 1:
-                    gram = gram + block[0].gramian()
-                else:  # shared parameters: per-example gradients summed over the layers
-                    summed: dict[int, torch.Tensor] = {}
-                    for layer in block:
-                        for name, g in layer.per_example().items():
-                            key = id(layer.params[name])
-                            summed[key] = summed[key] + g if key in summed else g
-                        layer.rule = "materialised, shares a parameter with " + ", ".join(
-                            other.name for other in block if other is not layer
-                        )
-                    for g in summed.values():
-                        gram = gram + _gram(g.to(self.dtype))
+            gram = _gramian(self, blocks)
         for block in blocks:
             plans.extend(layer.plan() for layer in block)
         self.recorder.plan = PerExamplePlan(self.batch, plans)
@@ -253,3 +249,31 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
     for i, layer in enumerate(layers):
         blocks.setdefault(find(i), []).append(layer)
     return list(blocks.values())
+
+
+def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
+    """G, (B, B); or, where the call reads only its diagonal, ``diag(G)`` as a (B, B)
+    matrix (the cross-example blocks are never formed)."""
+    found = torch.zeros(run.batch, dtype=run.dtype, device=run.device)
+    gram = None if run.diagonal else found.new_zeros(run.batch, run.batch)
+    for block in blocks:
+        if len(block) == 1:
+            if gram is None:
+                found = found + block[0].diagonal()
+            else:
+                gram = gram + block[0].gramian()
+            continue
+        summed: dict[int, torch.Tensor] = {}  # shared parameters: summed over the layers
+        for layer in block:
+            for name, g in layer.per_example().items():
+                key = id(layer.params[name])
+                summed[key] = summed[key] + g if key in summed else g
+            layer.rule = "materialised, shares a parameter with " + ", ".join(
+                other.name for other in block if other is not layer
+            )
+        for g in summed.values():
+            if gram is None:
+                found = found + _squares(g.to(run.dtype))
+            else:
+                gram = gram + _gram(g.to(run.dtype))
+    return torch.diag(found) if gram is None else gram
