@@ -19,7 +19,13 @@ from ._errors import BatchingMismatchError, FuncgradWarning, ReleasedPullbackErr
 from ._heads import ComposedHeads, StackedHeads, compose_heads, stacked_heads
 from ._memory import memory_budget
 from ._multitask import SecondBackwardError, backward
-from ._per_example import PerExample, per_example, per_example_gramian
+from ._per_example import (
+    PerExample,
+    per_example,
+    per_example_clip,
+    per_example_gramian,
+    per_example_norms,
+)
 from ._plan import Plan
 from ._pullback import Pullback, PullbackStats, pullback
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
@@ -41,6 +47,8 @@ __all__ = [
     # per-example heads
     "per_example",
     "per_example_gramian",
+    "per_example_norms",
+    "per_example_clip",
     # their objects
     "Pullback",
     "PullbackStats",

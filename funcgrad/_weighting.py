@@ -214,8 +214,9 @@ def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, ca
         )
 
 
-def checked_shape(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
-    """The weights returned by a weighting: a real tensor of shape (k,), detached."""
+def checked_shape(weights: Any, k: int, source: str, call: str, unit: str = "task") -> torch.Tensor:
+    """The weights returned by a weighting: a real tensor of shape (k,), one per ``unit``
+    (a task, or an example on the per-example path), detached."""
     if not isinstance(weights, torch.Tensor):
         raise TypeError(
             f"{call}: `weighting` must return a tensor of k = {k} weights from {source}, got "
@@ -223,7 +224,7 @@ def checked_shape(weights: Any, k: int, source: str, call: str) -> torch.Tensor:
         )
     if tuple(weights.shape) != (k,):
         raise ValueError(
-            f"{call}: `weighting` must return weights of shape ({k},) (one per task) from "
+            f"{call}: `weighting` must return weights of shape ({k},) (one per {unit}) from "
             f"{source}, got shape {tuple(weights.shape)}. A weighting maps the Gramian to "
             "weights; a function returning an update vector is an aggregator (TorchJD's "
             "Aggregator, at level='params')."
@@ -289,11 +290,13 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
             raise
 
 
-def weights_from_gramian(rule: Rule, g: torch.Tensor, call: str) -> torch.Tensor:
+def weights_from_gramian(
+    rule: Rule, g: torch.Tensor, call: str, unit: str = "task"
+) -> torch.Tensor:
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
     given = f"the {tuple(g.shape)} Gramian"
-    return checked_shape(_call(rule, g, given, call), g.shape[0], given, call)
+    return checked_shape(_call(rule, g, given, call), g.shape[0], given, call, unit)
 
 
 def aggregate(

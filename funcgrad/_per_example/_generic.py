@@ -1,0 +1,220 @@
+"""The generic rule: any other module with parameters, its per-example gradients from a
+functional call of the module alone (vmap, or a loop); and the recurrent modules."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from .._errors import describe
+from .._types import Tensors
+from ._layer import _add, _Layer
+from ._record import _hook_name, _Use
+
+
+class _Generic(_Layer):
+    """Any other module with parameters: its per-example gradients, by torch.func.vmap over
+    a functional call of the module alone along each example's output gradient (a loop of
+    unbatched calls where vmap cannot), kept for the update."""
+
+    grads: dict[str, torch.Tensor] | None = None
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        if self.grads is not None:
+            return self.grads
+        found: dict[str, torch.Tensor] = {}
+        try:
+            with _RefuseTensorHooks(self):
+                for use in self.uses:
+                    for key, g in self.one_use(use).items():
+                        _add(found, key, g)
+        except _PreHookChangesInput as error:  # from the loop, where vmap's was caught
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {error}"
+            ) from None
+        self.grads = found
+        return found
+
+    def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        leaves, spec, dims = self.leaf_dims(use)
+        batched = [i for i, dim in enumerate(dims) if dim == 0]
+        if not batched:
+            self.fail("has no input batched along dim 0; its inputs are", describe(leaves))
+        deltas = [self.delta(use, i) for i in range(len(use.outputs))]
+        positions = [i for i, _, _ in use.outputs]
+        module, params = self.module, dict(self.params)
+
+        def one(values: list[torch.Tensor], cotangents: list[torch.Tensor]) -> Any:
+            def call(p: dict[str, torch.Tensor]) -> Tensors:
+                filled = list(leaves)
+                for i, v in zip(batched, values):
+                    filled[i] = v.unsqueeze(0)
+                args, kwargs = _pytree.tree_unflatten(filled, spec)
+                flat, _ = _pytree.tree_flatten(_bare_call(module, p, args, kwargs))
+                return tuple(flat[i] for i in positions)
+
+            pull = torch.func.vjp(call, params)[1]
+            return pull(tuple(c.unsqueeze(0) for c in cotangents))[0]
+
+        values = [leaves[i] for i in batched]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                grads = torch.func.vmap(one)(values, deltas)
+            slow = [w for w in caught if "performance drop" in str(w.message)]
+            for other in caught:  # the rest as they would have been
+                if other not in slow:
+                    warnings.warn_explicit(
+                        other.message, other.category, other.filename, other.lineno
+                    )
+            self.rule = "materialised, vmap" + (" (torch's per-example fallback)" if slow else "")
+        except Exception as error:  # vmap cannot run it: a loop, or the module's own error
+            if "random" in str(error):
+                raise ValueError(
+                    f"{self.run.call}: module {self.name!r} ({type(module).__name__}) draws "
+                    "random numbers in its forward (dropout?): its per-example gradients, "
+                    "computed from a second call of it, would need the same draws. Set its "
+                    "dropout to 0, or call .eval() on it."
+                ) from error
+            self.rule = "materialised, loop"
+            return self.loop(use)
+        return dict(grads)
+
+    def loop(self, use: _Use) -> dict[str, torch.Tensor]:
+        rows = [self.eager(use, b) for b in range(self.batch)]
+        return {k: torch.stack([r[k] for r in rows]) for k in self.params}
+
+    def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
+        """Example b's gradients by plain autograd on a call of the module on that example
+        (no torch.func: also for what its transforms refuse, e.g. an autograd.Function
+        without setup_context)."""
+        leaves, spec, dims = self.leaf_dims(use)
+        leaves = [x if dim is None else x.narrow(dim, b, 1) for x, dim in zip(leaves, dims)]
+        args, kwargs = _pytree.tree_unflatten(leaves, spec)
+        with torch.enable_grad():
+            flat = _pytree.tree_leaves(_bare_call(self.module, None, args, kwargs))
+            outs = [flat[i] for i, _, _ in use.outputs]
+            cotangents = [
+                self.delta(use, k).narrow(self.out_dim(use, k), b, 1) for k in range(len(outs))
+            ]
+            params = list(self.params.values())
+            grads = torch.autograd.grad(outs, params, cotangents, allow_unused=True)
+        return {
+            k: torch.zeros_like(p) if g is None else g
+            for (k, p), g in zip(self.params.items(), grads)
+        }
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {
+            k: torch.tensordot(weights.to(g.dtype), g, dims=1)
+            for k, g in self.per_example().items()
+        }
+
+
+class _Recurrent(_Generic):
+    """nn.RNN / nn.GRU / nn.LSTM with batch_first=True: the generic rule, with h_0 and
+    h_n / c_n batched along dim 1 ((layers, B, H)). torch.func cannot vmap them, so a loop
+    of plain autograd calls of ``forward`` alone on one example each (B calls)."""
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of recorded output k: the output (B, T, H) at 0, h_n / c_n at 1."""
+        return 0 if use.outputs[k][0] == 0 else 1
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The flat arguments, their spec and each one's batch dim (None: not batched):
+        the input at 0, h_0 / c_0 at 1."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        x = use.args[0] if use.args else use.kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or x.ndim != 3:
+            self.fail(
+                "has an input that",
+                f"is {describe(x)} (per-example gradients need a (B, T, H) tensor: no "
+                "unbatched input, no PackedSequence)",
+            )
+        dims = [
+            (0 if leaf is x else 1) if isinstance(leaf, torch.Tensor) else None for leaf in leaves
+        ]
+        for leaf, dim in zip(leaves, dims):
+            if dim is not None and leaf.shape[dim] != self.batch:
+                self.fail("has an input that", f"has shape {tuple(leaf.shape)}")
+        return leaves, spec, dims
+
+    def precheck(self) -> None:
+        self.check_layout()
+        for use in self.uses:
+            for k, (_, shape, _) in enumerate(use.outputs):
+                dim = self.out_dim(use, k)
+                if len(shape) <= dim or shape[dim] != self.batch:
+                    self.fail("has an output that", f"has shape {tuple(shape)}")
+            self.leaf_dims(use)
+
+    def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        self.rule = "materialised, loop (recurrent)"
+        return self.loop(use)
+
+
+class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
+    """Around the second call of a module's forward (the generic rule): a tensor hook that
+    forward registers fired in the one backward already, and would fire again there (on
+    per-example gradients, under vmap), which torch's backward never does."""
+
+    def __init__(self, layer: _Layer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            layer = self.layer
+            raise ValueError(
+                f"{layer.run.call}: module {layer.name!r} ({type(layer.module).__name__}) "
+                "registers a tensor hook inside its forward. Its per-example gradients come "
+                "from a second call of that forward alone, where the hook would fire again "
+                "(on per-example gradients), not once as in torch's backward. Nothing was "
+                "written. Register the hook on the module's output instead (hooks between "
+                "modules are honoured), or leave its parameters out with inputs=."
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
+    """``forward`` after the module's forward pre-hooks, with ``params`` (if any) in place
+    of its parameters, as torch.func.functional_call, but not through ``module(...)``: the
+    recorded input already holds what the pre-hooks changed, and the recorded output
+    gradients what its forward hooks and backward hooks did. The pre-hooks run again for
+    what they set from the parameters (torch.nn.utils.weight_norm computes ``weight``
+    there); one that returns a new input is refused (its change, made again from the
+    recorded input, would count twice)."""
+    if params is None:
+        return _forward_after_pre_hooks(module, args, kwargs)
+    # tie_weights as functional_call: a parameter under two names is replaced under both
+    with torch.nn.utils.stateless._reparametrize_module(module, params, tie_weights=True):
+        return _forward_after_pre_hooks(module, args, kwargs)
+
+
+def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    hooks = [
+        *nn.modules.module._global_forward_pre_hooks.items(),
+        *module._forward_pre_hooks.items(),
+    ]
+    for key, hook in hooks:
+        if key in module._forward_pre_hooks_with_kwargs:
+            changed = hook(module, args, kwargs)
+        else:
+            changed = hook(module, args)
+        if changed is not None:
+            raise _PreHookChangesInput(
+                f"has a forward pre-hook ({_hook_name(hook)}) "
+                "that returns a new input. Its per-example gradients come from a second "
+                "call of its forward on the recorded input, which holds that change already. "
+                "Nothing was written. Change the input before the call (in the parent's "
+                "forward), or leave the module's parameters out with inputs=."
+            )
+    return module.forward(*args, **kwargs)
+
+
+class _PreHookChangesInput(ValueError):
+    pass

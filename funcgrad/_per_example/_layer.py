@@ -1,0 +1,258 @@
+"""The layer base: a hooked module and its recorded calls (`_Layer`), the ghost products,
+and the plan that says which rule each layer took."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree
+
+from .._errors import describe
+from ._record import _Use
+
+if TYPE_CHECKING:
+    from ._run import _Run
+
+# Bound on the elements of one transient block (ghost T x T products, unfolded inputs).
+_BLOCK = 1 << 22
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _ghost(a: torch.Tensor, d: torch.Tensor, equal: bool = False) -> torch.Tensor:
+    """``G[b, c] = sum_{t,s} K(a_bt, a_cs) <d_bt, d_cs>`` with K the dot product (or index
+    equality for ``equal``), for a (B, T, ·) and d (B, T, p), in blocks of examples."""
+    batch, rows = a.shape[:2]
+    if rows == 1 and not equal:
+        return (a[:, 0] @ a[:, 0].T) * (d[:, 0] @ d[:, 0].T)
+    flat_a = a.reshape(batch * rows, -1)
+    flat_d = d.reshape(batch * rows, -1)
+    step = max(1, _BLOCK // max(1, batch * rows * rows))
+    blocks = []
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        part_a, part_d = flat_a[start * rows : stop * rows], flat_d[start * rows : stop * rows]
+        kernel = (part_a == flat_a.T).to(d.dtype) if equal else part_a @ flat_a.T
+        prod = kernel * (part_d @ flat_d.T)  # (n T, B T)
+        blocks.append(prod.view(stop - start, rows, batch, rows).sum(dim=(1, 3)))
+    return torch.cat(blocks)
+
+
+def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """``sum_{t,s} <a_bt, a_bs> <d_bt, d_bs>`` = ``‖A_bᵀ Δ_b‖²`` for each example b (G's
+    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks."""
+    batch, rows = a.shape[:2]
+    step = max(1, _BLOCK // max(1, rows * rows))
+    parts = [
+        (
+            torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
+            * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))
+        ).sum((1, 2))
+        for s in range(0, batch, step)
+    ]
+    return torch.cat(parts) if parts else a.new_zeros(0)
+
+
+def _squares(grads: torch.Tensor) -> torch.Tensor:
+    """(B,): the squared norms of per-example gradients (B, ...)."""
+    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+
+
+def _gram(grads: torch.Tensor) -> torch.Tensor:
+    flat = grads.reshape(grads.shape[0], -1)
+    return flat @ flat.T
+
+
+@dataclasses.dataclass
+class _LayerPlan:
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    rule: str
+    ghost_flops: float | None
+    materialised_flops: float | None
+    params: list[str]
+
+    def line(self) -> str:
+        costs = "/".join(
+            "-" if c is None else f"{c / 1e6:.3g}M"
+            for c in (self.ghost_flops, self.materialised_flops)
+        )
+        params = ", ".join(self.params)
+        return f"  {self.name}  {self.kind}  {self.shape}  {self.rule}  [{costs}]  {params}"
+
+
+@dataclasses.dataclass
+class PerExamplePlan:
+    """The rule each layer took in the last per-example call, and its cost estimates
+    (flops of its Gramian block, ghost / materialised)."""
+
+    batch: int
+    layers: list[_LayerPlan]
+
+    def __str__(self) -> str:
+        head = (
+            f"per-example plan, B={self.batch} (flops of the Gramian per layer: ghost / "
+            "materialised)"
+        )
+        return "\n".join([head, *(layer.line() for layer in self.layers)])
+
+
+class _Layer:
+    """A hooked module and its recorded calls in one graph; its parameters ``params`` (name
+    -> the selected parameter)."""
+
+    kind = "generic"
+
+    def __init__(self, run: _Run, module: nn.Module, uses: list[_Use], params: dict[str, Any]):
+        self.run, self.module, self.uses, self.params = run, module, uses, params
+        self.name = run.recorder._names.get(module, type(module).__name__)
+        self.batch = run.batch
+        self.rule = ""
+        self.ghost_flops: float | None = None
+        self.materialised_flops: float | None = None
+
+    def fail(self, what: str, got: Any) -> None:
+        raise ValueError(
+            f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {what} "
+            f"{got}, but the losses have B = {self.batch} entries: per-example Gramians need "
+            "every hooked module's inputs and outputs batched along dim 0 (batch_first=True "
+            "for nn.MultiheadAttention / nn.Transformer*; no reshape of the batch into other "
+            "dimensions, no output shared by the whole batch such as positional embeddings "
+            "of shape (T, d): expand them to (B, T, d) first). Fix the module, or leave its "
+            "parameters out with inputs=."
+        )
+
+    def input(self, use: _Use) -> torch.Tensor:
+        """The call's first argument (the layer's input A), checked to be batched."""
+        x = use.args[0] if use.args else next(iter(use.kwargs.values()), None)
+        if not isinstance(x, torch.Tensor):
+            self.fail("has an input that", f"is {describe(x)}")
+        assert isinstance(x, torch.Tensor)
+        self.check_batched(x, "has an input that")
+        return x
+
+    def check_batched(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.ndim == 0 or tensor.shape[0] != self.batch:
+            self.fail(what, f"has shape {tuple(tensor.shape)}")
+
+    def check_layout(self) -> None:
+        """A module that says which dim is its batch (``batch_first``) has it at dim 0:
+        time-major layouts are refused by their attribute, also where T == B."""
+        if getattr(self.module, "batch_first", None) is False:
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) has "
+                "batch_first=False: its inputs and outputs are time-major (T, B, ...), "
+                "where per-example Gramians need them batched along dim 0 (this holds even "
+                "where T == B, which the shapes cannot tell). Build it with "
+                "batch_first=True and pass (B, T, ...) inputs, or leave its parameters out "
+                "with inputs=."
+            )
+
+    def precheck(self) -> None:
+        """The batch dimension of every recorded input and output, before the backward."""
+        self.check_layout()
+        for use in self.uses:
+            for _, shape, _ in use.outputs:
+                if len(shape) == 0 or shape[0] != self.batch:
+                    self.fail("has an output that", f"has shape {tuple(shape)}")
+            if self.kind != "generic":
+                self.input(use)
+
+    def out_dim(self, use: _Use, k: int) -> int:
+        """The batch dim of the call's recorded output k."""
+        return 0
+
+    def leaf_dims(self, use: _Use) -> tuple[list[Any], Any, list[int | None]]:
+        """The call's flat arguments, their spec and each one's batch dim (None: not
+        batched)."""
+        leaves, spec = _pytree.tree_flatten((use.args, use.kwargs))
+        shared = self.shared_arguments(use)
+        dims: list[int | None] = [
+            0
+            if isinstance(x, torch.Tensor)
+            and x.ndim >= 1
+            and x.shape[0] == self.batch
+            and not any(x is s for s in shared)
+            else None
+            for x in leaves
+        ]
+        return leaves, spec, dims
+
+    def shared_arguments(self, use: _Use) -> list[torch.Tensor]:
+        """Arguments that are not per example though their dim 0 may be B: an
+        nn.MultiheadAttention's 2-D ``attn_mask`` (T, S), shared by the batch (T == B would
+        read as batched). Every other tensor of size B along dim 0 is taken as per example."""
+        if not isinstance(self.module, nn.MultiheadAttention):
+            return []
+        bound = inspect.signature(self.module.forward).bind_partial(*use.args, **use.kwargs)
+        mask = bound.arguments.get("attn_mask")
+        if not isinstance(mask, torch.Tensor):
+            return []
+        if mask.ndim == 3:
+            self.fail(
+                "has an attn_mask that",
+                f"has shape {tuple(mask.shape)} (a 3-D mask holds one (T, S) mask per example "
+                "and head, (B * num_heads, T, S), which per-example gradients cannot split by "
+                "example here): pass a 2-D (T, S) mask shared by the batch, or key_padding_mask "
+                "(B, S)",
+            )
+        return [mask]
+
+    def delta(self, use: _Use, i: int = 0) -> torch.Tensor:
+        d = use.deltas[i]
+        if d is None:
+            _, shape, dtype = use.outputs[i]
+            d = torch.zeros(shape, dtype=dtype, device=self.run.device)
+        dim = self.out_dim(use, i)
+        if d.ndim <= dim or d.shape[dim] != self.batch:
+            self.fail("has an output gradient that", f"has shape {tuple(d.shape)}")
+        return d
+
+    def gramian(self) -> torch.Tensor:
+        """This layer's block of G (its parameters alone)."""
+        self.rule = "materialised"
+        return sum((_gram(g) for g in self.per_example().values()), self.zero())
+
+    def diagonal(self) -> torch.Tensor:
+        """This layer's share of G's diagonal, (B,): its per-example gradients' squared norms."""
+        self.rule = "materialised"
+        found = self.per_example().values()
+        return sum((_squares(g.to(self.run.dtype)) for g in found), self.zero_diagonal())
+
+    def zero_diagonal(self) -> torch.Tensor:
+        return torch.zeros(self.batch, dtype=self.run.dtype, device=self.run.device)
+
+    def zero(self) -> torch.Tensor:
+        return torch.zeros(self.batch, self.batch, dtype=self.run.dtype, device=self.run.device)
+
+    def per_example(self) -> dict[str, torch.Tensor]:  # name -> (B, *shape)
+        raise NotImplementedError
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def plan(self) -> _LayerPlan:
+        shape: tuple[int, ...] = ()
+        first = self.uses[0].args[0] if self.uses[0].args else None
+        if isinstance(first, torch.Tensor):
+            shape = tuple(first.shape)
+        return _LayerPlan(
+            self.name,
+            type(self.module).__name__,
+            shape,
+            self.rule,
+            self.ghost_flops,
+            self.materialised_flops,
+            list(self.params),
+        )
+
+
+def _add(found: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
+    found[key] = found[key] + value if key in found else value

@@ -1,0 +1,193 @@
+"""Record: the module hooks' records of a forward (`_Use`), the marks that explain a record
+that is gone, and the one backward that collects every recorded call's output gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+if TYPE_CHECKING:
+    from ._recorder import PerExample
+
+_BACKWARD = "funcgrad.backward(losses, batch_dim=0)"
+_GRAMIAN = "funcgrad.per_example_gramian(losses)"
+_MARK = "funcgrad.per_example(model)"
+
+
+@dataclasses.dataclass
+class _Use:
+    """One call of a hooked module during a recorded forward."""
+
+    module: nn.Module
+    args: tuple[Any, ...]  # detached tensors (the storage autograd saves anyway)
+    kwargs: dict[str, Any]
+    edges: list[Any]  # gradient edges of the outputs that require grad, taken at the call
+    outputs: list[tuple[int, torch.Size, torch.dtype]]  # (position in the flat output, ...)
+    nested: list[_Use]  # uses of hooked modules inside this call
+    upstream: list[Any]  # gradient edges of the inputs that require grad
+    deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    hooked: str | None = None  # a user hook that the rules cannot honour (see _foreign_hooks)
+    # the tensor-hook dicts of the call's inputs and outputs (see _hook_dict)
+    hook_dicts: list[Any] = dataclasses.field(default_factory=list)
+    # (tensor, its version at the call): the inputs and the module's own parameters, which
+    # the rules read at the call; one changed in place since then gives wrong rows
+    versions: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+
+    def walk(self) -> Iterator[_Use]:
+        yield self
+        for use in self.nested:
+            yield from use.walk()
+
+
+def _direct(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _batch_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm normalises with the batch's statistics (training mode, or no
+    running statistics): they mix the examples."""
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+        module.training or not module.track_running_stats or module.running_mean is None
+    )
+
+
+def _refuse_batch_statistics(name: str, module: nn.Module, call: str) -> None:
+    raise ValueError(
+        f"{call}: module {name!r} ({type(module).__name__}) normalises with the batch's "
+        "statistics (training mode, or track_running_stats=False), which mix the examples: "
+        "loss b then depends on every example, and there are no per-example gradients. "
+        "Call model.eval() on it (running statistics), or replace it by GroupNorm / "
+        "LayerNorm / InstanceNorm."
+    )
+
+
+def _hook_name(hook: Any) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__qualname__
+
+
+_SPENT = "funcgrad.per_example"  # the key of our mark in a graph node's metadata
+
+_WHY = {
+    "consumed": "an earlier call (gramian or backward) on these losses consumed their "
+    "forward's records, and freed its graph. Run the forward again for each call, or pass "
+    "retain_graph=True to every call on it but the last",
+    "dropped": "a call on the losses of a later forward dropped this forward's records (a "
+    "call drops the records of older forwards that no call used). Call gramian / backward "
+    "on each forward's losses in the order of the forwards, or run this forward again",
+    "failed": "an earlier call on the losses of this (or a later) forward raised, which "
+    "dropped the records (see that error). Run the forward again",
+    "cleared": "pe.clear() dropped this forward's records. Run the forward again",
+    "removed": "the hooks were removed (the end of the `with funcgrad.per_example(model)` "
+    "block, or remove()), which drops their records. Call gramian / backward inside the "
+    "block, before the hooks are removed",
+}
+
+
+def _mark(node: Any, why: str) -> None:
+    metadata = getattr(node, "metadata", None)
+    if isinstance(metadata, dict):  # the first reason stays (consumed, then dropped)
+        metadata.setdefault(_SPENT, why)
+
+
+def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None) -> None:
+    """Raise the reason that no record of the forward of ``losses`` is left, if known: our
+    mark on one of its graph nodes, or a recorder whose hooks were removed."""
+    stack: list[Any] = [get_gradient_edge(losses).node]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        metadata = getattr(node, "metadata", None)
+        why = metadata.get(_SPENT) if isinstance(metadata, dict) else None
+        if why in _WHY:
+            raise ValueError(
+                f"{call}: no record of the forward of these losses is left: {_WHY[why]}."
+            )
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    if recorder is not None and recorder._removed:
+        raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
+
+
+def _keys(use: _Use) -> list[tuple[Any, int]]:
+    return [(e.node, e.output_nr) for e in use.edges]
+
+
+def _reachable_edges(losses: torch.Tensor) -> set[tuple[Any, int]]:
+    root = get_gradient_edge(losses)
+    found: set[tuple[Any, int]] = {(root.node, root.output_nr)}
+    stack, seen = [losses.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for nxt, nr in node.next_functions:
+            if nxt is not None:
+                found.add((nxt, nr))
+                stack.append(nxt)
+    return found
+
+
+def _hook_dict(tensor: torch.Tensor) -> Any:
+    """The dict of the tensor hooks of ``tensor``, a non-leaf, made now if it has none (as
+    ``Tensor.register_hook`` makes it): the hooks that the user registers on it later go
+    there, where the independence check can hold them back for its own backward, even once
+    the tensor itself is gone (its node keeps the dict)."""
+    if tensor._backward_hooks is None:
+        tensor._backward_hooks = OrderedDict()
+        node = tensor.grad_fn
+        assert node is not None  # a non-leaf
+        node._register_hook_dict(tensor)
+    return tensor._backward_hooks
+
+
+def _nested_params(use: _Use) -> set[torch.Tensor]:
+    """The parameters that the calls nested in ``use`` handle (each its module's subtree)."""
+    return {p for n in use.nested for p in n.module.parameters()}
+
+
+def _grads_after_hooks(
+    losses: torch.Tensor,
+    edges: list[Any],
+    retain_graph: bool,
+    grad_outputs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients along ``grad_outputs`` (all ones by default) at ``edges``, as the nodes
+    there use them: after the tensor hooks on those outputs (``out.register_hook``) and the
+    nodes' pre-hooks.
+
+    torch's engine captures an input of ``autograd.grad`` before the tensor hooks when its
+    node also runs (a layer with layers below it), after them when it does not. A pre-hook
+    of ours on each node, registered last, sees what the node itself receives; it only
+    reads, so each user hook fires once, as in one backward of ``losses.sum()``."""
+    seen: dict[Any, tuple[torch.Tensor | None, ...]] = {}
+    handles = []
+    for node in {e.node: None for e in edges}:
+
+        def read(grads: Any, node: Any = node) -> None:
+            seen[node] = tuple(grads)
+
+        handles.append(node.register_prehook(read))
+    try:
+        deltas = torch.autograd.grad(
+            losses,
+            edges,
+            grad_outputs=torch.ones_like(losses) if grad_outputs is None else grad_outputs,
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return tuple(seen[e.node][e.output_nr] if e.node in seen else d for e, d in zip(edges, deltas))
+
+
+# -- layers: one rule each -------------------------------------------------------------------

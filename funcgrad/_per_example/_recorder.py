@@ -1,0 +1,373 @@
+"""The recorder: `PerExample`, whose module hooks record each layer's calls during the
+user's forward, and the lookup of the recorder of a batch's losses."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils import _pytree
+
+from .._config import CheckMode
+from .._errors import describe
+from .._validate import outside_transforms
+from ._layer import PerExamplePlan
+from ._record import (
+    _BACKWARD,
+    _GRAMIAN,
+    _MARK,
+    _batch_statistics,
+    _direct,
+    _explain_spent,
+    _hook_dict,
+    _hook_name,
+    _keys,
+    _mark,
+    _reachable_edges,
+    _refuse_batch_statistics,
+    _Use,
+)
+from ._run import _Run
+
+
+def _is_recorder_hook(hook: Any) -> bool:
+    return getattr(hook, "__func__", None) is PerExample._post
+
+
+def _is_observer(hook: Any) -> bool:
+    """A recorder's hook, or torch's ModuleTracker's (FlopCounterMode's): they return None."""
+    if _is_recorder_hook(hook):
+        return True
+    from torch.utils.module_tracker import ModuleTracker
+
+    return isinstance(getattr(hook, "__self__", None), ModuleTracker)
+
+
+def _foreign_hooks(module: nn.Module, recorder: PerExample) -> str | None:
+    """The user hooks of ``module`` that the rules cannot honour, described, or None.
+
+    The rules differentiate ``forward`` itself, from the recorded input (what forward got,
+    after any forward pre-hook) to the recorded output (what forward returned) along the
+    output gradients (after any full backward pre-hook). So pre-hooks, module forward hooks
+    that run after ours and full backward hooks are exact. Not so a forward hook that runs
+    before ours (a global one, or one registered later with prepend=True: the output we see
+    may be its rescaled one) nor a non-full backward hook (it rewrites the gradients that
+    the node of the output computes, parameters' included)."""
+    before = list(nn.modules.module._global_forward_hooks.values())
+    for hook in module._forward_hooks.values():
+        if _is_recorder_hook(hook) and getattr(hook, "__self__", None) is recorder:
+            break
+        before.append(hook)
+    before = [h for h in before if not _is_observer(h)]
+    if before:
+        return (
+            f"a forward hook that runs before funcgrad's ({_hook_name(before[0])}: a global "
+            "one, torch.nn.modules.module.register_module_forward_hook, or one registered "
+            "with prepend=True after funcgrad.per_example), which may change the output that "
+            "the rules differentiate"
+        )
+    if module._backward_hooks or nn.modules.module._global_backward_hooks:
+        _, non_full = module._get_backward_hooks()  # type: ignore[no-untyped-call]
+        if non_full:
+            return (
+                f"a non-full backward hook ({_hook_name(non_full[0])}, register_backward_hook), "
+                "which rewrites the gradients of its output's node, the parameters' included"
+            )
+    return None
+
+
+class PerExample:
+    """The modules of ``model`` hooked to record each layer's input during the forward, so
+    that per-example Gramians and weighted updates cost about one backward.
+
+    Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
+    the end of a ``with`` block; a block's end is final: make a new one for the next).
+    Each call of `gramian` or `backward` (without ``retain_graph``) consumes what its
+    forward recorded and drops the records of older forwards that no call used; those of
+    later forwards stay for their own calls. A call on losses whose records are gone says
+    why. Nothing is recorded while grad is disabled.
+    """
+
+    def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{_MARK}: `model` must be an nn.Module, got {describe(model)}.")
+        if batch_dim != 0 or isinstance(batch_dim, bool):
+            raise ValueError(
+                f"{_MARK}: `batch_dim` must be 0 (every hooked module's inputs and outputs "
+                f"batched along their first dimension), got {batch_dim!r}. For batch_first="
+                "False transformers or RNNs, build them with batch_first=True."
+            )
+        if isinstance(model, nn.parallel.DistributedDataParallel) or any(
+            type(p).__name__ == "DTensor" for p in model.parameters()
+        ):
+            raise ValueError(_distributed_refusal(_MARK))
+        self.model = model
+        self.batch_dim = batch_dim
+        self.plan: PerExamplePlan | None = None
+        self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
+        self._names = {module: name or "<model>" for name, module in model.named_modules()}
+        for name, module in model.named_modules():
+            if _batch_statistics(module):
+                _refuse_batch_statistics(name or "<model>", module, _MARK)
+            if torch.nn.utils.parametrize.is_parametrized(module):
+                raise ValueError(
+                    f"{_MARK}: module {name or '<model>'!r} ({type(module).__name__}) has "
+                    "parametrized tensors (torch.nn.utils.parametrize: parametrizations."
+                    "weight_norm, spectral_norm, orthogonal, register_parametrization), whose "
+                    "per-example gradients would go through the parametrization, which "
+                    "funcgrad's rules do not do. Nothing was hooked. Use "
+                    "torch.nn.utils.weight_norm (supported), remove the parametrization "
+                    "(parametrize.remove_parametrizations), or leave the module out of the "
+                    "model given to per_example."
+                )
+        self._uses: list[_Use] = []
+        self._frames: list[tuple[nn.Module, list[_Use]]] = []
+        self._recording = True
+        self._removed = False
+        self._handles = []
+        self._direct = {module: tuple(_direct(module)) for module in model.modules()}
+        self._batchnorms = {
+            m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
+        # A module with children gets a frame (its pre-hook) that collects the calls nested
+        # in it; a leaf module needs only its forward hook.
+        self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
+        for module, params in self._direct.items():
+            if (params and module in self._parents) or module in self._batchnorms:
+                self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+            if params:
+                # First of the module's forward hooks, so that it sees the output of forward
+                # itself (what the rules differentiate), before any user hook rescales it; and
+                # called when forward raises, so that the call's frame is closed.
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._post, with_kwargs=True, prepend=True, always_call=True
+                    )
+                )
+        self._shared = _SharedIndex(self)
+        self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
+        for module in self._direct:
+            if type(module) is nn.Embedding:
+                self._handles.append(
+                    module.register_forward_pre_hook(self._shared.expand, with_kwargs=True)
+                )
+        _RECORDERS.add(self)
+
+    # Hooks ---------------------------------------------------------------------------
+
+    def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not self._recording:
+            return
+        if module in self._batchnorms and _batch_statistics(module):  # before its forward
+            _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
+        if module in self._parents and self._direct[module]:
+            self._frames.append((module, []))
+
+    def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._recording:
+            return
+        nested: list[_Use] = []
+        if module in self._parents:
+            frame = self._frames.pop() if self._frames else (module, [])
+            while frame[0] is not module and self._frames:  # a call that raised left its frame
+                frame = self._frames.pop()
+            nested = frame[1] if frame[0] is module else []
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
+            return
+        flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
+        if not outside_transforms([x for x in flat if isinstance(x, torch.Tensor)]):
+            return  # a call inside torch.func transforms: not a per-example forward
+        outputs, edges = [], []
+        for i, out in enumerate(flat):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                outputs.append((i, out.shape, out.dtype))
+                edges.append(get_gradient_edge(out))
+        if not edges:
+            return
+        if kwargs or not all(isinstance(x, torch.Tensor) for x in args):
+            leaves, spec = _pytree.tree_flatten((tuple(args), dict(kwargs)))
+        else:  # the common case: tensors only
+            leaves, spec = list(args), None
+        upstream = [
+            get_gradient_edge(x) for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        leaves_before = leaves
+        leaves = [x.detach() if isinstance(x, torch.Tensor) else x for x in leaves]
+        saved_args, saved_kwargs = (
+            (tuple(leaves), {}) if spec is None else _pytree.tree_unflatten(leaves, spec)
+        )
+        use = _Use(module, saved_args, saved_kwargs, edges, outputs, nested, upstream)
+        use.hooked = _foreign_hooks(module, self)
+        use.versions = [
+            (x, x._version)
+            for x in (*leaves, *self._direct[module])
+            if isinstance(x, torch.Tensor) and not x.is_inference()
+        ]
+        for x in (*flat, *leaves_before):
+            if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
+                use.hook_dicts.append(_hook_dict(x))
+        (self._frames[-1][1] if self._frames else self._uses).append(use)
+
+    # Public --------------------------------------------------------------------------
+
+    def gramian(
+        self,
+        losses: torch.Tensor,
+        *,
+        inputs: Any = None,
+        retain_graph: bool = False,
+        check: CheckMode | None = None,
+    ) -> torch.Tensor:
+        """The (B, B) Gramian ``G[b, b'] = <grad_b, grad_b'>`` of the per-example gradients
+        of the selected parameters; no ``.grad`` is written. See
+        `funcgrad.per_example_gramian`."""
+        run = _Run(self, losses, inputs, None, _GRAMIAN, check)
+        return run.execute(retain_graph, write=False)[0]
+
+    def backward(
+        self,
+        losses: torch.Tensor,
+        *,
+        weighting: Any = None,
+        inputs: Any = None,
+        retain_graph: bool = False,
+        check: CheckMode | None = None,
+    ) -> torch.Tensor:
+        """``.grad += sum_b w_b grad_b`` with ``w = weighting(G)``; returns ``w``. See
+        `funcgrad.per_example`."""
+        run = _Run(self, losses, inputs, weighting, _BACKWARD, check)
+        return run.execute(retain_graph, write=True)[1]
+
+    def clear(self) -> None:
+        """Drop what the forwards recorded (no call consumed it)."""
+        self._drop("cleared")
+
+    def _drop(self, why: str, keep: int = 0) -> None:
+        """Drop the records but the last ``keep`` top-level calls, marking the graph nodes of
+        the dropped ones with ``why`` (for the message of a later call on their losses)."""
+        kept = self._uses[len(self._uses) - keep :] if keep else []
+        for top in self._uses[: len(self._uses) - len(kept)]:
+            for use in top.walk():
+                for edge in use.edges:
+                    _mark(edge.node, why)
+        self._uses = kept
+        if not kept:
+            self._frames = []
+
+    def _consume(self, done: list[_Use] | None) -> None:
+        """After a call without retain_graph: drop the records of the forward it consumed
+        (``done``) and of older forwards that no call consumed, and keep those of later
+        forwards (their losses may come next, as with two forwards, then two calls). A call
+        that failed (``done`` None) drops every record."""
+        if done is None:
+            self._drop("failed")
+            return
+        ids = {id(use) for use in done}
+        last = max((i for i, top in enumerate(self._uses) if id(top) in ids), default=-1)
+        for top in self._uses[: last + 1]:
+            if id(top) in ids:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "consumed")
+        self._drop("dropped", keep=len(self._uses) - last - 1)
+
+    def remove(self) -> None:
+        """Remove the hooks and the records."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._drop("removed")
+        self._removed = True
+        _RECORDERS.discard(self)
+
+    def __enter__(self) -> PerExample:
+        if self._removed:
+            raise RuntimeError(
+                f"{_MARK}: this PerExample's hooks were removed (the end of its with block, or "
+                "remove()), and a block does not put them back. Make a new one for each "
+                "block (`with funcgrad.per_example(model) as pe:`), or keep one without "
+                "`with` and call pe.remove() once at the end."
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"PerExample({type(self.model).__name__}, batch_dim={self.batch_dim})"
+
+
+_RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
+
+
+class _SharedIndex:
+    """An Embedding's index shared by the batch, (1, T) (the position ids of GPT-2 and BERT,
+    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward:
+    the same values, but the output gradient stays per example, where a broadcast would sum
+    it over the batch (losing each example's share). B is the batch of the hooked model's
+    own call: dim 0 of its first tensor argument (None: nothing is expanded)."""
+
+    def __init__(self, recorder: PerExample) -> None:
+        self.recorder = weakref.ref(recorder)
+        self.batch: int | None = None
+
+    def recording(self) -> bool:
+        recorder = self.recorder()
+        return recorder is not None and recorder._recording and torch.is_grad_enabled()
+
+    def root(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.recording():
+            leaves = _pytree.tree_leaves((args, kwargs))
+            first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.ndim), None)
+            self.batch = None if first is None else int(first.shape[0])
+
+    def expand(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        batch = self.batch
+        if batch is None or batch == 1 or not self.recording():
+            return None
+        index = args[0] if args else kwargs.get("input")
+        if not isinstance(index, torch.Tensor) or index.ndim < 2 or index.shape[0] != 1:
+            return None
+        expanded = index.expand(batch, *index.shape[1:])
+        if args:
+            return (expanded, *args[1:]), kwargs
+        return args, {**kwargs, "input": expanded}
+
+
+def _distributed_refusal(call: str) -> str:
+    return (
+        f"{call}: per-example Gramians with a process group are not supported. The "
+        "cross-rank blocks of G need every rank's per-layer inputs A and output gradients Δ: "
+        "R ranks of B_r examples would all-gather sum over layers of B_r·T·(d+p) numbers per "
+        "rank (for an MLP 784-1024-10 at B_r=128, 0.36M numbers, so R x 1.4 MiB in float32 "
+        "per step, against the P = 0.8M numbers of DDP's all-reduce), and each rank would "
+        "then form the whole (R·B_r)² Gramian. Run it on one process (or on each rank's local "
+        "batch without a process group, which gives the local Gramian), or use "
+        "funcgrad.backward(losses_per_task, through=...) for task losses."
+    )
+
+
+def _recorder_of(losses: Any, call: str) -> PerExample:
+    """The live PerExample whose hooks recorded the forward of ``losses``."""
+    live = [r for r in list(_RECORDERS) if r._uses]
+    if isinstance(losses, torch.Tensor) and losses.grad_fn is not None and len(live) > 1:
+        mine = _reachable_edges(losses)
+        live = [r for r in live if any(e in mine for u in r._uses for e in _keys(u))]
+    if len(live) == 1:
+        return live[0]
+    if not live:
+        if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
+            _explain_spent(losses, call, None)
+        raise ValueError(
+            f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
+            "per-example Gramians need each layer's input, recorded during the forward. "
+            "Hook the model before the forward: `with funcgrad.per_example(model) as pe: "
+            "losses = criterion(model(x), y); pe.backward(losses, weighting=...)`."
+        )
+    raise ValueError(
+        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses; "
+        "call .backward / .gramian on the one you mean."
+    )

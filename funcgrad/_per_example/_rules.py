@@ -1,0 +1,460 @@
+"""The native rules: Linear (ghost or materialised), Conv1d/Conv2d, Embedding and the
+norms' affine parameters; and the choice of a module's rule by its class."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._errors import describe
+from ._generic import _Generic, _Recurrent
+from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
+from ._record import _Use
+
+
+class _Dense(_Layer):
+    """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
+
+    kind = "linear"
+    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
+    transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
+
+    def oriented(self, grad: torch.Tensor) -> torch.Tensor:
+        """A weight gradient computed as (..., p, d), in the layout of the weight."""
+        return grad.transpose(-1, -2) if self.transposed else grad
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        a_parts, d_parts = [], []
+        for use in self.uses:
+            a, d = self.unfold(use)
+            a_parts.append(a)
+            d_parts.append(d)
+        return _cat_rows(a_parts), _cat_rows(d_parts)
+
+    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.input(use)
+        if a.ndim < 2:
+            self.fail("has an input that", describe(a))
+        d = self.delta(use)
+        return a.reshape(self.batch, -1, a.shape[-1]), d.reshape(self.batch, -1, d.shape[-1])
+
+    def dims(self) -> tuple[int, int, int]:
+        """(T rows per example over all calls, d, p), from shapes alone."""
+        weight = self.params.get("weight", self.module.weight)
+        if self.transposed:
+            width, out = weight.shape
+        else:
+            width, out = weight[0].numel(), weight.shape[0]
+        rows = sum(self.input(use).numel() // (self.batch * width) for use in self.uses)
+        return rows, width, out
+
+    def bias_rows(self) -> torch.Tensor:
+        """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
+        found = [self.delta(use) for use in self.uses]
+        sums = [d.reshape(self.batch, -1, d.shape[-1]).sum(1) for d in found]
+        return sum(sums[1:], sums[0])
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, Δ) as (B, d) and (B, p) for one call on 2-D inputs (the MLP case: the
+        fewest ops, as each costs microseconds of overhead at small B), else None."""
+        if isinstance(self, _Conv) or len(self.uses) != 1:
+            return None
+        use = self.uses[0]
+        a = use.args[0] if use.args else None
+        if not isinstance(a, torch.Tensor) or a.ndim != 2 or use.deltas[0] is None:
+            return None
+        return a, use.deltas[0]
+
+    def gramian(self) -> torch.Tensor:
+        dtype = self.run.dtype
+        flat = self.flat()
+        if flat is not None and "weight" in self.params:  # ghost, T = 1
+            a, d = flat
+            if a.dtype != dtype or d.dtype != dtype:
+                a, d = a.to(dtype), d.to(dtype)
+            batch, width, out = a.shape[0], a.shape[1], d.shape[1]
+            self.ghost_flops = float(batch * batch * (width + out + 1))
+            self.materialised_flops = float(batch * width * out * (1 + batch))
+            return self.ghost_flat(a, d, "bias" in self.params)
+        bias = self.bias_rows().to(dtype) if "bias" in self.params else None
+        if "weight" not in self.params:
+            self.rule = "bias only"
+            assert bias is not None
+            return bias @ bias.T
+        batch = self.batch
+        rows, width, out = self.dims()
+        self.ghost_flops = float(batch * batch * rows * rows * (width + out + 1))
+        self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
+        if self.ghost_flops <= self.materialised_flops:
+            a, d = self.rows()
+            a, d = a.to(dtype), d.to(dtype)
+            if rows == 1:
+                return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
+            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
+            g = _ghost(a, d)
+        else:
+            self.rule = f"materialised A_bᵀ Δ_b T={rows}"
+            grads = self.weight_per_example()
+            if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+                self.kept = grads
+            g = _gram(grads.to(dtype))
+        return g if bias is None else g + bias @ bias.T
+
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example; else per layer the
+        cheaper of the ghost ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised
+        ``‖A_bᵀ Δ_b‖²`` (B·T·d·p), fastDP's mixed rule (2T² ≤ dp, about)."""
+        dtype = self.run.dtype
+        bias = self.bias_rows().to(dtype) if "bias" in self.params else None
+        found = self.zero_diagonal() if bias is None else _squares(bias)
+        if "weight" not in self.params:
+            self.rule = "bias only"
+            return found
+        flat = self.flat()
+        if flat is not None:
+            a, d = flat[0].to(dtype), flat[1].to(dtype)
+            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
+            return found + _squares(a) * _squares(d)
+        batch = self.batch
+        rows, width, out = self.dims()
+        self.ghost_flops = float(batch * rows * rows * (width + out))
+        self.materialised_flops = float(batch * rows * width * out)
+        if self.ghost_flops <= self.materialised_flops:
+            a, d = self.rows()
+            self.rule = f"ghost <A_b A_bᵀ, Δ_b Δ_bᵀ> T={rows}"
+            return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
+        self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
+        grads = self.weight_per_example()
+        if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+            self.kept = grads
+        return found + _squares(grads.to(dtype))
+
+    def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
+        """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
+        rows are Δ)."""
+        self.rule = "ghost (A Aᵀ)∘(Δ Δᵀ)"
+        kernel = a @ a.T
+        if bias:
+            kernel += 1
+        return kernel.mul_(d @ d.T)
+
+    def weight_per_example(self) -> torch.Tensor:
+        """(B, p, d): ``A_bᵀ Δ_b`` in blocks of examples (bounded transient memory)."""
+        a, d = self.rows()
+        batch, rows, width = a.shape
+        step = max(1, _BLOCK // max(1, rows * width))
+        return torch.cat(
+            [
+                torch.bmm(d[s : s + step].transpose(1, 2), a[s : s + step].to(d.dtype))
+                for s in range(0, batch, step)
+            ]
+        )
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        found = {}
+        if "weight" in self.params:
+            grads = self.oriented(self.weight_per_example())
+            found["weight"] = grads.reshape(self.batch, *self.params["weight"].shape)
+        if "bias" in self.params:
+            found["bias"] = self.bias_rows()
+        return found
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        found: dict[str, torch.Tensor] = {}
+        flat = self.flat()
+        if flat is not None:  # one call on 2-D inputs: (w ⊙ Δ)ᵀ A and its column sums
+            a, d = flat
+            wd = d * weights.to(d.dtype).unsqueeze(1)
+            if "weight" in self.params:
+                found["weight"] = self.oriented(wd.T @ (a if a.dtype == d.dtype else a.to(d.dtype)))
+            if "bias" in self.params:
+                found["bias"] = wd.sum(0)
+            return found
+        if self.kept is not None:  # w @ the per-example gradients: B·d·p
+            kept = self.kept
+            summed = self.oriented(torch.tensordot(weights.to(kept.dtype), kept, dims=1))
+            found["weight"] = summed.reshape(self.params["weight"].shape)
+            if "bias" in self.params:
+                bias = self.bias_rows()
+                found["bias"] = bias.T @ weights.to(bias.dtype)
+            return found
+        for use in self.uses:
+            for key, value in self.weighted(use, weights).items():
+                _add(found, key, value)
+        return found
+
+    def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
+        a, d = self.unfold(use)
+        w = weights.to(d.dtype)
+        a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
+        if a.shape[0] > w.shape[0]:  # rows (b, t): each example's weight on its T rows
+            w = w.repeat_interleave(a.shape[0] // w.shape[0])
+        found = {}
+        if "weight" in self.params:  # w scales the narrower of Δ and A
+            if d.shape[1] <= a.shape[1]:
+                found["weight"] = self.oriented((d * w[:, None]).T @ a)
+            else:
+                found["weight"] = self.oriented(d.T @ (a * w[:, None]))
+        if "bias" in self.params:
+            found["bias"] = d.T @ w
+        return found
+
+
+class _TransposedDense(_Dense):
+    """Hugging Face's ``Conv1D`` (GPT-2's projections): a Linear whose weight is stored
+    transposed, (d, p), so ``x @ W + b``; the same rules, the weight gradients transposed."""
+
+    transposed = True
+
+
+class _Conv(_Dense):
+    """Conv1d/Conv2d (zeros padding, groups=1): a Linear on the unfolded input for the
+    ghost products; torch's own weight-gradient kernel otherwise (the per-example
+    gradients as one convolution with the examples as groups, and the update along
+    ``w ⊙ Δ``), with no unfolded copy."""
+
+    kind = "conv"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.module.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    def geometry(self) -> tuple[int, list[int], list[int], list[int]]:
+        module = self.module
+        assert isinstance(module, (nn.Conv1d, nn.Conv2d))
+        return (
+            len(module.kernel_size),
+            list(module.stride),
+            list(_padding(module)),
+            list(module.dilation),
+        )
+
+    def unfold(self, use: _Use) -> tuple[torch.Tensor, torch.Tensor]:
+        dims, stride, padding, dilation = self.geometry()
+        x = self.input(use)
+        if x.ndim != dims + 2:
+            self.fail("has an input that", describe(x))
+        d = self.delta(use)
+        kernel = list(self.weight.shape[2:])
+        if dims == 1:  # as a Conv2d of height 1
+            x = x.unsqueeze(2)
+            kernel, dilation = [1, *kernel], [1, *dilation]
+            padding, stride = [0, *padding], [1, *stride]
+        a = F.unfold(
+            x, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride)
+        )
+        return a.transpose(1, 2), d.reshape(self.batch, d.shape[1], -1).transpose(1, 2)
+
+    def dims(self) -> tuple[int, int, int]:
+        weight = self.weight
+        rows = sum(math.prod(use.outputs[0][1][2:]) for use in self.uses)
+        return rows, weight[0].numel(), int(weight.shape[0])
+
+    def bias_rows(self) -> torch.Tensor:
+        sums = [self.delta(use).flatten(2).sum(2) for use in self.uses]
+        return sum(sums[1:], sums[0])
+
+    def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
+        dims, stride, padding, dilation = self.geometry()
+        weight = self.weight
+        if groups > 1:
+            weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
+        grads: tuple[torch.Tensor, ...] = torch.ops.aten.convolution_backward(
+            d, x, weight, None, stride, padding, dilation, False, [0] * dims, groups,
+            [False, True, False],
+        )  # fmt: skip
+        return grads[1]
+
+    def weight_per_example(self) -> torch.Tensor:
+        found = []
+        for use in self.uses:  # the examples as the groups of one convolution
+            x, d = self.input(use), self.delta(use)
+            grads = self.backward_weight(
+                d.reshape(1, -1, *d.shape[2:]), x.reshape(1, -1, *x.shape[2:]), self.batch
+            )
+            found.append(grads.view(self.batch, -1))
+        return sum(found[1:], found[0]).view(self.batch, self.weight.shape[0], -1)
+
+    def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, d = self.input(use), self.delta(use)
+        wd = d * weights.to(d.dtype).view(-1, *([1] * (d.ndim - 1)))
+        found = {}
+        if "weight" in self.params:
+            found["weight"] = self.backward_weight(wd, x, 1)
+        if "bias" in self.params:
+            found["bias"] = wd.flatten(2).sum((0, 2))
+        return found
+
+
+class _Embedding(_Layer):
+    """Embedding: the Gram of one-hot rows is index equality."""
+
+    kind = "embedding"
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        index_parts, d_parts = [], []
+        module = self.module
+        assert isinstance(module, nn.Embedding)
+        for use in self.uses:
+            index = self.input(use)
+            d = self.delta(use).reshape(self.batch, -1, module.embedding_dim)
+            index = index.reshape(self.batch, -1)
+            if module.padding_idx is not None:  # its row gets no gradient
+                d = d * (index != module.padding_idx).unsqueeze(-1).to(d.dtype)
+            index_parts.append(index)
+            d_parts.append(d)
+        return _cat_rows(index_parts), _cat_rows(d_parts)
+
+    def gramian(self) -> torch.Tensor:
+        index, d = self.rows()
+        batch, rows, width = d.shape
+        used = min(self.params["weight"].shape[0], batch * rows)  # at most B·T rows are hit
+        self.ghost_flops = float(batch * batch * rows * rows * (width + 2))
+        self.materialised_flops = float(batch * rows * width + batch * batch * used * width)
+        d = d.to(self.run.dtype)
+        if self.ghost_flops <= self.materialised_flops:
+            self.rule = f"ghost [i_bt = i_b't']·<Δ, Δ> T={rows}"
+            return _ghost(index.unsqueeze(-1), d, equal=True)
+        self.rule = f"materialised on the rows used T={rows}"
+        unique, inverse = torch.unique(index, return_inverse=True)
+        return _gram(self.scatter(inverse, d, unique.shape[0]))
+
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
+        index, d = self.rows()
+        vocab, width = self.params["weight"].shape[0], d.shape[-1]
+        offsets = torch.arange(self.batch, device=index.device).unsqueeze(1) * vocab
+        keys, inverse = torch.unique(index + offsets, return_inverse=True)
+        sums = d.new_zeros(keys.shape[0], width, dtype=self.run.dtype)
+        sums.index_add_(0, inverse.flatten(), d.reshape(-1, width).to(self.run.dtype))
+        self.rule = f"materialised on the rows each example uses T={d.shape[1]}"
+        return self.zero_diagonal().index_add_(0, keys // vocab, _squares(sums))
+
+    def scatter(self, index: torch.Tensor, d: torch.Tensor, vocab: int) -> torch.Tensor:
+        """(B, vocab, width): each example's rows of Δ added at its indices."""
+        batch, _, width = d.shape
+        offsets = torch.arange(batch, device=index.device).unsqueeze(1) * vocab
+        flat = d.new_zeros(batch * vocab, width)
+        flat.index_add_(0, (index + offsets).flatten(), d.reshape(-1, width))
+        return flat.view(batch, vocab, width)
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        index, d = self.rows()
+        return {"weight": self.scatter(index, d, self.params["weight"].shape[0])}
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        index, d = self.rows()
+        weight = self.params["weight"]
+        wd = d * weights.to(d.dtype)[:, None, None]
+        grad = torch.zeros(weight.shape, dtype=d.dtype, device=d.device)
+        grad.index_add_(0, index.flatten(), wd.reshape(-1, d.shape[-1]))
+        return {"weight": grad}
+
+
+class _Norm(_Layer):
+    """LayerNorm / GroupNorm / BatchNorm (eval) affine parameters: (B, C) per-example
+    gradients of the scale (``Δ ⊙ x̂`` summed over positions) and the shift (``Δ`` summed)."""
+
+    kind = "norm"
+    grads: dict[str, torch.Tensor] | None = None
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        if self.grads is not None:
+            return self.grads
+        module = self.module
+        found: dict[str, torch.Tensor] = {}
+        for use in self.uses:
+            x = self.input(use)
+            d = self.delta(use)
+            if isinstance(module, nn.LayerNorm):
+                normed = F.layer_norm(x, module.normalized_shape, eps=module.eps)
+                keep = len(module.normalized_shape)
+                dims = tuple(range(1, x.ndim - keep))
+            else:
+                if isinstance(module, nn.GroupNorm):
+                    normed = F.group_norm(x, module.num_groups, eps=module.eps)
+                else:
+                    assert isinstance(module, nn.modules.batchnorm._BatchNorm)
+                    shape = (1, -1, *([1] * (x.ndim - 2)))
+                    mean, var = module.running_mean, module.running_var
+                    assert mean is not None and var is not None
+                    normed = (x - mean.view(shape)) / torch.sqrt(var.view(shape) + module.eps)
+                dims = tuple(range(2, x.ndim))
+            if "weight" in self.params:
+                _add(found, "weight", (d * normed).sum(dim=dims) if dims else d * normed)
+            if "bias" in self.params:
+                _add(found, "bias", d.sum(dim=dims) if dims else d)
+        self.rule = "materialised (B, C) affine"
+        self.grads = found
+        return found
+
+    def gramian(self) -> torch.Tensor:
+        grads = self.per_example().values()
+        return sum((_gram(g.to(self.run.dtype)) for g in grads), self.zero())
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        grads = self.per_example()
+        return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in grads.items()}
+
+
+def _padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
+    """A convolution's padding as numbers ("valid" is none; "same" is never given here)."""
+    if isinstance(module.padding, str):
+        return (0,) * len(module.kernel_size)
+    return tuple(module.padding)
+
+
+def _overrides(module: nn.Module, base: type) -> bool:
+    return getattr(type(module), "forward", None) is not getattr(base, "forward", None)
+
+
+def _layer_class(module: nn.Module) -> type[_Layer]:
+    """The rule of a module, by its class: only torch's own forward (a subclass with its
+    own forward, such as a LoRA Linear, is materialised as any other module)."""
+    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
+        return _Recurrent
+    if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
+        # its forward reads other tensors than its parameters (torch.nn.utils.weight_norm's
+        # weight_g / weight_v make `weight` in a pre-hook): the generic rule runs that
+        return _Generic
+    if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
+        return _Dense
+    if _is_hf_conv1d(module):
+        return _TransposedDense
+    if (
+        type(module) in (nn.Conv1d, nn.Conv2d)
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and (not isinstance(module.padding, str) or module.padding == "valid")
+    ):
+        return _Conv
+    if type(module) is nn.Embedding:
+        return _Embedding
+    if type(module) in (nn.LayerNorm, nn.GroupNorm) or (
+        isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    ):
+        return _Norm
+    return _Generic
+
+
+# -- one call --------------------------------------------------------------------------------
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` itself (``addmm(bias, x, weight)``, weight (d, p)), by its
+    class, without importing transformers; a subclass with its own forward is generic."""
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    return (
+        cls.__name__ == "Conv1D"
+        and cls.__module__ == "transformers.pytorch_utils"
+        and isinstance(weight, torch.Tensor)
+        and weight.ndim == 2
+    )

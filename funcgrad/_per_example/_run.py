@@ -1,0 +1,279 @@
+"""One call of ``gramian`` / ``backward``: validate (the losses, the weighting, the recorded
+layers; before any pass) -> collect (the one backward) -> the layers' rules -> weigh ->
+apply (``.grad`` written in one place, at the end)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .. import _per_example as _package
+from .. import _sync, _weighting
+from .._config import CheckMode, resolve_check
+from .._errors import describe
+from .._validate import named_inputs
+from ._checks import (
+    _recorded_uses,
+    _refuse_changed,
+    _refuse_foreign_reads,
+    _refuse_hooks,
+    _refuse_parameter_hooks,
+)
+from ._generic import _Generic
+from ._independence import _probe, _verify_independence, _verify_materialised
+from ._layer import PerExamplePlan, _gram, _Layer, _LayerPlan, _squares
+from ._record import _explain_spent, _grads_after_hooks, _nested_params, _Use
+from ._rules import _layer_class
+
+if TYPE_CHECKING:
+    from ._recorder import PerExample
+
+
+class _Run:
+    """One call of ``gramian`` / ``backward``: validated at construction, before any pass."""
+
+    def __init__(
+        self,
+        recorder: PerExample,
+        losses: Any,
+        inputs: Any,
+        weighting: Any,
+        call: str,
+        check: CheckMode | None = None,
+        *,
+        diagonal: bool = False,
+        replace: bool = False,
+    ) -> None:
+        self.recorder, self.call = recorder, call
+        # G's diagonal alone: for the norms, or a weighting that declares it reads no more
+        self.diagonal = diagonal or getattr(weighting, "reads_diagonal", False) is True
+        self.replace = replace  # .grad = the update, where it is added to by default
+        self.check = resolve_check(check, call)
+        self.rule = _weighting.resolve(weighting, "params", call)
+        if self.rule.needs_jacobian:
+            raise ValueError(
+                f"{call}: `weighting` {type(weighting).__name__} reads the (B, P) Jacobian of "
+                "the per-example gradients, which the per-example path never forms (it works "
+                "from the Gramian). Pass a Gramian weighting (UPGradWeighting(), "
+                "MGDAWeighting(), UPGrad(), a callable Gramian -> weights)."
+            )
+        if not isinstance(losses, torch.Tensor) or losses.ndim != 1:
+            raise ValueError(
+                f"{call}: `losses` must be a 1-D tensor of per-example losses (one per example, "
+                f"e.g. criterion(model(x), y) with reduction='none'), got {describe(losses)}. "
+                "For a (B, k) tensor of k losses per example, pass losses.sum(1) or one task "
+                "at a time."
+            )
+        if not losses.requires_grad or losses.grad_fn is None:
+            raise ValueError(
+                f"{call}: `losses` does not require grad: compute it from the hooked model's "
+                "forward with grad enabled."
+            )
+        if losses.is_complex() or not losses.is_floating_point():
+            raise TypeError(f"{call}: `losses` must be real floating point, got {losses.dtype}.")
+        self.losses = losses
+        self.batch = losses.shape[0]
+        self.device = losses.device
+        self.selected = self._select(inputs)
+        self._inputs_given = inputs is not None
+        first = next(iter(self.selected), None)
+        self.dtype = _weighting.work_dtype(first.dtype if first is not None else losses.dtype)
+
+    def _select(self, inputs: Any) -> dict[torch.Tensor, str]:
+        """Parameter -> its name, for the parameters whose gradients count."""
+        model = self.recorder.model
+        names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+        if inputs is None:
+            return {p: n for p, n in names.items() if p.requires_grad}
+        selected = {}
+        for label, x in named_inputs(inputs, self.call):
+            if x not in names:
+                raise ValueError(
+                    f"{self.call}: {label} is not a parameter of the hooked model "
+                    f"({type(model).__name__}); per-example gradients exist only for the "
+                    "parameters of the model given to funcgrad.per_example."
+                )
+            selected[x] = names[x]
+        return selected
+
+    def _collect(self, uses: list[_Use], retain_graph: bool) -> None:
+        """The ONE backward: every recorded call's output gradients Δ (no weight products)."""
+        edges = [e for use in uses for e in use.edges]
+        self.recorder._recording = False
+        try:
+            deltas = _grads_after_hooks(self.losses, edges, retain_graph)
+        finally:
+            self.recorder._recording = True
+        start = 0
+        for use in uses:
+            use.deltas = list(deltas[start : start + len(use.edges)])
+            start += len(use.edges)
+
+    # Execute ---------------------------------------------------------------------------
+
+    def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        recorder = self.recorder
+        done: list[_Use] | None = None
+        if write:  # every .grad to be written is checked before anything runs
+            _sync.check_presets([(name, p) for p, name in self.selected.items()], self.call)
+        try:
+            try:
+                uses = _recorded_uses(self)
+            except ValueError:  # no record of this forward: say why, if known
+                _explain_spent(self.losses, self.call, recorder)
+                raise
+            _refuse_changed(self, uses)
+            _refuse_hooks(self, uses)
+            _refuse_parameter_hooks(self)
+            _refuse_foreign_reads(self, uses)
+            blocks = _blocks(self, uses)
+            for block in blocks:
+                for layer in block:
+                    layer.precheck()
+            due = _package._independence_due(self, blocks)  # see __init__
+            probe = None if due is None else _probe(self, blocks)
+            self._collect(uses, retain_graph)
+            if probe is not None:
+                _verify_independence(self, blocks, probe)
+            recorder._recording = False  # functional calls of modules record nothing
+            gram, weights, update = self._weigh(
+                blocks, need_gramian=not write or self.rule.kind != "sum", write=write
+            )
+            if due is not None:
+                _verify_materialised(self, blocks)
+                recorder._independent.add(due)
+            done = uses
+        finally:
+            recorder._recording = True
+            if not retain_graph:  # consumed (and older forwards dropped)
+                recorder._consume(done)
+        if write:  # Apply: the one place that writes .grad.
+            taken: set[int] = set()
+            if self.replace:
+                for param in self.selected:
+                    param.grad = None
+            for param, grad in update:
+                _sync.accumulate(param, grad.to(param.dtype), taken)
+            # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
+            _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
+        return gram, weights
+
+    def _weigh(
+        self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
+        plans: list[_LayerPlan] = []
+        if need_gramian:
+            gram = _gramian(self, blocks)
+        for block in blocks:
+            plans.extend(layer.plan() for layer in block)
+        self.recorder.plan = PerExamplePlan(self.batch, plans)
+        if need_gramian and not bool(torch.isfinite(gram).all()):
+            bad = (~torch.isfinite(gram.diagonal())).nonzero().flatten().tolist()
+            raise ValueError(
+                f"{self.call}: the Gramian of the per-example gradients is not finite"
+                + (f": example(s) {bad} have NaN or inf gradients" if bad else " (overflow)")
+                + ", so no weighting can be computed from it. Check those losses, or scale "
+                "them down."
+            )
+        if self.rule.kind == "sum" or not write:
+            weights = torch.ones(self.batch, dtype=self.dtype, device=self.device)
+        else:
+            weights = _weighting.weights_from_gramian(self.rule, gram, self.call, "example")
+            weights = _weighting.check_finite(
+                weights, f"the {tuple(gram.shape)} Gramian", self.call
+            )
+        update: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if write:
+            for block in blocks:
+                for layer in block:
+                    for name, grad in layer.update(weights).items():
+                        update.append((layer.params[name], grad))
+        return gram.detach(), weights.detach(), update
+
+
+# -- independence: loss b reads example b alone ----------------------------------------------
+#
+# The rules are exact when, for every layer whose parameters count, loss c depends on the
+# layer's output Y only through Y[c]: then the one backward's Δ[b] is ∂L_b/∂Y[b], example b's
+# own output gradient. Mixing the inputs before the first hooked layer is fine (it is data);
+# mixing after a layer (h - h.mean(0), a sort, a pairwise loss...) puts ∂L_c/∂Y[b] into Δ[b].
+# The check: one more backward, of Σ u_b L_b with random u, to the same outputs. For
+# independent losses its Δ is u_b·Δ[b] row by row; a cross-example term shows as a row that
+
+
+def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
+    """The layers (a module and its calls), grouped into blocks of layers that share a
+    parameter: a block's parameters have their per-example gradients summed over its
+    layers before their Gram."""
+    by_module: dict[nn.Module, list[_Use]] = {}
+    for use in uses:
+        by_module.setdefault(use.module, []).append(use)
+    layers: list[_Layer] = []
+    for module, calls in by_module.items():
+        cls = _layer_class(module)
+        recurse = cls is _Generic  # its submodules' parameters that no nested call covers
+        params = {
+            n: p
+            for n, p in module.named_parameters(recurse=recurse)
+            if p in run.selected and not any(p in _nested_params(use) for use in calls)
+        }
+        if params:
+            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+                raise ValueError(
+                    f"{run.call}: module {run.recorder._names[module]!r} (Embedding) has "
+                    "scale_grad_by_freq=True or sparse=True: its gradient is scaled by "
+                    "counts over the whole batch (or sparse), which per-example gradients "
+                    "do not sum to. Build it without those options."
+                )
+            layers.append(cls(run, module, calls, params))
+    # Union of layers sharing a parameter.
+    owner: dict[int, int] = {}
+    parent = list(range(len(layers)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, layer in enumerate(layers):
+        for p in layer.params.values():
+            if id(p) in owner:
+                parent[find(i)] = find(owner[id(p)])
+            else:
+                owner[id(p)] = i
+    blocks: dict[int, list[_Layer]] = {}
+    for i, layer in enumerate(layers):
+        blocks.setdefault(find(i), []).append(layer)
+    return list(blocks.values())
+
+
+def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
+    """G, (B, B); or, where the call reads only its diagonal, ``diag(G)`` as a (B, B)
+    matrix (the cross-example blocks are never formed)."""
+    found = torch.zeros(run.batch, dtype=run.dtype, device=run.device)
+    gram = None if run.diagonal else found.new_zeros(run.batch, run.batch)
+    for block in blocks:
+        if len(block) == 1:
+            if gram is None:
+                found = found + block[0].diagonal()
+            else:
+                gram = gram + block[0].gramian()
+            continue
+        summed: dict[int, torch.Tensor] = {}  # shared parameters: summed over the layers
+        for layer in block:
+            for name, g in layer.per_example().items():
+                key = id(layer.params[name])
+                summed[key] = summed[key] + g if key in summed else g
+            layer.rule = "materialised, shares a parameter with " + ", ".join(
+                other.name for other in block if other is not layer
+            )
+        for g in summed.values():
+            if gram is None:
+                found = found + _squares(g.to(run.dtype))
+            else:
+                gram = gram + _gram(g.to(run.dtype))
+    return torch.diag(found) if gram is None else gram
