@@ -13,7 +13,7 @@ from realstacks_models import import_or_skip
 from torch import nn
 
 import funcgrad
-from funcgrad.bench import _models
+from funcgrad.bench import models
 
 B, T = 4, 6
 TINY = dict(hidden=16, layers=1, heads=2)
@@ -54,8 +54,9 @@ def ids_and_mask():
 
 def gpt2_lm():
     """GPT2LMHeadModel (lm_head tied to wte), next-token losses on padded sequences."""
-    import_or_skip("transformers")
-    model = _models.gpt2("eager", **TINY, vocab=50, positions=16, lm_head=True)
+    transformers = import_or_skip("transformers")
+    config = models.gpt2("eager", **TINY, vocab=50, positions=16).config
+    model = transformers.GPT2LMHeadModel(config)
     assert model.lm_head.weight is model.transformer.wte.weight
     ids, mask = ids_and_mask()
 
@@ -69,21 +70,21 @@ def gpt2_lm():
 
 def gpt2():
     import_or_skip("transformers")
-    model = _models.gpt2("eager", **TINY, vocab=50, positions=16)
+    model = models.gpt2("eager", **TINY, vocab=50, positions=16)
     ids, _ = ids_and_mask()
     return model, lambda m: m(ids).last_hidden_state.pow(2).mean((1, 2))
 
 
 def bert():
     import_or_skip("transformers")
-    model = _models.bert("eager", **TINY, intermediate=32, vocab=50, positions=16)
+    model = models.bert("eager", **TINY, intermediate=32, vocab=50, positions=16)
     ids, mask = ids_and_mask()
     return model, lambda m: m(ids, attention_mask=mask).pooler_output.pow(2).sum(1)
 
 
 def vit():
     import_or_skip("transformers")
-    model = _models.vit("eager", image=8, patch=4, **TINY, intermediate=32)
+    model = models.vit("eager", image=8, patch=4, **TINY, intermediate=32)
     pixels = torch.randn(B, 3, 8, 8)
     return model, lambda m: m(pixels).pooler_output.pow(2).sum(1)
 
