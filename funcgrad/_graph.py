@@ -134,11 +134,6 @@ COMPILED_BACKWARD = "CompiledFunctionBackward"
 MODULE_HOOK = "BackwardHookFunctionBackward"
 
 
-def has_reentrant_checkpoint(outputs: Sequence[torch.Tensor]) -> bool:
-    """Whether the graph below ``outputs`` holds a reentrant checkpoint."""
-    return scan(outputs).checkpoint
-
-
 @dataclasses.dataclass(frozen=True)
 class Scan:
     """What one walk of the whole graph below some outputs found (see :func:`scan`)."""

@@ -425,7 +425,7 @@ class FSDPSync(GroupSync):
                 f"{self.call}: with an FSDP module as `process_group`, `inputs` must be None: "
                 "every parameter of the FSDP module is updated."
             )
-        if _graph.has_reentrant_checkpoint(through):
+        if _graph.scan(through).checkpoint:
             raise ValueError(
                 f"{self.call}: the FSDP module runs a reentrant checkpoint "
                 "(torch.utils.checkpoint with use_reentrant=True), whose graph hides the "
@@ -570,7 +570,7 @@ class FSDPSync(GroupSync):
                     ) from error
                 for j, (row, p) in enumerate(zip(rows, params)):
                     self._reached[j] |= p.grad is not None
-                    local = _local(p if p.grad is None else p.grad)
+                    local = (p if p.grad is None else p.grad).to_local().detach()  # (shard)
                     row.append(local.clone() if p.grad is not None else torch.zeros_like(local))
                     p.grad = None
         return tuple(torch.stack(row) for row in rows)
@@ -600,12 +600,6 @@ class FSDPSync(GroupSync):
             else:
                 p.grad.add_(grad)
         post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
-
-
-def _local(tensor: Any) -> torch.Tensor:
-    """This rank's shard of a DTensor."""
-    local: torch.Tensor = tensor.to_local()
-    return local.detach()
 
 
 # The sharded parameters of each FSDP module, the objects its optimizer holds: after the

@@ -4,6 +4,7 @@ fixtures that the tests of several files share."""
 from __future__ import annotations
 
 import collections
+import os
 
 import optree
 import pytest
@@ -102,6 +103,16 @@ def assert_rows_close(got, expected, rtol):
     """Row by row, each against its own scale: a small head is not judged by a big one."""
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=rtol, atol=rtol * float(e.abs().max()))
+
+
+def rank_group(rank, store, timeout_s=30):
+    """The gloo group of this rank (of funcgrad.bench.ranks.WORLD, a spawned test worker's):
+    on loopback, with one thread, every collective timing out after ``timeout_s``."""
+    from funcgrad.bench.ranks import WORLD, gloo_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    return gloo_group(timeout_s, init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
 def task_losses(encoder, heads, x, y):

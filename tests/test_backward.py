@@ -931,19 +931,15 @@ def _freeing_ranks(rank, store):
     row, each freeing the shared part's saved tensors (DDP's reducer and FSDP's hooks still
     reduce the second step), every .grad the one process's on the whole batch."""
     import copy
-    import os
 
     import torch.distributed as dist
     import torch.nn.functional as F
+    from helpers import rank_group
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from funcgrad.bench.ranks import gloo_group
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
-    with gloo_group(120, init_method=f"file://{store}", rank=rank, world_size=2):
+    with rank_group(rank, store, timeout_s=120):
         mesh = init_device_mesh("cpu", (2,))
         generator = torch.Generator().manual_seed(1)
         x, y = torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import task_losses
+from helpers import rank_group, task_losses
 from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench.ranks import gloo_group, spawn_ranks
+from funcgrad.bench.ranks import WORLD, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 
-WORLD = 2
 CONFIGS = [
     (level, name, wrap)
     for level in ("params", "features")
@@ -48,21 +46,15 @@ def _data():
 
 
 def _step(encoder, heads, x, y, weighting, level, process_group=None):
-    features = encoder(x)
-    losses = [
-        torch.nn.functional.mse_loss(head(features), y[:, i : i + 1])
-        for i, head in enumerate(heads)
-    ]
+    features, losses = task_losses(encoder, heads, x, y)
     return funcgrad.backward(
         losses, through=features, weighting=weighting, level=level, process_group=process_group
     )
 
 
 def _group(rank, store):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
-    return gloo_group(30, init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    return rank_group(rank, store)
 
 
 def _agreement_worker(rank, store):

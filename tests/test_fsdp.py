@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import task_losses
+from helpers import rank_group, task_losses
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torchjd.aggregation import GradDrop, MGDAWeighting, UPGrad, UPGradWeighting
 
 import funcgrad
-from funcgrad.bench.ranks import gloo_group, spawn_ranks
+from funcgrad.bench.ranks import WORLD, spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawns gloo ranks and torchrun
 
-WORLD = 2
 WEIGHTINGS = {"UPGrad": UPGrad, "MGDA": MGDAWeighting, "UPGradWeighting": UPGradWeighting}
 WEIGHTINGS["none"] = lambda: None
 
@@ -57,12 +55,6 @@ def _shard(encoder, wrap, mesh, **options):
                 fully_shard(layer, mesh=mesh, **options)
     fully_shard(encoder, mesh=mesh, **options)
     return encoder
-
-
-def _group(rank, store):
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    return gloo_group(30, init_method=f"file://{store}", rank=rank, world_size=WORLD)
 
 
 def _agreement(rank, mesh):
@@ -388,7 +380,7 @@ def _communication(rank, mesh):
 
 
 def _worker(rank, store):
-    with _group(rank, store):
+    with rank_group(rank, store):
         torch.set_default_dtype(torch.float64)
         mesh = init_device_mesh("cpu", (WORLD,))
         _agreement(rank, mesh)

@@ -106,7 +106,7 @@ def test_a_reentrant_checkpoint_is_found_where_torch_refuses_grad_through_it(use
     else:
         h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
     out = torch.tanh(h).sum()
-    found = _graph.has_reentrant_checkpoint([out])
+    found = _graph.scan([out]).checkpoint
     try:  # torch's own answer: .grad() cannot run through a reentrant checkpoint
         torch.autograd.grad(out, x, retain_graph=True)
         refused = False
@@ -114,7 +114,7 @@ def test_a_reentrant_checkpoint_is_found_where_torch_refuses_grad_through_it(use
         assert "incompatible with .grad()" in str(error)
         refused = True
     assert found == refused == (use_reentrant is True)
-    assert not _graph.has_reentrant_checkpoint([x, torch.randn(2)])  # no grad_fn: no graph
+    assert not _graph.scan([x, torch.randn(2)]).checkpoint  # no grad_fn: no graph
 
 
 # -- a spent graph ---------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_only_nodes_with_a_write_before_any_freed_node_refuse_ahead():
     from it reaches a leaf past no freed node (a leaf added to a loss): elsewhere the backward
     raises at a freed node before anything is written. And after `grads`, whose outputs'
     backwards freed their own parts and whose last pull freed the part below `through`, no
-    hook is left to register (a hook costs ~2 us a node)."""
+    hook is left to register (see docs/performance.md)."""
     x, _, through, outputs = _forward("tanh")
     refusing = _graph.check_paths(tuple(outputs), (x,), (through,), False, "c").refusing()
     ahead = [node for node, below in refusing.items() if below is not None]
