@@ -106,7 +106,7 @@ def test_a_reentrant_checkpoint_is_found_where_torch_refuses_grad_through_it(use
     else:
         h = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=use_reentrant)
     out = torch.tanh(h).sum()
-    found = _graph.has_reentrant_checkpoint([out])
+    found = _graph.scan([out]).checkpoint
     try:  # torch's own answer: .grad() cannot run through a reentrant checkpoint
         torch.autograd.grad(out, x, retain_graph=True)
         refused = False
@@ -114,7 +114,7 @@ def test_a_reentrant_checkpoint_is_found_where_torch_refuses_grad_through_it(use
         assert "incompatible with .grad()" in str(error)
         refused = True
     assert found == refused == (use_reentrant is True)
-    assert not _graph.has_reentrant_checkpoint([x, torch.randn(2)])  # no grad_fn: no graph
+    assert not _graph.scan([x, torch.randn(2)]).checkpoint  # no grad_fn: no graph
 
 
 # -- a spent graph ---------------------------------------------------------------------------
