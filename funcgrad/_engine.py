@@ -161,7 +161,7 @@ def _vmap(
     if log is not None and log.watch:
         return _vmap_watched(mapped, args, log)
     # What warnings.catch_warnings() + filterwarnings(...) do for this one filter, without
-    # copying and restoring every filter (~10 us a call in a funcgrad call's sequence);
+    # copying and restoring every filter (docs/performance.md);
     # _filters_mutated tells the warnings' per-module registries that the filters changed,
     # as filterwarnings does (else a warning ignored here would stay ignored after).
     filters = cast(list[Any], warnings.filters)
@@ -1268,10 +1268,9 @@ def output_grads(outputs: Sequence[torch.Tensor], inputs: Tensors) -> Tensors:
     ``(k, *input.shape)``, zeros where an output does not reach an input, as k calls of
     ``torch.autograd.grad(output, inputs)`` give them (the graph is retained).
 
-    One ``torch.autograd.grad`` per output: measured cheapest on the CPU and on an H200
-    (one batched backward with ``is_grads_batched`` runs the legacy vmap: a params-level
-    ``backward`` with k = 8 took 9.4 ms batched against 6.6 ms output by output on the H200,
-    and 4x as long on the CPU), and it reads no device value (a batched backward must be
+    One ``torch.autograd.grad`` per output: measured cheapest on the CPU and on a GPU
+    (one batched backward with ``is_grads_batched`` runs the legacy vmap:
+    docs/performance.md), and it reads no device value (a batched backward must be
     checked for 0 * inf, where an infinite derivative on one output's path meets the other
     rows' zero cotangents)."""
     rows = [

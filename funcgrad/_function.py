@@ -101,7 +101,7 @@ class NoOutsideWrites(_Draws):
     captured buffer or counter) is one that must not happen. Writes are told by the torch
     function: an in-place method or function (a trailing underscore, ``x[i] = ...``,
     ``+=``), an ``out=`` tensor, a batch or instance norm that updates running statistics.
-    A TorchFunctionMode costs ~1 us an op; ``torch.func.vjp``, which refuses such writes at
+    A TorchFunctionMode costs time on every op; ``torch.func.vjp``, which refuses such writes at
     the dispatcher, costs as much again on a Python loop of small ops."""
 
     def __init__(self, seen: dict[torch.Generator, torch.Tensor], args: Sequence[Any]) -> None:
@@ -230,7 +230,7 @@ class FlatFunction:
         self._aux_static: list[Any] = []
         # The explicit generators f drew from in this call, with their state before its first
         # draw (RandomState restores them before a re-run of f), recorded while ``watch``
-        # (a TorchFunctionMode costs ~1-2 us an op, so a caller that knows f draws from none
+        # (a TorchFunctionMode costs time on every op, so a caller that knows f draws from none
         # turns it off). Not in compiled code, where generators' states cannot be read.
         self.watch = True
         self.generators: dict[torch.Generator, torch.Tensor] = {}

@@ -221,8 +221,8 @@ def _heads_eager(
 ) -> tuple[torch.Tensor, Tensors]:
     """Every head's value and gradient w.r.t. y on plain autograd, for a call that builds no
     graph of its results: the heads run once on a detached y, then one
-    ``torch.autograd.grad`` per head (:func:`~funcgrad._engine.output_grads`; about 3x fewer
-    µs a head than ``torch.func.grad`` on the CPU)."""
+    ``torch.autograd.grad`` per head (:func:`~funcgrad._engine.output_grads`; cheaper on
+    the host than ``torch.func.grad``: docs/performance.md)."""
     y = tuple(leaf.detach().requires_grad_() for leaf in out)
     with torch.enable_grad():
         values = _head_values(heads, keys, out_def, y, call)

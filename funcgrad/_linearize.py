@@ -220,8 +220,8 @@ def autograd_grad(
     roots, targets = (outputs, inputs) if edges is None else edges  # (torch takes both)
     if plain:
         # k calls of it per call (the losses' backward, the eager per-head pulls):
-        # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs ~13 us
-        # a call on a ~20 us tiny backward, and has nothing to do for these arguments but
+        # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs about
+        # as much as a tiny backward (docs/performance.md), and has nothing to do here but
         # build the ones of scalar outputs.
         if cotangents is None:
             cotangents = [torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs]
@@ -425,7 +425,7 @@ def _kept(tensors: Tensors) -> Tensors:
 
 def _edge(x: torch.Tensor) -> torch.Tensor | GradientEdge:
     """The gradient edge of a view of a primal (a C++ node: none of get_gradient_edge's
-    work, ~1 us), else ``x`` (a leaf: its edge stays)."""
+    work), else ``x`` (a leaf: its edge stays)."""
     node = x.grad_fn if x._is_view() else None
     return x if node is None else GradientEdge(node, x.output_nr)
 
@@ -550,7 +550,7 @@ def on_autograd(flat: FlatFunction) -> Linearization:
     is never re-run); the pulls go through its graph with ``torch.autograd.grad``, vmapped
     where they build no graph. Same values as ``torch.func.vjp``, and its output is linked
     to the graph outside as torch.func's would be (see :func:`_eager`); without torch.func's
-    wrapping of every op (about 10 us an op on the host)."""
+    wrapping of every op (docs/performance.md)."""
     return _eager(flat, "f's pullback", linked=True)
 
 

@@ -194,58 +194,7 @@ class Pullback:
             )
         if self._watched is not None:
             self._check_unchanged(call)
-        if isinstance(tree, torch.Tensor) and self._out_def.is_leaf():  # (f returns a tensor)
-            leaves, treedef = [tree], self._out_def
-        else:
-            leaves, treedef = _tree.flatten(tree)
-        if treedef != self._out_def:
-            raise ValueError(
-                f"{call}: the cotangent must have the tree structure of f's output, "
-                f"expected {self._out_def}, got {treedef}."
-            )
-        batch = None
-        for index, (leaf, ref) in enumerate(zip(leaves, self._out_like)):
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.dtype == ref.dtype
-                and leaf.shape[batched:] == ref.shape
-                and (not batched or batch is None or leaf.shape[0] == batch)
-                and leaf.dim() == ref.dim() + batched
-            ):  # the usual case, checked at once; the messages below say what is wrong
-                batch = leaf.shape[0] if batched else 1
-                continue
-            where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
-            if leaf.dtype != ref.dtype:
-                raise TypeError(
-                    f"{call}: {where} must have f's output dtype {ref.dtype}, got {leaf.dtype}. "
-                    f"Convert it with .to({ref.dtype})."
-                )
-            shape, expected = tuple(leaf.shape), tuple(ref.shape)
-            if not batched and shape != expected:
-                raise ValueError(
-                    f"{call}: {where} must have f's output shape {expected}, got {shape}. "
-                    "For k cotangents at once, stack them and call pb.many."
-                )
-            if batched and (len(shape) != len(expected) + 1 or shape[1:] != expected):
-                hint = (
-                    " It has no leading batch dimension: use pb(cotangent) for one cotangent, "
-                    "or cotangent.unsqueeze(0)."
-                    if shape == expected
-                    else ""
-                )
-                raise ValueError(
-                    f"{call}: {where} must have shape (k, *{expected}) with a leading batch "
-                    f"dimension k, got {shape}.{hint}"
-                )
-            if batched and batch is not None and shape[0] != batch:
-                raise ValueError(
-                    f"{call}: every cotangent leaf must have the same leading batch size; "
-                    f"{where} has {shape[0]}, an earlier leaf has {batch}."
-                )
-            batch = shape[0] if batched else 1
-        return tuple(leaves)
+        return _cotangent_leaves(tree, self._out_def, self._out_like, call, batched)
 
     def _check_unchanged(self, call: str) -> None:
         assert self._watched is not None
@@ -316,6 +265,65 @@ class Pullback:
             f"{self.stats.vjps} direction(s) pulled through f for {self.stats.cotangents} "
             f"cotangent(s), {self.rank} kept)"
         )
+
+
+def _cotangent_leaves(
+    tree: Any, out_def: Any, out_like: Tensors, call: str, batched: bool
+) -> Tensors:
+    """The cotangent's leaves, checked against f's output (with a leading batch dim where
+    ``batched``): its tree, each leaf's dtype and shape, one batch size."""
+    if isinstance(tree, torch.Tensor) and out_def.is_leaf():  # (f returns a tensor)
+        leaves, treedef = [tree], out_def
+    else:
+        leaves, treedef = _tree.flatten(tree)
+    if treedef != out_def:
+        raise ValueError(
+            f"{call}: the cotangent must have the tree structure of f's output, "
+            f"expected {out_def}, got {treedef}."
+        )
+    batch = None
+    for index, (leaf, ref) in enumerate(zip(leaves, out_like)):
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.dtype == ref.dtype
+            and leaf.shape[batched:] == ref.shape
+            and (not batched or batch is None or leaf.shape[0] == batch)
+            and leaf.dim() == ref.dim() + batched
+        ):  # the usual case, checked at once; the messages below say what is wrong
+            batch = leaf.shape[0] if batched else 1
+            continue
+        where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
+        if leaf.dtype != ref.dtype:
+            raise TypeError(
+                f"{call}: {where} must have f's output dtype {ref.dtype}, got {leaf.dtype}. "
+                f"Convert it with .to({ref.dtype})."
+            )
+        shape, expected = tuple(leaf.shape), tuple(ref.shape)
+        if not batched and shape != expected:
+            raise ValueError(
+                f"{call}: {where} must have f's output shape {expected}, got {shape}. "
+                "For k cotangents at once, stack them and call pb.many."
+            )
+        if batched and (len(shape) != len(expected) + 1 or shape[1:] != expected):
+            hint = (
+                " It has no leading batch dimension: use pb(cotangent) for one cotangent, "
+                "or cotangent.unsqueeze(0)."
+                if shape == expected
+                else ""
+            )
+            raise ValueError(
+                f"{call}: {where} must have shape (k, *{expected}) with a leading batch "
+                f"dimension k, got {shape}.{hint}"
+            )
+        if batched and batch is not None and shape[0] != batch:
+            raise ValueError(
+                f"{call}: every cotangent leaf must have the same leading batch size; "
+                f"{where} has {shape[0]}, an earlier leaf has {batch}."
+            )
+        batch = shape[0] if batched else 1
+    return tuple(leaves)
 
 
 # pullback's records: one Records per f, held weakly (an f that takes no weak reference,

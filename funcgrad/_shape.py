@@ -120,7 +120,7 @@ def forward_size(flat: FlatFunction) -> int:
     restored (the default ones and every ``torch.Generator`` f draws from). First in
     inference mode, f stopped before it writes into a tensor it did not make (a buffer, a
     counter: :class:`~funcgrad._function.NoOutsideWrites`): inference mode records no graph,
-    so it costs ~2 eager forwards on a Python loop of small ops (the mode's ~1 us an op),
+    so it costs about 2 eager forwards on a Python loop of small ops (docs/planning.md),
     and less on larger ops. Where f writes such a tensor, every such write made on a copy
     (BatchNorm's running statistics in training mode) at ~4 eager forwards; where f needs
     gradients inside, the vjp of f (it refuses most such writes, and then that copy)."""
@@ -129,7 +129,7 @@ def forward_size(flat: FlatFunction) -> int:
     def output(*leaves: torch.Tensor) -> Any:
         # Only the explicit generators f draws from are watched (for rng.restore), not
         # which ops draw: nothing here records that, and a dispatch mode on every op cost
-        # 4x f's forward on a Python loop of small ops (plan() on the ODE simulator).
+        # several of f's forwards on a Python loop of small ops (docs/planning.md).
         watch, flat.watch = flat.watch, False
         try:
             with _function._Draws(flat.generators) if watch else contextlib.nullcontext():
