@@ -203,16 +203,18 @@ def _vmap_measured(
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
     backward; an RNN's backward is slow under vmap without saying so). ``single``: the
-    unbatched call a loop would make, where it is not ``fn`` on one direction."""
-    start = time.perf_counter()
-    result = _vmap(fn, args, chunk_size, "error", log)
-    batched_s = time.perf_counter() - start
+    unbatched call a loop would make, where it is not ``fn`` on one direction. The unbatched
+    call runs first: it pays the one-time costs of the shapes (a first backward's kernels
+    and buffers), so that a loop is chosen only where it wins against a warm vmap."""
     start = time.perf_counter()
     if single is None:
         fn(*(arg[0] for arg in args))
     else:
         single()
     single_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = _vmap(fn, args, chunk_size, "error", log)
+    batched_s = time.perf_counter() - start
     directions = args[0].shape[0]
     log.timing = Timing(what, batched_s / directions, single_s, directions=directions)
     return result

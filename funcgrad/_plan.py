@@ -111,7 +111,7 @@ class Plan:
     timed: bool = False
     final: bool = True
     watch: bool = dataclasses.field(default=True, repr=False)
-    choice: Choice = dataclasses.field(default=Choice(), repr=False)
+    choice: Choice | None = dataclasses.field(default=None, repr=False)
 
     @property
     def directions(self) -> int:

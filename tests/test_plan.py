@@ -591,7 +591,7 @@ def test_a_plan_is_final_by_the_third_call_whatever_the_times():
             for seconds in (first, second, 1.0, 1.0, 1.0):
                 plan = decide(AUTO, record)
                 plans.append(plan)
-                ran = dataclasses.replace(plan.choice)
+                ran = plan.choice
                 seen = Observations(
                     m=6,
                     ran=ran,
