@@ -158,12 +158,9 @@ def _reverse(
     """Reverse mode by ``plan`` on ``lin``: on eager autograd with the heads on f's graph
     (``vjp``, ``loop``), each head pulled through the heads and f at once; else the
     heads' cotangents formed on f's output, then pulled back."""
-    fused = (
-        values_of is not None
-        and lin.attached
-        and not lin.compiled  # (a compiled backward checks its second pass on lin's pulls)
-        and plan.strategy in ("vjp", "loop")
-    )
+    # (f's graph at hand, and no compiled backward, which checks its second pass on lin's
+    # own pulls)
+    fused = plan.through_heads and values_of is not None and lin.attached and not lin.compiled
     if fused and not _engine.nothing_to_pull(plan.k, lin.out, lin.x_like):
         assert values_of is not None
         return _engine.through_heads(lin, values_of, plan, check, log, fit)

@@ -111,6 +111,9 @@ class Plan:
     timed: bool = False
     final: bool = True
     watch: bool = dataclasses.field(default=True, repr=False)
+    # On eager autograd: each head's value pulled through the heads and f in one backward
+    # (the heads on f's graph), not its cotangent formed first and then pulled through f.
+    through_heads: bool = dataclasses.field(default=False, repr=False)
     choice: Choice | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -265,7 +268,8 @@ def decide(request: Request, record: Record) -> Plan:
         timed,
         not timed,
         _watch(r, record),
-        dataclasses.replace(choice, engine=engine, forward=forward),
+        through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
+        choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
 
 
