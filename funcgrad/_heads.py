@@ -726,8 +726,8 @@ def compose_heads(
         Side effects: buffers are written and random numbers drawn (from the default
         generators and every ``torch.Generator`` f passes to a random op) as in one eager
         forward per call, whatever re-runs f. f's Python body runs ``fn.plan(*args).f_runs``
-        times: once, on every call (``"auto"`` times forward against reverse mode on two
-        separate calls), plus ``check``'s unbatched JVP calls in forward mode, and once more
+        times: once, on every call (``"auto"`` times its candidates on separate calls),
+        plus ``check``'s unbatched JVP calls in forward mode, and once more
         per fallback; no call runs it on fake tensors (only ``plan()`` does). Python state
         it changes changes that often.
 
