@@ -239,13 +239,10 @@ def decide(request: Request, record: Record) -> Plan:
         strategy = r.requested
     elif choice.forward:
         strategy = "jacfwd"
-    else:
-        strategy = "vjp" if fewest == "jacfwd" or r.m is None else fewest  # type: ignore[assignment]
-        if fewest == "jacfwd" and r.m is not None:
-            strategy = "jacrev" if m < k and linear else "vjp"
-        if choice.loop:
-            strategy = "loop" if k <= m or not linear or r.m is None else "jacrev"
-            chunk = None if strategy == "loop" else 1
+    else:  # reverse mode: the k > m rule (once f ran, where m was not known before)
+        strategy = "jacrev" if r.m is not None and linear and m < k else "vjp"
+        if choice.loop:  # the fewer of k pullbacks or m rows, one at a time
+            strategy, chunk = ("jacrev", 1) if strategy == "jacrev" else ("loop", None)
     engine = "torch.func" if strategy == "jacfwd" else choice.engine
     directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[strategy]
     chunk = _chunk(r, chunk, strategy, directions)
