@@ -699,6 +699,26 @@ def test_auto_runs_eager_autograd_then_torch_func_then_the_faster():
     assert len(set(engines[2:])) == 1 and plan.final and plan.measured is not None
 
 
+def test_a_new_signature_starts_from_what_the_function_settled_on():
+    """Once one batch size settled (by its third call), another batch size runs that choice
+    from its first call, untimed, with the same answers as autograd."""
+    w = torch.randn(5, 3, dtype=torch.float64)
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(x @ w.T), heads)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for _ in range(3):
+        fn(x)
+    settled = fn.plan(x)
+    assert settled.final and not settled.timed
+    bigger = torch.randn(7, 3, dtype=torch.float64)
+    plan = fn.plan(bigger)
+    assert plan.final and not plan.timed and not plan.measure
+    assert (plan.engine, plan.strategy) == (settled.engine, settled.strategy)
+    _, grads = fn(bigger)
+    want = autograd_reference(lambda x: torch.tanh(x @ w.T), heads, (bigger,))[1]
+    torch.testing.assert_close(grads, torch.stack(want))
+
+
 @pytest.mark.parametrize(("strategy", "saves"), [("auto", 0), ("vjp", 1)])
 def test_a_call_on_eager_autograd_saves_no_generator_state(monkeypatch, strategy, saves):
     # f runs once on eager autograd and is never re-run there, so nothing needs the state
