@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _engine, _linearize, _sync, _tree, _weighting
+from . import _engine, _sync, _tree, _weighting
 from ._config import CheckMode
 from ._function import result_graph
 from ._heads import Composition, StackedHeads
@@ -107,10 +107,7 @@ class CombinedHeads:
         check = c.resolved_check()
         rule = self.rule
         if self._one_pullback(rule):
-            flat.autograd = c.one_pullback_on_autograd(flat)
-            lin = c.watching(
-                flat, lambda: _linearize.of_function(flat, _linearize.RandomState(flat))
-            )
+            lin = c.one_pullback(flat)
             values, cotangents = c.cotangents_of(flat)(lin.out)
             what = "with respect to f's output"
             # f ran under the caller's autocast, if any; w @ V is formed and pulled outside

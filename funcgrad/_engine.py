@@ -3,9 +3,10 @@
 Everything that sends directions through f lives here (with :mod:`funcgrad._linearize`,
 which builds the linearisation), for every public entry point:
 
-- :func:`per_head` runs a :class:`~funcgrad.Plan` for k head cotangents: forward mode
-  (``jacfwd``) or reverse mode (``vjp``, ``loop``, ``jacrev`` rows), each fallback with its
-  one warning, random draws replayed across every re-run of f, the non-finite recompute;
+- :func:`by_plan`, :func:`forward_columns` and :func:`through_heads` run the parts of a
+  :class:`~funcgrad.Plan` that :func:`funcgrad._execute.execute` puts together: reverse
+  mode (``vjp``, ``loop``, ``jacrev`` rows, the non-finite recompute), forward mode, each
+  head pulled through the heads and f at once on eager autograd;
 - :func:`batched` runs a linear map over a batch of directions: one vmap, chunks, a loop,
   the fallback when vmap cannot batch, the ``check`` comparison;
 - :func:`weighted` pulls back the one weighted direction ``w @ V``;
@@ -15,8 +16,6 @@ which builds the linearisation), for every public entry point:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -27,7 +26,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,6 +36,7 @@ from ._errors import BatchingMismatchError, FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_PROBE, FIT_RANGES, Plan
+from ._record import Timing
 from ._types import ChunkSize, Tensors
 from ._validate import mismatch, values_readable
 
@@ -45,9 +45,6 @@ CotangentsOf = Callable[[Tensors], tuple[torch.Tensor, Tensors]]
 # The heads' k scalar values on f's output, recorded on autograd's graph: one per head, or
 # stacked (k,) where the heads ran in one vmap.
 ValuesOf = Callable[[Tensors], list[torch.Tensor] | torch.Tensor]
-# The plan for y's real size m; with True, the reverse-mode plan that replaces a forward-mode
-# one that could not run.
-Planner = Callable[[int, bool], Plan]
 
 
 class CannotBatch(Exception):
@@ -81,17 +78,42 @@ def _vmap_last(
     last_fn: Callable[..., Tensors],
     args: Sequence[torch.Tensor],
     chunk_size: int | None,
+    log: Log | None = None,
 ) -> Tensors:
     """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
     function over every chunk)."""
     spans = chunks(args[0].shape[0], chunk_size)
     if len(spans) == 1:
-        return _vmap(last_fn, args, None, "error")
+        return _vmap(last_fn, args, None, "error", log)
     parts = [
-        _vmap(last_fn if i == len(spans) - 1 else fn, [a[start:stop] for a in args], None, "error")
+        _vmap(
+            last_fn if i == len(spans) - 1 else fn,
+            [a[start:stop] for a in args],
+            None,
+            "error",
+            log,
+        )
         for i, (start, stop) in enumerate(spans)
     ]
     return tuple(torch.cat(outputs) for outputs in zip(*parts))
+
+
+def _vmap_watched(
+    mapped: Callable[..., Tensors], args: Sequence[torch.Tensor], log: Log
+) -> Tensors:
+    """``mapped(*args)``, noting in ``log`` whether vmap warned of its slow path (that
+    warning swallowed; any other shown as it would be)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message=SLOW_PATH)
+        result = mapped(*args)
+    for warning in caught:
+        if _IGNORE_SLOW_PATH[1].match(str(warning.message)):
+            log.slow_path = True
+        else:
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+    return result
 
 
 def _loop_after(
@@ -125,18 +147,21 @@ def _vmap(
     args: Sequence[torch.Tensor],
     chunk_size: int | None,
     randomness: str,
+    log: Log | None = None,
 ) -> Tensors:
     # torch's own chunk_size concatenates even a single chunk (a full copy): pass it only
     # when there is more than one chunk.
     if chunk_size is not None and chunk_size >= args[0].shape[0]:
         chunk_size = None
     # vmap's warning that it loops inside for an op without a batching rule is not for the
-    # user, who never called vmap: the planner times vmap against unbatched calls instead.
+    # user, who never called vmap: it is an observation (``log.watch``) for the planner.
     mapped = torch.func.vmap(fn, chunk_size=chunk_size, randomness=randomness)
     if torch.compiler.is_compiling():  # (dynamo cannot trace the warnings filters)
         return mapped(*args)
+    if log is not None and log.watch:
+        return _vmap_watched(mapped, args, log)
     # What warnings.catch_warnings() + filterwarnings(...) do for this one filter, without
-    # copying and restoring every filter (~10 us a call in a funcgrad call's sequence);
+    # copying and restoring every filter (docs/performance.md);
     # _filters_mutated tells the warnings' per-module registries that the filters changed,
     # as filterwarnings does (else a warning ignored here would stay ignored after).
     filters = cast(list[Any], warnings.filters)
@@ -155,62 +180,16 @@ def _vmap(
         mutated()
 
 
-# A loop must beat vmap by this factor a direction, and save this much over the directions
-# of the timed batch, to be chosen: below either, the difference is within the noise of a
-# timed call, and vmap (one call) is kept. (0.25 ms kept vmap on small models whose loop
-# was 20-60% faster: an LSTM or a convnet with k = 2-3, a tiny f whose call takes 0.3 ms;
-# each side is now the fastest of two calls.)
-LOOP_MARGIN = 0.9
-LOOP_MIN_SAVING_S = 2e-5
+class Log:
+    """What a call's batched maps saw, for its observations (one per call, never shared):
+    ``measure``, time the first vmapped call against one unbatched call; ``watch``, record
+    whether vmap warned of an op without a batching rule (its slow path) or could not batch
+    at all."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """One batched call timed against one unbatched call (seconds)."""
-
-    what: str
-    batched: float  # a direction, in one vmap
-    single: float  # one unbatched call
-    calls: int = 1  # the calls this is the fastest of
-    directions: int = 1  # in the timed vmap
-
-    @property
-    def unbatched_faster(self) -> bool:
-        saving = (self.batched - self.single) * self.directions
-        return self.single < LOOP_MARGIN * self.batched and saving > LOOP_MIN_SAVING_S
-
-    def merged(self, other: Timing) -> Timing:
-        """Each side's fastest over both calls (the first vmapped call also pays vmap's
-        warm-up)."""
-        batched, single = min(self.batched, other.batched), min(self.single, other.single)
-        directions = min(self.directions, other.directions)
-        return Timing(self.what, batched, single, self.calls + other.calls, directions)
-
-    def why(self) -> str:
-        calls = "on the first call" if self.calls == 1 else f"fastest of {self.calls} calls"
-        return (
-            f"{self.what}: {1e3 * self.batched:.2g} ms a direction in one vmap, "
-            f"{1e3 * self.single:.2g} ms unbatched, measured ({calls})"
-        )
-
-
-# Set by `measuring()`: the first batched call is timed against one unbatched call, for the
-# caller to plan unbatched calls from then on where they are faster.
-_measurements: contextvars.ContextVar[list[Timing] | None] = contextvars.ContextVar(
-    "funcgrad_measurements", default=None
-)
-
-
-@contextlib.contextmanager
-def measuring() -> Iterator[list[Timing]]:
-    """For this block, time the first vmapped call against one unbatched call (eager mode
-    only); the log then holds the :class:`Timing`."""
-    log: list[Timing] = []
-    token = _measurements.set(log)
-    try:
-        yield log
-    finally:
-        _measurements.reset(token)
+    def __init__(self, measure: bool = False, watch: bool = False) -> None:
+        self.measure, self.watch = measure, watch
+        self.timing: Timing | None = None
+        self.slow_path = False  # vmap warned of its slow path, or could not batch at all
 
 
 def _vmap_measured(
@@ -218,24 +197,26 @@ def _vmap_measured(
     args: Sequence[torch.Tensor],
     chunk_size: int | None,
     what: str,
-    log: list[Timing],
+    log: Log,
     single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
     backward; an RNN's backward is slow under vmap without saying so). ``single``: the
-    unbatched call a loop would make, where it is not ``fn`` on one direction."""
-    start = time.perf_counter()
-    result = _vmap(fn, args, chunk_size, "error")
-    batched_s = time.perf_counter() - start
+    unbatched call a loop would make, where it is not ``fn`` on one direction. The unbatched
+    call runs first: it pays the one-time costs of the shapes (a first backward's kernels
+    and buffers), so that a loop is chosen only where it wins against a warm vmap."""
     start = time.perf_counter()
     if single is None:
         fn(*(arg[0] for arg in args))
     else:
         single()
     single_s = time.perf_counter() - start
+    start = time.perf_counter()
+    result = _vmap(fn, args, chunk_size, "error", log)
+    batched_s = time.perf_counter() - start
     directions = args[0].shape[0]
-    log.append(Timing(what, batched_s / directions, single_s, directions=directions))
+    log.timing = Timing(what, batched_s / directions, single_s, directions=directions)
     return result
 
 
@@ -323,40 +304,26 @@ def _outside_funcgrad() -> int:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-# chunk_size="auto": the record of the object whose call is running (set by
-# `remembering_chunks`); None: measure on every call.
-_fitted: contextvars.ContextVar[ChunkFit | None] = contextvars.ContextVar(
-    "funcgrad_fitted_chunks", default=None
-)
-
-
-@contextlib.contextmanager
-def remembering_chunks(record: ChunkFit) -> Iterator[None]:
-    """Inside the block, ``chunk_size="auto"`` reads and fills ``record`` (eager mode only:
-    never enter it in compiled code, where dynamo cannot trace a context variable)."""
-    token = _fitted.set(record)
-    try:
-        yield
-    finally:
-        _fitted.reset(token)
-
-
 def fit_chunk(
-    run: Callable[[int, int], Tensors], like: Sequence[torch.Tensor], total: int, what: str
+    run: Callable[[int, int], Tensors],
+    like: Sequence[torch.Tensor],
+    total: int,
+    what: str,
+    record: ChunkFit | None,
 ) -> tuple[list[tuple[int, int, Tensors]], int | None]:
     """``chunk_size="auto"``: (the directions run to measure, as (start, stop, results) in
     order, and the chunk for the rest). Where the running object's :class:`ChunkFit` needs
     no measurement, its chunk under the budget in force, nothing run; else
     :func:`measure_fit` runs the first directions (their results are kept: no direction is
     pulled twice). None where nothing is fitted: values cannot be read (compiled code,
-    inside transforms: unchunked), or one direction and nothing measured yet."""
+    inside transforms: unchunked), or one direction and nothing measured yet. ``record``:
+    the caller's fit, filled here (None: measure afresh)."""
     # Values first: inside compiled code, dynamo cannot trace the context variable.
     if torch.compiler.is_compiling():
         return [], None
     _memory.setting()  # a bad budget string is refused before any pass, fitted or not
     if not values_readable(like):
         return [], None
-    record = _fitted.get()
     record = record if record is not None else ChunkFit()  # (None: measure on every call)
     if not record.measures(total):
         return [], record.chunk(what) if record.measured else None
@@ -411,6 +378,8 @@ def batched(
     may_loop: bool = True,
     last_fn: Callable[..., Tensors] | None = None,
     single: Callable[[], object] | None = None,
+    log: Log | None = None,
+    fit: ChunkFit | None = None,
 ) -> Tensors:
     """``fn`` over the leading dim of ``args`` (one vmap, one per chunk, or a loop).
 
@@ -421,7 +390,8 @@ def batched(
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
     call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
-    make instead, timed against the vmap where the first batched call is measured.
+    make instead, timed against the vmap where ``log`` measures (its first batched call
+    only). ``fit``: ``chunk_size="auto"``'s record (None: measured afresh).
     """
     batch = args[0].shape[0]
     if chunk_size == "auto":
@@ -431,9 +401,11 @@ def batched(
 
             def run(start: int, stop: int) -> Tensors:
                 part = [arg[start:stop] for arg in args]
-                return batched(fn, part, chunk_size=None, check=False, what=what, can_vmap=can_vmap)
+                return batched(
+                    fn, part, chunk_size=None, check=False, what=what, can_vmap=can_vmap, log=log
+                )
 
-            measured, fit = fit_chunk(run, args, batch, what)
+            measured, chunk = fit_chunk(run, args, batch, what, fit)
             if measured:
                 rest = [arg[measured[-1][1] :] for arg in args]
                 parts = [results for _, _, results in measured]
@@ -441,34 +413,38 @@ def batched(
                     batched(
                         fn,
                         rest,
-                        chunk_size=fit,
+                        chunk_size=chunk,
                         check=check,
                         what=what,
                         can_vmap=can_vmap,
                         last_fn=last_fn,
+                        log=log,
                     )
                 )
                 return tuple(torch.cat(outputs) for outputs in zip(*parts))
-            chunk_size = fit
+            chunk_size = chunk
     if may_loop and (batch == 1 or chunk_size == 1 or not can_vmap):
         return _loop(fn, args, last_fn)
     checking = bool(check) and values_readable(args)
     # With check, the vmap keeps the graph for the comparisons; the last of them frees it.
     freeing = last_fn if may_loop and not checking else None
-    # (The block first: outside one, nothing else to look up; never in compiled code, where
-    # dynamo cannot trace a context variable.)
-    measuring = may_loop and last_fn is None and not torch.compiler.is_compiling()
-    log = _measurements.get() if measuring else None
-    if log is not None and (log or not values_readable(args)):
-        log = None  # one measurement per block: the first batched call's
+    measuring = (
+        log is not None
+        and log.measure
+        and log.timing is None  # (the first batched call's, once a call)
+        and may_loop
+        and last_fn is None
+        and values_readable(args)
+    )
     try:
         if freeing is not None:
-            result = _vmap_last(fn, freeing, args, chunk_size)
-        elif log is None:
+            result = _vmap_last(fn, freeing, args, chunk_size, log)
+        elif not measuring:
             result = _vmap(
-                fn, args, chunk_size if may_loop else None, "error" if may_loop else "same"
+                fn, args, chunk_size if may_loop else None, "error" if may_loop else "same", log
             )
         else:
+            assert log is not None
             result = _vmap_measured(fn, args, chunk_size, what, log, single)
     except (RuntimeError, NotImplementedError) as error:
         # Not a batching problem: a loop would fail the same way.
@@ -483,6 +459,8 @@ def batched(
         looped = _loop_after(
             fn, args, last_fn, why, "the failed batched call" if ran_last else None
         )
+        if log is not None:  # (the next calls plan the loop)
+            log.slow_path = True
         warnings.warn(
             f"funcgrad: vmap could not batch {what} ({first_line(error)}); "
             "fell back to a loop of unbatched calls, which gives the right answer more slowly. "
@@ -564,6 +542,8 @@ def pull(
     loop: bool = False,
     last: bool = False,
     single: Callable[[], object] | None = None,
+    log: Log | None = None,
+    fit: ChunkFit | None = None,
 ) -> Tensors:
     """``J^T d`` for a batch of directions (leaves with a leading batch dim): one vmapped
     call of the linearisation, one per chunk, or a loop. ``last``: no pull through ``lin``
@@ -580,6 +560,8 @@ def pull(
             can_vmap=lin.can_vmap and not loop,
             last_fn=None if last_vjp is None else (lambda *direction: last_vjp(direction)),
             single=single,
+            log=log,
+            fit=fit,
         )
     except RuntimeError as error:
         if _linearize.torch_limit(error) != "donated buffers":
@@ -594,7 +576,14 @@ def pull(
         ) from error
 
 
-def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | str) -> Tensors:
+def by_plan(
+    plan: Plan,
+    lin: Linearization,
+    cotangents: Tensors,
+    check: bool | str,
+    log: Log | None = None,
+    fit: ChunkFit | None = None,
+) -> Tensors:
     """``J^T v_i`` for the k cotangents by a reverse-mode plan.
 
     ``vjp``/``loop``: pull back the k cotangents (batched, or a loop). ``jacrev``: pull back
@@ -607,7 +596,8 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
     if nothing_to_pull(k, out, x_like):
         return zeros(k, x_like)
     if plan.strategy != "jacrev":
-        return pull(lin, cotangents, plan.chunk_size, check, loop=plan.strategy == "loop")
+        loop = plan.strategy == "loop"
+        return pull(lin, cotangents, plan.chunk_size, check, loop=loop, log=log, fit=fit)
     coords = _coords.to_coords(cotangents, k)
     grads: Tensors = ()
 
@@ -623,15 +613,18 @@ def by_plan(plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | s
             _coords.unit_rows(out, 0, 1),
             m,
             lin.what,
+            fit,
         )
         for start, stop, rows in measured:
             add(start, stop, rows)
         first = measured[-1][1] if measured else 0
     for start, stop in chunks(m - first, chunk):
-        rows = pull(lin, _coords.unit_rows(out, first + start, first + stop), chunk, check)
+        rows = pull(
+            lin, _coords.unit_rows(out, first + start, first + stop), chunk, check, log=log, fit=fit
+        )
         add(first + start, first + stop, rows)
     if went_non_finite(grads, out):
-        return pull(lin, cotangents, plan.chunk_size, check)
+        return pull(lin, cotangents, plan.chunk_size, check, fit=fit)
     return grads
 
 
@@ -714,7 +707,12 @@ def _forward_columns(
 
 
 def through_heads(
-    lin: Linearization, values_of: ValuesOf, plan: Plan, check: bool | str
+    lin: Linearization,
+    values_of: ValuesOf,
+    plan: Plan,
+    check: bool | str,
+    log: Log | None = None,
+    fit: ChunkFit | None = None,
 ) -> tuple[torch.Tensor, Tensors]:
     """(values (k,), per-head gradients) on eager autograd with the heads on f's graph: each
     head's value pulled back through the heads and f in one backward, as the loop a user
@@ -746,61 +744,12 @@ def through_heads(
     with torch.enable_grad():  # (a row of the stacked values, on the graph)
         first = outputs[0] if isinstance(outputs, list) else values[0]
     single = functools.partial(output_grads, [first], inputs)
-    return values.detach(), pull(heads, unit, plan.chunk_size, check, single=single)
-
-
-def per_head(
-    flat: FlatFunction,
-    planner: Planner,
-    forward_first: bool,
-    cotangents_of: CotangentsOf,
-    check: bool | str,
-    values_of: ValuesOf | None = None,
-) -> tuple[Plan, torch.Tensor, Tensors, Tensors]:
-    """(plan, values (k,), per-head gradient leaves (k, ...), aux tensors): f run, the heads'
-    cotangents formed on its output, and pulled back by the plan; on eager autograd without
-    a graph of the results, with ``values_of`` and k cotangents to pull (``vjp``,
-    ``loop``), each head is pulled through the heads and f at once (:func:`through_heads`).
-
-    ``forward_first``: the plan is ``jacfwd``, which must be known before f runs (forward
-    mode runs f itself). Where forward mode cannot run, or ``V @ J`` went non-finite, f runs
-    again in reverse mode with the same random draws.
-    """
-    rng = RandomState(flat) if forward_first or not _linearize.eager_at_once(flat) else None
-    instead_of_forward = False
-    if forward_first:
-        assert rng is not None
-        columns = forward_columns(flat, check, rng)
-        if columns is not None:
-            out, aux, tangents = columns
-            plan = planner(_coords.real_size(out), False)  # the plan that ran: jacfwd
-            values, cotangents = cotangents_of(out)
-            grads = by_columns(cotangents, tangents, out, flat.leaves)
-            if grads is not None:
-                return plan, values, grads, aux
-            # V @ J went non-finite: pull the cotangents themselves back, as autograd does.
-            rng.restore()
-            lin = _linearize.of_function(flat, rng)
-            values, cotangents = cotangents_of(lin.out)
-            vjp = Plan("vjp", plan.k, plan.m, plan.n, plan.chunk_size)
-            return plan, values, by_plan(vjp, lin, cotangents, check), lin.aux
-        instead_of_forward = True
-    lin = _linearize.of_function(flat, rng)
-    plan = planner(_coords.real_size(lin.out), instead_of_forward)
-    if plan.engine != lin.engine:  # the engine that ran (torch.func may have fallen back)
-        plan = dataclasses.replace(plan, engine=lin.engine)
-    # (Not through a compiled backward: its second pass is checked, on lin's own pulls.)
-    fused = (
-        values_of is not None
-        and lin.attached
-        and not lin.compiled
-        and plan.strategy in ("vjp", "loop")
-    )
-    if fused and not nothing_to_pull(plan.k, lin.out, lin.x_like):
-        assert values_of is not None
-        return plan, *through_heads(lin, values_of, plan, check), lin.aux
-    values, cotangents = cotangents_of(lin.out)
-    return plan, values, by_plan(plan, lin, cotangents, check), lin.aux
+    grads = pull(heads, unit, plan.chunk_size, check, single=single, log=log, fit=fit)
+    if went_non_finite(grads, lin.out):  # (0 * inf, where another head's path is infinite)
+        with torch.enable_grad():
+            rows = outputs if isinstance(outputs, list) else list(values.unbind())
+        grads = output_grads(rows, inputs)
+    return values.detach(), grads
 
 
 def weighted_direction(weights: torch.Tensor, cotangents: Tensors, like: Tensors) -> Tensors:
@@ -1127,6 +1076,7 @@ def by_linearity(
     chunk_size: ChunkSize,
     check: bool | str,
     last: bool = False,
+    fit: ChunkFit | None = None,
 ) -> tuple[Tensors, int]:
     """``J^T v_i`` for k cotangents, sending through f only directions outside ``basis``.
 
@@ -1161,22 +1111,22 @@ def by_linearity(
     if nothing_to_pull(k, out_like, x_like):
         return zeros(k, x_like), 0
     if not values_readable(cotangents):  # reuse reads values: eager mode only
-        return pull(lin, cotangents, chunk_size, check, last=last), k
+        return pull(lin, cotangents, chunk_size, check, last=last, fit=fit), k
     if keep and basis.enabled and basis.kept == 0 and k <= m:
         # Nothing kept yet: pulled as they are (no read), held for the next call.
-        result = pull(lin, cotangents, chunk_size, check)
+        result = pull(lin, cotangents, chunk_size, check, fit=fit)
         if basis.fits(k, out_like, x_like):
             basis.hold(cotangents, result)
         return result, k
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check, last=last), pulled + k
+        return pull(lin, cotangents, chunk_size, check, last=last, fit=fit), pulled + k
 
     if not keep and (k <= m or last):
         return direct()
     coords = _coords.to_coords(cotangents, k)
     if not keep:
-        images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check)
+        images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check, fit=fit)
         result = _coords.combine(coords, images)
         # A non-finite cotangent or image, or an overflow, shows in the product (0 * inf):
         # the cotangents themselves then go through f, as autograd would.
@@ -1186,10 +1136,10 @@ def by_linearity(
         return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))
     if basis.kept == 0:
-        return _unit_basis(lin, cotangents, coords, basis, chunk_size, check)
+        return _unit_basis(lin, cotangents, coords, basis, chunk_size, check, fit)
 
     def pull_rows(rows: torch.Tensor) -> Tensors:
-        return pull(lin, _coords.from_coords(rows, out_like), chunk_size, check)
+        return pull(lin, _coords.from_coords(rows, out_like), chunk_size, check, fit=fit)
 
     settled = 0
     if coords.requires_grad:  # (create_graph) a product must not project their derivative
@@ -1241,7 +1191,7 @@ def by_linearity(
         if basis.fits(k, out_like, x_like):
             basis.hold(cotangents, result)
         return result, pulled
-    result, pulled = _new_directions(lin, cotangents, coords, units, basis, chunk_size, check)
+    result, pulled = _new_directions(lin, cotangents, coords, units, basis, chunk_size, check, fit)
     return result, settled + pulled
 
 
@@ -1252,11 +1202,12 @@ def _unit_basis(
     basis: Basis,
     chunk_size: ChunkSize,
     check: bool | str,
+    fit: ChunkFit | None = None,
 ) -> tuple[Tensors, int]:
     """A fresh basis facing k >= m cotangents: y's m unit directions through f, combined;
     one read (whether the images and the product are finite)."""
     m = basis.m
-    images = pull(lin, _coords.unit_rows(lin.out, 0, m), chunk_size, check)
+    images = pull(lin, _coords.unit_rows(lin.out, 0, m), chunk_size, check, fit=fit)
     result = _coords.combine(coords, images)
     code = int(_finite(images).int() + 2 * _finite([coords.detach(), *result]).int())
     if code & 1:
@@ -1267,7 +1218,7 @@ def _unit_basis(
         basis.clear(enabled=False)  # a non-finite Jacobian would smear NaN everywhere
     if code & 2:
         return result, m
-    return pull(lin, cotangents, chunk_size, check), m + coords.shape[0]
+    return pull(lin, cotangents, chunk_size, check, fit=fit), m + coords.shape[0]
 
 
 def _new_directions(
@@ -1278,13 +1229,14 @@ def _new_directions(
     basis: Basis,
     chunk_size: ChunkSize,
     check: bool | str,
+    fit: ChunkFit | None = None,
 ) -> tuple[Tensors, int]:
     """Cotangents partly outside the kept span, or more of them than the span lacks: the rank
     is detected (host reads), and only the new orthonormal directions go through f."""
     k, m, x_like = coords.shape[0], basis.m, lin.x_like
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check), pulled + k
+        return pull(lin, cotangents, chunk_size, check, fit=fit), pulled + k
 
     new = basis.new_directions(units)
     full = basis.rank + (0 if new is None else new.shape[0]) == m
@@ -1294,7 +1246,7 @@ def _new_directions(
     if new is not None:
         if not basis.fits(new.shape[0], lin.out, x_like):
             return direct()
-        images = pull(lin, _coords.from_coords(new, lin.out), chunk_size, check)
+        images = pull(lin, _coords.from_coords(new, lin.out), chunk_size, check, fit=fit)
         pulled = new.shape[0]
         if not all_finite(images):
             # A non-finite Jacobian would smear NaN over every combination: stop reusing.
@@ -1318,10 +1270,9 @@ def output_grads(outputs: Sequence[torch.Tensor], inputs: Tensors) -> Tensors:
     ``(k, *input.shape)``, zeros where an output does not reach an input, as k calls of
     ``torch.autograd.grad(output, inputs)`` give them (the graph is retained).
 
-    One ``torch.autograd.grad`` per output: measured cheapest on the CPU and on an H200
-    (one batched backward with ``is_grads_batched`` runs the legacy vmap: a params-level
-    ``backward`` with k = 8 took 9.4 ms batched against 6.6 ms output by output on the H200,
-    and 4x as long on the CPU), and it reads no device value (a batched backward must be
+    One ``torch.autograd.grad`` per output: measured cheapest on the CPU and on a GPU
+    (one batched backward with ``is_grads_batched`` runs the legacy vmap:
+    docs/performance.md), and it reads no device value (a batched backward must be
     checked for 0 * inf, where an infinite derivative on one output's path meets the other
     rows' zero cotangents)."""
     rows = [

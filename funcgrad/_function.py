@@ -35,7 +35,9 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
 class _Draws(TorchFunctionMode):
     """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
     in every torch random op) the first time it is seen, with its state before that draw; and,
-    given ``flat``, whether f registered a tensor hook (``flat.hooked``)."""
+    given ``flat``, whether f registered a tensor hook (``flat.hooked``), ran an RNN
+    (``flat.rnn``) or a batch norm in training mode (``flat.norm``: torch.func refuses its
+    running statistics' update)."""
 
     def __init__(
         self, seen: dict[torch.Generator, torch.Tensor], flat: FlatFunction | None = None
@@ -45,13 +47,25 @@ class _Draws(TorchFunctionMode):
         self.flat = flat
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is torch.Tensor.register_hook and self.flat is not None:
-            self.flat.hooked = True
         kwargs = kwargs or {}
+        flat = self.flat
+        if flat is not None:
+            name = getattr(func, "__name__", "")
+            if func is torch.Tensor.register_hook:
+                flat.hooked = True
+            elif name in _RNN_FUNCTIONS:
+                flat.rnn = True
+            elif name == "batch_norm" and (args[5] if len(args) > 5 else kwargs.get("training")):
+                flat.norm = True
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
         return func(*args, **kwargs)
+
+
+# The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches
+# their backward badly).
+_RNN_FUNCTIONS = frozenset(["lstm", "gru", "rnn_tanh", "rnn_relu"])
 
 
 class Writes(Exception):
@@ -87,7 +101,7 @@ class NoOutsideWrites(_Draws):
     captured buffer or counter) is one that must not happen. Writes are told by the torch
     function: an in-place method or function (a trailing underscore, ``x[i] = ...``,
     ``+=``), an ``out=`` tensor, a batch or instance norm that updates running statistics.
-    A TorchFunctionMode costs ~1 us an op; ``torch.func.vjp``, which refuses such writes at
+    A TorchFunctionMode costs time on every op; ``torch.func.vjp``, which refuses such writes at
     the dispatcher, costs as much again on a Python loop of small ops."""
 
     def __init__(self, seen: dict[torch.Generator, torch.Tensor], args: Sequence[Any]) -> None:
@@ -216,24 +230,18 @@ class FlatFunction:
         self._aux_static: list[Any] = []
         # The explicit generators f drew from in this call, with their state before its first
         # draw (RandomState restores them before a re-run of f), recorded while ``watch``
-        # (a TorchFunctionMode costs ~1-2 us an op, so a caller that knows f draws from none
+        # (a TorchFunctionMode costs time on every op, so a caller that knows f draws from none
         # turns it off). Not in compiled code, where generators' states cannot be read.
         self.watch = True
         self.generators: dict[torch.Generator, torch.Tensor] = {}
-        # The caller's record of this call's signature, once looked up (see _heads).
-        self.signature: Any = None
-        # Whether f drew random numbers in a watched run; and whether to linearise it on
-        # eager autograd (torch.func draws other numbers than eager for some ops, such as
-        # dropout on a non-contiguous tensor: see _linearize.of_function).
+        # What a watched run of f saw: random draws (then torch.func may draw other numbers
+        # than eager for some ops, such as dropout on a non-contiguous tensor), a tensor hook
+        # (it may be nonlinear in its gradient: only the cotangents themselves may go through
+        # f), an RNN, a batch norm in training mode.
         self.drew = False
-        self.eager = False
-        # Whether f registered a tensor hook in a watched run: a hook may be nonlinear in its
-        # gradient, so only the cotangents themselves may go through f (no forward mode, no
-        # product of unit directions, no reuse by linearity).
         self.hooked = False
-        # Whether the caller's timing chose eager autograd for f's linearisation (see
-        # _heads.Composition): used where no graph of the results is wanted.
-        self.autograd = False
+        self.rnn = False
+        self.norm = False
 
     # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
     # 3.11, which dynamo cannot trace.)

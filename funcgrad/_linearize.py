@@ -220,8 +220,8 @@ def autograd_grad(
     roots, targets = (outputs, inputs) if edges is None else edges  # (torch takes both)
     if plain:
         # k calls of it per call (the losses' backward, the eager per-head pulls):
-        # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs ~13 us
-        # a call on a ~20 us tiny backward, and has nothing to do for these arguments but
+        # torch.autograd.grad's own Python (argument normalisation, _make_grads) costs about
+        # as much as a tiny backward (docs/performance.md), and has nothing to do here but
         # build the ones of scalar outputs.
         if cotangents is None:
             cotangents = [torch.ones_like(z, memory_format=torch.preserve_format) for z in outputs]
@@ -425,7 +425,7 @@ def _kept(tensors: Tensors) -> Tensors:
 
 def _edge(x: torch.Tensor) -> torch.Tensor | GradientEdge:
     """The gradient edge of a view of a primal (a C++ node: none of get_gradient_edge's
-    work, ~1 us), else ``x`` (a leaf: its edge stays)."""
+    work), else ``x`` (a leaf: its edge stays)."""
     node = x.grad_fn if x._is_view() else None
     return x if node is None else GradientEdge(node, x.output_nr)
 
@@ -469,9 +469,6 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
             "False})), or build the graph yourself and use funcgrad.backward."
         )
     compiled = scanned.compiled
-    record = flat.signature
-    if compiled and record is not None:
-        record.compiled = True  # (the caller keeps such f off eager autograd from now on)
 
     # An output that does not depend on the inputs (a constant, a detached part) contributes
     # nothing, as in torch.func's vjp_fn: autograd would refuse it.
@@ -553,30 +550,22 @@ def on_autograd(flat: FlatFunction) -> Linearization:
     is never re-run); the pulls go through its graph with ``torch.autograd.grad``, vmapped
     where they build no graph. Same values as ``torch.func.vjp``, and its output is linked
     to the graph outside as torch.func's would be (see :func:`_eager`); without torch.func's
-    wrapping of every op (about 10 us an op on the host)."""
+    wrapping of every op (docs/performance.md)."""
     return _eager(flat, "f's pullback", linked=True)
 
 
-def eager_at_once(flat: FlatFunction) -> bool:
-    """Whether :func:`of_function` linearises f on eager autograd without trying torch.func:
-    no graph of the results wanted, values readable, and f known to draw random numbers or
-    eager autograd chosen. f then runs once and is never re-run, so its caller need not save
-    the generators' state (no :class:`RandomState`)."""
-    return (
-        not torch.is_grad_enabled() and flat.readable and (flat.eager or flat.drew or flat.autograd)
-    )
-
-
-def of_function(flat: FlatFunction, rng: RandomState | None) -> Linearization:
-    """``torch.func.vjp`` of ``flat``; where torch.func cannot differentiate f but autograd
-    can, the same on eager autograd (the random draws replayed), with one warning."""
+def of_function(
+    flat: FlatFunction, rng: RandomState | None, engine: Engine = "torch.func", warn: bool = True
+) -> Linearization:
+    """f's linearisation on ``engine``: ``torch.func.vjp`` of ``flat``, or one eager
+    autograd graph (the caller's plan chose it: no graph of the results wanted, outside
+    transforms; f then runs once and is never re-run). Where torch.func cannot
+    differentiate f but autograd can, or f drew random numbers under it (torch.func draws
+    other numbers than eager for some ops), the same on eager autograd (the random draws
+    replayed), with one warning for the former (``warn``: none where the caller only tried
+    torch.func, as auto's timed call does, and then keeps to eager autograd)."""
     what = "f's pullback"
-    # No graph of the results is wanted, outside transforms: eager autograd can linearise f.
-    # It does where f draws random numbers, so that its values, gradients and generators are
-    # those of one eager forward (torch.func draws other numbers for some ops: dropout on a
-    # non-contiguous tensor), and where the caller's timing chose it (flat.autograd).
-    if eager_at_once(flat):  # known to draw, or chosen
-        flat.eager = flat.eager or flat.drew
+    if engine == "autograd":
         return _eager(flat, what)
     assert rng is not None, "torch.func may fail or draw: f's re-run needs the saved state"
     drawing = not torch.is_grad_enabled() and flat.readable
@@ -604,20 +593,21 @@ def of_function(flat: FlatFunction, rng: RandomState | None) -> Linearization:
                 "torch.func.replace_all_batch_norm_modules_(model), or pass the buffers to f "
                 "explicitly"
             )
-            warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
+            if warn:
+                warnings.warn(f"{flat.call}: {why}.", FuncgradWarning, stacklevel=5)
             return lin
-        warnings.warn(
-            f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
-            "fell back to eager torch.autograd.grad, one backward pass per direction. "
-            "The answer is the same as autograd's; it is not batched and not composable with "
-            "torch.func transforms.",
-            FuncgradWarning,
-            stacklevel=5,
-        )
+        if warn:
+            warnings.warn(
+                f"{flat.call}: torch.func cannot differentiate f ({first_line(error)}); "
+                "fell back to eager torch.autograd.grad, one backward pass per direction. "
+                "The answer is the same as autograd's; it is not batched and not composable "
+                "with torch.func transforms.",
+                FuncgradWarning,
+                stacklevel=5,
+            )
         return dataclasses.replace(lin, can_vmap=False)
     if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
         rng.restore()
-        flat.eager = True
         return _eager(flat, what)
     out, vjp, aux = result if flat.has_aux else (*result, ())
     # (Inside a transform the results stay on it, grad mode or not: a forward-mode level

@@ -1,10 +1,11 @@
-"""The planner: which way of pulling k head cotangents back through f is cheapest, and the
-:class:`Plan` that the engine then runs.
+"""The plan of a call, and :func:`decide`, the only place where a choice is made.
 
-It looks at shapes only (k heads, m = real numel of y, n = real numel of the differentiated
-inputs) and the options, never at values, so the choice is the same under vmap, grad and
-torch.compile. ``fn.plan(*args)`` and ``fn(*args)`` both call :func:`make_plan` with the
-same inputs, so the plan reported is the plan run.
+``decide(request, record)`` is pure: from the call's shapes and options (:class:`Request`)
+and what is known of its signature (:class:`~funcgrad._record.Record`) it returns the
+complete :class:`Plan`: the strategy (``k`` against ``m`` against ``2 n``), the engine, the
+chunk, what the call times, the fallback order. ``fn.plan(*args)`` and ``fn(*args)`` both
+call it with the same inputs, so the plan reported is the plan run. When y's size is known
+only after f runs, the call decides again with it (the k > m rule is here too).
 """
 
 from __future__ import annotations
@@ -12,33 +13,27 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ._record import Choice, Record, Trial
 from ._types import ChunkSize, Engine, Executed, Strategy
 
 # chunk_size="auto": the directions run to measure a fit. Direction 0 alone first (an
-# unbatched call): over the budget, every direction then goes alone. Where it says three
-# fit and more than FIT_MIN remain, the next two and three in one vmap each (FIT_RANGES,
-# after the probe), whose difference is a vmapped direction's cost (one direction alone
-# peaks otherwise: on an MLP, 4 MiB alone, 4.25 MiB for two in one vmap, then 2.125 MiB
-# more for each). Only a single direction runs unmeasured.
+# unbatched call); where three fit and more than FIT_MIN remain, the next two and three in
+# one vmap each, whose difference is a vmapped direction's cost (docs/planning.md).
 FIT_PROBE = (0, 1)
 FIT_RANGES = ((0, 2), (2, 5))
 FIT_MIN = FIT_RANGES[-1][1]
 
 # A JVP of f costs about as much as a VJP but forward mode can disagree with autograd's
-# conventions (cholesky, eigh, ...: see the README, Reliability), so it must be clearly
-# cheaper to be chosen.
+# conventions (cholesky, eigh, ...: docs/reliability.md), so it must be clearly cheaper.
 FORWARD_MODE_PENALTY = 2
 
+# auto's trial: at most this many timed calls on a new signature (the plan is final from
+# the next one), and a challenger must beat the first call, which paid the signature's
+# one-time costs, by this factor (docs/planning.md).
+TRIAL_CALLS = 2
+CHALLENGER_MARGIN = 0.9
+
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
-# Where no graph of the results is wanted, outside transforms: auto runs its first six calls
-# on new shapes on torch.func and eager autograd in turn, each timed, and later calls run on
-# eager autograd where its fastest call beat torch.func's by this factor (0: never, and no
-# call is spent on it). 1: the faster wins. A margin for torch.func (0.9 until 2026-12)
-# kept it on a loaded machine where eager autograd measured 10% faster by a hair (the
-# quick nn.LSTM at k=3: 1.36 against 1.52 ms a call, then 1.5 ms against 1.27 a call for
-# the rest of the run); between engines within noise of each other either choice costs
-# about as much, so no side gets a handicap.
-ENGINE_MARGIN = 1.0
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
 _FORWARD = "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode"
@@ -69,47 +64,27 @@ class Plan:
         chunk_size: at most this many directions per batched call (None: all at once).
             Under ``chunk_size="auto"``, the chunk that the memory budget in force allows,
             from what one direction through f was measured to cost on these argument
-            shapes (by ``plan()`` or the first call); ``"auto"`` where that is not known
-            yet: the call then measures on direction 0 alone, then (where three fit and
-            more than 5 remain) on directions 1-2 and 3-5 (vmapped), and runs the rest in
-            chunks of the size found, so ``passes`` is a lower bound (the rest counted as
-            one chunk), exact with one direction.
+            shapes; ``"auto"`` where the call measures it (direction 0 alone, then, where
+            three fit and more than 5 remain, directions 1-2 and 3-5 vmapped), so
+            ``passes`` is a lower bound.
         requested: the ``strategy`` argument (``"auto"`` lets the planner choose).
         costs: the candidates the planner weighed, as (name, directions) pairs; forward
             mode counts ``FORWARD_MODE_PENALTY`` per input coordinate.
         fallbacks: what the engine does, with one warning, where this strategy cannot run
-            as planned; each entry reads "condition -> what runs instead".
-        measured: why an earlier call on these shapes changed the plan, else None: reverse
-            mode measured faster than forward mode, unbatched calls faster than vmap
-            (which loops inside for an op without a batching rule, or is slow anyway), or
-            eager autograd faster than torch.func.
-        measure: the call times its first batched call against one unbatched call (the
-            first two calls on new shapes under ``"auto"`` on each engine they run on: each
-            side's fastest of the two decides, so that neither side's one-time costs decide
-            alone): one direction more through f, in ``passes``; the result decides how
-            later calls on these shapes run on that engine.
-        engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``, vmapped
-            pulls) or ``"autograd"`` (one eager forward that records an autograd graph, then
-            ``torch.autograd.grad`` per direction or vmapped over them, as the loop a user
-            writes, with autograd's fused backward kernels: RNNs, attention). Under
-            ``"auto"``, where the call builds no graph of its results and runs outside
-            transforms, the first six calls on new shapes run on torch.func and eager
-            autograd in turn, each timed (`engine_trial`): on each engine, two that time
-            vmap against one unbatched call (``measure``: each engine batches by its own),
-            then one that runs the plan they chose. Each engine's first call pays its
-            one-time costs, so each is weighed by its fastest call (a vmapped call counted
-            at the loop's estimated cost where that engine's plan turned unbatched); later
-            calls run on the faster of the two (``measured`` says why). Where f draws
-            random numbers, or torch.func cannot differentiate it, always ``"autograd"``;
-            ``"weighted"`` plans with no result graph run on ``"autograd"`` (one pullback:
-            the eager backward is the floor).
-        engine_trial: this call is one of the six that time the engines, on ``engine``
-            (f runs once, as in any call).
-        f_runs: how many times the call runs f's Python body, as planned: 1 (``"auto"``
-            times forward against reverse mode on two separate calls), plus ``check``'s
-            unbatched JVP calls in forward mode (up to 3). A fallback that runs f again adds
-            one. ``plan()`` itself runs f's body on fake tensors (see
-            `funcgrad.ComposedHeads.plan`); a call never does. Shown in the repr when not 1.
+            as planned, in order; each entry reads "condition -> what runs instead".
+        measured: why what earlier calls saw changed the plan, else None.
+        measure: the call times its first batched call against one unbatched call (one
+            direction more through f, in ``passes``), to learn whether a loop is faster.
+        f_runs: how many times the call runs f's Python body: 1, plus ``check``'s
+            unbatched JVP calls in forward mode (up to 3). A fallback that runs f again
+            adds one. ``plan()`` itself may run f's body on fake tensors; a call never does.
+        engine: what f's linearisation runs on: ``"torch.func"`` (``torch.func.vjp``) or
+            ``"autograd"`` (one eager forward that records an autograd graph, then
+            ``torch.autograd.grad`` per direction or vmapped over them).
+        timed: this call is one of auto's timed calls on a new signature (at most two;
+            see docs/planning.md): its time decides the later calls' plan.
+        final: no later call on these shapes plans otherwise (unless f is seen to do
+            something new: draw random numbers, register a hook).
 
     Examples:
         >>> import torch, funcgrad
@@ -118,7 +93,7 @@ class Plan:
         >>> plan.strategy, plan.directions, plan.passes  # the first call also times vmap
         ('jacrev', 3, 2)
         >>> plan
-        Plan('jacrev': 3 directions through f in 2 passes; ...; auto chose the fewest: vjp=8, ...)
+        Plan('jacrev': 3 directions through f in 2 passes on eager autograd; ...)
     """
 
     strategy: Executed
@@ -133,7 +108,13 @@ class Plan:
     measure: bool = False
     f_runs: int = 1
     engine: Engine = "torch.func"
-    engine_trial: bool = False
+    timed: bool = False
+    final: bool = True
+    watch: bool = dataclasses.field(default=True, repr=False)
+    # On eager autograd: each head's value pulled through the heads and f in one backward
+    # (the heads on f's graph), not its cotangent formed first and then pulled through f.
+    through_heads: bool = dataclasses.field(default=False, repr=False)
+    choice: Choice | None = dataclasses.field(default=None, repr=False)
 
     @property
     def directions(self) -> int:
@@ -158,7 +139,6 @@ class Plan:
         if self.strategy == "jacfwd":
             return 1
         if self.chunk_size == "auto":  # not measured yet: 1 (then 2 and 3), then the rest
-            # (two directions: the rest after the probe is one unbatched call, never timed)
             least = min(self.directions, 2 if self.directions <= FIT_MIN + 1 else 3)
             return least + (self.measure and self.directions > 2)
         return math.ceil(self.directions / (self.chunk_size or self.directions)) + self.measure
@@ -166,8 +146,7 @@ class Plan:
     @property
     def exact(self) -> bool:
         """Whether `passes` is the count the call runs; False only where
-        ``chunk_size="auto"`` has not measured yet and more than one direction batches: the
-        call measures, then runs the rest in chunks of a size not known before."""
+        ``chunk_size="auto"`` has not measured yet and more than one direction batches."""
         return not (
             self.chunk_size == "auto" and self.strategy in ("vjp", "jacrev") and self.directions > 1
         )
@@ -176,6 +155,7 @@ class Plan:
         d, p = self.directions, self.passes
         at_least = "" if self.exact else "at least "
         what = f"{d} direction{'s' * (d != 1)} through f in {at_least}{p} pass{'es' * (p != 1)}"
+        what += " on eager autograd" * (self.engine == "autograd")
         shapes = f"k={self.k}, m={self.m}, n={self.n}"
         if self.chunk_size is not None:
             shapes += f", chunk_size={self.chunk_size}"
@@ -188,108 +168,292 @@ class Plan:
             why = f"auto chose the fewest: {costs}"
         else:
             why = f"strategy={self.requested!r} requested (costs: {costs})"
-        measuring = "; times vmap against one unbatched call (this call)" * self.measure
-        if self.engine_trial:
-            other = "torch.func" if self.engine == "autograd" else "eager autograd"
-            engine = "eager autograd" if self.engine == "autograd" else "torch.func"
-            measuring += f"; times {engine} against {other} (this call)"
-        what += " on eager autograd" * (self.engine == "autograd")
+        timing = "; times vmap against one unbatched call (this call)" * self.measure
+        timing += "; this call is timed against auto's other candidate" * self.timed
         runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
-        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{measuring}{runs})"
+        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{timing}{runs})"
 
 
-def make_plan(
-    requested: Strategy,
-    k: int,
-    m: int,
-    n: int,
-    chunk_size: ChunkSize = None,
-    *,
-    forward: bool = True,
-    weighted: bool = False,
-    unbatched: str | None = None,
-    measure: bool = False,
-    not_forward: str | None = None,
-    call: str = "funcgrad",
-    engine: Engine = "torch.func",
-    engine_trial: bool = False,
-    engine_why: str | None = None,
-    linear: bool = True,
-) -> Plan:
-    """The plan for k cotangents on an m-dimensional y and n-dimensional inputs.
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a call asks for, as :func:`decide` needs it: no tensor, nothing to read.
 
-    ``vjp`` costs k pullbacks, ``jacrev`` m pullbacks plus a (k, m) @ (m, n) product,
-    ``jacfwd`` n JVPs plus a product, counted ``FORWARD_MODE_PENALTY`` times. Ties go to
-    ``vjp``, which needs no product. Forward mode is a candidate only where ``forward`` (its
-    choice is made before f runs, so y's size had to be known then) and all n tangents fit
-    one batch (f's forward runs once, in that batch). ``weighted``: one pullback of ``w @ V``.
-    ``unbatched`` (auto only): the reason an earlier call measured unbatched calls faster;
-    then the fewer of k pullbacks (``loop``) or m rows one at a time (``jacrev``, chunks of 1).
-    ``measure`` (auto only): this call times its first batched call (see :class:`Plan`).
-    ``not_forward``: why an earlier call measured reverse mode faster than forward mode.
-    ``engine``, ``engine_trial``: see :class:`Plan`; ``engine_why``: why the timed calls
-    chose eager autograd. ``linear=False``: f's backward may not be linear in the cotangent
-    (f registers a tensor hook): only the k cotangents themselves go through f (``vjp`` or
-    ``loop``); ``jacrev`` and ``jacfwd`` are refused.
+    ``m``: y's real size where known before f runs (None: the call runs f first, then
+    decides again with it). ``fitted``: ``chunk_size="auto"``'s chunk under the budget in
+    force (None: not measured), ``paired``: fitted on two vmapped chunks. ``eager``: outside
+    transforms and compiled code (records are kept); ``graph``: a graph of the results is
+    wanted (grad mode on). ``forward``: forward mode may still run (False once f ran).
+    ``hooked``: this call's run of f registered a tensor hook. ``check``: ``check`` is on.
     """
-    if not linear and requested in ("jacrev", "jacfwd"):
-        raise ValueError(
-            f"{call}: f registers a tensor hook (Tensor.register_hook) in its forward, and a "
-            f"hook may act nonlinearly on its gradient (a clamp), while strategy={requested!r} "
-            + (
-                "combines the pullbacks of y's unit directions"
-                if requested == "jacrev"
-                else "runs forward mode, which never runs backward hooks"
-            )
-            + ": its answer would be autograd's only for a hook linear in its gradient. Use "
-            "strategy='vjp', 'loop' or 'auto' (which pull each head's cotangent through f)."
-        )
-    one_batch = chunk_size is None or chunk_size == "auto" or chunk_size >= n
-    if requested == "jacfwd" and not one_batch:
-        raise ValueError(
-            f"{call}: strategy='jacfwd' takes all n = {n} columns of J in one batched forward "
-            f"pass; chunk_size={chunk_size} would run f's forward once per chunk. Pass "
-            f"chunk_size=None (or >= {n}) with jacfwd, or use strategy='jacrev' or 'vjp' to "
-            "bound memory with chunks."
-        )
-    costs = {"vjp": k, "jacrev": m}
-    if n and one_batch and (forward or requested != "auto"):
+
+    requested: Strategy
+    k: int
+    n: int
+    m: int | None = None
+    chunk_size: ChunkSize = None
+    fitted: int | None = None
+    paired: bool = False
+    weighted: bool = False
+    eager: bool = True
+    graph: bool = False
+    forward: bool = True
+    hooked: bool = False
+    check: bool = False
+    call: str = "funcgrad"
+
+
+def decide(request: Request, record: Record) -> Plan:
+    """The plan for ``request`` given what ``record`` knows: pure (no clock, no tensor, no
+    global state).
+
+    The strategy is the fewest directions: ``vjp`` k pullbacks, ``jacrev`` m (plus a
+    product), ``jacfwd`` n JVPs counted ``FORWARD_MODE_PENALTY`` times (only where y's size
+    is known before f runs and all n fit one batch). Under ``"auto"``, eager and without a
+    graph of the results, the engine and a loop are chosen by :func:`_choose`.
+    """
+    r, k, n = request, request.k, request.n
+    m = r.m if r.m is not None else 0
+    linear = not (r.hooked or record.hooked)
+    _refuse(r, linear)
+    if r.weighted:
+        engine: Engine = "autograd" if r.eager and not r.graph else "torch.func"
+        return Plan(
+            "weighted", k, m, n, r.chunk_size, r.requested, (("weighted", 1),),
+            _FALLBACKS["weighted"], engine=engine, watch=_watch(r, record),
+        )  # fmt: skip
+    one_batch = r.chunk_size is None or r.chunk_size == "auto" or r.chunk_size >= n
+    costs = {"vjp": k, "jacrev": m if r.m is not None else k}
+    may_forward = bool(n) and one_batch and (r.requested != "auto" or _forward_ok(r, record))
+    if may_forward:
         costs["jacfwd"] = FORWARD_MODE_PENALTY * n
-    candidates: list[Executed] = ["vjp", "jacrev"] if linear else ["vjp"]
-    if "jacfwd" in costs and forward and linear:
-        candidates.append("jacfwd")
+    names = (
+        ["vjp", "jacrev", "jacfwd"] if linear and may_forward else ["vjp", "jacrev"][: 1 + linear]
+    )
+    fewest = min(names, key=lambda name: (costs[name], names.index(name)))
+    choice, timed, why = _choose(r, record, fewest == "jacfwd")
     strategy: Executed
-    if weighted:
-        strategy, costs = "weighted", {"weighted": 1}
-    elif requested == "auto":
-        strategy = min(candidates, key=lambda name: (costs[name], candidates.index(name)))
-    elif requested == "jacfwd" and not n:
+    chunk = r.chunk_size
+    if r.requested == "jacfwd" and not n:
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
-    else:
-        strategy = requested
-    measured = not_forward if requested == "auto" and not weighted else None
-    if unbatched is not None and requested == "auto" and not weighted and strategy != "jacfwd":
-        strategy = "loop" if k <= m or not linear else "jacrev"
-        chunk_size = None if strategy == "loop" else 1
-        measured = unbatched if measured is None else f"{measured}; {unbatched}"
-    if engine_why is not None and requested == "auto" and not weighted:
-        measured = engine_why if measured is None else f"{measured}; {engine_why}"
-    if strategy == "jacfwd":  # forward mode runs f itself, on torch.func
-        engine, engine_trial = "torch.func", False
-    batches = strategy in ("vjp", "jacrev") and chunk_size != 1 and min(k, m, n) > 0
-    measure = measure and requested == "auto" and batches and (k if strategy == "vjp" else m) > 1
-    fallbacks = _FALLBACKS[strategy]
+    elif r.requested != "auto":
+        strategy = r.requested
+    elif choice.forward:
+        strategy = "jacfwd"
+    else:  # reverse mode: the k > m rule (once f ran, where m was not known before)
+        strategy = "jacrev" if r.m is not None and linear and m < k else "vjp"
+        if choice.loop:  # the fewer of k pullbacks or m rows, one at a time
+            strategy, chunk = ("jacrev", 1) if strategy == "jacrev" else ("loop", None)
+    engine = "torch.func" if strategy == "jacfwd" else choice.engine
+    directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[strategy]
+    chunk = _chunk(r, chunk, strategy, directions)
+    batches = strategy in ("vjp", "jacrev") and chunk != 1 and min(k, m, n) > 0
+    measure = timed and batches and directions > 1 and _loop_open(record, engine)
+    forward = strategy == "jacfwd"
     return Plan(
         strategy,
         k,
         m,
         n,
-        chunk_size,
-        requested,
+        chunk,
+        r.requested,
         tuple(costs.items()),
-        fallbacks,
-        measured,
+        _FALLBACKS[strategy],
+        why,
         measure,
-        engine=engine,
-        engine_trial=engine_trial and requested == "auto" and not weighted,
+        1 + (len({0, n // 2, n - 1}) if forward and r.check and r.eager else 0),
+        engine,
+        timed,
+        not timed,
+        _watch(r, record),
+        through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
+        choice=dataclasses.replace(choice, engine=engine, forward=forward),
+    )
+
+
+def pullback_engine(eager: bool, record: Record) -> Engine:
+    """`funcgrad.pullback`'s engine: eager autograd where f's graph can be recorded (eager,
+    no inference tensor) and f's backward is not torch.compile'd (torch may run that wrongly
+    twice on one graph: it was seen on this signature), else torch.func."""
+    return "autograd" if eager and not record.compiled else "torch.func"
+
+
+def _refuse(r: Request, linear: bool) -> None:
+    """The options that no plan can run, refused before f runs."""
+    if not linear and r.requested in ("jacrev", "jacfwd"):
+        raise ValueError(
+            f"{r.call}: f registers a tensor hook (Tensor.register_hook) in its forward, and a "
+            f"hook may act nonlinearly on its gradient (a clamp), while strategy={r.requested!r} "
+            + (
+                "combines the pullbacks of y's unit directions"
+                if r.requested == "jacrev"
+                else "runs forward mode, which never runs backward hooks"
+            )
+            + ": its answer would be autograd's only for a hook linear in its gradient. Use "
+            "strategy='vjp', 'loop' or 'auto' (which pull each head's cotangent through f)."
+        )
+    chunk = r.chunk_size
+    if r.requested == "jacfwd" and isinstance(chunk, int) and chunk < r.n:
+        raise ValueError(
+            f"{r.call}: strategy='jacfwd' takes all n = {r.n} columns of J in one batched "
+            f"forward pass; chunk_size={chunk} would run f's forward once per chunk. Pass "
+            f"chunk_size=None (or >= {r.n}) with jacfwd, or use strategy='jacrev' or 'vjp' to "
+            "bound memory with chunks."
+        )
+
+
+def _forward_ok(r: Request, record: Record) -> bool:
+    """Whether auto may run forward mode: y's size known before f runs, f neither draws
+    (forward mode draws its own) nor registers hooks (it runs none), nor did forward mode
+    fall back or lose its timed call on this signature."""
+    return (
+        r.forward
+        and r.m is not None
+        and not (record.random or record.hooked or record.forward_lost)
+    )
+
+
+def _watch(r: Request, record: Record) -> bool:
+    """Whether f's ops are watched (explicit generators, random ops, hooks, RNNs, norms):
+    on a signature's first call, and later only where f drew from an explicit generator
+    (a re-run of f must restore it); always inside transforms (nothing is kept there)."""
+    return not r.eager or record.draws is None or record.draws
+
+
+def _chunk(r: Request, chunk: ChunkSize, strategy: str, directions: int) -> ChunkSize:
+    """``chunk_size="auto"``: the fitted chunk, or "auto" where the call measures (nothing
+    fitted yet, or fitted on one direction alone and the budget now allows two vmapped
+    chunks); unchunked inside transforms, where nothing can be measured."""
+    if chunk != "auto":
+        return chunk
+    if not r.eager:
+        return None
+    if r.fitted is None:
+        return "auto"
+    if strategy in ("vjp", "jacrev") and not r.paired and directions > FIT_MIN and r.fitted >= 3:
+        return "auto"
+    return r.fitted
+
+
+def _loop_open(record: Record, engine: Engine) -> bool:
+    """Whether this engine's loop-or-vmap question is still open (nothing timed it, and
+    nothing known answers it)."""
+    if (
+        record.rnn
+        or record.slow_path
+        or (record.prior is not None and record.prior.engine == engine)
+    ):
+        return False
+    return not any(t.timing is not None and t.choice.engine == engine for t in record.trials)
+
+
+def _loop(record: Record, engine: Engine) -> tuple[bool, str | None]:
+    """Whether calls on ``engine`` loop over the directions unbatched, and why: f runs an
+    RNN or vmap said it has no batching rule (known before timing), what another signature
+    settled on, else this engine's timed call."""
+    if record.rnn:
+        return True, "f runs an RNN, whose backward vmap batches badly -> a loop"
+    if record.slow_path:
+        return True, "vmap has no batching rule for an op of f's backward (torch warned) -> a loop"
+    if record.prior is not None and record.prior.engine == engine:
+        return record.prior.loop, None
+    for trial in record.trials:
+        if trial.timing is not None and trial.choice.engine == engine:
+            faster = trial.timing.unbatched_faster
+            return faster, trial.timing.why() + " (measured)" if faster else None
+    return False, None
+
+
+def _cost(trial: Trial, record: Record) -> float:
+    """A timed call's cost as the settled plan would run it: where its engine then loops
+    but the call ran vmap, at the timed loop's cost."""
+    timing = trial.timing
+    if timing is None or trial.choice.forward or not _loop(record, trial.choice.engine)[0]:
+        return trial.seconds
+    return max(trial.seconds + timing.directions * (timing.single - timing.batched), 0.0)
+
+
+def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, bool, str | None]:
+    """(what the call runs, whether it is timed, why earlier calls changed it).
+
+    Under ``"auto"``, eager and without a graph of the results: the first call on a new
+    signature runs reverse mode on eager autograd (or what another signature of f settled
+    on), timed; the second, timed too, runs the challenger: forward mode where the shapes
+    now choose it, else reverse mode on torch.func. From the third, the faster (the
+    challenger must beat the first call by ``CHALLENGER_MARGIN``: that call paid the
+    signature's one-time costs). Known before timing: f that draws runs on eager autograd;
+    an RNN, or an op vmap cannot batch, loops on eager autograd; a compiled backward, or f
+    torch.func refuses, leaves one engine. Elsewhere: the shapes, on torch.func (eager
+    autograd for f that draws, where no graph is wanted)."""
+    eager_ok = r.eager and not r.graph
+    if r.requested != "auto" or not eager_ok:
+        engine: Engine = "autograd" if record.random and eager_ok else "torch.func"
+        return Choice(engine, forward=forward_wins and r.requested == "auto"), False, None
+    knows = record.rnn or record.slow_path
+    if record.compiled:
+        first = Choice("torch.func")
+    elif knows or record.random or record.mutates:
+        first = Choice("autograd")
+    elif record.prior is not None:
+        first = Choice(record.prior.engine)
+    else:
+        first = Choice("autograd")
+    candidates = [first]
+    if forward_wins:
+        candidates.append(Choice("torch.func", forward=True))
+    elif (
+        record.prior is None
+        and first.engine == "autograd"
+        and not (knows or record.random or record.mutates)
+    ):
+        candidates.append(Choice("torch.func"))
+    tried = {(t.choice.engine, t.choice.forward): t for t in record.trials}
+    untried = [c for c in candidates if (c.engine, c.forward) not in tried]
+    if untried and len(record.trials) < TRIAL_CALLS and (len(candidates) > 1 or not tried):
+        choice = untried[0]
+        loop, why = _loop(record, choice.engine)
+        timed = len(candidates) > 1 or _forward_possible(r, record)
+        return dataclasses.replace(choice, loop=loop and not choice.forward), timed, why
+    choice, why = _settle(candidates, tried, record)
+    loop, loop_why = _loop(record, choice.engine)
+    if loop_why is not None and not choice.forward:
+        why = loop_why if why is None else f"{why}; {loop_why}"
+    return dataclasses.replace(choice, loop=loop and not choice.forward), False, why
+
+
+def _forward_possible(r: Request, record: Record) -> bool:
+    """Whether forward mode may become a candidate once y's size is known (so that the
+    first call is timed, to compare with it)."""
+    one_batch = r.chunk_size is None or r.chunk_size == "auto" or r.chunk_size >= r.n
+    return (
+        r.m is None
+        and one_batch
+        and 0 < FORWARD_MODE_PENALTY * r.n < r.k
+        and not (record.random or record.hooked or record.forward_lost)
+    )
+
+
+def _settle(
+    candidates: list[Choice], tried: dict[tuple[Engine, bool], Trial], record: Record
+) -> tuple[Choice, str | None]:
+    """The candidate to run from now on: the first, unless a timed challenger beat it by
+    ``CHALLENGER_MARGIN``; and the times that said so."""
+    first = candidates[0]
+    best, base = first, tried.get((first.engine, first.forward))
+    why = None
+    for challenger in candidates[1:]:
+        trial = tried.get((challenger.engine, challenger.forward))
+        if trial is None:
+            continue
+        if base is None or _cost(trial, record) < CHALLENGER_MARGIN * _cost(base, record):
+            best = challenger
+            why = None if base is None else _versus(challenger, trial, first, base, record)
+        else:
+            why = _versus(first, base, challenger, trial, record)
+    return best, why
+
+
+def _versus(won: Choice, won_t: Trial, lost: Choice, lost_t: Trial, record: Record) -> str:
+    return (
+        f"{won.name} {1e3 * _cost(won_t, record):.3g} ms a call, {lost.name} "
+        f"{1e3 * _cost(lost_t, record):.3g} ms (one timed call each)"
     )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import threading
@@ -17,6 +16,8 @@ from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
 from ._function import FlatFunction, result_graph
 from ._linearize import Linearization
+from ._plan import pullback_engine
+from ._record import Observations, Record, Records, learn, signature_key
 from ._types import ChunkSize, Tensors
 from ._validate import check_callable, check_chunk_size, check_flag, values_readable
 
@@ -193,58 +194,7 @@ class Pullback:
             )
         if self._watched is not None:
             self._check_unchanged(call)
-        if isinstance(tree, torch.Tensor) and self._out_def.is_leaf():  # (f returns a tensor)
-            leaves, treedef = [tree], self._out_def
-        else:
-            leaves, treedef = _tree.flatten(tree)
-        if treedef != self._out_def:
-            raise ValueError(
-                f"{call}: the cotangent must have the tree structure of f's output, "
-                f"expected {self._out_def}, got {treedef}."
-            )
-        batch = None
-        for index, (leaf, ref) in enumerate(zip(leaves, self._out_like)):
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.dtype == ref.dtype
-                and leaf.shape[batched:] == ref.shape
-                and (not batched or batch is None or leaf.shape[0] == batch)
-                and leaf.dim() == ref.dim() + batched
-            ):  # the usual case, checked at once; the messages below say what is wrong
-                batch = leaf.shape[0] if batched else 1
-                continue
-            where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
-            if leaf.dtype != ref.dtype:
-                raise TypeError(
-                    f"{call}: {where} must have f's output dtype {ref.dtype}, got {leaf.dtype}. "
-                    f"Convert it with .to({ref.dtype})."
-                )
-            shape, expected = tuple(leaf.shape), tuple(ref.shape)
-            if not batched and shape != expected:
-                raise ValueError(
-                    f"{call}: {where} must have f's output shape {expected}, got {shape}. "
-                    "For k cotangents at once, stack them and call pb.many."
-                )
-            if batched and (len(shape) != len(expected) + 1 or shape[1:] != expected):
-                hint = (
-                    " It has no leading batch dimension: use pb(cotangent) for one cotangent, "
-                    "or cotangent.unsqueeze(0)."
-                    if shape == expected
-                    else ""
-                )
-                raise ValueError(
-                    f"{call}: {where} must have shape (k, *{expected}) with a leading batch "
-                    f"dimension k, got {shape}.{hint}"
-                )
-            if batched and batch is not None and shape[0] != batch:
-                raise ValueError(
-                    f"{call}: every cotangent leaf must have the same leading batch size; "
-                    f"{where} has {shape[0]}, an earlier leaf has {batch}."
-                )
-            batch = shape[0] if batched else 1
-        return tuple(leaves)
+        return _cotangent_leaves(tree, self._out_def, self._out_like, call, batched)
 
     def _check_unchanged(self, call: str) -> None:
         assert self._watched is not None
@@ -284,17 +234,13 @@ class Pullback:
             )
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
-        with (
-            result_graph(create_graph, self._flat.leaves),
-            _engine.remembering_chunks(self._fit)
-            if chunk_size == "auto" and values_readable(cotangents)
-            else contextlib.nullcontext(),
-        ):
+        fit = self._fit if chunk_size == "auto" and values_readable(cotangents) else None
+        with result_graph(create_graph, self._flat.leaves):
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 lin = self._lin
                 if lin.engine == "autograd":  # (one backward building its graph a direction)
                     lin = dataclasses.replace(lin, can_vmap=False)
-                grads = _engine.pull(lin, cotangents, chunk_size, check)
+                grads = _engine.pull(lin, cotangents, chunk_size, check, fit=fit)
                 pulled = cotangents[0].shape[0]
             else:
                 grads, pulled = _engine.by_linearity(
@@ -304,6 +250,7 @@ class Pullback:
                     keep=True,
                     chunk_size=chunk_size,
                     check=check,
+                    fit=fit,
                 )
         self.stats.vjps += pulled
         self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
@@ -320,55 +267,75 @@ class Pullback:
         )
 
 
-@dataclasses.dataclass
-class _Signature:
-    """What the first ``pullback`` of one f on one call signature learnt of f; no tensor."""
+def _cotangent_leaves(
+    tree: Any, out_def: Any, out_like: Tensors, call: str, batched: bool
+) -> Tensors:
+    """The cotangent's leaves, checked against f's output (with a leading batch dim where
+    ``batched``): its tree, each leaf's dtype and shape, one batch size."""
+    if isinstance(tree, torch.Tensor) and out_def.is_leaf():  # (f returns a tensor)
+        leaves, treedef = [tree], out_def
+    else:
+        leaves, treedef = _tree.flatten(tree)
+    if treedef != out_def:
+        raise ValueError(
+            f"{call}: the cotangent must have the tree structure of f's output, "
+            f"expected {out_def}, got {treedef}."
+        )
+    batch = None
+    for index, (leaf, ref) in enumerate(zip(leaves, out_like)):
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.dtype == ref.dtype
+            and leaf.shape[batched:] == ref.shape
+            and (not batched or batch is None or leaf.shape[0] == batch)
+            and leaf.dim() == ref.dim() + batched
+        ):  # the usual case, checked at once; the messages below say what is wrong
+            batch = leaf.shape[0] if batched else 1
+            continue
+        where = f"cotangent leaf {_tree.leaf_path(treedef, index)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{call}: {where} must be a tensor, got {describe(leaf)}.")
+        if leaf.dtype != ref.dtype:
+            raise TypeError(
+                f"{call}: {where} must have f's output dtype {ref.dtype}, got {leaf.dtype}. "
+                f"Convert it with .to({ref.dtype})."
+            )
+        shape, expected = tuple(leaf.shape), tuple(ref.shape)
+        if not batched and shape != expected:
+            raise ValueError(
+                f"{call}: {where} must have f's output shape {expected}, got {shape}. "
+                "For k cotangents at once, stack them and call pb.many."
+            )
+        if batched and (len(shape) != len(expected) + 1 or shape[1:] != expected):
+            hint = (
+                " It has no leading batch dimension: use pb(cotangent) for one cotangent, "
+                "or cotangent.unsqueeze(0)."
+                if shape == expected
+                else ""
+            )
+            raise ValueError(
+                f"{call}: {where} must have shape (k, *{expected}) with a leading batch "
+                f"dimension k, got {shape}.{hint}"
+            )
+        if batched and batch is not None and shape[0] != batch:
+            raise ValueError(
+                f"{call}: every cotangent leaf must have the same leading batch size; "
+                f"{where} has {shape[0]}, an earlier leaf has {batch}."
+            )
+        batch = shape[0] if batched else 1
+    return tuple(leaves)
 
-    # f's eager graph held a torch.compile'd backward, which torch may run wrongly twice on
-    # one graph: later calls stay on torch.func.
-    compiled: bool = False
-    # Whether f registered a tensor hook (None: not watched yet; the first pullback on this
-    # signature watches f's calls): a hook may be nonlinear in its gradient, so no reuse.
-    hooked: bool | None = None
+
+# pullback's records: one Records per f, held weakly (an f that takes no weak reference,
+# a builtin, is not cached).
+_records: weakref.WeakKeyDictionary[Any, Records] = weakref.WeakKeyDictionary()
 
 
-class _Signatures:
-    """``pullback``'s per-signature cache, as a jit cache: one record per f and call
-    signature (the primals' trees, and every leaf's shape, dtype, device and requires_grad),
-    the least recently used dropped past ``size`` per f. f is held weakly (a record goes with
-    its f); an f that takes no weak reference (a builtin) is not cached."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._by_f: weakref.WeakKeyDictionary[Any, collections.OrderedDict[Any, _Signature]]
-        self._by_f = weakref.WeakKeyDictionary()
-
-    @staticmethod
-    def key(flat: FlatFunction) -> Any:
-        leaves = tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in flat.leaves)
-        return flat.has_aux, tuple(flat.in_defs), leaves
-
-    def get(self, f: Any, key: Any) -> _Signature | None:
-        try:
-            records = self._by_f.get(f)
-        except TypeError:  # no weak reference to f
-            return None
-        if records is None or key not in records:
-            return None
-        records.move_to_end(key)
-        return records[key]
-
-    def put(self, f: Any, key: Any, record: _Signature) -> None:
-        try:
-            records = self._by_f.setdefault(f, collections.OrderedDict())
-        except TypeError:
-            return
-        records[key] = record
-        if len(records) > self.size:
-            records.popitem(last=False)
-
-
-_signatures = _Signatures()
+def _records_of(f: Any) -> Records | None:
+    try:
+        return _records.setdefault(f, Records())
+    except TypeError:
+        return None
 
 
 @overload
@@ -461,30 +428,29 @@ def pullback(
     flat = FlatFunction(
         f, primals, tuple(range(len(primals))), has_aux, call, hint="pass it through a closure"
     )
-    record = None
     # (Inference mode records no graph, and an inference tensor cannot join one: torch.func.)
+    records = None
     if (
         flat.readable
         and not torch.is_inference_mode_enabled()
         and not any(leaf.is_inference() for leaf in flat.leaves)
     ):
-        key = _signatures.key(flat)
-        record = _signatures.get(f, key)
-        if record is None:
-            record = _Signature()
-            _signatures.put(f, key, record)
-    if record is not None and not record.compiled:
-        # Outside torch.func transforms: f runs once on eager autograd, never re-run (so
-        # nothing to replay), without torch.func's wrapping of every op; watched for hooks
-        # on the first call on this signature only.
-        flat.watch, flat.signature = record.hooked is None, record
+        records = _records_of(f)
+    key = None if records is None else signature_key(flat.has_aux, flat.in_defs, flat.leaves)
+    record = Record() if records is None else records.get(key)
+    engine = pullback_engine(records is not None, record)
+    # On eager autograd f runs once, never re-run (nothing to replay), without torch.func's
+    # wrapping of every op; watched for hooks on the first call on this signature only.
+    flat.watch = records is None or record.draws is None
+    if engine == "autograd":
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if record is not None and record.hooked is None:
-        record.hooked = flat.hooked
+    if records is not None:
+        seen = Observations(watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled)
+        records.put(key, learn(record, seen))
     # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
-    hooked = flat.hooked or (record is not None and bool(record.hooked))
+    hooked = flat.hooked or record.hooked
     pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)

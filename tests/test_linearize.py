@@ -147,12 +147,20 @@ class OldStyleSin(torch.autograd.Function):
 def test_torch_func_failure_falls_back_to_eager_autograd(strategy):
     f = lambda x: OldStyleSin.apply(x) * 2  # noqa: E731
     x = torch.randn(3)
+    want = torch.stack(autograd_reference(f, HEADS, (x,))[1])
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    if strategy == "auto":  # eager autograd first, then torch.func tried quietly: no fallback
+        for _ in range(4):  # to warn about
+            torch.testing.assert_close(fn(x)[1], want)
+        assert fn.plan(x).engine == "autograd"
+    # (auto: with a graph of the results wanted, torch.func it is, and its fallback warns)
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy, create_graph=strategy == "auto")
     with pytest.warns(
         funcgrad.FuncgradWarning,
         match=r"torch.func cannot differentiate f .*eager torch.autograd.grad",
     ):
-        _, grads = funcgrad.compose_heads(f, HEADS, strategy=strategy)(x)
-    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+        _, grads = fn(x)
+    torch.testing.assert_close(grads, want)
     # pullback runs f on eager autograd from the start (outside transforms): no fallback.
     _, pb = funcgrad.pullback(f, x)
     torch.testing.assert_close(pb(torch.ones(3))[0], 2 * torch.cos(x))
@@ -171,9 +179,18 @@ def test_chunked_linear_cross_entropy_falls_back_to_autograd():
         return torch.nn.functional.linear_cross_entropy(x, weight, target, reduction="none")
 
     x = torch.randn(6, 5)
+    want = torch.stack(autograd_reference(reference_f, HEADS, (x,))[1])
     with pytest.warns(funcgrad.FuncgradWarning, match="torch.func cannot differentiate f"):
-        _, grads = funcgrad.compose_heads(f, HEADS)(x)
-    torch.testing.assert_close(grads, torch.stack(autograd_reference(reference_f, HEADS, (x,))[1]))
+        _, grads = funcgrad.compose_heads(f, HEADS, strategy="vjp")(x)
+    torch.testing.assert_close(grads, want)
+    # auto runs eager autograd first, whose vmap cannot batch this backward (one warning;
+    # the loop from the next call on); no torch.func to fall back from
+    fn = funcgrad.compose_heads(f, HEADS)
+    with pytest.warns(funcgrad.FuncgradWarning, match="vmap could not batch f's pullback"):
+        torch.testing.assert_close(fn(x)[1], want)
+    for _ in range(3):
+        torch.testing.assert_close(fn(x)[1], want)
+    assert fn.plan(x).strategy == "loop" and fn.plan(x).engine == "autograd"
 
 
 # -- every re-run of f replays the first run's draws: as one eager forward -------------------
@@ -400,12 +417,19 @@ def test_batchnorm_train_mode_matches_autograd_and_updates_statistics_once(strat
     if strategy == "jacfwd":
         chunk_size = None  # forward mode takes all columns in one pass
     fn = funcgrad.compose_heads(features, heads, strategy=strategy, chunk_size=chunk_size)
-    with pytest.warns(funcgrad.FuncgradWarning) as record:
-        losses, grads = fn(params, batch)
-    messages = [str(w.message) for w in record if issubclass(w.category, funcgrad.FuncgradWarning)]
-    assert len(messages) == 1, messages
-    assert "BatchNorm" in messages[0] and "replace_all_batch_norm_modules_" in messages[0]
-    assert "eval mode" in messages[0]
+    if strategy == "auto":  # its first call runs on eager autograd: no fallback, no warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", funcgrad.FuncgradWarning)
+            losses, grads = fn(params, batch)
+    else:
+        with pytest.warns(funcgrad.FuncgradWarning) as record:
+            losses, grads = fn(params, batch)
+        messages = [
+            str(w.message) for w in record if issubclass(w.category, funcgrad.FuncgradWarning)
+        ]
+        assert len(messages) == 1, messages
+        assert "BatchNorm" in messages[0] and "replace_all_batch_norm_modules_" in messages[0]
+        assert "eval mode" in messages[0]
 
     y = reference(batch)
     for i, head in enumerate(heads):

@@ -4,8 +4,8 @@ plan reported (counted passes through f and runs of its Python body)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import types
 import warnings
 
 import pytest
@@ -21,22 +21,20 @@ from helpers import (
 from torch._subclasses.fake_tensor import is_fake
 
 import funcgrad
-from funcgrad import _engine, _heads
+from funcgrad import _shape
 from funcgrad._counting import BackwardCounter, counted
+from funcgrad._plan import Request, decide
+from funcgrad._record import (
+    Choice,
+    Observations,
+    Record,
+    Records,
+    Timing,
+    Trial,
+    function_facts,
+    learn,
+)
 from funcgrad._types import STRATEGIES
-
-
-def _vmap_timings_given(monkeypatch, timings):
-    """Replace the clock of the vmap-or-loop timing by ``timings``: per timed call, the
-    seconds of (a direction in one vmap, one unbatched call); the calls still run."""
-    given, real = iter(timings), _engine._vmap_measured
-
-    def timed(fn, args, chunk_size, what, log, single=None):
-        result = real(fn, args, chunk_size, what, [], single)
-        log.append(_engine.Timing(what, *next(given)))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
 
 
 def _tanh_with_sin_heads(counter=None, dtype=None):
@@ -48,20 +46,6 @@ def _tanh_with_sin_heads(counter=None, dtype=None):
     heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(3)]
     counted_f = f if counter is None else lambda x: f(counted(x, counter))
     return funcgrad.compose_heads(counted_f, heads), f, heads, torch.randn(4, dtype=dtype)
-
-
-def _assert_timed_twice_then_runs(fn, counter, x, calls, strategy):
-    """``calls`` calls of ``fn`` at ``x``: the first two are timed (on vmap), no later one,
-    and every later one runs ``strategy``; each makes the backward passes its plan says.
-    The last plan, values and gradients."""
-    for call in range(calls):
-        plan = fn.plan(x)
-        assert plan.measure == (call < 2)
-        assert plan.strategy == ("vjp" if call < 2 else strategy)
-        counter.reset()
-        values, grads = fn(x)
-        assert counter.backward == plan.passes
-    return plan, values, grads
 
 
 # -- what auto chooses from the shapes ------------------------------------------------------
@@ -79,9 +63,7 @@ def _assert_timed_twice_then_runs(fn, counter, x, calls, strategy):
     ],
 )
 def test_auto_plans_from_shapes(k, m, n, expected):
-    from funcgrad._plan import make_plan
-
-    plan = make_plan("auto", k, m, n)
+    plan = decide(Request("auto", k, n, m, graph=True), Record())  # (untimed: shapes only)
     assert plan.strategy == expected
     assert plan.directions == {"vjp": k, "jacrev": m, "jacfwd": n}[expected]
 
@@ -164,26 +146,6 @@ def test_plan_equals_the_path_taken(k, m, n, strategy, chunk_size):
     torch.testing.assert_close(grads, torch.stack(want_grads))
 
 
-@pytest.mark.parametrize(
-    ("timings", "strategy"),
-    [
-        ([(2e-3, 1e-3), (0.5e-3, 1e-3)], "vjp"),  # a cold first vmap: the warm one is faster
-        ([(2e-3, 1e-3), (1.5e-3, 1e-3)], "loop"),  # unbatched faster on both calls
-    ],
-)
-def test_a_loop_is_chosen_only_where_two_timed_calls_find_it_faster(monkeypatch, timings, strategy):
-    # The decision, the plans and the passes are checked without timing anything.
-    _vmap_timings_given(monkeypatch, timings)
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
-    counter = BackwardCounter()
-    fn, _, _, x = _tanh_with_sin_heads(counter)
-    plan, _, _ = _assert_timed_twice_then_runs(fn, counter, x, 3, strategy)
-    if strategy == "loop":
-        assert "fastest of 2 calls" in plan.measured
-    else:
-        assert plan.measured is None
-
-
 @pytest.mark.parametrize("level", ["params", "features"])
 @pytest.mark.parametrize("weighting", [None, lambda g: torch.ones(g.shape[0])])
 def test_combine_heads_plan_equals_the_path_taken(level, weighting):
@@ -232,8 +194,8 @@ def test_f_runs_exactly_once_per_call(shape, strategy, chunk_size):
     x = torch.randn(n)
     plan = fn.plan(x)
     assert f.calls == 0  # planning runs f on fake tensors only
-    if strategy == "auto" and chunk_size is None:
-        assert plan.strategy == shape
+    if strategy == "auto" and chunk_size is None:  # (forward mode: tried on the second call)
+        assert plan.strategy == shape or (shape == "jacfwd" and plan.timed)
     for _ in range(4):  # (auto times forward and reverse mode on separate calls)
         f.calls = 0
         fn(x)
@@ -269,6 +231,39 @@ def test_f_python_body_runs_once_on_each_of_the_first_calls(shape, strategy):
         assert fn.plan(x).strategy == shape or fn.plan(x).measured is not None
 
 
+@pytest.mark.parametrize("forward_candidate", [False, True])
+@pytest.mark.parametrize("engine", ["torch.func", "autograd"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_f_runs_once_on_calls_1_to_8_on_either_engine(strategy, engine, forward_candidate):
+    """A counter in f sees exactly 1 on every call 1-8, and ``plan().f_runs == 1``, for
+    every strategy, on torch.func (a graph of the results wanted) and on eager autograd (f
+    draws random numbers), with forward mode a candidate of auto's or not."""
+    if engine == "autograd" and strategy == "jacfwd":
+        pytest.skip("documented fallback: forward mode's batched JVP draws other numbers")
+    m, n, k = SHAPES["jacfwd" if forward_candidate else "vjp"]
+    weight = torch.randn(m, n, dtype=torch.float64)
+    runs = []
+
+    def f(t):
+        runs.append(1)
+        y = torch.tanh(weight @ t)
+        return y + 0 * torch.rand_like(y) if engine == "autograd" else y
+
+    heads = [lambda y, i=i: (y * y).sum() * (i + 1) + y[i % m] for i in range(k)]
+    graph = engine == "torch.func"
+    fn = funcgrad.compose_heads(f, heads, strategy=strategy, check=False, create_graph=graph)
+    x = torch.randn(n, dtype=torch.float64, requires_grad=graph)
+    expected = torch.stack([torch.func.grad(lambda t, h=h: h(f(t)))(x) for h in heads])
+    for call in range(8):
+        plan = fn.plan(x)
+        assert plan.f_runs == 1, (call, plan)
+        assert plan.engine == ("torch.func" if plan.strategy == "jacfwd" else engine), plan
+        runs.clear()
+        grads = fn(x)[1]
+        assert len(runs) == 1, (call, plan)
+        torch.testing.assert_close(grads, expected)
+
+
 def test_plan_runs_f_for_real_only_when_shapes_are_data_dependent():
     calls = []
 
@@ -298,7 +293,7 @@ def test_f_python_body_runs_as_often_as_plan_says(strategy, check):
         fn(x)
         assert len(runs) == plan.f_runs, (call, plan)
     timed = fn.plan(x).measured  # auto: the first call timed forward against reverse mode
-    assert strategy != "auto" or timed is None or timed.startswith("reverse mode")
+    assert strategy != "auto" or timed is None or timed.startswith(("reverse mode", "forward"))
     if strategy == "jacfwd" and check:  # check's unbatched JVP calls at columns 0 and 1
         assert plan.f_runs == 3 and "f's Python body runs 3 times" in repr(plan)
 
@@ -328,9 +323,9 @@ def test_auto_times_forward_mode_against_reverse_mode_on_separate_calls():
     fn = funcgrad.compose_heads(f, heads)
     x = torch.randn(2)
     want_values, want_grads = autograd_reference(f, heads, (x,))
-    assert fn.plan(x).strategy == "jacfwd"  # (f on fake tensors)
+    assert fn.plan(x).m == 40  # (f on fake tensors)
     ran = []
-    for _ in range(2):  # forward mode, timed; then reverse mode, timed: f once each
+    for _ in range(2):  # reverse mode, timed; then forward mode, timed: f once each
         plan = fn.plan(x)
         calls.clear()
         counter.reset()
@@ -340,16 +335,17 @@ def test_auto_times_forward_mode_against_reverse_mode_on_separate_calls():
         assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
         torch.testing.assert_close(values, torch.stack(want_values))
         torch.testing.assert_close(grads, torch.stack(want_grads))
-    assert ran[0] == "jacfwd" and ran[1] != "jacfwd"
+    assert ran[0] != "jacfwd" and ran[1] == "jacfwd"
     plan = fn.plan(x)  # whichever won, later calls run it, and the plan says so
-    assert plan.strategy == "jacfwd" or plan.measured.startswith("reverse mode")
+    assert plan.final and plan.measured.startswith(("reverse mode", "forward mode"))
+    assert (plan.strategy == "jacfwd") == plan.measured.startswith("forward mode")
     for _ in range(3):
         calls.clear()
         counter.reset()
         fn(x)
         assert len(calls) == 1
         assert counter.backward == (0 if plan.strategy == "jacfwd" else plan.passes)
-        assert fn.plan(x).strategy == plan.strategy  # (the engine trial may go on)
+        assert fn.plan(x) == plan
 
 
 # -- plan() stays cheap, and leaves no trace -------------------------------------------------
@@ -410,8 +406,7 @@ def test_plan_leaves_a_captured_counter_alone():
     heads = [lambda y, i=i: y[i] * y.sum() for i in range(5)]  # 2 n < k: m is needed
     plan = funcgrad.compose_heads(f, heads).plan(torch.randn(2))
     assert plan.m == 5 and int(calls) == 0
-    with pytest.warns(funcgrad.FuncgradWarning, match="captured tensor in place"):
-        funcgrad.compose_heads(f, heads)(torch.randn(2))  # the call updates it, once
+    funcgrad.compose_heads(f, heads)(torch.randn(2))  # the call updates it, once
     assert int(calls) == 1
 
 
@@ -463,18 +458,219 @@ def test_plan_leaves_a_user_generator_alone():
     assert torch.equal(generator.get_state(), state)
 
 
-# -- the engine that auto weighs: torch.func or eager autograd, as the plan says ------------
+# -- the policy as tables: decide(request, record) == plan, learn(record, seen) == record' -----
+
+# A request of auto's usual case: eager, no graph of the results, k = 3 heads, n = 4 inputs.
+AUTO = Request("auto", 3, 4, m=6)
+EAGER, FUNC = Choice("autograd"), Choice("torch.func")
+FORWARD = Choice("torch.func", forward=True)
+VMAP_FASTER = Timing("f", batched=1e-3, single=1e-3, directions=3)
+LOOP_FASTER = Timing("f", batched=2e-3, single=0.5e-3, directions=3)
 
 
-@pytest.mark.parametrize(("margin", "engine"), [(1e9, "autograd"), (0.0, "torch.func")])
-def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
-    monkeypatch, margin, engine
-):
-    # The margin replaces the clock: with 1e9 eager autograd always wins; with 0 it cannot,
-    # and no call is spent on it.
-    from funcgrad import _heads
+def _decided(request, record):
+    plan = decide(request, record)
+    return plan.strategy, plan.engine, plan.timed, plan.measure
 
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", margin)
+
+@pytest.mark.parametrize(
+    ("record", "request_", "expected"),
+    [
+        # call 1 on new shapes: reverse mode on eager autograd, timed, vmap timed too
+        (Record(), AUTO, ("vjp", "autograd", True, True)),
+        # call 2: the challenger, torch.func (its own vmap timed too)
+        (
+            Record(m=6, trials=(Trial(EAGER, 2e-3, VMAP_FASTER),)),
+            AUTO,
+            ("vjp", "torch.func", True, True),
+        ),
+        # call 3: final; the challenger must beat the first call by 10%
+        (
+            Record(m=6, trials=(Trial(EAGER, 2e-3, VMAP_FASTER), Trial(FUNC, 1.9e-3, VMAP_FASTER))),
+            AUTO,
+            ("vjp", "autograd", False, False),
+        ),
+        (
+            Record(m=6, trials=(Trial(EAGER, 2e-3, VMAP_FASTER), Trial(FUNC, 1.7e-3, VMAP_FASTER))),
+            AUTO,
+            ("vjp", "torch.func", False, False),
+        ),
+        # eager autograd's timed vmap lost to its unbatched call: its cost counted as the loop's
+        (
+            Record(m=6, trials=(Trial(EAGER, 8e-3, LOOP_FASTER), Trial(FUNC, 5e-3, VMAP_FASTER))),
+            AUTO,
+            ("loop", "autograd", False, False),
+        ),
+        # known before timing: vmap warned of its slow path, or f runs an RNN: the eager loop
+        (
+            Record(m=6, slow_path=True, trials=(Trial(EAGER, 2e-3),)),
+            AUTO,
+            ("loop", "autograd", False, False),
+        ),
+        (
+            Record(m=6, rnn=True, trials=(Trial(EAGER, 2e-3),)),
+            AUTO,
+            ("loop", "autograd", False, False),
+        ),
+        # f draws: eager autograd only; a compiled backward: torch.func only (untimed)
+        (Record(random=True), AUTO, ("vjp", "autograd", False, False)),
+        (Record(compiled=True), AUTO, ("vjp", "torch.func", False, False)),
+        # another signature of f settled: its choice at once, untimed
+        (Record(prior=Choice("torch.func", loop=True)), AUTO, ("loop", "torch.func", False, False)),
+        (Record(prior=EAGER), AUTO, ("vjp", "autograd", False, False)),
+        # forward mode: 2 n < k and m known -> the challenger of the second call
+        (
+            Record(m=40, trials=(Trial(EAGER, 5e-3),)),
+            Request("auto", 30, 2, m=40),
+            ("jacfwd", "torch.func", True, False),
+        ),
+        (
+            Record(m=40, trials=(Trial(EAGER, 5e-3), Trial(FORWARD, 1e-3))),
+            Request("auto", 30, 2, m=40),
+            ("jacfwd", "torch.func", False, False),
+        ),
+        (
+            Record(m=40, trials=(Trial(EAGER, 5e-3), Trial(FORWARD, 6e-3))),
+            Request("auto", 30, 2, m=40),
+            ("vjp", "autograd", False, False),
+        ),
+        # ... where forward mode could not run f: reverse mode, on the challenger engine
+        (
+            Record(m=40, forward_lost=True, trials=(Trial(EAGER, 5e-3),)),
+            Request("auto", 30, 2, m=40),
+            ("vjp", "torch.func", True, True),
+        ),
+        # the first call where forward mode may win later is timed, with one candidate only
+        (Record(prior=EAGER), Request("auto", 30, 2), ("vjp", "autograd", True, False)),
+        # m > k: jacrev, and its loop is one row at a time
+        (
+            Record(m=2, trials=(Trial(EAGER, 8e-3, LOOP_FASTER), Trial(FUNC, 9e-3))),
+            dataclasses.replace(AUTO, m=2),
+            ("jacrev", "autograd", False, False),
+        ),
+        # a graph of the results, or inside a transform: the shapes, on torch.func, untimed
+        (Record(), dataclasses.replace(AUTO, graph=True), ("vjp", "torch.func", False, False)),
+        (Record(), dataclasses.replace(AUTO, eager=False), ("vjp", "torch.func", False, False)),
+        # an explicit strategy: as asked, on torch.func (eager autograd where f draws)
+        (
+            Record(),
+            dataclasses.replace(AUTO, requested="loop"),
+            ("loop", "torch.func", False, False),
+        ),
+        (
+            Record(random=True),
+            dataclasses.replace(AUTO, requested="vjp"),
+            ("vjp", "autograd", False, False),
+        ),
+        # one pullback of w @ V: eager autograd without a graph of the results
+        (
+            Record(),
+            dataclasses.replace(AUTO, weighted=True),
+            ("weighted", "autograd", False, False),
+        ),
+        (
+            Record(),
+            dataclasses.replace(AUTO, weighted=True, graph=True),
+            ("weighted", "torch.func", False, False),
+        ),
+    ],
+)
+def test_decide(record, request_, expected):
+    assert _decided(request_, record) == expected
+    # pure: the same inputs, the same plan, and nothing changed
+    assert decide(request_, record) == decide(request_, record)
+
+
+def test_a_plan_is_final_by_the_third_call_whatever_the_times():
+    """Whatever two timed calls measure, the third call's plan is final and every later
+    plan equals it; a new signature of the function starts from it, untimed."""
+    for first, second in [(1e-3, 5e-3), (5e-3, 1e-3), (2e-3, 2e-3)]:
+        for timing in (None, VMAP_FASTER, LOOP_FASTER):
+            record = Record()
+            plans = []
+            for seconds in (first, second, 1.0, 1.0, 1.0):
+                plan = decide(AUTO, record)
+                plans.append(plan)
+                ran = plan.choice
+                seen = Observations(
+                    m=6,
+                    ran=ran,
+                    seconds=seconds if plan.timed else None,
+                    timing=timing if plan.measure else None,
+                    watched=True,
+                    final=plan.final,
+                )
+                record = learn(record, seen)
+            assert [p.timed for p in plans] == [True, True, False, False, False]
+            assert plans[2] == plans[3] == plans[4] and plans[2].final
+            facts = function_facts(record)
+            new = decide(Request("auto", 3, 4), facts)
+            assert not new.timed and new.final and new.engine == plans[2].engine
+
+
+@pytest.mark.parametrize(
+    ("record", "seen", "expected"),
+    [
+        (Record(), Observations(m=6), Record(m=6)),
+        (Record(), Observations(watched=True, generators=True), Record(draws=True)),
+        (Record(draws=False), Observations(watched=True, generators=True), Record(draws=False)),
+        (
+            Record(),
+            Observations(random=True, hooked=True, rnn=True),
+            Record(random=True, hooked=True, rnn=True),
+        ),
+        (Record(rnn=True), Observations(), Record(rnn=True)),  # facts accumulate
+        (
+            Record(),
+            Observations(slow_path=True, mutates=True),
+            Record(slow_path=True, mutates=True),
+        ),
+        (Record(), Observations(forward_failed=True), Record(forward_lost=True)),
+        (
+            Record(),
+            Observations(ran=EAGER, seconds=2e-3, timing=VMAP_FASTER),
+            Record(trials=(Trial(EAGER, 2e-3, VMAP_FASTER),)),
+        ),
+        (Record(), Observations(ran=EAGER), Record()),  # untimed: no trial
+        (Record(), Observations(ran=FUNC, final=True), Record(settled=FUNC)),
+        (Record(m=3), Observations(shape_tried=True), Record(m=3, shape_tried=True)),
+    ],
+)
+def test_learn(record, seen, expected):
+    assert learn(record, seen) == expected
+
+
+def test_function_facts_keep_what_f_does_and_what_it_settled_on():
+    record = Record(m=6, random=True, rnn=True, trials=(Trial(EAGER, 1.0),), settled=EAGER)
+    assert function_facts(record) == Record(random=True, rnn=True, prior=EAGER)
+    records = Records(size=2)
+    records.put("a", record)
+    assert records.get("b") == Record(random=True, rnn=True, prior=EAGER)
+    records.put("b", Record(m=3))  # still learning: the settled choice of "a" is kept
+    assert records.get("c").prior == EAGER
+    records.put("c", Record())
+    assert len(records) == 2 and records.get("a") == records.facts  # "a" dropped (LRU)
+
+
+@pytest.mark.parametrize(
+    ("batched_ms", "single_ms", "directions", "faster"),
+    [
+        (0.05, 0.02, 3, True),  # 90 us saved over the three directions of the timed vmap
+        (0.03, 0.01, 1, False),  # 20 us: within the noise of a timed call
+        (0.5, 0.3, 100, False),  # twice as fast a direction, or vmap is kept
+        (0.5, 0.2, 2, True),  # 0.6 ms of a 1 ms call: a tiny f's loop is chosen
+        (3.0, 1.0, 1, True),
+    ],
+)
+def test_a_loop_must_save_20_us_over_the_timed_batch(batched_ms, single_ms, directions, faster):
+    timing = Timing("f", batched_ms * 1e-3, single_ms * 1e-3, directions=directions)
+    assert timing.unbatched_faster == faster
+
+
+# -- the engines, as the plan says ------------------------------------------------------------
+
+
+def test_auto_runs_eager_autograd_then_torch_func_then_the_faster():
     counter, runs = funcgrad.PassCounter(), []
     w = torch.randn(6, 4, dtype=torch.float64)
 
@@ -486,11 +682,11 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
     fn = funcgrad.compose_heads(f, heads)
     x = torch.randn(4, dtype=torch.float64)
     want_values, want_grads = autograd_reference(f, list(heads.values()), (x,))
-    engines, trials = [], []
+    engines, timed = [], []
     for _ in range(8):
         plan = fn.plan(x)
         engines.append(plan.engine)
-        trials.append(plan.engine_trial)
+        timed.append(plan.timed)
         counter.reset()
         runs.clear()
         values, grads = fn(x)
@@ -499,55 +695,44 @@ def test_auto_times_torch_func_then_eager_autograd_and_keeps_the_faster(
             torch.testing.assert_close(values[key], want_values[i])
             torch.testing.assert_close(grads[key], want_grads[i])
             assert not grads[key].requires_grad
-    if engine == "autograd":
-        # the trial: three calls on each engine, in turn (each one's first call is cold)
-        assert engines == ["torch.func", "autograd"] * 3 + ["autograd"] * 2
-        assert trials == [True] * 6 + [False] * 2
-        assert "eager autograd" in plan.measured and "on eager autograd" in repr(plan)
-    else:
-        assert engines == ["torch.func"] * 8 and not any(trials)
+    assert engines[:2] == ["autograd", "torch.func"] and timed == [True] * 2 + [False] * 6
+    assert len(set(engines[2:])) == 1 and plan.final and plan.measured is not None
 
 
-def test_eager_autograd_runs_the_passes_it_plans(monkeypatch):
-    # On eager autograd each head is pulled through the heads and f at once, vmapped over
-    # the heads (the first calls time one more unbatched direction).
-    from funcgrad import _heads
-
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
-    counter = funcgrad.PassCounter()
+def test_a_new_signature_starts_from_what_the_function_settled_on():
+    """Once one batch size settled (by its third call), another batch size runs that choice
+    from its first call, untimed, with the same answers as autograd."""
     w = torch.randn(5, 3, dtype=torch.float64)
-    heads = [lambda y: y.sum(), lambda y: (y**2).mean(), lambda y: y.max()]
-    fn = funcgrad.compose_heads(lambda x: w @ counter(x), heads)
-    x = torch.randn(3, dtype=torch.float64)
+    heads = [lambda y, i=i: (y[..., i] ** 2).sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(x @ w.T), heads)
+    x = torch.randn(4, 3, dtype=torch.float64)
     for _ in range(3):
-        plan = fn.plan(x)
-        counter.reset()
-        values, grads = fn(x)
-        assert counter.backward == plan.passes
-    want_values, want_grads = autograd_reference(lambda x: w @ x, heads, (x,))
-    torch.testing.assert_close(values, torch.stack(want_values))
-    torch.testing.assert_close(grads, torch.stack(want_grads))
-    assert fn.plan(x).engine == "autograd"
-
-
-@pytest.mark.parametrize(("margin", "saves"), [(1e9, 0), (0.0, 1)])
-def test_a_call_on_eager_autograd_saves_no_generator_state(monkeypatch, margin, saves):
-    # f runs once on eager autograd and is never re-run there, so nothing needs the state
-    # that a re-run would replay (~3 us a call, a host-side copy per CUDA device); torch.func
-    # may fail and re-run f, so its calls save it.
-    from funcgrad import _heads
-
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", margin)
-    w = torch.randn(5, 3, dtype=torch.float64)
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ x), [lambda y: y.sum(), lambda y: y[0]])
-    x = torch.randn(3, dtype=torch.float64)
-    for _ in range(8):
         fn(x)
+    settled = fn.plan(x)
+    assert settled.final and not settled.timed
+    bigger = torch.randn(7, 3, dtype=torch.float64)
+    plan = fn.plan(bigger)
+    assert plan.final and not plan.timed and not plan.measure
+    assert (plan.engine, plan.strategy) == (settled.engine, settled.strategy)
+    _, grads = fn(bigger)
+    want = autograd_reference(lambda x: torch.tanh(x @ w.T), heads, (bigger,))[1]
+    torch.testing.assert_close(grads, torch.stack(want))
+
+
+@pytest.mark.parametrize(("strategy", "saves"), [("auto", 0), ("vjp", 1)])
+def test_a_call_on_eager_autograd_saves_no_generator_state(monkeypatch, strategy, saves):
+    # f runs once on eager autograd and is never re-run there, so nothing needs the state
+    # that a re-run would replay; torch.func may fail and re-run f, so its calls save it.
+    w = torch.randn(5, 3, dtype=torch.float64)
+    fn = funcgrad.compose_heads(
+        lambda x: torch.tanh(w @ x), [lambda y: y.sum(), lambda y: y[0]], strategy=strategy
+    )
+    x = torch.randn(3, dtype=torch.float64)
+    assert fn.plan(x).engine == ("autograd" if strategy == "auto" else "torch.func")
     calls = []
     real = torch.get_rng_state
     monkeypatch.setattr(torch, "get_rng_state", lambda: calls.append(1) or real())
     values, grads = fn(x)
-    assert fn.plan(x).engine == ("autograd" if margin else "torch.func")
     assert len(calls) == saves
     want_values, want_grads = autograd_reference(
         lambda x: torch.tanh(w @ x), [lambda y: y.sum(), lambda y: y[0]], (x,)
@@ -556,15 +741,12 @@ def test_a_call_on_eager_autograd_saves_no_generator_state(monkeypatch, margin, 
     torch.testing.assert_close(grads, torch.stack(want_grads))
 
 
-def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
-    from funcgrad import _heads
-
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+def test_a_graph_of_the_results_stays_on_torch_func():
     fn = funcgrad.compose_heads(torch.sin, [lambda y: y.sum(), lambda y: y[0]], create_graph=True)
     x = torch.randn(3, dtype=torch.float64, requires_grad=True)
     for _ in range(3):
         plan = fn.plan(x)
-        assert plan.engine == "torch.func" and not plan.engine_trial
+        assert plan.engine == "torch.func" and not plan.timed
         _, grads = fn(x)
     # second order: d/dx of sum(grad of head 0) = sum(-sin(x))
     (second,) = torch.autograd.grad(grads[0].sum(), x)
@@ -573,7 +755,7 @@ def test_a_graph_of_the_results_stays_on_torch_func(monkeypatch):
 
 def test_f_that_draws_is_planned_on_eager_autograd_as_it_runs():
     # f draws random numbers: no graph of the results wanted, it runs on eager autograd
-    # (one eager forward's draws), with no trial; plan() says so before the first call.
+    # (one eager forward's draws), untimed; plan() says so before the first call.
     counter, w = funcgrad.PassCounter(), torch.randn(6, 4, dtype=torch.float64)
 
     def f(x):
@@ -584,7 +766,7 @@ def test_f_that_draws_is_planned_on_eager_autograd_as_it_runs():
     x = torch.randn(4, dtype=torch.float64)
     for _ in range(4):
         plan = fn.plan(x)
-        assert plan.engine == "autograd" and not plan.engine_trial
+        assert plan.engine == "autograd" and not plan.timed
         counter.reset()
         torch.manual_seed(0)
         values, grads = fn(x)
@@ -597,150 +779,41 @@ def test_f_that_draws_is_planned_on_eager_autograd_as_it_runs():
     torch.testing.assert_close(grads, torch.stack(want))
 
 
-# -- planner rules: two timed calls decide vmap or the loop, and the engines ------------------
+def test_vmaps_slow_path_is_known_before_timing():
+    """vmap warns that it has no batching rule for an op of f's backward on the first call:
+    the next calls loop on eager autograd, without a race (what the warning says is an
+    observation; the user never called vmap and sees no warning)."""
+
+    def f(t):  # (CPU attention's backward has no batching rule in torch 2.13)
+        return torch.nn.functional.scaled_dot_product_attention(t, t, t)
+
+    x = torch.randn(2, 2, 6, 4)
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(4)]
+    fn = funcgrad.compose_heads(f, heads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn(x)
+    plan = fn.plan(x)
+    assert (plan.strategy, plan.engine, plan.timed) == ("loop", "autograd", False)
+    assert "batching rule" in plan.measured
+    _, grads = fn(x)
+    want = autograd_reference(f, heads, (x,))[1]
+    torch.testing.assert_close(grads, torch.stack(want))
 
 
-@pytest.mark.parametrize(
-    ("timings", "strategy"),
-    [
-        # the first call's unbatched call is cold (its shapes' one-time costs): the loop,
-        # warm on the second call, is faster by the margin, and later calls follow it
-        ([(2e-3, 5e-3), (2e-3, 1e-3)], "loop"),
-        ([(2e-3, 1e-3), (2e-3, 1.9e-3)], "loop"),  # faster on the first, warm vmap no faster
-        ([(2e-3, 2.5e-3), (2e-3, 1.9e-3)], "vjp"),  # within the margin: vmap kept
-    ],
-)
-def test_the_loop_or_vmap_is_decided_by_two_timed_calls_never_one(monkeypatch, timings, strategy):
-    _vmap_timings_given(monkeypatch, timings)
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 0.0)  # torch.func kept: not under test here
-    counter = BackwardCounter()
-    fn, f, heads, x = _tanh_with_sin_heads(counter)
-    _, values, grads = _assert_timed_twice_then_runs(fn, counter, x, 4, strategy)
-    want_values, want_grads = autograd_reference(f, heads, (x,))
-    torch.testing.assert_close(values, torch.stack(want_values))
-    torch.testing.assert_close(grads, torch.stack(want_grads))
-
-
-@pytest.mark.parametrize(
-    ("batched_ms", "single_ms", "directions", "faster"),
-    [
-        (0.05, 0.04, 3, True),  # 30 us saved over the three directions of the timed vmap
-        (0.05, 0.04, 1, False),  # 10 us: within the noise of a timed call
-        (0.5, 0.46, 100, False),  # more than 10% a direction, or vmap is kept
-        (0.5, 0.4, 2, True),  # 0.2 ms of a 1 ms call: a tiny f's loop is chosen
-        (3.0, 2.0, 1, True),
-    ],
-)
-def test_a_loop_must_save_20_us_over_the_timed_batch(batched_ms, single_ms, directions, faster):
-    timing = _engine.Timing("f", batched_ms * 1e-3, single_ms * 1e-3, directions=directions)
-    assert timing.unbatched_faster == faster
-    assert timing.merged(timing).unbatched_faster == faster
-
-
-def _engine_trial(monkeypatch, calls_ms, timings_ms, k=3):
-    """Run compose_heads' six trial calls and one more with the clock replaced: call i
-    lasts calls_ms[i] ms; the first four also time vmap against an unbatched call, with
-    timings_ms[i] = (ms a direction in the vmap, ms of the unbatched call), which the call's
-    time includes. Returns the engine after the trial, and the plan."""
-    given = iter([(b * 1e-3, u * 1e-3) for b, u in timings_ms])
-    real = _engine._vmap_measured
-    clock = iter([t for ms in calls_ms for t in (0.0, ms * 1e-3)])
-
-    def timed(fn, args, chunk_size, what, log, single=None):
-        result = real(fn, args, chunk_size, what, [], single)
-        log.append(_engine.Timing(what, *next(given), directions=args[0].shape[0]))
-        return result
-
-    monkeypatch.setattr(_engine, "_vmap_measured", timed)
-    monkeypatch.setattr(_heads, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    counter, w = BackwardCounter(), torch.randn(6, 4, dtype=torch.float64)
-    heads = [lambda y, i=i: (y * (i + 1)).sin().sum() for i in range(k)]
-    fn = funcgrad.compose_heads(lambda x: torch.tanh(w @ counted(x, counter)), heads)
-    x = torch.randn(4, dtype=torch.float64)
-    engines = []
-    for call in range(len(calls_ms) + 1):
-        if call == len(calls_ms):
-            monkeypatch.undo()  # the call after the trial: the real clock, nothing timed
-        plan = fn.plan(x)
-        assert plan.measure == (call < len(timings_ms))
-        assert plan.engine_trial == (call < len(calls_ms))
-        engines.append(plan.engine)
-        counter.reset()
-        values, grads = fn(x)
-        assert counter.backward == plan.passes
-    want_values, want_grads = autograd_reference(lambda x: torch.tanh(w @ x), heads, (x,))
-    torch.testing.assert_close(values, torch.stack(want_values))
-    torch.testing.assert_close(grads, torch.stack(want_grads))
-    assert engines[:6] == ["torch.func", "autograd"] * 3
-    return engines[6], fn.plan(x)
-
-
-def test_the_engines_are_weighed_without_the_calls_that_time_vmap(monkeypatch):
-    # The first four calls run one unbatched call more, to time vmap; the engines are
-    # compared on what a call costs without it: torch.func's took 10 ms of which 6 ms timed
-    # the unbatched call, eager autograd's 8 ms, of which 1 ms: 7 ms against 4 ms (the
-    # third calls, 20 ms each, were slowed by something else).
-    engine, plan = _engine_trial(monkeypatch, [10, 8, 10, 8, 20, 20], [(1, 6), (1, 1)] * 2)
-    assert engine == "torch.func" and plan.engine == "torch.func"
-    assert plan.measured is None and plan.strategy == "vjp" and not plan.engine_trial
-
-
-@pytest.mark.parametrize(
-    ("calls_ms", "engine"),
-    [
-        # eager autograd's first call pays more one-time costs than torch.func's (the walk
-        # of f's graph, its first vmap): warm, it wins (the rule of two cold calls kept
-        # torch.func here, and stacked_heads ran at 1.5x its recipe)
-        ([11, 13, 6, 4, 5, 3.5], "autograd"),
-        # a cold first torch.func call: warm, torch.func is as fast
-        ([11, 6, 5, 5, 4, 4], "torch.func"),
-        ([5, 5, 5, 5, 3.7, 4], "torch.func"),  # torch.func faster by a little: kept
-        ([5, 5, 5, 5, 4, 3.7], "autograd"),  # eager faster by a little: no margin for either
-    ],
-)
-def test_each_engine_is_weighed_by_its_fastest_call(monkeypatch, calls_ms, engine):
-    # Each of the first four calls includes 1 ms timing the unbatched call, left out.
-    chosen, plan = _engine_trial(monkeypatch, calls_ms, [(1, 1)] * 4)
-    assert chosen == engine and plan.engine == engine and plan.strategy == "vjp"
-    if engine == "autograd":
-        seconds = [ms - (i < 4) for i, ms in enumerate(calls_ms)]
-        best = min(seconds[1::2]), min(seconds[::2])
-        assert f"eager autograd {best[0]:.3g} ms a call, torch.func {best[1]:.3g} ms" in (
-            plan.measured
-        )
-
-
-@pytest.mark.parametrize(
-    ("eager_single_ms", "eager_third_ms", "engine", "strategy"),
-    [
-        # eager autograd's calls find the loop faster (0.5 ms unbatched, 2 ms a direction
-        # in one vmap): its vmapped calls' 5 ms count as 5 + 3 * (0.5 - 2) = 0.5 ms
-        (0.5, 4.0, "autograd", "loop"),
-        # the loop found faster by less (1.75 ms): 4.25 ms estimated, against torch.func's
-        # 3 ms; the third call, which runs the loop, decides: 2 ms, or 3 ms
-        (1.75, 2.0, "autograd", "loop"),
-        (1.75, 3.0, "torch.func", "vjp"),
-        # vmap kept on eager autograd (1.9 ms unbatched: within the margin); torch.func
-        # faster
-        (1.9, 4.0, "torch.func", "vjp"),
-    ],
-)
-def test_each_engine_decides_vmap_or_the_loop_on_its_own_calls(
-    monkeypatch, eager_single_ms, eager_third_ms, engine, strategy
-):
-    # torch.func's calls find vmap faster (1 ms a direction, 1 ms unbatched) and take 3 ms
-    # without that unbatched call, and 4 ms on the third call; eager autograd's vmapped
-    # calls 5 ms without theirs. The later calls plan with the chosen engine's own timing.
-    u = eager_single_ms
-    calls_ms = [4, 5 + u, 4, 5 + u, 4, eager_third_ms]
-    timings = [(1, 1), (2, u), (1, 1), (2, u)]
-    chosen, plan = _engine_trial(monkeypatch, calls_ms, timings)
-    assert chosen == engine and plan.strategy == strategy
-    if engine == "autograd":
-        assert plan.passes == 3 and "as a loop of unbatched calls" in plan.measured
-        assert f"{u:.2g} ms unbatched" in plan.measured  # eager autograd's own timing
-    else:
-        assert plan.measured is None
+def test_an_rnn_loops_on_eager_autograd_from_the_second_call():
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(3, 4, batch_first=True).double()
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(3)]
+    fn = funcgrad.compose_heads(lambda t: lstm(t)[0], heads)
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    fn(x)
+    plan = fn.plan(x)
+    assert (plan.strategy, plan.engine, plan.timed) == ("loop", "autograd", False)
+    assert "RNN" in plan.measured
+    _, grads = fn(x)
+    want = autograd_reference(lambda t: lstm(t)[0], heads, (x,))[1]
+    torch.testing.assert_close(grads, torch.stack(want))
 
 
 def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
@@ -766,7 +839,7 @@ def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
     fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
     state = gen.get_state()
     assert fn.plan(torch.zeros(3)).m == 3
-    assert len(seen) <= _heads.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
+    assert len(seen) <= _shape.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
     assert torch.equal(gen.get_state(), state)  # the real forward's draw restored
 
 
@@ -932,26 +1005,14 @@ def test_plan_shape_only_run_leaves_a_captured_tensor_usable_after_a_data_setter
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize(
-    "layer",
-    [
-        "dropout",
-        pytest.param(
-            "batchnorm",
-            marks=pytest.mark.xfail(
-                reason="known: torch.func's refusal of the buffer update is found by trying "
-                "on the first call, which then runs f again on eager autograd (a fallback)",
-                strict=True,
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("layer", ["dropout", "batchnorm"])
 def test_first_call_runs_f_once_on_the_engine_plan_names(layer):
     """f with dropout (draws) or BatchNorm in training (torch.func refuses its running-stat
     update): plan() before the first call names an engine, and the call must run f's Python
     body once, on that engine (dropout: plan() saw the draws in its shape-only run, and the
     call goes to eager autograd at once; it ran f under torch.func's vjp first before).
-    BatchNorm's first call still runs f twice: a known fallback."""
+    BatchNorm: auto's first call runs on eager autograd, which updates the statistics as
+    they are; torch.func, which refuses that, is then no candidate (the call saw it)."""
     torch.manual_seed(0)
     module = torch.nn.Dropout(0.5) if layer == "dropout" else torch.nn.BatchNorm1d(4).double()
     runs = []
@@ -976,10 +1037,9 @@ def test_first_call_runs_f_once_on_the_engine_plan_names(layer):
 
 
 @pytest.mark.parametrize("case", ["has_aux", "argnums_dict", "stacked_heads"])
-def test_engine_trial_keeps_autograds_results_with_aux_argnums_and_stacked_heads(monkeypatch, case):
-    """Through the engine trial (eager autograd made to win), every call: f runs once, the
-    passes plan() names, values and gradients as per-head autograd (float64)."""
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+def test_engine_trial_keeps_autograds_results_with_aux_argnums_and_stacked_heads(case):
+    """Through auto's trial (eager autograd, then torch.func, then the faster), every call:
+    f runs once, the passes plan() names, values and gradients as per-head autograd."""
     counter, runs = funcgrad.PassCounter(), []
     w = torch.randn(6, 4, dtype=torch.float64)
     a = torch.randn(3, 6, dtype=torch.float64)
@@ -1027,13 +1087,12 @@ def test_engine_trial_keeps_autograds_results_with_aux_argnums_and_stacked_heads
             torch.testing.assert_close(grads, torch.stack(want_grads))
         if case == "has_aux":
             torch.testing.assert_close(out[2]["norm"], x.norm())
-    assert engines == ["torch.func", "autograd"] * 3 + ["autograd"] * 2
+    assert engines[:2] == ["autograd", "torch.func"] and len(set(engines[2:])) == 1
 
 
-def test_vmap_over_fn_between_trial_calls_gives_autograds_results(monkeypatch):
-    """torch.func.vmap over fn between the engine trial's calls: per-sample values and
-    gradients as autograd's, and the trial goes on in turn on the direct calls."""
-    monkeypatch.setattr(_heads, "ENGINE_MARGIN", 1e9)
+def test_vmap_over_fn_between_trial_calls_gives_autograds_results():
+    """torch.func.vmap over fn between the trial's calls: per-sample values and gradients
+    as autograd's, and the trial goes on on the direct calls (transforms learn nothing)."""
     w = torch.randn(6, 4, dtype=torch.float64)
     base = lambda x: torch.tanh(w @ x)  # noqa: E731
     heads = [lambda y: y.sin().sum(), lambda y: y[0], lambda y: (y**2).sum()]
@@ -1051,6 +1110,5 @@ def test_vmap_over_fn_between_trial_calls_gives_autograds_results(monkeypatch):
             want_values, want_grads = autograd_reference(base, heads, (x[b],))
             torch.testing.assert_close(values[b], torch.stack(want_values))
             torch.testing.assert_close(grads[b], torch.stack(want_grads))
-    assert [e for e in engines if e] == ["torch.func", "torch.func", "torch.func"] + [
-        "autograd"
-    ] * 2
+    direct = [e for e in engines if e]  # (the first direct calls time both engines)
+    assert direct[0] == "autograd" and len(set(direct[1:])) == 1

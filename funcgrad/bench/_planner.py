@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -309,3 +309,146 @@ def _plan_cost_case(k: int, quick: bool, variant: str) -> Case:
     case.plans = {"fn.plan": lambda: warm.plan(*args)}
     case.extra = {"planner": "plan-cost"}
     return case
+
+
+# -- auto's learning: the first 8 calls, the steady state, plan()'s cost ----------------------
+
+
+def gp(k: int, quick: bool) -> Function:
+    """A GP posterior mean with a Cholesky solve: 50 test points from 200 (quick: 100)
+    training points, gradients w.r.t. the 3 log-lengthscales (m = 50, n = 3)."""
+    gen = _generator()
+    train, test = (100 if quick else 200), 50
+    points = on(torch.randn(train, 3, generator=gen, dtype=torch.float64, device="cpu"))
+    targets = on(torch.randn(train, 1, generator=gen, dtype=torch.float64, device="cpu"))
+    queries = on(torch.randn(test, 3, generator=gen, dtype=torch.float64, device="cpu"))
+
+    def f(log_scales):
+        scale = log_scales.exp()
+
+        def kernel(a, b):  # (not torch.cdist: no forward-mode rule, wrong under vmap)
+            return torch.exp(-0.5 * ((a / scale)[:, None] - (b / scale)[None]).pow(2).sum(-1))
+
+        gram = kernel(points, points) + 0.1 * torch.eye(train, dtype=torch.float64)
+        chol = torch.linalg.cholesky(gram)
+        return (kernel(queries, points) @ torch.cholesky_solve(targets, chol)).flatten()
+
+    return f, _vector_heads(k, test, torch.float64), (on(torch.zeros(3, dtype=torch.float64)),)
+
+
+def attention(k: int, quick: bool) -> Function:
+    """A bilinear self-attention softmax(x W x^T) x on 32 (quick: 16) tokens of 16 features,
+    gradients w.r.t. the tokens (m = n = 512)."""
+    gen, tokens = _generator(), (16 if quick else 32)
+    w = on(torch.randn(16, 16, generator=gen, device="cpu") / 4)
+
+    def f(x):
+        return torch.softmax(x @ w @ x.T, dim=-1) @ x
+
+    x = on(torch.randn(tokens, 16, generator=gen, device="cpu"))
+    return f, _vector_heads(k, tokens * 16, torch.float32), (x,)
+
+
+def image_filter(k: int, quick: bool) -> Function:
+    """A 5 x 5 blur then tanh on a 64 x 64 (quick: 32 x 32) image: a large y (m = n)."""
+    side = 32 if quick else 64
+    blur = on(torch.ones(1, 1, 5, 5, device="cpu") / 25)
+
+    def f(img):
+        return torch.tanh(torch.nn.functional.conv2d(img, blur, padding=2)).flatten()
+
+    img = on(torch.randn(1, 1, side, side, generator=_generator(), device="cpu"))
+    return f, _vector_heads(k, side * side, torch.float32), (img,)
+
+
+FUNCTIONS.update({"gp": gp, "attention": attention, "image filter": image_filter})
+LEARNING_CELLS = (
+    ("ode n=8", 32),
+    ("gp", 48),
+    ("lstm", 8),
+    ("convnet", 2),
+    ("convnet", 16),
+    ("attention", 96),
+    ("image filter", 8),
+    ("seed", 8),
+    ("mlp", 8),
+    ("probes", 32),
+)
+
+
+def learning(
+    cells: tuple[tuple[str, int], ...] = LEARNING_CELLS, quick: bool = True, reps: int = 2
+) -> list[dict[str, Any]]:
+    """Per cell: auto's steady-state regret (its median call after 8 calls over the best
+    fixed strategy's), its first-8-calls ratio (the sum of calls 1-8 of a fresh function on
+    this signature over the best fixed strategy's), and ``plan()``'s cost (a fresh
+    function's, in ms and in eager forwards of f). Each method's first 8 calls are timed
+    on a fresh function, ``reps`` times in turn, the smallest sum kept."""
+    import statistics
+    import time
+
+    rows = []
+    for name, k in cells:
+        f, heads, args = FUNCTIONS[name](k, quick)
+        probe = funcgrad.compose_heads(f, heads, strategy="vjp").plan(*args)
+        methods = ["auto"] + [
+            s
+            for s in ("vjp", "jacrev", "jacfwd", "loop")
+            if funcgrad.Plan(s, probe.k, probe.m, probe.n).directions <= 512
+        ]
+        strategies = cast(dict[str, Any], {m: m for m in methods})
+        first: dict[str, float] = {}
+        steady: dict[str, list[float]] = {m: [] for m in methods}
+        for rep in range(reps):
+            for method in methods if rep % 2 == 0 else methods[::-1]:
+                fn = funcgrad.compose_heads(f, heads, strategy=strategies[method])
+                seconds = []
+                for _ in range(8 + 5):
+                    start = time.perf_counter()
+                    fn(*args)
+                    seconds.append(time.perf_counter() - start)
+                total = sum(seconds[:8])
+                first[method] = min(first.get(method, total), total)
+                steady[method] += seconds[8:]
+        medians = {m: statistics.median(s) for m, s in steady.items()}
+        fixed = [m for m in methods if m != "auto"]
+        best = min(fixed, key=lambda m: medians[m])
+        best8 = min(first[m] for m in fixed)
+        forwards = []
+        for _ in range(3):
+            start = time.perf_counter()
+            f(*args)
+            forwards.append(time.perf_counter() - start)
+        plan_s = []
+        for _ in range(3):
+            start = time.perf_counter()
+            plan = funcgrad.compose_heads(f, heads).plan(*args)
+            plan_s.append(time.perf_counter() - start)
+        final = fn = funcgrad.compose_heads(f, heads)
+        for _ in range(3):
+            fn(*args)
+        rows.append(
+            {
+                "cell": f"{name}, k={k}",
+                "m": plan.m,
+                "n": plan.n,
+                "best fixed": best,
+                "auto settles on": f"{final.plan(*args).strategy} on {final.plan(*args).engine}",
+                "regret": medians["auto"] / medians[best],
+                "first 8 ratio": first["auto"] / best8,
+                "auto ms": 1e3 * medians["auto"],
+                "best ms": 1e3 * medians[best],
+                "plan ms": 1e3 * min(plan_s),
+                "plan forwards": min(plan_s) / min(forwards),
+            }
+        )
+    return rows
+
+
+def learning_markdown(rows: list[dict[str, Any]]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,213 @@
+"""What auto knows of a function: one frozen :class:`Record` per call signature, the
+:class:`Observations` a call makes, and :func:`learn`, the only writer of a record.
+
+The pipeline of every entry point is ``record -> decide -> execute -> learn``:
+:func:`funcgrad._plan.decide` reads a record (and never a clock or a tensor),
+:func:`funcgrad._execute.execute` runs its plan and returns what it saw, and :func:`learn`
+turns that into the next record. :class:`Records` is the one bounded cache of records, per
+function; what one signature learnt seeds the records of its new signatures.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+
+from ._types import Engine
+
+# A loop must beat vmap by this factor a direction, and save this much over the directions
+# of the timed batch, to be chosen: one timed call decides, and on a loaded machine one call
+# can be off by 2x (docs/benchmarks_planner.md); below either, vmap (one call) is kept. The
+# loops that matter by far (no batching rule, an RNN) are known before timing.
+LOOP_MARGIN = 0.5
+LOOP_MIN_SAVING_S = 2e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One batched call timed against one unbatched call, in the same call (seconds)."""
+
+    what: str
+    batched: float  # a direction, in one vmap
+    single: float  # one unbatched call
+    directions: int = 1  # in the timed vmap
+
+    @property
+    def unbatched_faster(self) -> bool:
+        saving = (self.batched - self.single) * self.directions
+        return self.single < LOOP_MARGIN * self.batched and saving > LOOP_MIN_SAVING_S
+
+    def why(self) -> str:
+        return (
+            f"{self.what}: {1e3 * self.batched:.2g} ms a direction in one vmap, "
+            f"{1e3 * self.single:.2g} ms unbatched"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What a call runs besides the shapes' strategy: the engine, forward mode, a loop."""
+
+    engine: Engine = "torch.func"
+    forward: bool = False
+    loop: bool = False
+
+    @property
+    def name(self) -> str:
+        if self.forward:
+            return "forward mode"
+        return "reverse mode on " + (
+            "eager autograd" if self.engine == "autograd" else "torch.func"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One timed call: what it ran, its seconds (without the unbatched call that timed
+    vmap), and that timing, if it made one."""
+
+    choice: Choice
+    seconds: float
+    timing: Timing | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """What is known of one call signature of a function (or, as ``Records.facts``, of the
+    function): y's size, what f does when it runs, the timed calls, the chunk fit. It holds
+    no tensor, and is replaced whole by :func:`learn`."""
+
+    m: int | None = None  # y's real size (a call's output, or plan()'s runs)
+    shape_tried: bool = False  # plan() ran f on fake tensors for m
+    draws: bool | None = None  # f drew from an explicit torch.Generator (None: not watched)
+    random: bool = False  # f draws random numbers: eager autograd, no forward mode
+    hooked: bool = False  # f registers a tensor hook: only the cotangents go through f
+    compiled: bool = False  # f's graph holds a torch.compile'd backward: torch.func
+    mutates: bool = False  # torch.func refuses f (a buffer updated in place, ...)
+    rnn: bool = False  # f runs an RNN, whose backward vmap batches badly
+    slow_path: bool = False  # vmap warned it has no batching rule for an op of f
+    forward_lost: bool = False  # forward mode fell back, or lost its timed call
+    trials: tuple[Trial, ...] = ()
+    settled: Choice | None = None  # what decide settled on (the plan's choice, final)
+    prior: Choice | None = None  # what another signature of this function settled on
+    fit: Any = None  # chunk_size="auto": _engine.ChunkFit (a copy; never changed in place)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observations:
+    """What one call saw (:func:`funcgrad._execute.execute`), for :func:`learn`."""
+
+    m: int | None = None
+    ran: Choice | None = None  # what ran, after any fallback
+    seconds: float | None = None  # timed calls: without the unbatched call timing vmap
+    timing: Timing | None = None
+    watched: bool = False
+    generators: bool = False
+    random: bool = False
+    hooked: bool = False
+    compiled: bool = False
+    mutates: bool = False
+    rnn: bool = False
+    slow_path: bool = False
+    forward_failed: bool = False
+    final: bool = False  # the plan run was final: ``ran`` is what decide settled on
+    fit: Any = None
+    shape_tried: bool = False
+
+
+def learn(record: Record, seen: Observations) -> Record:
+    """The next record of a signature from what a call (or ``plan()``) saw: facts only
+    accumulate; a timed call adds its :class:`Trial`."""
+    trials = record.trials
+    if seen.seconds is not None and seen.ran is not None:
+        trials = (*trials, Trial(seen.ran, seen.seconds, seen.timing))
+    forward_lost = record.forward_lost or seen.forward_failed
+    return dataclasses.replace(
+        record,
+        m=seen.m if seen.m is not None else record.m,
+        shape_tried=record.shape_tried or seen.shape_tried,
+        draws=seen.generators if record.draws is None and seen.watched else record.draws,
+        random=record.random or seen.random,
+        hooked=record.hooked or seen.hooked,
+        compiled=record.compiled or seen.compiled,
+        mutates=record.mutates or seen.mutates,
+        rnn=record.rnn or seen.rnn,
+        slow_path=record.slow_path or seen.slow_path,
+        forward_lost=forward_lost,
+        trials=trials,
+        settled=seen.ran if seen.final and seen.ran is not None else record.settled,
+        fit=seen.fit if seen.fit is not None else record.fit,
+    )
+
+
+def function_facts(record: Record) -> Record:
+    """What a new signature of the function starts from: what f does, and what this one
+    settled on (not y's size, the timings or the chunk fit, which depend on the shapes)."""
+    return Record(
+        random=record.random,
+        hooked=record.hooked,
+        compiled=record.compiled,
+        mutates=record.mutates,
+        rnn=record.rnn,
+        slow_path=record.slow_path,
+        forward_lost=record.forward_lost,
+        draws=record.draws,
+        prior=record.settled if record.settled is not None else record.prior,
+    )
+
+
+class Records:
+    """The records of one function, one per call signature, the least recently used
+    dropped past ``size`` (a jit cache's bound), and the function's facts, which seed each
+    new signature's record."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._records: collections.OrderedDict[Any, Record] = collections.OrderedDict()
+        self.facts = Record()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, key: Any) -> Record:
+        record = self._records.get(key)
+        if record is None:
+            return self.facts
+        self._records.move_to_end(key)
+        return record
+
+    def put(self, key: Any, record: Record) -> None:
+        self._records[key] = record
+        self._records.move_to_end(key)
+        if len(self._records) > self.size:
+            self._records.popitem(last=False)
+        facts = function_facts(record)
+        if facts.prior is None:  # (a signature still learning keeps another's choice)
+            facts = dataclasses.replace(facts, prior=self.facts.prior)
+        self.facts = facts
+
+
+def signature_key(argnums: Any, in_defs: Any, leaves: Any, others: Any = ()) -> Any:
+    """A call signature: the trees, and every leaf's shape, dtype, device and requires_grad
+    (a hashable non-tensor leaf by its value, another by its type)."""
+
+    def of(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+        try:
+            hash(leaf)
+        except TypeError:
+            return type(leaf)
+        return (type(leaf), leaf)
+
+    other_leaves, other_def = others if others else ((), None)
+    return (
+        argnums,
+        tuple(in_defs),
+        tuple(of(leaf) for leaf in leaves),
+        other_def,
+        tuple(of(leaf) for leaf in other_leaves),
+    )
