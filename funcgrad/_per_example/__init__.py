@@ -13,8 +13,9 @@ The modules, as the stages of a call:
   forward; ``_record``: the records, and the one backward that collects the output gradients;
 - ``_run``: one call (validate, collect, the layers' rules, weigh, apply ``.grad``);
   ``_checks``: the refusals of the recorded graph, before any pass;
-- ``_layer``: the layer base and the ghost products; ``_rules``: Linear, Conv, Embedding,
-  norms; ``_generic``: any other module (vmap or a loop), recurrent modules;
+- ``_layer``: the layer base and the ghost products; ``_rules``: Linear (and HF Conv1D),
+  Conv, Embedding, norms; ``_attention``: nn.MultiheadAttention as its projections;
+  ``_generic``: any other module (vmap or a loop), recurrent modules; ``_choose``: which;
 - ``_independence``: the check that loss b reads example b alone.
 """
 

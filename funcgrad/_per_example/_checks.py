@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from ._choose import _layer_class
 from ._generic import _Generic
 from ._record import _hook_name, _keys, _nested_params, _Use
-from ._rules import _layer_class
 
 if TYPE_CHECKING:
     from ._run import _Run

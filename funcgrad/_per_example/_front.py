@@ -68,13 +68,14 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         backward with the examples as groups); Hugging Face's Conv1D: the Linear rules,
         transposed; Embedding: the Gram of one-hot rows is index equality (or the
         per-example gradients on the rows used; an index shared by the batch, (1, T)
-        position ids, is expanded to (B, T) at the call); LayerNorm/GroupNorm/
-        BatchNorm (eval) affine
-        parameters: their (B, C) per-example gradients; every other module with parameters
-        (nn.MultiheadAttention, custom modules, Linear subclasses with their own forward):
-        its per-example gradients materialised exactly by ``torch.func.vmap`` over a
-        functional call of that module alone (a loop of plain autograd calls where torch.func
-        cannot run it), never skipped. A
+        position ids, is expanded to (B, T) at the call); nn.MultiheadAttention
+        (batch_first, no bias_k, no dropout drawn): its q/k/v and out projections take the
+        Linear rules, their output gradients from one batched backward through the
+        attention alone; LayerNorm/GroupNorm/BatchNorm (eval) affine parameters: their
+        (B, C) per-example gradients; every other module with parameters (custom modules,
+        Linear subclasses with their own forward): its per-example gradients materialised
+        exactly by ``torch.func.vmap`` over a functional call of that module alone (a loop
+        of plain autograd calls where torch.func cannot run it), never skipped. A
         parameter shared by several modules (tied weights) has its per-example gradients
         summed over its uses before their Gram, so the cross terms are exact; a module
         called twice is one layer with the calls' rows concatenated. A parameter that

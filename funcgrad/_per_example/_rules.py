@@ -1,5 +1,5 @@
 """The native rules: Linear (ghost or materialised), Conv1d/Conv2d, Embedding and the
-norms' affine parameters; and the choice of a module's rule by its class."""
+norms' affine parameters."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import describe
-from ._generic import _Generic, _Recurrent
 from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
 from ._record import _Use
 
@@ -43,7 +42,7 @@ class _Dense(_Layer):
 
     def dims(self) -> tuple[int, int, int]:
         """(T rows per example over all calls, d, p), from shapes alone."""
-        weight = self.params.get("weight", self.module.weight)
+        weight = self.params["weight"]  # called where the weight counts
         if self.transposed:
             width, out = weight.shape
         else:
@@ -408,53 +407,3 @@ def _padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
     if isinstance(module.padding, str):
         return (0,) * len(module.kernel_size)
     return tuple(module.padding)
-
-
-def _overrides(module: nn.Module, base: type) -> bool:
-    return getattr(type(module), "forward", None) is not getattr(base, "forward", None)
-
-
-def _layer_class(module: nn.Module) -> type[_Layer]:
-    """The rule of a module, by its class: only torch's own forward (a subclass with its
-    own forward, such as a LoRA Linear, is materialised as any other module)."""
-    if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
-        return _Recurrent
-    if any(name not in ("weight", "bias") for name, _ in module.named_parameters(recurse=False)):
-        # its forward reads other tensors than its parameters (torch.nn.utils.weight_norm's
-        # weight_g / weight_v make `weight` in a pre-hook): the generic rule runs that
-        return _Generic
-    if isinstance(module, nn.Linear) and not _overrides(module, nn.Linear):
-        return _Dense
-    if _is_hf_conv1d(module):
-        return _TransposedDense
-    if (
-        type(module) in (nn.Conv1d, nn.Conv2d)
-        and module.groups == 1
-        and module.padding_mode == "zeros"
-        and (not isinstance(module.padding, str) or module.padding == "valid")
-    ):
-        return _Conv
-    if type(module) is nn.Embedding:
-        return _Embedding
-    if type(module) in (nn.LayerNorm, nn.GroupNorm) or (
-        isinstance(module, nn.modules.batchnorm._BatchNorm)
-        and type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    ):
-        return _Norm
-    return _Generic
-
-
-# -- one call --------------------------------------------------------------------------------
-
-
-def _is_hf_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` itself (``addmm(bias, x, weight)``, weight (d, p)), by its
-    class, without importing transformers; a subclass with its own forward is generic."""
-    cls = type(module)
-    weight = getattr(module, "weight", None)
-    return (
-        cls.__name__ == "Conv1D"
-        and cls.__module__ == "transformers.pytorch_utils"
-        and isinstance(weight, torch.Tensor)
-        and weight.ndim == 2
-    )

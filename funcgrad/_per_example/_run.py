@@ -14,6 +14,7 @@ from .. import _sync, _weighting
 from .._config import CheckMode, resolve_check
 from .._errors import describe
 from .._validate import named_inputs
+from ._attention import _Attention
 from ._checks import (
     _recorded_uses,
     _refuse_changed,
@@ -21,11 +22,11 @@ from ._checks import (
     _refuse_hooks,
     _refuse_parameter_hooks,
 )
+from ._choose import _layer_class
 from ._generic import _Generic
 from ._independence import _probe, _verify_independence, _verify_materialised
 from ._layer import PerExamplePlan, _gram, _Layer, _LayerPlan, _squares
 from ._record import _explain_spent, _grads_after_hooks, _nested_params, _Use
-from ._rules import _layer_class
 
 if TYPE_CHECKING:
     from ._recorder import PerExample
@@ -214,7 +215,8 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
     layers: list[_Layer] = []
     for module, calls in by_module.items():
         cls = _layer_class(module)
-        recurse = cls is _Generic  # its submodules' parameters that no nested call covers
+        # its submodules' parameters that no nested call covers (out_proj in attention)
+        recurse = cls in (_Generic, _Attention)
         params = {
             n: p
             for n, p in module.named_parameters(recurse=recurse)

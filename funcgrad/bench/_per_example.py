@@ -1,5 +1,8 @@
 """The per-example case: instance-wise risk minimisation (IWRM), B per-example losses as B
-heads, one weighted update into ``.grad``, on an MLP, a CNN and a small transformer.
+heads, one weighted update into ``.grad``, on an MLP, a CNN, a small transformer and
+Hugging Face's GPT-2 (full runs). Beside it, per-example norms alone and DP-SGD's clipped
+sum (``funcgrad.per_example_clip``), against ``vmap(grad)`` and Opacus's ghost clipping
+where Opacus supports the layers.
 
 Every method returns the update it wrote into ``.grad``; they must agree with the
 per-example loop (B backward passes, then the weighting on their Gramian). The weighting is
@@ -26,7 +29,7 @@ from ._cases import Case, device
 
 VARIANTS = ("mlp", "cnn", "transformer")
 CELLS = {
-    "full": [(variant, batch) for variant in VARIANTS for batch in (32, 128, 512)],
+    "full": [(variant, batch) for variant in VARIANTS for batch in (32, 128, 512)] + [("gpt2", 32)],
     "quick": [(variant, 8) for variant in VARIANTS],
 }
 # (case label, method, baseline, limit), as in __main__'s TARGETS.
@@ -37,6 +40,19 @@ TARGETS = [
     ),
     *(
         (f"per-example {v} k=128", "funcgrad per_example", "torchjd autogram", 0.5)
+        for v in ("mlp", "cnn")
+    ),
+]
+TARGETS += [
+    ("per-example transformer k=128", "funcgrad per_example", "one fwd+bwd", 2.0),
+    ("per-example transformer k=128", "funcgrad per_example", "torchjd autogram", 0.5),
+    ("per-example gpt2 k=32", "funcgrad per_example", "one fwd+bwd", 2.0),
+    *(
+        (f"per-example {v}", "funcgrad norms only", "one fwd+bwd", 1.3)
+        for v in ("transformer k=128", "gpt2 k=32")
+    ),
+    *(
+        (f"per-example {v} k=128", "funcgrad clip (DP-SGD)", "opacus ghost clip", 0.6)
         for v in ("mlp", "cnn")
     ),
 ]
@@ -114,6 +130,13 @@ def _make_model(variant: str, batch: int, quick: bool) -> tuple[nn.Module, tuple
             nn.Linear(32 * (side // 4) ** 2, 10),
         )
         return model, (torch.randn(batch, 3, side, side), targets)
+    if variant == "gpt2":  # the issue's: 4 layers, 256 wide, T = 64; LM losses, tied head
+        from ._models import gpt2
+
+        length = 8 if quick else 64
+        size = dict(hidden=32, layers=1, heads=2) if quick else dict(hidden=256, layers=4, heads=4)
+        lm = gpt2("eager", **size, vocab=1000, positions=length, lm_head=True).eval()
+        return lm, (torch.randint(1000, (batch, length)), None)
     assert variant == "transformer"
     length = 8 if quick else 32
     transformer = Transformer(
@@ -140,8 +163,14 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
     params = list(model.parameters())
     names = [name for name, _ in model.named_parameters()]
 
+    def losses_from(m: Callable[[torch.Tensor], Any], x: torch.Tensor, y: Any) -> torch.Tensor:
+        if variant == "gpt2":  # next-token losses, summed over each sequence
+            logits = m(x).logits[:, :-1]
+            return criterion(logits.transpose(1, 2), x[:, 1:]).sum(1)
+        return criterion(m(x), y)
+
     def losses_of(m: nn.Module) -> torch.Tensor:
-        return criterion(m(inputs), targets)
+        return losses_from(m, inputs, targets)
 
     def update(run: Callable[[], None], m: nn.Module = model) -> dict[str, torch.Tensor | None]:
         """Run an imperative method from zeroed grads; the update it wrote into .grad."""
@@ -187,6 +216,32 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
     def ours() -> None:
         recorder.backward(losses_of(hooked), weighting=inverse_norms)
 
+    max_norm = 1.0  # set below: the median norm, so that about half the examples clip
+
+    def norms_only() -> dict[str, torch.Tensor]:
+        funcgrad.per_example_norms(losses_of(hooked))
+        return {}
+
+    def clip() -> None:
+        funcgrad.per_example_clip(losses_of(hooked), max_norm)
+
+    buffers = dict(model.named_buffers())
+
+    def vmap_clip() -> None:  # torch.func's per-sample-gradients recipe, then the clipping
+        detached = {name: p.detach() for name, p in model.named_parameters()}
+
+        def one(p: dict[str, torch.Tensor], x: torch.Tensor, y: Any) -> torch.Tensor:
+            call = lambda v: torch.func.functional_call(model, (p, buffers), (v,))  # noqa: E731
+            return losses_from(call, x.unsqueeze(0), None if y is None else y.unsqueeze(0))[0]
+
+        dims = (None, 0, None if targets is None else 0)
+        with _torch_vmap_fallback_quiet():
+            grads = torch.func.vmap(torch.func.grad(one), in_dims=dims)(detached, inputs, targets)
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+        factors = (max_norm / (norms + 1e-6)).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            p.grad = torch.tensordot(factors, grads[name], dims=1)
+
     gramian = torch.empty(0, device=device())
 
     def qp() -> dict[str, torch.Tensor]:
@@ -209,7 +264,12 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
         variant=variant,
         baseline="one fwd+bwd",
     )
-    case.reference_only = ("one fwd+bwd", "UPGrad QP alone (on G)")
+    case.methods["funcgrad norms only"] = norms_only
+    case.methods["vmap(grad) clip"] = lambda: update(vmap_clip)
+    case.methods["funcgrad clip (DP-SGD)"] = lambda: update(clip, hooked)
+    case.reference_for["funcgrad clip (DP-SGD)"] = "vmap(grad) clip"
+    _add_opacus_ghost(case, model, losses_from, inputs, targets, lambda: max_norm)
+    case.reference_only = ("one fwd+bwd", "UPGrad QP alone (on G)", "funcgrad norms only")
     if batch >= 512 and variant != "mlp" and not quick:  # too slow or too big here
         case.skipped["naive"] = (
             f"B = {batch} full-batch backward passes: about a minute a call on 2 CPU cores"
@@ -220,8 +280,68 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
         )
         del case.methods["naive"], case.methods["torchjd autojac"]
         case.reference_for = {"funcgrad per_example": "torchjd autogram"}
+    if variant == "gpt2":  # B backward passes of GPT-2 (or their vmap): seconds a call here
+        del case.methods["torchjd autojac"]
+        case.skipped["torchjd autojac"] = "B vmapped GPT-2 backward passes: minutes a call"
+        case.untimed = ("naive", "vmap(grad) clip")  # the references, run once
     # The QP's Gramian, and the plan: from one call of funcgrad's method.
     losses = losses_of(hooked)
     gramian = recorder.gramian(losses).detach()
     case.extra["per_example_plan"] = str(recorder.plan)
+    max_norm = float(funcgrad.per_example_norms(losses_of(hooked)).median())
+    funcgrad.per_example_norms(losses_of(hooked))
+    case.extra["per_example_norms_plan"] = str(recorder.plan)
     return case
+
+
+def _add_opacus_ghost(
+    case: Case,
+    model: nn.Module,
+    losses_from: Callable[..., torch.Tensor],
+    inputs: torch.Tensor,
+    targets: Any,
+    max_norm: Callable[[], float],
+) -> None:
+    """Opacus's ghost clipping (its norms, then the clipped sum: two backwards), on a copy,
+    where Opacus supports every layer (Linear, Conv2d: the MLP and the CNN)."""
+    try:
+        from opacus.grad_sample import GradSampleModuleFastGradientClipping
+        from opacus.optimizers import DPOptimizerFastGradientClipping
+        from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    except ImportError:
+        case.skipped["opacus ghost clip"] = "opacus is not installed"
+        return
+    owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
+    kinds = {type(m) for m in owners}
+    if not kinds <= {nn.Linear, nn.Conv2d}:
+        names = sorted(k.__name__ for k in kinds - {nn.Linear, nn.Conv2d})
+        case.skipped["opacus ghost clip"] = f"Opacus's ghost clipping does not support {names}"
+        return
+    copied = copy.deepcopy(model)
+    batch = inputs.shape[0]
+    made: list[Any] = []
+
+    def run() -> dict[str, torch.Tensor | None]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its secure-RNG and hook warnings
+            if not made:  # built once, as a training loop does (its hooks stay)
+                module = GradSampleModuleFastGradientClipping(
+                    copied, max_grad_norm=max_norm(), use_ghost_clipping=True, loss_reduction="sum"
+                )
+                optimizer = DPOptimizerFastGradientClipping(
+                    torch.optim.SGD(module.parameters(), lr=0.1),
+                    noise_multiplier=0.0,
+                    max_grad_norm=max_norm(),
+                    expected_batch_size=batch,
+                    loss_reduction="sum",
+                )
+                loss = nn.CrossEntropyLoss(reduction="sum")
+                made.append((module, DPLossFastGradientClipping(module, optimizer, loss, "sum")))
+            module, criterion = made[0]
+            for p in copied.parameters():
+                p.grad = None
+            criterion(module(inputs), targets).backward()
+        return {name: p.grad for name, p in copied.named_parameters()}
+
+    case.methods["opacus ghost clip"] = run
+    case.reference_for["opacus ghost clip"] = "vmap(grad) clip"

@@ -1,0 +1,181 @@
+"""Attention as its projections: ``nn.MultiheadAttention`` (and so the self-attention of
+``nn.TransformerEncoderLayer`` / ``DecoderLayer``) takes the Linear rules on its q/k/v input
+projections and its output projection. The attention between them has no parameters and
+reads each example alone, so ONE batched backward through it, from the recorded output
+gradient, gives every example's projection output gradients ``Δq, Δk, Δv``: the call is
+run again (no weight products) on the projected inputs, with identity projections inside
+``F.multi_head_attention_forward`` (exact: a product by the identity rounds nothing)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._layer import _add, _Layer
+from ._record import _Use
+from ._rules import _Dense
+
+_PARTS = ("q", "k", "v")
+
+
+def _native_attention(module: nn.Module) -> bool:
+    """The nn.MultiheadAttention calls this rule covers: batch_first, no bias_k / bias_v, no
+    zero attention row, no dropout drawn (eval, or p = 0); others take the generic rule."""
+    return (
+        type(module) is nn.MultiheadAttention
+        and module.batch_first
+        and module.bias_k is None
+        and not module.add_zero_attn
+        and not (module.training and module.dropout > 0)
+    )
+
+
+class _Attention(_Layer):
+    """nn.MultiheadAttention: four Linear layers (q, k, v from the in-projection's rows, and
+    the out-projection), each with its own inputs A and output gradients Δ."""
+
+    kind = "attention"
+    _parts: list[tuple[str, _Dense]] | None = None
+
+    def weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The q/k/v projection weights and biases (views of in_proj_* where shared)."""
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        if m._qkv_same_embed_dim:
+            weights = list(m.in_proj_weight.chunk(3))
+        else:
+            weights = [m.q_proj_weight, m.k_proj_weight, m.v_proj_weight]
+        biases: list[torch.Tensor | None] = (
+            [None] * 3 if m.in_proj_bias is None else list(m.in_proj_bias.chunk(3))
+        )
+        return weights, biases
+
+    def recompute(self, use: _Use) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(A, Δ) for q, k, v and the out-projection, from one batched backward of the
+        attention alone along the recorded output gradients."""
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        bound = inspect.signature(m.forward).bind(*use.args, **use.kwargs)
+        bound.apply_defaults()
+        arg = bound.arguments
+        inputs = [arg["query"], arg["key"], arg["value"]]
+        for x in inputs:
+            self.check_batched(x, "has an input that")
+        weights, biases = self.weights()
+        width = m.embed_dim
+        eye = torch.eye(width, dtype=inputs[0].dtype, device=inputs[0].device)
+        with torch.enable_grad():
+            projected = [
+                F.linear(x, w.detach(), None if b is None else b.detach()).requires_grad_()
+                for x, w, b in zip(inputs, weights, biases)
+            ]
+            query, key, value = (p.transpose(0, 1) for p in projected)
+            attended, attention = F.multi_head_attention_forward(
+                query, key, value, width, m.num_heads, None, None, None, None, False, 0.0,
+                eye, None, training=False, key_padding_mask=arg["key_padding_mask"],
+                need_weights=arg["need_weights"], attn_mask=arg["attn_mask"],
+                use_separate_proj_weight=True, q_proj_weight=eye, k_proj_weight=eye,
+                v_proj_weight=eye, average_attn_weights=arg["average_attn_weights"],
+                is_causal=arg["is_causal"],
+            )  # fmt: skip
+            attended = attended.transpose(0, 1)  # (B, T, d): the out-projection's input
+            d_out = self.delta(use, 0)
+            outs, cotangents = [attended], [d_out @ m.out_proj.weight.detach().to(d_out.dtype)]
+            if len(use.outputs) > 1 and attention is not None:  # the weights' gradient too
+                outs.append(attention)
+                cotangents.append(self.delta(use, 1))
+            grads = torch.autograd.grad(outs, projected, cotangents, allow_unused=True)
+        found = [
+            (x, torch.zeros_like(p) if g is None else g)
+            for x, p, g in zip(inputs, projected, grads)
+        ]
+        return [*found, (attended.detach(), d_out)]
+
+    def parts(self) -> list[tuple[str, _Dense]]:
+        """The four Linear layers, each over every call of the module, as (part, layer)."""
+        if self._parts is not None:
+            return self._parts
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        rows = [self.recompute(use) for use in self.uses]
+        weights, biases = self.weights()
+        out = m.out_proj
+        shared = m._qkv_same_embed_dim
+        params = [
+            (
+                weights[i],
+                biases[i],
+                "in_proj_weight" if shared else f"{_PARTS[i]}_proj_weight",
+                "in_proj_bias",
+            )
+            for i in range(3)
+        ]
+        params.append((out.weight, out.bias, "out_proj.weight", "out_proj.bias"))
+        self._parts = []
+        for i, (weight, bias, weight_name, bias_name) in enumerate(params):
+            uses = [
+                _Use(m, (r[i][0],), {}, [], [(0, r[i][1].shape, r[i][1].dtype)], [], [], [r[i][1]])
+                for r in rows
+            ]
+            selected = {}
+            if weight_name in self.params:
+                selected["weight"] = weight
+            if bias is not None and bias_name in self.params:
+                selected["bias"] = bias
+            if selected:
+                layer = _Dense(self.run, m, uses, selected)
+                layer.name = f"{self.name}.{'out' if i == 3 else _PARTS[i]}"
+                self._parts.append(("out" if i == 3 else _PARTS[i], layer))
+        return self._parts
+
+    def names(self, part: str) -> tuple[str, str]:
+        """The module's parameter names of a part's weight and bias."""
+        if part == "out":
+            return "out_proj.weight", "out_proj.bias"
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        weight = "in_proj_weight" if m._qkv_same_embed_dim else f"{part}_proj_weight"
+        return weight, "in_proj_bias"
+
+    def gramian(self) -> torch.Tensor:
+        found = sum((layer.gramian() for _, layer in self.parts()), self.zero())
+        self.rule = self.summary()
+        return found
+
+    def diagonal(self) -> torch.Tensor:
+        found = sum((layer.diagonal() for _, layer in self.parts()), self.zero_diagonal())
+        self.rule = self.summary()
+        return found
+
+    def summary(self) -> str:
+        return "; ".join(f"{part}: {layer.rule}" for part, layer in self.parts())
+
+    def assemble(self, pieces: list[tuple[str, dict[str, torch.Tensor]]], dim: int) -> Any:
+        """Each parameter's gradient from its parts (q, k, v rows of the in-projection
+        stacked along ``dim``, the per-example batch dim before it)."""
+        stacked: dict[str, list[torch.Tensor]] = {}
+        for part, found in pieces:
+            weight, bias = self.names(part)
+            for key, value in found.items():
+                stacked.setdefault(weight if key == "weight" else bias, []).append(value)
+        result: dict[str, torch.Tensor] = {}
+        for name, values in stacked.items():
+            joined = values[0] if len(values) == 1 else torch.cat(values, dim)
+            _add(result, name, joined)
+        return result
+
+    def per_example(self) -> dict[str, torch.Tensor]:
+        result: dict[str, torch.Tensor] = self.assemble(
+            [(part, layer.per_example()) for part, layer in self.parts()], 1
+        )
+        return result
+
+    def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        result: dict[str, torch.Tensor] = self.assemble(
+            [(part, layer.update(weights)) for part, layer in self.parts()], 0
+        )
+        return result

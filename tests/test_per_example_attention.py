@@ -1,0 +1,105 @@
+"""nn.MultiheadAttention as its projections (q, k, v, out: the Linear rules), against a
+per-example loop of torch.autograd.grad in float64: self-attention in a
+TransformerEncoderLayer with a padding mask, cross-attention with kdim/vdim (separate
+projection weights), the attention weights read by the loss, a causal mask, a 3-D mask,
+no bias, and a subset of the parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import funcgrad
+
+B, T, S, D = 5, 4, 3, 8
+
+
+def loop_jacobian(model, losses_fn, params):
+    losses = losses_fn(model)
+    rows = []
+    for b in range(losses.shape[0]):
+        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
+class Attend(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
+        kv = dict(kdim=5, vdim=6) if case == "cross" else {}
+        bias = case != "no_bias"
+        self.attention = nn.MultiheadAttention(D, 2, batch_first=True, bias=bias, **kv)
+        self.head = nn.Linear(D, 1)
+        self.x = torch.randn(B, T, D)
+        self.memory = torch.randn(B, S, 5), torch.randn(B, S, 6)
+        self.mask = torch.rand(B * 2, T, T) > 0.7  # one (T, T) mask per example and head
+        self.mask[..., 0] = False
+
+    def forward(self):
+        x, case = self.x, self.case
+        if case == "cross":
+            out, _ = self.attention(x, *self.memory, need_weights=False)
+        elif case == "weights":  # the averaged attention weights feed the loss
+            out, weights = self.attention(x, x, x)
+            out = out + weights.sum(-1, keepdim=True) * weights[..., :1]
+        elif case == "causal":
+            mask = nn.Transformer.generate_square_subsequent_mask(T)
+            out, _ = self.attention(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)
+        elif case == "mask3d":
+            out, _ = self.attention(x, x, x, attn_mask=self.mask, need_weights=False)
+        else:
+            pad = torch.zeros(B, T, dtype=torch.bool)
+            pad[1, 2:] = True
+            out, _ = self.attention(x, x, x, key_padding_mask=pad, need_weights=False)
+        return self.head(torch.tanh(out)).pow(2).sum((1, 2))
+
+
+CASES = ["self", "cross", "weights", "causal", "mask3d", "no_bias"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_takes_the_linear_rules_and_is_exact(case):
+    model = Attend(case)
+    params = list(model.parameters())
+    jac = loop_jacobian(model, lambda m: m(), params)
+    with funcgrad.per_example(model) as pe:
+        gram = funcgrad.per_example_gramian(model())
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+    rule = next(layer.rule for layer in pe.plan.layers if layer.name == "attention")
+    assert rule.startswith("q: ") and "out: " in rule and "vmap" not in rule, rule
+    with funcgrad.per_example(model):
+        norms = funcgrad.per_example_norms(model())
+    torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+    weighting = lambda g: 1 / (g.diagonal().sqrt() + 1e-3)  # noqa: E731
+    with funcgrad.per_example(model) as pe:
+        weights = pe.backward(model(), weighting=weighting)
+    got = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+
+
+def test_attention_with_a_subset_of_its_parameters():
+    model = Attend("self")
+    chosen = [model.attention.in_proj_weight, model.attention.out_proj.bias]
+    jac = loop_jacobian(model, lambda m: m(), chosen)
+    with funcgrad.per_example(model) as pe:
+        weights = pe.backward(model(), weighting=lambda g: g.diagonal(), inputs=chosen)
+    torch.testing.assert_close(weights, jac.pow(2).sum(1), rtol=1e-10, atol=1e-12)
+    got = torch.cat([p.grad.flatten() for p in chosen])
+    torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+    assert model.attention.in_proj_bias.grad is None and model.head.weight.grad is None
+
+
+def test_encoder_layer_self_attention_is_native():
+    layer = nn.TransformerEncoderLayer(D, 2, 16, dropout=0.0, batch_first=True)
+    x = torch.randn(B, T, D)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, 3:] = True
+    losses_fn = lambda m: m(x, src_key_padding_mask=pad).pow(2).sum((1, 2))  # noqa: E731
+    jac = loop_jacobian(layer, losses_fn, list(layer.parameters()))
+    with funcgrad.per_example(layer) as pe:
+        gram = funcgrad.per_example_gramian(losses_fn(layer))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+    assert "vmap" not in str(pe.plan) and "loop" not in str(pe.plan), str(pe.plan)
