@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from typing import Any, Literal, TypeAlias, cast, overload
 import numpy as np
 import torch
 
+from . import _memory
 from ._errors import FuncgradWarning, describe
 from ._heads import ComposedHeads, compose_heads, stacked_heads
 from ._types import ChunkSize
@@ -56,6 +58,9 @@ _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 # Models on which forward mode failed (a fused attention kernel without a forward-mode
 # rule): "auto" takes reverse mode on them from then on.
 _NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+# Models whose output layer (``get_output_embeddings()``) did not give the returned logits
+# (a logit soft-cap after it, say): the heads read the logits on them from then on.
+_LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 # One composed function per model, embedding and shapes, so that what compose_heads learns on
 # a first call (chunk_size="auto"'s measurement) serves the later calls; the last
 # _COMPOSED_PER_MODEL shapes per model (each holds its heads' (T, rows, T) weights).
@@ -83,6 +88,10 @@ class AttributionPlan:
             of ``rows`` sequences: T (gradient, grad x input) or 3 T (integrated gradients:
             the input, the baseline and the ``n_steps`` scaled inputs for each target).
         why: the reason for the mode.
+        heads_read: where the T heads split from the model: the input of its output layer
+            (``get_output_embeddings()``; head i applies the layer to its own position and
+            the cotangents are d wide), or the logits (no output layer, or one whose output
+            the model changes before returning it: the cotangents are a vocabulary wide).
     """
 
     mode: Literal["reverse", "forward"]
@@ -93,6 +102,7 @@ class AttributionPlan:
     directions: int
     captum_forwards: int
     why: str
+    heads_read: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,15 +271,69 @@ def _logits(output: object, call: str) -> torch.Tensor:
     return logits
 
 
+class _NotTheLogits(Exception):
+    """The model's output layer did not give the logits it returned (see `_composed`)."""
+
+
+def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
+    """(the layer, or None; where the heads split from the model, as
+    `AttributionPlan.heads_read` says it): the model's output layer,
+    ``get_output_embeddings()`` (Hugging Face: ``lm_head``), where it has one that has not
+    failed `_composed`'s check before, and the T heads' cotangents on its input, T x rows x T
+    x d numbers (each head's row is d wide at its own position, zeros elsewhere), take at
+    most half of `funcgrad.memory_budget`; else None: the heads read the logits, whose
+    cotangents go through the model in chunks."""
+    get = getattr(args.model, "get_output_embeddings", None)
+    layer = get() if callable(get) else None
+    if not isinstance(layer, torch.nn.Module):
+        return None, "the logits (no get_output_embeddings() returning a module)"
+    if args.model in _LOGITS_ONLY:
+        return None, f"the logits ({_LOGITS_ONLY[args.model]})"
+    weight = next(args.embedding.parameters(), None)
+    width = int(getattr(layer, "in_features", 0) or getattr(args.embedding, "embedding_dim", 1))
+    itemsize = weight.element_size() if weight is not None else 4
+    targets, rows = len(args.target_ids), len(_quadrature(args)[0])
+    nbytes = targets * rows * targets * width * itemsize
+    budget = _memory.budget(args.input_ids.device)
+    if 2 * nbytes > budget:
+        return None, (
+            f"the logits (the heads' cotangents on the output layer's input, "
+            f"{nbytes / 2**20:.3g} MiB, exceed half the memory budget, {budget / 2**20:.3g} MiB)"
+        )
+    return layer, f"the input of the output layer ({type(layer).__name__})"
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` takes Hugging Face's ``logits_to_keep`` (the logits of the
+    last n positions only)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # (a forward without a signature)
+        return False
+
+
 def _composed(
-    args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize, dtype: torch.dtype
+    args: _Args,
+    mode: Literal["reverse", "forward"],
+    chunk_size: ChunkSize,
+    dtype: torch.dtype,
+    unembedding: torch.nn.Module | None,
 ) -> ComposedHeads[Any]:
     """compose_heads of the model (fed embeddings through a hook) and the T heads, cached per
-    model, embedding, method and shapes."""
+    model, embedding, method, shapes and split point.
+
+    The split point between f (the model) and the heads: with an output layer
+    (``unembedding``), f returns that layer's input at the last T positions, shape (rows, T,
+    d), and head i applies the layer to its own position's row only, then the log-softmax.
+    So the T cotangents pulled back through f are (rows, T, d), not (rows, T, vocabulary),
+    and the output layer's backward runs on one position per head, not on every position.
+    Without one, f returns the (rows, T) target log-probabilities and the heads weigh them.
+    """
     prompt, targets = len(args.input_ids), len(args.target_ids)
-    alphas, steps = _quadrature(args)
+    _, steps = _quadrature(args)
     key = (
         id(args.embedding),
+        None if unembedding is None else id(unembedding),
         args.method,
         args.n_steps,
         prompt,
@@ -285,7 +349,10 @@ def _composed(
         cache.move_to_end(key)
         return found
     model_ref, embedding_ref = weakref.ref(args.model), weakref.ref(args.embedding)
-    rows = len(alphas)
+    unembedding_ref = None if unembedding is None else weakref.ref(unembedding)
+    rows = len(steps)
+    # Hugging Face computes the logits of the last T positions only where asked.
+    keep = {"logits_to_keep": targets} if _keeps_logits(args.model) else {}
 
     def f(
         x: torch.Tensor,
@@ -294,14 +361,16 @@ def _composed(
         sequence: torch.Tensor,
         target_ids: torch.Tensor,
     ) -> torch.Tensor:
-        """The (rows, T) target log-probabilities with the prompt's embeddings moved by x:
-        by x itself (reverse mode, x of shape (L_in, d)) or x times ``direction`` (forward
-        mode, x of shape (L_in,))."""
+        """With the prompt's embeddings moved by x (by x itself in reverse mode, x of shape
+        (L_in, d); by x times ``direction`` in forward mode, x of shape (L_in,)): the output
+        layer's input at the last T positions, (rows, T, d), or without an output layer the
+        (rows, T) target log-probabilities."""
         model, embedding = model_ref(), embedding_ref()
         assert model is not None and embedding is not None
         moved = x if x.dim() == 2 else x[:, None] * direction
         embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
+        layer: list[tuple[Any, Any, Any]] = []  # the output layer's (args, kwargs, output)
 
         def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor:
             calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
@@ -313,41 +382,79 @@ def _composed(
                 )
             return embeds
 
-        handle = embedding.register_forward_hook(substitute)
+        def capture(module: torch.nn.Module, inputs: Any, kwargs: Any, output: Any) -> None:
+            layer.append((inputs, kwargs, output))
+
+        handles = [embedding.register_forward_hook(substitute)]
+        output_layer = None if unembedding_ref is None else unembedding_ref()
+        if output_layer is not None:
+            handles.append(output_layer.register_forward_hook(capture, with_kwargs=True))
         try:
-            output = model(sequence.expand(rows, -1))
+            output = model(sequence.expand(rows, -1), **keep)
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
         if len(calls) != 1:
             raise ValueError(
                 f"{_CALL}: the embedding layer ran {len(calls)} times in one forward of the "
                 "model, expected once: pass `embedding=`, the layer that maps the token ids to "
                 "their embeddings."
             )
-        logits = _logits(output, _CALL)[:, prompt - 1 :]
+        raw = _logits(output, _CALL)
+        logits = raw[:, -targets:]
         if logits.shape[:2] != (rows, targets) or logits.shape[-1] <= int(target_ids.max()):
             raise ValueError(
                 f"{_CALL}: the model returned logits of shape {tuple(logits.shape)} at the "
                 f"last {targets} positions, expected ({rows}, {targets}, vocabulary) with a "
                 f"vocabulary above the largest target id, {int(target_ids.max())}."
             )
-        chosen = target_ids.expand(rows, -1)[..., None]
-        return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
+        if output_layer is None:
+            chosen = target_ids.expand(rows, -1)[..., None]
+            return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
+        # The heads recompute the logits as output_layer(its input): they are the logits
+        # returned only where the layer ran once, on one tensor, and returned them as they are.
+        inputs, kwargs, returned = layer[0] if len(layer) == 1 else ((), {}, None)
+        inputs = tuple(inputs)
+        hidden = inputs[0] if len(inputs) == 1 and not kwargs else None
+        if (
+            returned is not raw
+            or not isinstance(hidden, torch.Tensor)
+            or hidden.shape[:2] != raw.shape[:2]
+        ):
+            raise _NotTheLogits(
+                f"its output layer ({type(output_layer).__name__}) ran {len(layer)} times"
+                if len(layer) != 1
+                else "its logits are not its output layer's output on one tensor, unchanged"
+            )
+        return hidden[:, -targets:]
 
-    # Head i: the sum over the steps of step_size * log p(target i) (one step, of size 1,
-    # without integration).
     device = args.input_ids.device
-    weights = torch.tensor(steps, dtype=dtype, device=device)
-    eye = torch.eye(targets, dtype=dtype, device=device)
-    params = weights[None, :, None] * eye[:, None, :]  # (T, rows, T)
-
-    def head(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return (p * y).sum()
-
-    heads = stacked_heads(head, params)
+    like: dict[str, Any] = {"dtype": dtype, "device": device}
+    weights = torch.tensor(steps, **like)  # (rows,)
     strategy: Literal["vjp", "jacfwd"] = "jacfwd" if mode == "forward" else "vjp"
     # Forward mode forms all L_in tangents with the one forward: no chunks there.
     chunk = None if mode == "forward" else chunk_size
+
+    def weighed(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Head i on the (rows, T) log-probabilities: the sum over the steps of step_size *
+        log p(target i) (one step, of size 1, without integration); p is (rows, T)."""
+        return (p * y).sum()
+
+    def unembedded(p: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        """Head i on the output layer's (rows, T, d) input: the layer on position i's row of
+        every step, log-softmax, target i's entry, weighed by the step sizes."""
+        position, target = p
+        output_layer = unembedding_ref() if unembedding_ref is not None else None
+        assert output_layer is not None
+        logits: torch.Tensor = output_layer(y.index_select(1, position[None]))  # (rows, 1, V)
+        chosen = logits.log_softmax(-1).index_select(-1, target[None])
+        return (weights * chosen.reshape(rows)).sum()
+
+    heads = (
+        stacked_heads(weighed, weights[None, :, None] * torch.eye(targets, **like)[:, None, :])
+        if unembedding_ref is None
+        else stacked_heads(unembedded, (torch.arange(targets, device=device), args.target_ids))
+    )
     fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
     cache[key] = fn
     while len(cache) > _COMPOSED_PER_MODEL:
@@ -400,11 +507,20 @@ def _run(
     chunk_size: ChunkSize,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     sequence, scaled, direction = _prepare(args)
-    fn = _composed(args, mode, chunk_size, scaled.dtype)
     shape = direction.shape[:1] if mode == "forward" else direction.shape
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
-    with torch.enable_grad():
-        _, grads = fn(x, scaled, direction, sequence, args.target_ids)
+    unembedding, _ = _unembedding(args)
+    try:
+        fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
+        with torch.enable_grad():
+            _, grads = fn(x, scaled, direction, sequence, args.target_ids)
+    except _NotTheLogits as error:
+        # The output layer's input is no split point on this model: the heads read the
+        # logits, on this call and from then on.
+        _LOGITS_ONLY[args.model] = str(error)
+        fn = _composed(args, mode, chunk_size, scaled.dtype, None)
+        with torch.enable_grad():
+            _, grads = fn(x, scaled, direction, sequence, args.target_ids)
     if mode == "forward":
         return grads, None
     return (grads * direction).sum(-1), grads
@@ -646,4 +762,5 @@ def plan(
         directions=prompt if chosen == "forward" else targets,
         captum_forwards=3 * targets if method == "integrated_gradients" else targets,
         why=why,
+        heads_read=_unembedding(args)[1],
     )

@@ -176,6 +176,72 @@ def test_llama_style_model():
         torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-6)
 
 
+class SoftCapped(torch.nn.Module):
+    """A Hugging Face model whose logits are changed after its output layer (Gemma-2's soft
+    cap): the output layer's input is no split point there."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 3.0 * torch.tanh(self.inner(ids).logits / 3.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_logits_changed_after_the_output_layer_are_read_as_logits(method):
+    """The heads recompute the logits from the output layer's input only where the model
+    returns that layer's output unchanged; else they read the logits, exactly."""
+    from funcgrad import attribution
+
+    torch.manual_seed(4)
+    model = SoftCapped(_gpt2())
+    input_ids, target_ids = _ids(5, 4)
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, method, 4)
+    for mode in ("reverse", "forward"):
+        attr = token_attr(model, input_ids, target_ids, method=method, n_steps=4, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    assert "not its output layer's output" in attribution._LOGITS_ONLY[model]
+    assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+
+
+def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
+    """On a model with an output layer (``get_output_embeddings()``), the T cotangents pulled
+    back through the model are on that layer's input, (T, d) a row, not on the logits (T,
+    vocabulary): the peak memory stays far below T copies of the logits; and Hugging Face
+    computes the logits of the last T positions only (``logits_to_keep``)."""
+    from funcgrad import _memory
+
+    torch.manual_seed(5)
+    config = transformers.GPT2Config(
+        vocab_size=4000, n_embd=8, n_layer=1, n_head=2, n_positions=64,
+        bos_token_id=None, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    input_ids, target_ids = _ids(24, 16)
+    widths = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-2]))
+    read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+    assert read.startswith("the input of the output layer"), read
+    token_attr(model, input_ids, target_ids, mode="reverse")  # (the first call measures)
+    widths.clear()
+    attr, peak = _memory.peak_of(
+        lambda: token_attr(model, input_ids, target_ids, mode="reverse"), torch.device("cpu")
+    )
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    logits_bytes = 16 * (24 + 16 - 1) * 4000 * 8  # T cotangents on the logits
+    assert peak < logits_bytes / 4, (peak, logits_bytes)
+    assert widths[0] == 16, widths  # the forward's logits: the last T positions
+
+
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, "auto"])
 def test_chunk_sizes_agree(gpt2, chunk_size):
     input_ids, target_ids = _ids(6, 7)
@@ -259,6 +325,9 @@ def test_memory_is_bounded_under_a_budget():
     _, floor_peak = _memory.peak_of(floor, device)
     expected, all_at_once = _memory.peak_of(attribute(None), device)
     with funcgrad.memory_budget(floor_peak // 2):
+        # The heads' cotangents on the output layer's input (T x T x d) would not fit.
+        read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+        assert read.startswith("the logits") and "budget" in read, read
         # The first call on new shapes measures one and two directions (chunks of 2 and 3);
         # the calls after it run in the chunks that fit.
         token_attr(model, input_ids, target_ids, mode="reverse")
