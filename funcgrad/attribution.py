@@ -92,6 +92,9 @@ class AttributionPlan:
             (``get_output_embeddings()``; head i applies the layer to its own position and
             the cotangents are d wide), or the logits (no output layer, or one whose output
             the model changes before returning it: the cotangents are a vocabulary wide).
+        chunk_size: the most cotangents pulled back together (`funcgrad.compose_heads`'
+            argument): None in forward mode; 1 for integrated gradients on the CPU under
+            ``"auto"`` (a loop: each pull is already a batch of ``n_steps`` sequences).
     """
 
     mode: Literal["reverse", "forward"]
@@ -103,6 +106,7 @@ class AttributionPlan:
     captum_forwards: int
     why: str
     heads_read: str
+    chunk_size: ChunkSize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +307,20 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
     return layer, f"the input of the output layer ({type(layer).__name__})"
 
 
+def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> ChunkSize:
+    """The chunk_size given to compose_heads: none in forward mode (the L_in tangents go with
+    the one forward); for integrated gradients on the CPU under ``"auto"``, 1: each
+    cotangent's pull is already a batch of ``n_steps`` sequences, and one vmap over the T
+    cotangents as well (T x n_steps sequences) is bound by memory traffic, measured 1.25x
+    (T = 8) to 1.7x (T = 32) slower than a loop (docs/benchmarks_attribution.md); one
+    direction at a time is also the least memory "auto" could choose."""
+    if mode == "forward":
+        return None
+    if chunk_size == "auto" and args.method == "integrated_gradients" and args.n_steps > 1:
+        return 1 if args.input_ids.device.type == "cpu" else chunk_size
+    return chunk_size
+
+
 def _keeps_logits(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` takes Hugging Face's ``logits_to_keep`` (the logits of the
     last n positions only)."""
@@ -432,8 +450,7 @@ def _composed(
     like: dict[str, Any] = {"dtype": dtype, "device": device}
     weights = torch.tensor(steps, **like)  # (rows,)
     strategy: Literal["vjp", "jacfwd"] = "jacfwd" if mode == "forward" else "vjp"
-    # Forward mode forms all L_in tangents with the one forward: no chunks there.
-    chunk = None if mode == "forward" else chunk_size
+    chunk = _chunk(args, mode, chunk_size)
 
     def weighed(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Head i on the (rows, T) log-probabilities: the sum over the steps of step_size *
@@ -721,6 +738,7 @@ def plan(
     n_steps: int = 50,
     embedding: torch.nn.Module | None = None,
     mode: Mode = "auto",
+    chunk_size: ChunkSize = "auto",
     return_gradients: bool = False,
 ) -> AttributionPlan:
     """What `token_attr` runs for these arguments (nothing is run).
@@ -733,6 +751,7 @@ def plan(
         n_steps: as in `token_attr`.
         embedding: as in `token_attr`.
         mode: as in `token_attr`.
+        chunk_size: as in `token_attr`.
         return_gradients: as in `token_attr`.
 
     Returns:
@@ -763,4 +782,5 @@ def plan(
         captum_forwards=3 * targets if method == "integrated_gradients" else targets,
         why=why,
         heads_read=_unembedding(args)[1],
+        chunk_size=_chunk(args, chosen, chunk_size),
     )

@@ -242,6 +242,47 @@ def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     assert widths[0] == 16, widths  # the forward's logits: the last T positions
 
 
+class CountedLM(TinyLM):
+    """TinyLM with a `funcgrad.PassCounter` after its first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = funcgrad.PassCounter()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.counter(torch.tanh(self.mix(self.embed(ids))))
+        return self.out(h.cumsum(1) + h**2)
+
+
+def test_integrated_gradients_pull_the_cotangents_one_at_a_time_under_auto_on_the_cpu():
+    """Each cotangent's pull is a batch of n_steps sequences already: under chunk_size="auto"
+    the T cotangents go in a loop on the CPU (one vmap over T x n_steps sequences is bound by
+    memory traffic); both exact."""
+    model = CountedLM().double()
+    input_ids, target_ids = _ids(6, 5)
+    kwargs = {"embedding": model.embed, "mode": "reverse"}
+    for method, n_steps, chunk_size, passes in [
+        ("integrated_gradients", 4, "auto", 5),
+        ("integrated_gradients", 4, None, 1),
+        ("grad_x_input", 4, None, 1),
+    ]:
+        plan = funcgrad.attribution.plan(
+            model, input_ids, target_ids, method=method, n_steps=n_steps, chunk_size=chunk_size,
+            **kwargs,
+        )  # fmt: skip
+        assert plan.chunk_size == (1 if passes == 5 else chunk_size), plan
+        model.counter.reset()
+        attr = token_attr(
+            model, input_ids, target_ids, method=method, n_steps=n_steps, chunk_size=chunk_size,
+            **kwargs,
+        )  # fmt: skip
+        assert model.counter.backward == passes, (method, chunk_size, model.counter.backward)
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    plan = funcgrad.attribution.plan(model, input_ids, target_ids, **kwargs)
+    assert plan.chunk_size == "auto", plan  # grad x input: one batch of sequences, vmapped
+
+
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, "auto"])
 def test_chunk_sizes_agree(gpt2, chunk_size):
     input_ids, target_ids = _ids(6, 7)
