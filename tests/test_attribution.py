@@ -338,6 +338,16 @@ def test_plan_counts():
         model, input_ids[:1], target_ids, return_gradients=True, embedding=model.embed
     )
     assert plan.mode == "reverse" and "return_gradients" in plan.why
+    # Integrated gradients take forward mode only where 2.5 L_in < T (measured).
+    for targets, mode in [(9, "reverse"), (10, "reverse"), (11, "forward")]:
+        plan = funcgrad.attribution.plan(
+            model, input_ids[:4], list(range(targets)), method="integrated_gradients",
+            embedding=model.embed,
+        )  # fmt: skip
+        assert plan.mode == mode, (targets, plan)
+    assert funcgrad.attribution.plan(model, [1] * 4, [2] * 5, embedding=model.embed).mode == (
+        "forward"
+    )
 
 
 @pytest.mark.slow  # ~15 s: dispatch-mode accounting of every op
