@@ -152,6 +152,28 @@ def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_reverse_mode_in_groups_of_targets_on_their_prefixes(gpt2, method):
+    """T well above L_in: reverse mode runs a few groups of consecutive targets, each on its
+    own prefix; the same attributions and gradients as the per-target loop."""
+    input_ids, target_ids = _ids(4, 14)
+    plan = funcgrad.attribution.plan(gpt2, input_ids, target_ids, method=method, mode="reverse")
+    assert plan.forwards > 1, plan
+    calls = []
+    handle = gpt2.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    try:
+        attr, grads = token_attr(
+            gpt2, input_ids, target_ids, method=method, n_steps=3, return_gradients=True
+        )
+    finally:
+        handle.remove()
+    assert len(calls) == plan.forwards and len({shape[-1] for shape in calls}) == len(calls)
+    emb = gpt2.get_input_embeddings()
+    expected, expected_grads = _loop(gpt2, emb, input_ids, target_ids, method, n_steps=3)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads, expected_grads, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_any_module_with_an_embedding_layer(method):
     model = TinyLM().double()
     input_ids, target_ids = _ids(4, 9)  # L_in < T: forward mode under "auto"
