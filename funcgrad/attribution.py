@@ -47,19 +47,15 @@ Method: TypeAlias = Literal["gradient", "grad_x_input", "integrated_gradients"]
 Mode: TypeAlias = Literal["auto", "reverse", "forward"]
 """How the T x L_in attributions are formed: ``"reverse"``, T cotangents pulled back through
 the model in one batched backward; ``"forward"``, L_in directional derivatives (one per prompt
-token) in one batched forward-mode pass; ``"auto"``, forward mode where ``L_in < T``
-(``2.5 L_in < T`` for integrated gradients, whose reverse mode costs less on the CPU) and
-it runs (fused attention kernels have no forward-mode rule), else reverse mode."""
+token) in one batched forward-mode pass; ``"auto"``, forward mode where ``2.5 L_in < T``
+(measured: the two cross near there) and it runs (fused attention kernels have no
+forward-mode rule), else reverse mode."""
 
 METHODS: tuple[Method, ...] = ("gradient", "grad_x_input", "integrated_gradients")
 MODES: tuple[Mode, ...] = ("auto", "reverse", "forward")
 _CALL = "funcgrad.attribution.token_attr(model, input_ids, target_ids)"
-# "auto" takes forward mode where factor x L_in < T (see _choose).
-_FORWARD_FACTOR: dict[Method, float] = {
-    "gradient": 1,
-    "grad_x_input": 1,
-    "integrated_gradients": 2.5,
-}
+# "auto" takes forward mode where FORWARD_FACTOR x L_in < T (see _choose).
+FORWARD_FACTOR = 2.5
 _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 
 # Models on which forward mode failed (a fused attention kernel without a forward-mode
@@ -267,25 +263,21 @@ def _choose(
     if mode != "auto":
         return mode, f"mode={mode!r} requested"
     failed = _NO_FORWARD.get(args.model)
-    # Measured (docs/benchmarks_attribution.md): at L_in = 16 forward mode took 2.9x reverse
-    # mode's time at T = 8, 0.78x at T = 32 and 0.15x at T = 128 (grad x input). For
-    # integrated gradients reverse mode pulls its cotangents one at a time, each through a
-    # batch of n_steps sequences (see _chunk), while forward mode's L_in tangents x n_steps
-    # sequences are one vmap: 1.28x reverse mode's time at L_in = 16, T = 32.
-    factor = _FORWARD_FACTOR[args.method]
-    if factor * prompt < targets and failed is None:
+    # Measured (docs/benchmarks_attribution.md, 1 thread): at L_in = 16 forward mode took
+    # 1.25x reverse mode's time at T = 32 and 0.28x at T = 128 (grad x input), 1.28x at
+    # T = 32 (integrated gradients, whose reverse mode loops over its cotangents, each a
+    # batch of n_steps sequences): the two cross near T = 2.5 L_in.
+    if FORWARD_FACTOR * prompt < targets and failed is None:
         return "forward", (
-            f"{_times(factor)}L_in = {prompt} < T = {targets}: L_in tangents, not T cotangents"
+            f"{FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g} < T = {targets}: L_in "
+            "tangents, not T cotangents"
         )
     if failed is not None:
         return "reverse", f"forward mode failed on this model before ({failed})"
     return "reverse", (
-        f"T = {targets} <= {_times(factor)}L_in = {prompt}: T cotangents, not L_in tangents"
+        f"T = {targets} <= {FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g}: T "
+        "cotangents, not L_in tangents"
     )
-
-
-def _times(factor: float) -> str:
-    return "" if factor == 1 else f"{factor:g} x "
 
 
 def _logits(output: object, call: str) -> torch.Tensor:
@@ -759,8 +751,8 @@ def token_attr(
         ``get_output_embeddings()``), d wide, where the model returns that layer's output
         as its logits (checked on every forward), else at the logits. Where T is well above
         L_in, reverse mode runs a few groups of consecutive targets, each on its own prefix
-        (``plan().forwards``). In forward mode (where ``L_in < T``; ``2.5 L_in < T`` for
-        integrated gradients), the L_in tangents go through with that forward, whatever T.
+        (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
+        the L_in tangents go through with that forward, whatever T.
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
         mode and remembers it for the model (``plan`` says so).

@@ -176,7 +176,7 @@ def test_reverse_mode_in_groups_of_targets_on_their_prefixes(gpt2, method):
 @pytest.mark.parametrize("method", METHODS)
 def test_any_module_with_an_embedding_layer(method):
     model = TinyLM().double()
-    input_ids, target_ids = _ids(4, 9)  # L_in < T: forward mode under "auto"
+    input_ids, target_ids = _ids(4, 11)  # 2.5 L_in < T: forward mode under "auto"
     plan = funcgrad.attribution.plan(model, input_ids, target_ids, embedding=model.embed)
     assert plan.mode == "forward" and plan.directions == 4
     expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps=5)
@@ -360,16 +360,13 @@ def test_plan_counts():
         model, input_ids[:1], target_ids, return_gradients=True, embedding=model.embed
     )
     assert plan.mode == "reverse" and "return_gradients" in plan.why
-    # Integrated gradients take forward mode only where 2.5 L_in < T (measured).
-    for targets, mode in [(9, "reverse"), (10, "reverse"), (11, "forward")]:
-        plan = funcgrad.attribution.plan(
-            model, input_ids[:4], list(range(targets)), method="integrated_gradients",
-            embedding=model.embed,
-        )  # fmt: skip
-        assert plan.mode == mode, (targets, plan)
-    assert funcgrad.attribution.plan(model, [1] * 4, [2] * 5, embedding=model.embed).mode == (
-        "forward"
-    )
+    # "auto" takes forward mode where 2.5 L_in < T (measured), for every method.
+    for method in ("grad_x_input", "integrated_gradients"):
+        for targets, mode in [(9, "reverse"), (10, "reverse"), (11, "forward")]:
+            plan = funcgrad.attribution.plan(
+                model, input_ids[:4], list(range(targets)), method=method, embedding=model.embed
+            )
+            assert plan.mode == mode, (targets, plan)
 
 
 @pytest.mark.slow  # ~15 s: dispatch-mode accounting of every op
