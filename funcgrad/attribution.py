@@ -91,7 +91,8 @@ class AttributionPlan:
             of ``rows`` sequences: T (gradient, grad x input) or 3 T (integrated gradients:
             the input, the baseline and the ``n_steps`` scaled inputs for each target).
         why: the reason for the mode.
-        heads_read: where the T heads split from the model: the input of its output layer
+        heads_read: where the heads (of the largest group, see ``forwards``) split from
+            the model: the input of its output layer
             (``get_output_embeddings()``; head i applies the layer to its own position and
             the cotangents are d wide), or the logits (no output layer, or one whose output
             the model changes before returning it: the cotangents are a vocabulary wide).
@@ -841,6 +842,8 @@ def plan(
     chosen, why = _choose(args, requested, return_gradients, _PLAN_CALL)
     prompt, targets = len(args.input_ids), len(args.target_ids)
     rows = n_steps if method == "integrated_gradients" else 1
+    groups = [(0, targets)] if chosen == "forward" else _groups(args)
+    start, stop = max(groups, key=lambda group: group[1] - group[0])
     return AttributionPlan(
         mode=chosen,
         method=args.method,
@@ -850,7 +853,9 @@ def plan(
         directions=prompt if chosen == "forward" else targets,
         captum_forwards=3 * targets if method == "integrated_gradients" else targets,
         why=why,
-        heads_read=_unembedding(args)[1],
+        heads_read=_unembedding(
+            dataclasses.replace(args, target_ids=args.target_ids[:stop], first=start)
+        )[1],
         chunk_size=_chunk(args, chosen, chunk_size),
-        forwards=1 if chosen == "forward" else len(_groups(args)),
+        forwards=len(groups),
     )

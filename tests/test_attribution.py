@@ -394,16 +394,20 @@ def test_memory_is_bounded_under_a_budget():
     device = torch.device("cpu")
     _, floor_peak = _memory.peak_of(floor, device)
     expected, all_at_once = _memory.peak_of(attribute(None), device)
-    with funcgrad.memory_budget(floor_peak // 2):
-        # The heads' cotangents on the output layer's input (T x T x d) would not fit.
+    with funcgrad.memory_budget(10_000):
+        # The heads' cotangents on the output layer's input (a group's heads x heads x d)
+        # would not fit: the heads read the logits.
         read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
         assert read.startswith("the logits") and "budget" in read, read
+    with funcgrad.memory_budget(floor_peak // 2):
         # The first call on new shapes measures one and two directions (chunks of 2 and 3);
         # the calls after it run in the chunks that fit.
         token_attr(model, input_ids, target_ids, mode="reverse")
         attr, chunked = _memory.peak_of(attribute("auto"), device)
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
-    assert chunked < all_at_once / 4, (chunked, all_at_once, floor_peak)
+    # (T = 48 > L_in = 8: reverse mode runs groups of targets on their prefixes, which cut
+    # the all-at-once peak already, from 13x to about 3x one forward and backward.)
+    assert chunked < all_at_once / 2, (chunked, all_at_once, floor_peak)
     assert chunked <= 1.5 * floor_peak, (chunked, floor_peak)
 
 
