@@ -152,9 +152,31 @@ def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_reverse_mode_in_groups_of_targets_on_their_prefixes(gpt2, method):
+    """T well above L_in: reverse mode runs a few groups of consecutive targets, each on its
+    own prefix; the same attributions and gradients as the per-target loop."""
+    input_ids, target_ids = _ids(4, 14)
+    plan = funcgrad.attribution.plan(gpt2, input_ids, target_ids, method=method, mode="reverse")
+    assert plan.forwards > 1, plan
+    calls = []
+    handle = gpt2.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    try:
+        attr, grads = token_attr(
+            gpt2, input_ids, target_ids, method=method, n_steps=3, return_gradients=True
+        )
+    finally:
+        handle.remove()
+    assert len(calls) == plan.forwards and len({shape[-1] for shape in calls}) == len(calls)
+    emb = gpt2.get_input_embeddings()
+    expected, expected_grads = _loop(gpt2, emb, input_ids, target_ids, method, n_steps=3)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(grads, expected_grads, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_any_module_with_an_embedding_layer(method):
     model = TinyLM().double()
-    input_ids, target_ids = _ids(4, 9)  # L_in < T: forward mode under "auto"
+    input_ids, target_ids = _ids(4, 11)  # 2.5 L_in < T: forward mode under "auto"
     plan = funcgrad.attribution.plan(model, input_ids, target_ids, embedding=model.embed)
     assert plan.mode == "forward" and plan.directions == 4
     expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps=5)
@@ -174,6 +196,113 @@ def test_llama_style_model():
     for mode in ("reverse", "forward"):
         attr = token_attr(model, input_ids, target_ids, mode=mode)
         torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-6)
+
+
+class SoftCapped(torch.nn.Module):
+    """A Hugging Face model whose logits are changed after its output layer (Gemma-2's soft
+    cap): the output layer's input is no split point there."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return 3.0 * torch.tanh(self.inner(ids).logits / 3.0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_logits_changed_after_the_output_layer_are_read_as_logits(method):
+    """The heads recompute the logits from the output layer's input only where the model
+    returns that layer's output unchanged; else they read the logits, exactly."""
+    from funcgrad import attribution
+
+    torch.manual_seed(4)
+    model = SoftCapped(_gpt2())
+    input_ids, target_ids = _ids(5, 4)
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, method, 4)
+    for mode in ("reverse", "forward"):
+        attr = token_attr(model, input_ids, target_ids, method=method, n_steps=4, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    assert "not its output layer's output" in attribution._LOGITS_ONLY[model]
+    assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+
+
+def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
+    """On a model with an output layer (``get_output_embeddings()``), the T cotangents pulled
+    back through the model are on that layer's input, (T, d) a row, not on the logits (T,
+    vocabulary): the peak memory stays far below T copies of the logits; and Hugging Face
+    computes the logits of the last T positions only (``logits_to_keep``)."""
+    from funcgrad import _memory
+
+    torch.manual_seed(5)
+    config = transformers.GPT2Config(
+        vocab_size=4000, n_embd=8, n_layer=1, n_head=2, n_positions=64,
+        bos_token_id=None, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    input_ids, target_ids = _ids(24, 16)
+    widths = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-2]))
+    read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+    assert read.startswith("the input of the output layer"), read
+    token_attr(model, input_ids, target_ids, mode="reverse")  # (the first call measures)
+    widths.clear()
+    attr, peak = _memory.peak_of(
+        lambda: token_attr(model, input_ids, target_ids, mode="reverse"), torch.device("cpu")
+    )
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    logits_bytes = 16 * (24 + 16 - 1) * 4000 * 8  # T cotangents on the logits
+    assert peak < logits_bytes / 4, (peak, logits_bytes)
+    assert widths[0] == 16, widths  # the forward's logits: the last T positions
+
+
+class CountedLM(TinyLM):
+    """TinyLM with a `funcgrad.PassCounter` after its first layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = funcgrad.PassCounter()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.counter(torch.tanh(self.mix(self.embed(ids))))
+        return self.out(h.cumsum(1) + h**2)
+
+
+def test_integrated_gradients_pull_the_cotangents_one_at_a_time_under_auto_on_the_cpu():
+    """Each cotangent's pull is a batch of n_steps sequences already: under chunk_size="auto"
+    the T cotangents go in a loop on the CPU (one vmap over T x n_steps sequences is bound by
+    memory traffic); both exact."""
+    model = CountedLM().double()
+    input_ids, target_ids = _ids(6, 5)
+    kwargs = {"embedding": model.embed, "mode": "reverse"}
+    for method, n_steps, chunk_size, passes in [
+        ("integrated_gradients", 4, "auto", 5),
+        ("integrated_gradients", 4, None, 1),
+        ("grad_x_input", 4, None, 1),
+    ]:
+        plan = funcgrad.attribution.plan(
+            model, input_ids, target_ids, method=method, n_steps=n_steps, chunk_size=chunk_size,
+            **kwargs,
+        )  # fmt: skip
+        assert plan.chunk_size == (1 if passes == 5 else chunk_size), plan
+        model.counter.reset()
+        attr = token_attr(
+            model, input_ids, target_ids, method=method, n_steps=n_steps, chunk_size=chunk_size,
+            **kwargs,
+        )  # fmt: skip
+        assert model.counter.backward == passes, (method, chunk_size, model.counter.backward)
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    plan = funcgrad.attribution.plan(model, input_ids, target_ids, **kwargs)
+    assert plan.chunk_size == "auto", plan  # grad x input: one batch of sequences, vmapped
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1, 2, "auto"])
@@ -231,6 +360,13 @@ def test_plan_counts():
         model, input_ids[:1], target_ids, return_gradients=True, embedding=model.embed
     )
     assert plan.mode == "reverse" and "return_gradients" in plan.why
+    # "auto" takes forward mode where 2.5 L_in < T (measured), for every method.
+    for method in ("grad_x_input", "integrated_gradients"):
+        for targets, mode in [(9, "reverse"), (10, "reverse"), (11, "forward")]:
+            plan = funcgrad.attribution.plan(
+                model, input_ids[:4], list(range(targets)), method=method, embedding=model.embed
+            )
+            assert plan.mode == mode, (targets, plan)
 
 
 @pytest.mark.slow  # ~15 s: dispatch-mode accounting of every op
@@ -258,13 +394,20 @@ def test_memory_is_bounded_under_a_budget():
     device = torch.device("cpu")
     _, floor_peak = _memory.peak_of(floor, device)
     expected, all_at_once = _memory.peak_of(attribute(None), device)
+    with funcgrad.memory_budget(10_000):
+        # The heads' cotangents on the output layer's input (a group's heads x heads x d)
+        # would not fit: the heads read the logits.
+        read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+        assert read.startswith("the logits") and "budget" in read, read
     with funcgrad.memory_budget(floor_peak // 2):
         # The first call on new shapes measures one and two directions (chunks of 2 and 3);
         # the calls after it run in the chunks that fit.
         token_attr(model, input_ids, target_ids, mode="reverse")
         attr, chunked = _memory.peak_of(attribute("auto"), device)
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
-    assert chunked < all_at_once / 4, (chunked, all_at_once, floor_peak)
+    # (T = 48 > L_in = 8: reverse mode runs groups of targets on their prefixes, which cut
+    # the all-at-once peak already, from 13x to about 3x one forward and backward.)
+    assert chunked < all_at_once / 2, (chunked, all_at_once, floor_peak)
     assert chunked <= 1.5 * floor_peak, (chunked, floor_peak)
 
 
@@ -409,7 +552,7 @@ def test_a_train_mode_failure_of_forward_mode_does_not_stick_in_eval_mode():
             )
 
     model = Dropped().double()
-    input_ids, target_ids = torch.tensor([1, 2]), torch.tensor([4, 5, 6, 7])
+    input_ids, target_ids = torch.tensor([1, 2]), torch.tensor([4, 5, 6, 7, 8, 9])
     model.train()
     token_attr(model, input_ids, target_ids, embedding=model.embed)
     model.eval()
