@@ -48,6 +48,9 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
         losses.device,
         type(losses.grad_fn).__name__,
         tuple(run.selected.values()),
+        # train / eval changes what a module does (dropout drawn or not): a signature
+        # checked in one mode is not checked in the other
+        tuple(m.training for m in run.recorder.model.modules()),
     ]
     for use in tested:
         leaves = _pytree.tree_leaves((use.args, use.kwargs))
