@@ -70,3 +70,42 @@ def test_signature_depends_on_training_flags():
         model.train()
         with pytest.raises(ValueError, match="do not treat the examples independently"):
             funcgrad.per_example_norms(model(x).squeeze(1))
+
+
+# -- S3: ghost norms rounding below 0 ----------------------------------------------------------
+
+
+def _cancelling(width=64):
+    """Two nearly equal rows per example with opposite output gradients: the ghost rule's
+    <A Aᵀ, Δ Δᵀ> cancels to about eps·‖A‖²‖Δ‖², and rounded below 0 (NaN norms)."""
+    model = nn.Linear(width, width)
+    a = torch.randn(B, 1, width).repeat(1, 2, 1)
+    a[:, 1] += 1e-9 * torch.randn(B, width)
+    c = torch.randn(B, width)
+
+    def losses():
+        out = model(a)
+        return ((out[:, 0] - out[:, 1]) * c).sum(1)
+
+    return model, a, c, losses
+
+
+def test_ghost_norms_are_clamped_not_nan():
+    model, a, c, losses = _cancelling()
+    params = list(model.parameters())
+    ref = loop_rows(losses, params).norm(dim=1)
+    with funcgrad.per_example(model) as pe:
+        norms = funcgrad.per_example_norms(losses())
+        assert "ghost" in str(pe.plan)
+    # the bound stated in docs/per_example.md: |error of ‖g_b‖²| <~ eps·‖A_b‖²‖Δ_b‖²
+    eps = torch.finfo(torch.float64).eps
+    bound = 16 * eps * a.flatten(1).pow(2).sum(1) * 2 * c.pow(2).sum(1)  # Δ_b's rows: c_b, -c_b
+    assert torch.isfinite(norms).all() and (norms >= 0).all()
+    assert ((norms.pow(2) - ref.pow(2)).abs() <= bound).all()
+    with funcgrad.per_example(model):
+        clip_norms = funcgrad.per_example_clip(losses(), 1.0)
+    assert torch.isfinite(clip_norms).all()
+    factors = (1.0 / (ref + 1e-6)).clamp(max=1.0)  # 1 here: the norms are tiny
+    expected = factors @ loop_rows(losses, params)
+    got = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)

@@ -197,7 +197,14 @@ def per_example_norms(
     """
     recorder = _recorder_of(losses, _NORMS)
     run = _Run(recorder, losses, inputs, None, _NORMS, check, diagonal=True)
-    return run.execute(retain_graph, write=False)[0].diagonal().sqrt()
+    return _norms(run.execute(retain_graph, write=False)[0])
+
+
+def _norms(gram: torch.Tensor) -> torch.Tensor:
+    """The norms from G's diagonal, its squared norms clamped at 0 first: the ghost rule's
+    ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` sums T² products and may round below 0 where the norm is tiny
+    against ``‖A_b‖ ‖Δ_b‖`` (its absolute error is about eps·‖A_b‖²‖Δ_b‖²)."""
+    return gram.diagonal().clamp_min(0).sqrt()
 
 
 class _Clip:
@@ -209,7 +216,7 @@ class _Clip:
         self.max_norm = max_norm
 
     def __call__(self, gram: torch.Tensor) -> torch.Tensor:
-        return (self.max_norm / (gram.diagonal().sqrt() + 1e-6)).clamp(max=1.0)
+        return (self.max_norm / (_norms(gram) + 1e-6)).clamp(max=1.0)
 
 
 def per_example_clip(
@@ -269,7 +276,7 @@ def per_example_clip(
         recorder, losses, inputs, _Clip(float(max_norm)), _CLIP, check, replace=not accumulate
     )
     gram, _ = run.execute(retain_graph, write=True)
-    return gram.diagonal().sqrt()
+    return _norms(gram)
 
 
 def backward_from_losses(
