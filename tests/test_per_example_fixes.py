@@ -109,3 +109,133 @@ def test_ghost_norms_are_clamped_not_nan():
     expected = factors @ loop_rows(losses, params)
     got = torch.cat([p.grad.flatten() for p in params])
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-12)
+
+
+# -- S2: an Embedding's index shared by the batch, (1, T) ------------------------------------
+
+
+class Positions(nn.Module):
+    """Token embeddings plus position embeddings from a (1, T) index; ``use`` says how the
+    (1, T, d) position output is used."""
+
+    def __init__(self, use="broadcast"):
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 3), nn.Embedding(5, 3), nn.Linear(3, 1)
+        self.use = use
+
+    def forward(self, ids):
+        ids1t = torch.arange(ids.shape[1])[None]
+        h, p = self.tok(ids), self.pos(ids1t)
+        if self.use == "broadcast":
+            h = h + p.to(h.dtype)
+        elif self.use == "sum0":
+            h = h + p.sum(0).mean(0)
+        elif self.use == "squeeze":
+            h = h * p.squeeze(0)
+        elif self.use == "index":
+            h = h - p[0]
+        elif self.use == "slices":  # one example at a time, each with the (1, T, d) output
+            h = torch.cat([h[b : b + 1] + p[:1] for b in range(h.shape[0])])
+        return self.head(h).pow(2).sum((1, 2))
+
+
+IDS = torch.randint(7, (B, 5))
+
+
+@pytest.mark.parametrize("use", ["sum0", "squeeze", "index", "slices"])
+def test_shared_index_forward_and_backward_are_the_models_own(use):
+    """The (1, T) index was expanded to (B, T) for every use: .sum(0) summed B rows instead of
+    one (outputs off by 0.6, a plain backward's .grad too), a loop over examples got B times
+    the losses; the per-example call then blamed the model as "mixing"."""
+    model = Positions(use)
+    outside = model(IDS)
+    grads = torch.autograd.grad(outside.sum(), list(model.parameters()))
+    with funcgrad.per_example(model):
+        inside = model(IDS)
+        torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+        torch.testing.assert_close(
+            torch.autograd.grad(inside.sum(), list(model.parameters())), grads
+        )
+        with pytest.raises(
+            ValueError, match=r"'pos' \(Embedding\) was called with an index shared"
+        ):
+            funcgrad.per_example_norms(model(IDS))
+        # without the position table, the rest is exact
+        params = [model.tok.weight, *model.head.parameters()]
+        norms = funcgrad.per_example_norms(model(IDS), inputs=params)
+    torch.testing.assert_close(norms, loop_rows(lambda: model(IDS), params).norm(dim=1))
+
+
+def test_shared_index_broadcast_is_exact():
+    model = Positions("broadcast")
+    params = list(model.parameters())
+    jac = loop_rows(lambda: model(IDS), params)
+    with funcgrad.per_example(model):
+        out = model(IDS)
+        gram = funcgrad.per_example_gramian(out)
+    torch.testing.assert_close(gram, jac @ jac.T)
+
+
+class Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net, self.head = Positions("broadcast"), nn.Linear(1, 1)
+
+    def forward(self, ids):
+        return self.head(self.net(ids)[:, None])[:, 0]
+
+
+def test_shared_index_batch_is_that_of_the_models_own_call():
+    """R3: the batch size set by the model's call was kept: a submodule called directly
+    later with another B broke in the user's forward (3 vs 6)."""
+    model = Wrapped()
+    ids = torch.randint(7, (6, 5))
+    with funcgrad.per_example(model):
+        funcgrad.per_example_norms(model(ids))
+        out = model.net(ids[:3])  # the model's own forward, as outside
+        torch.testing.assert_close(out, Positions.forward(model.net, ids[:3]))
+        with pytest.raises(ValueError, match=r"'net.pos' \(Embedding\) has an output of shape"):
+            funcgrad.per_example_norms(out)
+
+
+def test_shared_index_under_non_reentrant_checkpoint():
+    """R4: the recomputation in the backward was not expanded (CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = Positions("broadcast")
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, ids):
+            return checkpoint(self.inner, ids, use_reentrant=False)
+
+    model = Checkpointed()
+    params = list(model.parameters())
+    ref = loop_rows(lambda: model(IDS), params).norm(dim=1)
+    with funcgrad.per_example(model):
+        torch.testing.assert_close(funcgrad.per_example_norms(model(IDS)), ref)
+
+
+class Keywords(nn.Module):
+    """HF-style keyword arguments: a (1, T) mask before the (B, T) ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Positions("broadcast")
+
+    def forward(self, mask=None, ids=None):
+        return self.net(ids) * mask.sum()
+
+
+def test_shared_index_batch_from_any_argument_not_the_first():
+    """The batch was dim 0 of the first tensor argument: (1, T) attention_mask first, then
+    nothing was expanded and the call refused the (1, T, d) output."""
+    model = Keywords()
+    mask = torch.ones(1, 5)
+    params = list(model.parameters())
+    ref = loop_rows(lambda: model(mask=mask, ids=IDS), params).norm(dim=1)
+    with funcgrad.per_example(model):
+        torch.testing.assert_close(funcgrad.per_example_norms(model(mask=mask, ids=IDS)), ref)

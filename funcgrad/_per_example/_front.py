@@ -68,7 +68,8 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         backward with the examples as groups); Hugging Face's Conv1D: the Linear rules,
         transposed; Embedding: the Gram of one-hot rows is index equality (or the
         per-example gradients on the rows used; an index shared by the batch, (1, T)
-        position ids, is expanded to (B, T) at the call); nn.MultiheadAttention
+        position ids, is expanded to (B, T) during the model's call where its output is
+        broadcast against the batch, and refused otherwise); nn.MultiheadAttention
         (batch_first, no bias_k, no dropout drawn): its q/k/v and out projections take the
         Linear rules, their output gradients from one batched backward through the
         attention alone; LayerNorm/GroupNorm/BatchNorm (eval) affine parameters: their

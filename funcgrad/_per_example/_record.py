@@ -89,6 +89,26 @@ _WHY = {
 }
 
 
+# The key, in the graph node of an Embedding's output, of what funcgrad's expansion of an
+# index shared by the batch saw (`_SharedUse`, see _recorder._SharedIndex).
+_SHARED_ROWS = "funcgrad.per_example.shared_rows"
+
+
+@dataclasses.dataclass
+class _SharedUse:
+    """An Embedding call whose (1, T) index funcgrad expanded to (B, T): ``other`` names the
+    first use of its output that was not a broadcast against the batch (None: none was)."""
+
+    batch: int
+    other: str | None = None
+
+
+def _shared_use(use: _Use) -> _SharedUse | None:
+    metadata = getattr(use.edges[0].node, "metadata", None) if use.edges else None
+    found = metadata.get(_SHARED_ROWS) if isinstance(metadata, dict) else None
+    return found if isinstance(found, _SharedUse) else None
+
+
 def _mark(node: Any, why: str) -> None:
     metadata = getattr(node, "metadata", None)
     if isinstance(metadata, dict):  # the first reason stays (consumed, then dropped)

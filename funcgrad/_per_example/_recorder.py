@@ -19,6 +19,7 @@ from ._record import (
     _BACKWARD,
     _GRAMIAN,
     _MARK,
+    _SHARED_ROWS,
     _batch_statistics,
     _direct,
     _explain_spent,
@@ -28,6 +29,7 @@ from ._record import (
     _mark,
     _reachable_edges,
     _refuse_batch_statistics,
+    _SharedUse,
     _Use,
 )
 from ._run import _Run
@@ -135,7 +137,14 @@ class PerExample:
         # A module with children gets a frame (its pre-hook) that collects the calls nested
         # in it; a leaf module needs only its forward hook.
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
+        self._shared = _SharedIndex(self)
         for module, params in self._direct.items():
+            if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._shared.wrap, with_kwargs=True, prepend=True, always_call=True
+                    )
+                )
             if (params and module in self._parents) or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             if params:
@@ -147,8 +156,10 @@ class PerExample:
                         self._post, with_kwargs=True, prepend=True, always_call=True
                     )
                 )
-        self._shared = _SharedIndex(self)
         self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
+        self._handles.append(
+            model.register_forward_hook(self._shared.root_done, with_kwargs=True, always_call=True)
+        )
         for module in self._direct:
             if type(module) is nn.Embedding:
                 self._handles.append(
@@ -305,36 +316,171 @@ _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
 
 class _SharedIndex:
     """An Embedding's index shared by the batch, (1, T) (the position ids of GPT-2 and BERT,
-    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward:
-    the same values, but the output gradient stays per example, where a broadcast would sum
-    it over the batch (losing each example's share). B is the batch of the hooked model's
-    own call: dim 0 of its first tensor argument (None: nothing is expanded)."""
+    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward,
+    so that the output gradient stays per example where a broadcast would sum it over the
+    batch (losing each example's share). The forward stays the model's own: the (B, T, d)
+    output is handed on as `_SharedRows`, which acts as the (B, T, d) rows only where they
+    are broadcast against a (B, ...) tensor (the same values), and as the (1, T, d) output
+    (its row 0) everywhere else; such another use is noted, and the call then refuses that
+    Embedding's per-example gradients.
+
+    B is the batch of the hooked model's own call, during that call only: the one size other
+    than 1 of dim 0 of its tensor arguments (none, or several: nothing is expanded, and the
+    call refuses the (1, T, d) output clearly); in a backward (a non-reentrant checkpoint's
+    recomputation) the last call's."""
 
     def __init__(self, recorder: PerExample) -> None:
         self.recorder = weakref.ref(recorder)
-        self.batch: int | None = None
+        self.batches: list[int | None] = []  # the model's calls in progress (nested: a stack)
+        self.last: int | None = None
+        self.pending: dict[nn.Module, list[int | None]] = {}  # Embedding -> its expanded calls
 
-    def recording(self) -> bool:
+    def active(self) -> bool:
         recorder = self.recorder()
-        return recorder is not None and recorder._recording and torch.is_grad_enabled()
+        return recorder is not None and not recorder._removed and torch.is_grad_enabled()
 
     def root(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.recording():
+        batch = None
+        if self.active():
             leaves = _pytree.tree_leaves((args, kwargs))
-            first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.ndim), None)
-            self.batch = None if first is None else int(first.shape[0])
+            sizes = {int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.ndim}
+            sizes.discard(1)
+            batch = sizes.pop() if len(sizes) == 1 else None
+            self.last = batch
+        self.batches.append(batch)
+
+    def root_done(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.batches:
+            self.batches.pop()
+
+    def batch(self) -> int | None:
+        if self.batches:
+            return self.batches[-1]
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward
+            return self.last
+        return None
 
     def expand(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        batch = self.batch
-        if batch is None or batch == 1 or not self.recording():
-            return None
+        batch = self.batch() if self.active() else None
         index = args[0] if args else kwargs.get("input")
-        if not isinstance(index, torch.Tensor) or index.ndim < 2 or index.shape[0] != 1:
+        weight = getattr(module, "weight", None)
+        if (
+            batch is None
+            or batch == 1
+            or not isinstance(weight, torch.Tensor)
+            or not weight.requires_grad
+            or not isinstance(index, torch.Tensor)
+            or index.ndim < 2
+            or index.shape[0] != 1
+        ):
+            self.pending.setdefault(module, []).append(None)
             return None
+        self.pending.setdefault(module, []).append(batch)
         expanded = index.expand(batch, *index.shape[1:])
         if args:
             return (expanded, *args[1:]), kwargs
         return args, {**kwargs, "input": expanded}
+
+    def wrap(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """After the recorder's hook (which recorded the (B, T, d) output and its edge): the
+        output handed on as `_SharedRows`."""
+        calls = self.pending.get(module)
+        batch = calls.pop() if calls else None
+        if (
+            batch is None
+            or type(output) is not torch.Tensor
+            or output.ndim < 1
+            or output.shape[0] != batch
+        ):
+            return None
+        state = _SharedUse(batch)
+        if output.grad_fn is not None and isinstance(output.grad_fn.metadata, dict):
+            output.grad_fn.metadata[_SHARED_ROWS] = state
+        return _SharedRows.wrap(output, state)
+
+
+def _broadcast_ops() -> set[Any]:
+    T = torch.Tensor
+    names = ["add", "sub", "mul", "div", "true_divide"]
+    found: set[Any] = {getattr(torch, n) for n in names}
+    found |= {getattr(T, n) for n in names} | {getattr(T, n + "_") for n in names}
+    for n in ("add", "sub", "mul", "truediv"):
+        found |= {getattr(T, f"__{n}__"), getattr(T, f"__i{n}__")}
+    return found
+
+
+def _row_ops() -> set[Any]:
+    T = torch.Tensor
+    return {T.to, T.contiguous, T.clone, T.float, T.double, T.half, T.bfloat16, T.type_as}
+
+
+_BROADCAST = _broadcast_ops()  # elementwise, broadcasting binary ops
+_ROWS = _row_ops()  # ops that keep each row as it is
+
+
+class _SharedRows(torch.Tensor):
+    """The (B, T, d) output of an Embedding whose (1, T) index funcgrad expanded: B equal
+    rows, standing for the (1, T, d) output that the model computes outside funcgrad.
+
+    In a broadcasting add / sub / mul / div with a tensor whose dim aligned with its dim 0
+    has size B (``x + pos``, ``h += pos``), the result is the same as the (1, T, d) output's,
+    and each example's output gradient stays in its own row: the rows are used. So for
+    ``.to`` / ``.contiguous`` / ``.clone`` / ``.float`` (the rows kept, still shared). Any
+    other use (``pos.sum(0)``, ``pos[0]``, ``pos.squeeze(0)``, ``pos.shape``, a second
+    shared tensor) gets row 0, the (1, T, d) output itself, so that the forward and a plain
+    backward are the model's own; a use that carries gradient is noted in the call's
+    `_SharedUse`, and per-example calls refuse that Embedding."""
+
+    _funcgrad_shared: _SharedUse
+
+    @staticmethod
+    def wrap(tensor: torch.Tensor, state: _SharedUse) -> _SharedRows:
+        with torch._C.DisableTorchFunctionSubclass():
+            rows = tensor.as_subclass(_SharedRows)
+        rows._funcgrad_shared = state
+        return rows
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        shared = [x for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, _SharedRows)]
+        state = shared[0]._funcgrad_shared
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _BROADCAST and _broadcasts(func, args, kwargs, state.batch):
+                return func(*args, **kwargs)
+            if func in _ROWS and len(shared) == 1 and args and args[0] is shared[0]:
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.shape == args[0].shape:
+                    return _SharedRows.wrap(out, state)
+                return out
+            rows = _pytree.tree_map(
+                lambda x: x.narrow(0, 0, 1) if isinstance(x, _SharedRows) else x, (args, kwargs)
+            )
+            out = func(*rows[0], **rows[1])
+        if state.other is None and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in _pytree.tree_leaves(out)
+        ):
+            state.other = getattr(func, "__name__", None) or repr(func)
+        return out
+
+
+def _broadcasts(func: Any, args: Any, kwargs: Any, batch: int) -> bool:
+    """Whether ``func`` (an elementwise binary op) on the rows gives what it gives on the
+    (1, ...) output: every shared operand meets a plain tensor operand whose dim aligned
+    with its dim 0 has size B, and none is written in place."""
+    if "out" in kwargs or len(args) < 2:
+        return False
+    operands = [*args[:2], kwargs.get("other")]
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") or name.startswith("__i")) and isinstance(args[0], _SharedRows):
+        return False  # written in place: its rows would be the model's tensor
+    plain = [x for x in operands if isinstance(x, torch.Tensor) and not isinstance(x, _SharedRows)]
+    for x in operands:
+        if isinstance(x, _SharedRows) and not any(
+            o.ndim >= x.ndim and o.shape[o.ndim - x.ndim] == batch for o in plain
+        ):
+            return False
+    return True
 
 
 def _distributed_refusal(call: str) -> str:

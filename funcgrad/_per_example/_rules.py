@@ -11,7 +11,7 @@ from torch import nn
 
 from .._errors import describe
 from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
-from ._record import _Use
+from ._record import _shared_use, _Use
 
 
 class _Dense(_Layer):
@@ -295,6 +295,36 @@ class _Embedding(_Layer):
     """Embedding: the Gram of one-hot rows is index equality."""
 
     kind = "embedding"
+
+    def precheck(self) -> None:
+        for use in self.uses:
+            shared = _shared_use(use)
+            if shared is not None and shared.other is not None:
+                raise ValueError(
+                    f"{self.run.call}: module {self.name!r} (Embedding) was called with an "
+                    "index shared by the batch (dim 0 of size 1), whose (1, ...) output the "
+                    f"model uses otherwise than broadcast against the batch (by {shared.other}"
+                    "; e.g. .sum(0), [0], .squeeze(0), a slice per example): its per-example "
+                    "gradients cannot be told apart there (funcgrad expands such an index to "
+                    f"(B, ...) = ({shared.batch}, ...) only for a broadcast such as x + pos; "
+                    "the forward was the model's own). Nothing was written. Expand the index "
+                    "to the batch yourself (ids.expand(B, -1)), or leave its parameters out "
+                    "with inputs=."
+                )
+            for _, shape, _ in use.outputs:
+                if len(shape) and shape[0] == 1 and self.batch != 1:
+                    raise ValueError(
+                        f"{self.run.call}: module {self.name!r} (Embedding) has an output of "
+                        f"shape {tuple(shape)}, an index shared by the batch, but the losses "
+                        f"have B = {self.batch} entries. funcgrad expands such an index to "
+                        "(B, ...) only during a call of the hooked model whose tensor "
+                        "arguments have one batch size along dim 0 (besides 1): this call was "
+                        "outside it (a submodule called directly) or its arguments' sizes "
+                        "left B unclear. Nothing was written. Expand the index to the batch "
+                        "yourself (ids.expand(B, -1)), or leave its parameters out with "
+                        "inputs=."
+                    )
+        super().precheck()
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         index_parts, d_parts = [], []
