@@ -239,3 +239,33 @@ def test_shared_index_batch_from_any_argument_not_the_first():
     ref = loop_rows(lambda: model(mask=mask, ids=IDS), params).norm(dim=1)
     with funcgrad.per_example(model):
         torch.testing.assert_close(funcgrad.per_example_norms(model(mask=mask, ids=IDS)), ref)
+
+
+# -- S4: retain_grad on checked calls ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["clip", "backward", "norms"])
+def test_retained_grads_are_a_plain_backwards_on_checked_calls(call):
+    """The check's extra backward of sum_b u_b L_b fired torch's retains-grad hooks: h.grad
+    came out (1 + u_b) times a plain backward's, losses.grad u + 1."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(B, 3)
+    h = model[0](x)
+    h.retain_grad()
+    losses = model[2](model[1](h)).squeeze(1)
+    losses.retain_grad()
+    losses.sum().backward()
+    want_h, want_losses = h.grad.clone(), losses.grad.clone()
+    with funcgrad.per_example(model) as pe:
+        h = model[0](x)
+        h.retain_grad()
+        losses = model[2](model[1](h)).squeeze(1)
+        losses.retain_grad()
+        if call == "clip":
+            funcgrad.per_example_clip(losses, 1.0, check=True)
+        elif call == "backward":
+            pe.backward(losses, check=True)
+        else:
+            funcgrad.per_example_norms(losses, check=True)
+    torch.testing.assert_close(h.grad, want_h)
+    torch.testing.assert_close(losses.grad, want_losses)

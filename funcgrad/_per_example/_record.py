@@ -38,6 +38,9 @@ class _Use:
     # (tensor, its version at the call): the inputs and the module's own parameters, which
     # the rules read at the call; one changed in place since then gives wrong rows
     versions: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    # weak references to the call's inputs and outputs that require grad: the check's extra
+    # backward restores the .grad of those that retain it (Tensor.retain_grad)
+    tensors: list[Any] = dataclasses.field(default_factory=list)
 
     def walk(self) -> Iterator[_Use]:
         yield self

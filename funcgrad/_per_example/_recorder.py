@@ -220,6 +220,7 @@ class PerExample:
         for x in (*flat, *leaves_before):
             if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
                 use.hook_dicts.append(_hook_dict(x))
+                use.tensors.append(weakref.ref(x))
         (self._frames[-1][1] if self._frames else self._uses).append(use)
 
     # Public --------------------------------------------------------------------------
