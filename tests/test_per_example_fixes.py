@@ -269,3 +269,37 @@ def test_retained_grads_are_a_plain_backwards_on_checked_calls(call):
             funcgrad.per_example_norms(losses, check=True)
     torch.testing.assert_close(h.grad, want_h)
     torch.testing.assert_close(losses.grad, want_losses)
+
+
+# -- R1 / R2: no examples, no rows -------------------------------------------------------------
+
+
+def test_empty_batch_gives_the_loops_answer():
+    """R1: B = 0 raised "cannot reshape tensor of 0 elements" in the bias rows."""
+    model = nn.Linear(3, 2)
+    with funcgrad.per_example(model):
+        assert funcgrad.per_example_norms(model(torch.randn(0, 3)).sum(1)).shape == (0,)
+    with funcgrad.per_example(model):
+        assert funcgrad.per_example_clip(model(torch.randn(0, 3)).sum(1), 1.0).shape == (0,)
+    for p in model.parameters():  # the sum over no examples
+        torch.testing.assert_close(p.grad, torch.zeros_like(p))
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_calls_without_rows_give_the_loops_answer(both):
+    """R2: a call on (B, 0, d) raised a size mismatch in the update (weights not spread)."""
+    model = nn.Linear(3, 2)
+    empty, x = torch.randn(B, 0, 3), torch.randn(B, 3)
+
+    def losses():
+        out = model(empty).sum((1, 2))
+        return out + model(x).pow(2).sum(1) if both else out
+
+    params = list(model.parameters())
+    jac = loop_rows(losses, params)
+    norms = jac.norm(dim=1)
+    with funcgrad.per_example(model):
+        got = funcgrad.per_example_clip(losses(), 1.0)
+    torch.testing.assert_close(got, norms)
+    want = (1.0 / (norms + 1e-6)).clamp(max=1.0) @ jac
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), want)

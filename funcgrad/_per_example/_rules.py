@@ -38,7 +38,7 @@ class _Dense(_Layer):
         if a.ndim < 2:
             self.fail("has an input that", describe(a))
         d = self.delta(use)
-        return a.reshape(self.batch, -1, a.shape[-1]), d.reshape(self.batch, -1, d.shape[-1])
+        return _by_example(a, self.batch), _by_example(d, self.batch)
 
     def dims(self) -> tuple[int, int, int]:
         """(T rows per example over all calls, d, p), from shapes alone."""
@@ -53,7 +53,7 @@ class _Dense(_Layer):
     def bias_rows(self) -> torch.Tensor:
         """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
         found = [self.delta(use) for use in self.uses]
-        sums = [d.reshape(self.batch, -1, d.shape[-1]).sum(1) for d in found]
+        sums = [_by_example(d, self.batch).sum(1) for d in found]
         return sum(sums[1:], sums[0])
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -188,10 +188,9 @@ class _Dense(_Layer):
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
-        w = weights.to(d.dtype)
+        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
+        w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
-        if a.shape[0] > w.shape[0]:  # rows (b, t): each example's weight on its T rows
-            w = w.repeat_interleave(a.shape[0] // w.shape[0])
         found = {}
         if "weight" in self.params:  # w scales the narrower of Δ and A
             if d.shape[1] <= a.shape[1]:
@@ -201,6 +200,12 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, ..., k) as (B, T, k), T the product of the middle dims (B = 0 or T = 0 too, where
+    ``reshape(B, -1, k)`` cannot tell T)."""
+    return x.reshape(batch, math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 class _TransposedDense(_Dense):
