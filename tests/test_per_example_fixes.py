@@ -303,3 +303,60 @@ def test_calls_without_rows_give_the_loops_answer(both):
     torch.testing.assert_close(got, norms)
     want = (1.0 / (norms + 1e-6)).clamp(max=1.0) @ jac
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), want)
+
+
+# -- unclear errors -----------------------------------------------------------------------------
+
+
+class FrozenTemperature(nn.Module):
+    """A parent with a frozen direct parameter: its call is not recorded, its children's were
+    dropped with it ("no funcgrad.per_example hooks recorded the forward")."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(2.0), requires_grad=False)
+        self.body = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x):
+        return self.body(x).squeeze(1) / self.temp
+
+
+def test_frozen_parameter_on_a_parent_keeps_its_childrens_records():
+    model = FrozenTemperature()
+    x = torch.randn(B, 3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    jac = loop_rows(lambda: model(x).pow(2), params)
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x).pow(2))
+    torch.testing.assert_close(gram, jac @ jac.T)
+
+
+def test_reentrant_checkpoint_is_named():
+    from torch.utils.checkpoint import checkpoint
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(B, 3, requires_grad=True)
+    with funcgrad.per_example(model):
+        losses = checkpoint(model, x, use_reentrant=True).squeeze(1)
+        with pytest.raises(ValueError, match=r"use_reentrant=True.*use_reentrant=False"):
+            funcgrad.per_example_norms(losses)
+
+
+class FrozenTable(nn.Module):
+    """A frozen (1, T, d) table fed to a Linear: refused for the shared output, not as "no
+    hooks recorded the forward"."""
+
+    def __init__(self):
+        super().__init__()
+        self.tab = nn.Parameter(torch.randn(1, 4, 3), requires_grad=False)
+        self.p = nn.Linear(3, 3)
+
+    def forward(self, h):
+        return (h + self.p(self.tab)).sum((1, 2))
+
+
+def test_frozen_shared_table_into_a_linear_is_refused_for_its_shape():
+    model = FrozenTable()
+    match = r"'p' \(Linear\) has an output that has shape"
+    with funcgrad.per_example(model), pytest.raises(ValueError, match=match):
+        funcgrad.per_example_norms(model(torch.randn(B, 4, 3)))

@@ -139,6 +139,27 @@ def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None)
         raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
 
 
+def _refuse_reentrant_checkpoint(losses: torch.Tensor, call: str) -> None:
+    """Raise naming reentrant checkpointing where the graph of ``losses`` has one: it runs the
+    checkpointed function without grad (the hooks record nothing there)."""
+    stack: list[Any] = [losses.grad_fn]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise ValueError(
+                f"{call}: the losses come from torch.utils.checkpoint with use_reentrant=True, "
+                "which runs the checkpointed function without grad (so the "
+                "funcgrad.per_example hooks record none of its layers) and again inside the "
+                "backward. Pass use_reentrant=False (supported: its recomputation is "
+                "handled), or leave the checkpoint out under funcgrad.per_example."
+            )
+        stack.extend(nxt for nxt, _ in node.next_functions)
+
+
 def _keys(use: _Use) -> list[tuple[Any, int]]:
     return [(e.node, e.output_nr) for e in use.edges]
 

@@ -29,6 +29,7 @@ from ._record import (
     _mark,
     _reachable_edges,
     _refuse_batch_statistics,
+    _refuse_reentrant_checkpoint,
     _SharedUse,
     _Use,
 )
@@ -186,7 +187,11 @@ class PerExample:
             while frame[0] is not module and self._frames:  # a call that raised left its frame
                 frame = self._frames.pop()
             nested = frame[1] if frame[0] is module else []
+        # where this call is not recorded itself (its own parameters frozen), the calls
+        # nested in it are kept, as calls of the enclosing frame
+        enclosing = self._frames[-1][1] if self._frames else self._uses
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
+            enclosing.extend(nested)
             return
         flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
         if not outside_transforms([x for x in flat if isinstance(x, torch.Tensor)]):
@@ -197,6 +202,7 @@ class PerExample:
                 outputs.append((i, out.shape, out.dtype))
                 edges.append(get_gradient_edge(out))
         if not edges:
+            enclosing.extend(nested)
             return
         if kwargs or not all(isinstance(x, torch.Tensor) for x in args):
             leaves, spec = _pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -221,7 +227,7 @@ class PerExample:
             if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
                 use.hook_dicts.append(_hook_dict(x))
                 use.tensors.append(weakref.ref(x))
-        (self._frames[-1][1] if self._frames else self._uses).append(use)
+        enclosing.append(use)
 
     # Public --------------------------------------------------------------------------
 
@@ -508,6 +514,7 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     if not live:
         if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
             _explain_spent(losses, call, None)
+            _refuse_reentrant_checkpoint(losses, call)
         raise ValueError(
             f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
             "per-example Gramians need each layer's input, recorded during the forward. "
