@@ -360,3 +360,12 @@ def test_frozen_shared_table_into_a_linear_is_refused_for_its_shape():
     match = r"'p' \(Linear\) has an output that has shape"
     with funcgrad.per_example(model), pytest.raises(ValueError, match=match):
         funcgrad.per_example_norms(model(torch.randn(B, 4, 3)))
+
+
+def test_two_hooks_on_one_forward_say_what_to_do():
+    """The message pointed norms / clip users to a .backward / .gramian they do not have."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with funcgrad.per_example(model), funcgrad.per_example(model[2]):
+        losses = model(torch.randn(B, 3)).squeeze(1)
+        with pytest.raises(ValueError, match=r"2 funcgrad.per_example hooks.*Hook the model once"):
+            funcgrad.per_example_norms(losses)

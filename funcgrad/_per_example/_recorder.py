@@ -522,6 +522,9 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
             "losses = criterion(model(x), y); pe.backward(losses, weighting=...)`."
         )
     raise ValueError(
-        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses; "
-        "call .backward / .gramian on the one you mean."
+        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses "
+        "(a model and one of its submodules both hooked?), so which one to use is unclear. "
+        "Hook the model once (remove the other: pe.remove()), or call .gramian / .backward on "
+        "the PerExample you mean (per_example_norms and per_example_clip have no such "
+        "method: keep one hook for them)."
     )
