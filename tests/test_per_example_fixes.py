@@ -369,3 +369,25 @@ def test_two_hooks_on_one_forward_say_what_to_do():
         losses = model(torch.randn(B, 3)).squeeze(1)
         with pytest.raises(ValueError, match=r"2 funcgrad.per_example hooks.*Hook the model once"):
             funcgrad.per_example_norms(losses)
+
+
+class TableFirst(nn.Module):
+    """A first argument whose dim 0 (7) is not the batch: funcgrad's guess of B is wrong."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Positions("broadcast")
+
+    def forward(self, table, ids):
+        return self.net(ids) + table.sum()
+
+
+def test_a_wrong_batch_guess_keeps_the_forward_and_is_refused():
+    model = TableFirst()
+    table = torch.randn(7, 2)
+    outside = model(table, IDS)
+    with funcgrad.per_example(model):
+        inside = model(table, IDS)
+        torch.testing.assert_close(inside, outside, rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"'net.pos' \(Embedding\).*\(B, ...\) = \(7, ...\)"):
+            funcgrad.per_example_norms(inside)

@@ -331,10 +331,12 @@ class _SharedIndex:
     (its row 0) everywhere else; such another use is noted, and the call then refuses that
     Embedding's per-example gradients.
 
-    B is the batch of the hooked model's own call, during that call only: the one size other
-    than 1 of dim 0 of its tensor arguments (none, or several: nothing is expanded, and the
-    call refuses the (1, T, d) output clearly); in a backward (a non-reentrant checkpoint's
-    recomputation) the last call's."""
+    B is the batch of the hooked model's own call, during that call only: dim 0 of its first
+    tensor argument (in any position, keywords included) whose dim 0 is not 1 (none: nothing
+    is expanded, and the call refuses the (1, T, d) output clearly); in a backward (a
+    non-reentrant checkpoint's recomputation) the last call's. A wrong B cannot change the
+    forward (the rows are used only against a tensor with B rows there, where they give the
+    same values), and the call refuses an output whose dim 0 is not the losses' B."""
 
     def __init__(self, recorder: PerExample) -> None:
         self.recorder = weakref.ref(recorder)
@@ -350,9 +352,8 @@ class _SharedIndex:
         batch = None
         if self.active():
             leaves = _pytree.tree_leaves((args, kwargs))
-            sizes = {int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.ndim}
-            sizes.discard(1)
-            batch = sizes.pop() if len(sizes) == 1 else None
+            sizes = (int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.ndim)
+            batch = next((size for size in sizes if size != 1), None)
             self.last = batch
         self.batches.append(batch)
 

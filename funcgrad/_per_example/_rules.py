@@ -311,8 +311,10 @@ class _Embedding(_Layer):
                     f"model uses otherwise than broadcast against the batch (by {shared.other}"
                     "; e.g. .sum(0), [0], .squeeze(0), a slice per example): its per-example "
                     "gradients cannot be told apart there (funcgrad expands such an index to "
-                    f"(B, ...) = ({shared.batch}, ...) only for a broadcast such as x + pos; "
-                    "the forward was the model's own). Nothing was written. Expand the index "
+                    f"(B, ...) = ({shared.batch}, ...) only for a broadcast such as x + pos "
+                    "with x of B rows, B being dim 0 of the model's first tensor argument "
+                    "whose dim 0 is not 1; the forward was the model's own). Nothing was "
+                    "written. Expand the index "
                     "to the batch yourself (ids.expand(B, -1)), or leave its parameters out "
                     "with inputs=."
                 )
@@ -322,12 +324,11 @@ class _Embedding(_Layer):
                         f"{self.run.call}: module {self.name!r} (Embedding) has an output of "
                         f"shape {tuple(shape)}, an index shared by the batch, but the losses "
                         f"have B = {self.batch} entries. funcgrad expands such an index to "
-                        "(B, ...) only during a call of the hooked model whose tensor "
-                        "arguments have one batch size along dim 0 (besides 1): this call was "
-                        "outside it (a submodule called directly) or its arguments' sizes "
-                        "left B unclear. Nothing was written. Expand the index to the batch "
-                        "yourself (ids.expand(B, -1)), or leave its parameters out with "
-                        "inputs=."
+                        "(B, ...) only during a call of the hooked model that has a tensor "
+                        "argument whose dim 0 is not 1: this call was outside it (a submodule "
+                        "called directly), or the model's call had none. Nothing was written. "
+                        "Expand the index to the batch yourself (ids.expand(B, -1)), or leave "
+                        "its parameters out with inputs=."
                     )
         super().precheck()
 
