@@ -391,3 +391,26 @@ def test_a_wrong_batch_guess_keeps_the_forward_and_is_refused():
         torch.testing.assert_close(inside, outside, rtol=0, atol=0)
         with pytest.raises(ValueError, match=r"'net.pos' \(Embedding\).*\(B, ...\) = \(7, ...\)"):
             funcgrad.per_example_norms(inside)
+
+
+class Cls(nn.Module):
+    """A class token from a (1, 1) index, expanded to the batch (ViT-style), then joined."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls, self.proj, self.head = nn.Embedding(2, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+
+    def forward(self, x):
+        token = self.cls(torch.zeros(1, 1, dtype=torch.long))
+        h = torch.cat([token.expand(x.shape[0], -1, -1), self.proj(x)], 1)
+        return self.head(h.tanh()).pow(2).sum((1, 2))
+
+
+def test_shared_index_expanded_to_the_batch_is_exact():
+    model = Cls()
+    x = torch.randn(B, 5, 3)
+    params = list(model.parameters())
+    jac = loop_rows(lambda: model(x), params)
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x))
+    torch.testing.assert_close(gram, jac @ jac.T)

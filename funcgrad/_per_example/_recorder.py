@@ -342,7 +342,8 @@ class _SharedIndex:
         self.recorder = weakref.ref(recorder)
         self.batches: list[int | None] = []  # the model's calls in progress (nested: a stack)
         self.last: int | None = None
-        self.pending: dict[nn.Module, list[int | None]] = {}  # Embedding -> its expanded calls
+        # Embedding -> its calls in progress that got an expanded index: (B, that index)
+        self.pending: dict[nn.Module, list[tuple[int, torch.Tensor]]] = {}
 
     def active(self) -> bool:
         recorder = self.recorder()
@@ -360,6 +361,8 @@ class _SharedIndex:
     def root_done(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.batches:
             self.batches.pop()
+        if not self.batches:
+            self.pending.clear()
 
     def batch(self) -> int | None:
         if self.batches:
@@ -381,10 +384,9 @@ class _SharedIndex:
             or index.ndim < 2
             or index.shape[0] != 1
         ):
-            self.pending.setdefault(module, []).append(None)
             return None
-        self.pending.setdefault(module, []).append(batch)
         expanded = index.expand(batch, *index.shape[1:])
+        self.pending.setdefault(module, []).append((batch, expanded))
         if args:
             return (expanded, *args[1:]), kwargs
         return args, {**kwargs, "input": expanded}
@@ -393,13 +395,11 @@ class _SharedIndex:
         """After the recorder's hook (which recorded the (B, T, d) output and its edge): the
         output handed on as `_SharedRows`."""
         calls = self.pending.get(module)
-        batch = calls.pop() if calls else None
-        if (
-            batch is None
-            or type(output) is not torch.Tensor
-            or output.ndim < 1
-            or output.shape[0] != batch
-        ):
+        index = args[0] if args else kwargs.get("input")
+        if not calls or calls[-1][1] is not index:  # not a call whose index was expanded
+            return None
+        batch = calls.pop()[0]
+        if type(output) is not torch.Tensor or output.ndim < 1 or output.shape[0] != batch:
             return None
         state = _SharedUse(batch)
         if output.grad_fn is not None and isinstance(output.grad_fn.metadata, dict):
@@ -423,6 +423,7 @@ def _row_ops() -> set[Any]:
 
 
 _BROADCAST = _broadcast_ops()  # elementwise, broadcasting binary ops
+_EXPAND = {torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to}
 _ROWS = _row_ops()  # ops that keep each row as it is
 
 
@@ -432,8 +433,9 @@ class _SharedRows(torch.Tensor):
 
     In a broadcasting add / sub / mul / div with a tensor whose dim aligned with its dim 0
     has size B (``x + pos``, ``h += pos``), the result is the same as the (1, T, d) output's,
-    and each example's output gradient stays in its own row: the rows are used. So for
-    ``.to`` / ``.contiguous`` / ``.clone`` / ``.float`` (the rows kept, still shared). Any
+    and each example's output gradient stays in its own row: the rows are used. So for an
+    expand to B rows (``pos.expand(B, -1, -1)``), and for ``.to`` / ``.contiguous`` /
+    ``.clone`` / ``.float`` (the rows kept, still shared). Any
     other use (``pos.sum(0)``, ``pos[0]``, ``pos.squeeze(0)``, ``pos.shape``, a second
     shared tensor) gets row 0, the (1, T, d) output itself, so that the forward and a plain
     backward are the model's own; a use that carries gradient is noted in the call's
@@ -456,6 +458,8 @@ class _SharedRows(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if func in _BROADCAST and _broadcasts(func, args, kwargs, state.batch):
                 return func(*args, **kwargs)
+            if func in _EXPAND and len(shared) == 1 and _expands(args, kwargs, state.batch):
+                return func(*args, **kwargs)  # to B rows: the same values as from one row
             if func in _ROWS and len(shared) == 1 and args and args[0] is shared[0]:
                 out = func(*args, **kwargs)
                 if isinstance(out, torch.Tensor) and out.shape == args[0].shape:
@@ -470,6 +474,24 @@ class _SharedRows(torch.Tensor):
         ):
             state.other = getattr(func, "__name__", None) or repr(func)
         return out
+
+
+def _expands(args: Any, kwargs: Any, batch: int) -> bool:
+    """Whether an expand of the rows (``pos.expand(B, -1, -1)``, ``expand_as(x)``,
+    ``broadcast_to``) gives what it gives on the (1, ...) output: the size it asks at the dim
+    of the rows' dim 0 is B."""
+    rows = args[0] if args else None
+    if not isinstance(rows, _SharedRows) or "out" in kwargs:
+        return False
+    rest = [*args[1:], *kwargs.values()]
+    if len(rest) == 1 and isinstance(rest[0], torch.Tensor):
+        sizes: list[Any] = list(rest[0].shape)  # expand_as
+    elif len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        sizes = list(rest[0])
+    else:
+        sizes = list(rest)
+    lead = len(sizes) - rows.ndim
+    return lead >= 0 and sizes[lead] == batch and all(isinstance(n, int) for n in sizes)
 
 
 def _broadcasts(func: Any, args: Any, kwargs: Any, batch: int) -> bool:
