@@ -13,7 +13,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from ._choose import _layer_class
 from ._generic import _Generic
-from ._record import _hook_name, _keys, _nested_params, _Use
+from ._record import _hook_name, _keys, _nested_params, _refuse_reentrant_checkpoint, _Use
 
 if TYPE_CHECKING:
     from ._run import _Run
@@ -49,6 +49,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
             _check_leaf(run, leaf)
         stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
     if not reached:
+        _refuse_reentrant_checkpoint(run.losses, run.call)
         raise ValueError(
             f"{run.call}: the losses depend on no module call that funcgrad.per_example "
             "recorded: hook the model before its forward, and compute the losses from "

@@ -68,7 +68,8 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         backward with the examples as groups); Hugging Face's Conv1D: the Linear rules,
         transposed; Embedding: the Gram of one-hot rows is index equality (or the
         per-example gradients on the rows used; an index shared by the batch, (1, T)
-        position ids, is expanded to (B, T) at the call); nn.MultiheadAttention
+        position ids, is expanded to (B, T) during the model's call where its output is
+        broadcast against the batch, and refused otherwise); nn.MultiheadAttention
         (batch_first, no bias_k, no dropout drawn): its q/k/v and out projections take the
         Linear rules, their output gradients from one batched backward through the
         attention alone; LayerNorm/GroupNorm/BatchNorm (eval) affine parameters: their
@@ -197,7 +198,14 @@ def per_example_norms(
     """
     recorder = _recorder_of(losses, _NORMS)
     run = _Run(recorder, losses, inputs, None, _NORMS, check, diagonal=True)
-    return run.execute(retain_graph, write=False)[0].diagonal().sqrt()
+    return _norms(run.execute(retain_graph, write=False)[0])
+
+
+def _norms(gram: torch.Tensor) -> torch.Tensor:
+    """The norms from G's diagonal, its squared norms clamped at 0 first: the ghost rule's
+    ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` sums T² products and may round below 0 where the norm is tiny
+    against ``‖A_b‖ ‖Δ_b‖`` (its absolute error is about eps·‖A_b‖²‖Δ_b‖²)."""
+    return gram.diagonal().clamp_min(0).sqrt()
 
 
 class _Clip:
@@ -209,7 +217,7 @@ class _Clip:
         self.max_norm = max_norm
 
     def __call__(self, gram: torch.Tensor) -> torch.Tensor:
-        return (self.max_norm / (gram.diagonal().sqrt() + 1e-6)).clamp(max=1.0)
+        return (self.max_norm / (_norms(gram) + 1e-6)).clamp(max=1.0)
 
 
 def per_example_clip(
@@ -269,7 +277,7 @@ def per_example_clip(
         recorder, losses, inputs, _Clip(float(max_norm)), _CLIP, check, replace=not accumulate
     )
     gram, _ = run.execute(retain_graph, write=True)
-    return gram.diagonal().sqrt()
+    return _norms(gram)
 
 
 def backward_from_losses(

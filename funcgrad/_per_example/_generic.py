@@ -144,6 +144,20 @@ class _Recurrent(_Generic):
         return leaves, spec, dims
 
     def precheck(self) -> None:
+        module = self.module
+        assert isinstance(module, nn.RNNBase)
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            # on every call, checked or not: the loop replays forward on each example alone,
+            # whose dropout masks between the layers would be fresh draws, not the forward's
+            raise ValueError(
+                f"{self.run.call}: module {self.name!r} ({type(module).__name__}) has "
+                f"dropout={module.dropout} between its {module.num_layers} layers and is in "
+                "training mode: its per-example gradients come from a second call of its "
+                "forward on each example alone, whose dropout masks would be new draws, not "
+                "those of the forward (torch's RNNs take no mask). Nothing was written. Call "
+                ".eval() on it, build it with dropout=0 (and apply nn.Dropout to its output "
+                "instead), or leave its parameters out with inputs=."
+            )
         self.check_layout()
         for use in self.uses:
             for k, (_, shape, _) in enumerate(use.outputs):

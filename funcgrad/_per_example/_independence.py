@@ -48,6 +48,9 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
         losses.device,
         type(losses.grad_fn).__name__,
         tuple(run.selected.values()),
+        # train / eval changes what a module does (dropout drawn or not): a signature
+        # checked in one mode is not checked in the other
+        tuple(m.training for m in run.recorder.model.modules()),
     ]
     for use in tested:
         leaves = _pytree.tree_leaves((use.args, use.kwargs))
@@ -76,7 +79,17 @@ def _hooks_held_back(run: _Run, uses: list[_Use]) -> Iterator[bool]:
     inputs and outputs of the recorded calls (their dicts, made at the call), and the full
     backward hooks and backward pre-hooks of the model's modules (torch's BackwardHook
     objects, found by the garbage collector's referrers, only where such hooks exist).
-    Yields whether any was held back."""
+    Yields whether any was held back.
+
+    The tensors among the losses and those inputs and outputs that retain their gradient
+    (``h.retain_grad()``: torch's retains-grad hook cannot be held back) get their ``.grad``
+    back as it was before the check's backward."""
+    candidates = [run.losses, *(ref() for use in uses for ref in use.tensors)]
+    retained = [
+        (t, t.grad)
+        for t in {id(t): t for t in candidates if t is not None}.values()
+        if t.retains_grad
+    ]
     dicts = [d for use in uses for d in use.hook_dicts]
     if run.losses._backward_hooks is not None:
         dicts.append(run.losses._backward_hooks)
@@ -103,6 +116,8 @@ def _hooks_held_back(run: _Run, uses: list[_Use]) -> Iterator[bool]:
             obj.user_hooks, obj.user_pre_hooks = [], []
         yield bool(saved or module_hooks)
     finally:
+        for tensor, grad in retained:
+            tensor.grad = grad
         for d, items in saved:
             d.update(items)
         for obj, hooks, pre_hooks in module_hooks:

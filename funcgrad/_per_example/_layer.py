@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,12 +62,17 @@ def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 def _squares(grads: torch.Tensor) -> torch.Tensor:
     """(B,): the squared norms of per-example gradients (B, ...)."""
-    return grads.reshape(grads.shape[0], -1).pow(2).sum(1)
+    return _flat(grads).pow(2).sum(1)
 
 
 def _gram(grads: torch.Tensor) -> torch.Tensor:
-    flat = grads.reshape(grads.shape[0], -1)
+    flat = _flat(grads)
     return flat @ flat.T
+
+
+def _flat(grads: torch.Tensor) -> torch.Tensor:
+    """(B, ...) as (B, P); B = 0 too (where ``reshape(B, -1)`` cannot tell P)."""
+    return grads.reshape(grads.shape[0], math.prod(grads.shape[1:]))
 
 
 @dataclasses.dataclass

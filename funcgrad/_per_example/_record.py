@@ -38,6 +38,9 @@ class _Use:
     # (tensor, its version at the call): the inputs and the module's own parameters, which
     # the rules read at the call; one changed in place since then gives wrong rows
     versions: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
+    # weak references to the call's inputs and outputs that require grad: the check's extra
+    # backward restores the .grad of those that retain it (Tensor.retain_grad)
+    tensors: list[Any] = dataclasses.field(default_factory=list)
 
     def walk(self) -> Iterator[_Use]:
         yield self
@@ -89,6 +92,26 @@ _WHY = {
 }
 
 
+# The key, in the graph node of an Embedding's output, of what funcgrad's expansion of an
+# index shared by the batch saw (`_SharedUse`, see _recorder._SharedIndex).
+_SHARED_ROWS = "funcgrad.per_example.shared_rows"
+
+
+@dataclasses.dataclass
+class _SharedUse:
+    """An Embedding call whose (1, T) index funcgrad expanded to (B, T): ``other`` names the
+    first use of its output that was not a broadcast against the batch (None: none was)."""
+
+    batch: int
+    other: str | None = None
+
+
+def _shared_use(use: _Use) -> _SharedUse | None:
+    metadata = getattr(use.edges[0].node, "metadata", None) if use.edges else None
+    found = metadata.get(_SHARED_ROWS) if isinstance(metadata, dict) else None
+    return found if isinstance(found, _SharedUse) else None
+
+
 def _mark(node: Any, why: str) -> None:
     metadata = getattr(node, "metadata", None)
     if isinstance(metadata, dict):  # the first reason stays (consumed, then dropped)
@@ -114,6 +137,27 @@ def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None)
         stack.extend(nxt for nxt, _ in node.next_functions)
     if recorder is not None and recorder._removed:
         raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
+
+
+def _refuse_reentrant_checkpoint(losses: torch.Tensor, call: str) -> None:
+    """Raise naming reentrant checkpointing where the graph of ``losses`` has one: it runs the
+    checkpointed function without grad (the hooks record nothing there)."""
+    stack: list[Any] = [losses.grad_fn]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise ValueError(
+                f"{call}: the losses come from torch.utils.checkpoint with use_reentrant=True, "
+                "which runs the checkpointed function without grad (so the "
+                "funcgrad.per_example hooks record none of its layers) and again inside the "
+                "backward. Pass use_reentrant=False (supported: its recomputation is "
+                "handled), or leave the checkpoint out under funcgrad.per_example."
+            )
+        stack.extend(nxt for nxt, _ in node.next_functions)
 
 
 def _keys(use: _Use) -> list[tuple[Any, int]]:

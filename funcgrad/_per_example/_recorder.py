@@ -19,6 +19,7 @@ from ._record import (
     _BACKWARD,
     _GRAMIAN,
     _MARK,
+    _SHARED_ROWS,
     _batch_statistics,
     _direct,
     _explain_spent,
@@ -28,6 +29,8 @@ from ._record import (
     _mark,
     _reachable_edges,
     _refuse_batch_statistics,
+    _refuse_reentrant_checkpoint,
+    _SharedUse,
     _Use,
 )
 from ._run import _Run
@@ -135,7 +138,14 @@ class PerExample:
         # A module with children gets a frame (its pre-hook) that collects the calls nested
         # in it; a leaf module needs only its forward hook.
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
+        self._shared = _SharedIndex(self)
         for module, params in self._direct.items():
+            if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._shared.wrap, with_kwargs=True, prepend=True, always_call=True
+                    )
+                )
             if (params and module in self._parents) or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             if params:
@@ -147,8 +157,10 @@ class PerExample:
                         self._post, with_kwargs=True, prepend=True, always_call=True
                     )
                 )
-        self._shared = _SharedIndex(self)
         self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
+        self._handles.append(
+            model.register_forward_hook(self._shared.root_done, with_kwargs=True, always_call=True)
+        )
         for module in self._direct:
             if type(module) is nn.Embedding:
                 self._handles.append(
@@ -175,7 +187,11 @@ class PerExample:
             while frame[0] is not module and self._frames:  # a call that raised left its frame
                 frame = self._frames.pop()
             nested = frame[1] if frame[0] is module else []
+        # where this call is not recorded itself (its own parameters frozen), the calls
+        # nested in it are kept, as calls of the enclosing frame
+        enclosing = self._frames[-1][1] if self._frames else self._uses
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
+            enclosing.extend(nested)
             return
         flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
         if not outside_transforms([x for x in flat if isinstance(x, torch.Tensor)]):
@@ -186,6 +202,7 @@ class PerExample:
                 outputs.append((i, out.shape, out.dtype))
                 edges.append(get_gradient_edge(out))
         if not edges:
+            enclosing.extend(nested)
             return
         if kwargs or not all(isinstance(x, torch.Tensor) for x in args):
             leaves, spec = _pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -209,7 +226,8 @@ class PerExample:
         for x in (*flat, *leaves_before):
             if isinstance(x, torch.Tensor) and x.requires_grad and x.grad_fn is not None:
                 use.hook_dicts.append(_hook_dict(x))
-        (self._frames[-1][1] if self._frames else self._uses).append(use)
+                use.tensors.append(weakref.ref(x))
+        enclosing.append(use)
 
     # Public --------------------------------------------------------------------------
 
@@ -305,36 +323,194 @@ _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
 
 class _SharedIndex:
     """An Embedding's index shared by the batch, (1, T) (the position ids of GPT-2 and BERT,
-    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward:
-    the same values, but the output gradient stays per example, where a broadcast would sum
-    it over the batch (losing each example's share). B is the batch of the hooked model's
-    own call: dim 0 of its first tensor argument (None: nothing is expanded)."""
+    broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward,
+    so that the output gradient stays per example where a broadcast would sum it over the
+    batch (losing each example's share). The forward stays the model's own: the (B, T, d)
+    output is handed on as `_SharedRows`, which acts as the (B, T, d) rows only where they
+    are broadcast against a (B, ...) tensor (the same values), and as the (1, T, d) output
+    (its row 0) everywhere else; such another use is noted, and the call then refuses that
+    Embedding's per-example gradients.
+
+    B is the batch of the hooked model's own call, during that call only: dim 0 of its first
+    tensor argument (in any position, keywords included) whose dim 0 is not 1 (none: nothing
+    is expanded, and the call refuses the (1, T, d) output clearly); in a backward (a
+    non-reentrant checkpoint's recomputation) the last call's. A wrong B cannot change the
+    forward (the rows are used only against a tensor with B rows there, where they give the
+    same values), and the call refuses an output whose dim 0 is not the losses' B."""
 
     def __init__(self, recorder: PerExample) -> None:
         self.recorder = weakref.ref(recorder)
-        self.batch: int | None = None
+        self.batches: list[int | None] = []  # the model's calls in progress (nested: a stack)
+        self.last: int | None = None
+        # Embedding -> its calls in progress that got an expanded index: (B, that index)
+        self.pending: dict[nn.Module, list[tuple[int, torch.Tensor]]] = {}
 
-    def recording(self) -> bool:
+    def active(self) -> bool:
         recorder = self.recorder()
-        return recorder is not None and recorder._recording and torch.is_grad_enabled()
+        return recorder is not None and not recorder._removed and torch.is_grad_enabled()
 
     def root(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self.recording():
+        batch = None
+        if self.active():
             leaves = _pytree.tree_leaves((args, kwargs))
-            first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.ndim), None)
-            self.batch = None if first is None else int(first.shape[0])
+            sizes = (int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.ndim)
+            batch = next((size for size in sizes if size != 1), None)
+            self.last = batch
+        self.batches.append(batch)
+
+    def root_done(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.batches:
+            self.batches.pop()
+        if not self.batches:
+            self.pending.clear()
+
+    def batch(self) -> int | None:
+        if self.batches:
+            return self.batches[-1]
+        if torch._C._current_graph_task_id() != -1:  # a recomputation inside a backward
+            return self.last
+        return None
 
     def expand(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        batch = self.batch
-        if batch is None or batch == 1 or not self.recording():
-            return None
+        batch = self.batch() if self.active() else None
         index = args[0] if args else kwargs.get("input")
-        if not isinstance(index, torch.Tensor) or index.ndim < 2 or index.shape[0] != 1:
+        weight = getattr(module, "weight", None)
+        if (
+            batch is None
+            or batch == 1
+            or not isinstance(weight, torch.Tensor)
+            or not weight.requires_grad
+            or not isinstance(index, torch.Tensor)
+            or index.ndim < 2
+            or index.shape[0] != 1
+        ):
             return None
         expanded = index.expand(batch, *index.shape[1:])
+        self.pending.setdefault(module, []).append((batch, expanded))
         if args:
             return (expanded, *args[1:]), kwargs
         return args, {**kwargs, "input": expanded}
+
+    def wrap(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """After the recorder's hook (which recorded the (B, T, d) output and its edge): the
+        output handed on as `_SharedRows`."""
+        calls = self.pending.get(module)
+        index = args[0] if args else kwargs.get("input")
+        if not calls or calls[-1][1] is not index:  # not a call whose index was expanded
+            return None
+        batch = calls.pop()[0]
+        if type(output) is not torch.Tensor or output.ndim < 1 or output.shape[0] != batch:
+            return None
+        state = _SharedUse(batch)
+        if output.grad_fn is not None and isinstance(output.grad_fn.metadata, dict):
+            output.grad_fn.metadata[_SHARED_ROWS] = state
+        return _SharedRows.wrap(output, state)
+
+
+def _broadcast_ops() -> set[Any]:
+    T = torch.Tensor
+    names = ["add", "sub", "mul", "div", "true_divide"]
+    found: set[Any] = {getattr(torch, n) for n in names}
+    found |= {getattr(T, n) for n in names} | {getattr(T, n + "_") for n in names}
+    for n in ("add", "sub", "mul", "truediv"):
+        found |= {getattr(T, f"__{n}__"), getattr(T, f"__i{n}__")}
+    return found
+
+
+def _row_ops() -> set[Any]:
+    T = torch.Tensor
+    return {T.to, T.contiguous, T.clone, T.float, T.double, T.half, T.bfloat16, T.type_as}
+
+
+_BROADCAST = _broadcast_ops()  # elementwise, broadcasting binary ops
+_EXPAND = {torch.Tensor.expand, torch.Tensor.expand_as, torch.broadcast_to}
+_ROWS = _row_ops()  # ops that keep each row as it is
+
+
+class _SharedRows(torch.Tensor):
+    """The (B, T, d) output of an Embedding whose (1, T) index funcgrad expanded: B equal
+    rows, standing for the (1, T, d) output that the model computes outside funcgrad.
+
+    In a broadcasting add / sub / mul / div with a tensor whose dim aligned with its dim 0
+    has size B (``x + pos``, ``h += pos``), the result is the same as the (1, T, d) output's,
+    and each example's output gradient stays in its own row: the rows are used. So for an
+    expand to B rows (``pos.expand(B, -1, -1)``), and for ``.to`` / ``.contiguous`` /
+    ``.clone`` / ``.float`` (the rows kept, still shared). Any
+    other use (``pos.sum(0)``, ``pos[0]``, ``pos.squeeze(0)``, ``pos.shape``, a second
+    shared tensor) gets row 0, the (1, T, d) output itself, so that the forward and a plain
+    backward are the model's own; a use that carries gradient is noted in the call's
+    `_SharedUse`, and per-example calls refuse that Embedding."""
+
+    _funcgrad_shared: _SharedUse
+
+    @staticmethod
+    def wrap(tensor: torch.Tensor, state: _SharedUse) -> _SharedRows:
+        with torch._C.DisableTorchFunctionSubclass():
+            rows = tensor.as_subclass(_SharedRows)
+        rows._funcgrad_shared = state
+        return rows
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        shared = [x for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, _SharedRows)]
+        state = shared[0]._funcgrad_shared
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _BROADCAST and _broadcasts(func, args, kwargs, state.batch):
+                return func(*args, **kwargs)
+            if func in _EXPAND and len(shared) == 1 and _expands(args, kwargs, state.batch):
+                return func(*args, **kwargs)  # to B rows: the same values as from one row
+            if func in _ROWS and len(shared) == 1 and args and args[0] is shared[0]:
+                out = func(*args, **kwargs)
+                if isinstance(out, torch.Tensor) and out.shape == args[0].shape:
+                    return _SharedRows.wrap(out, state)
+                return out
+            rows = _pytree.tree_map(
+                lambda x: x.narrow(0, 0, 1) if isinstance(x, _SharedRows) else x, (args, kwargs)
+            )
+            out = func(*rows[0], **rows[1])
+        if state.other is None and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in _pytree.tree_leaves(out)
+        ):
+            state.other = getattr(func, "__name__", None) or repr(func)
+        return out
+
+
+def _expands(args: Any, kwargs: Any, batch: int) -> bool:
+    """Whether an expand of the rows (``pos.expand(B, -1, -1)``, ``expand_as(x)``,
+    ``broadcast_to``) gives what it gives on the (1, ...) output: the size it asks at the dim
+    of the rows' dim 0 is B."""
+    rows = args[0] if args else None
+    if not isinstance(rows, _SharedRows) or "out" in kwargs:
+        return False
+    rest = [*args[1:], *kwargs.values()]
+    if len(rest) == 1 and isinstance(rest[0], torch.Tensor):
+        sizes: list[Any] = list(rest[0].shape)  # expand_as
+    elif len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        sizes = list(rest[0])
+    else:
+        sizes = list(rest)
+    lead = len(sizes) - rows.ndim
+    return lead >= 0 and sizes[lead] == batch and all(isinstance(n, int) for n in sizes)
+
+
+def _broadcasts(func: Any, args: Any, kwargs: Any, batch: int) -> bool:
+    """Whether ``func`` (an elementwise binary op) on the rows gives what it gives on the
+    (1, ...) output: every shared operand meets a plain tensor operand whose dim aligned
+    with its dim 0 has size B, and none is written in place."""
+    if "out" in kwargs or len(args) < 2:
+        return False
+    operands = [*args[:2], kwargs.get("other")]
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") or name.startswith("__i")) and isinstance(args[0], _SharedRows):
+        return False  # written in place: its rows would be the model's tensor
+    plain = [x for x in operands if isinstance(x, torch.Tensor) and not isinstance(x, _SharedRows)]
+    for x in operands:
+        if isinstance(x, _SharedRows) and not any(
+            o.ndim >= x.ndim and o.shape[o.ndim - x.ndim] == batch for o in plain
+        ):
+            return False
+    return True
 
 
 def _distributed_refusal(call: str) -> str:
@@ -361,6 +537,7 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     if not live:
         if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
             _explain_spent(losses, call, None)
+            _refuse_reentrant_checkpoint(losses, call)
         raise ValueError(
             f"{call}: no funcgrad.per_example hooks recorded the forward of these losses; "
             "per-example Gramians need each layer's input, recorded during the forward. "
@@ -368,6 +545,9 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
             "losses = criterion(model(x), y); pe.backward(losses, weighting=...)`."
         )
     raise ValueError(
-        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses; "
-        "call .backward / .gramian on the one you mean."
+        f"{call}: {len(live)} funcgrad.per_example hooks recorded the forward of these losses "
+        "(a model and one of its submodules both hooked?), so which one to use is unclear. "
+        "Hook the model once (remove the other: pe.remove()), or call .gramian / .backward on "
+        "the PerExample you mean (per_example_norms and per_example_clip have no such "
+        "method: keep one hook for them)."
     )

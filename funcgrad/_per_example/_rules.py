@@ -11,7 +11,7 @@ from torch import nn
 
 from .._errors import describe
 from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
-from ._record import _Use
+from ._record import _shared_use, _Use
 
 
 class _Dense(_Layer):
@@ -38,7 +38,7 @@ class _Dense(_Layer):
         if a.ndim < 2:
             self.fail("has an input that", describe(a))
         d = self.delta(use)
-        return a.reshape(self.batch, -1, a.shape[-1]), d.reshape(self.batch, -1, d.shape[-1])
+        return _by_example(a, self.batch), _by_example(d, self.batch)
 
     def dims(self) -> tuple[int, int, int]:
         """(T rows per example over all calls, d, p), from shapes alone."""
@@ -53,7 +53,7 @@ class _Dense(_Layer):
     def bias_rows(self) -> torch.Tensor:
         """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
         found = [self.delta(use) for use in self.uses]
-        sums = [d.reshape(self.batch, -1, d.shape[-1]).sum(1) for d in found]
+        sums = [_by_example(d, self.batch).sum(1) for d in found]
         return sum(sums[1:], sums[0])
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -188,10 +188,9 @@ class _Dense(_Layer):
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
-        w = weights.to(d.dtype)
+        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
+        w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
-        if a.shape[0] > w.shape[0]:  # rows (b, t): each example's weight on its T rows
-            w = w.repeat_interleave(a.shape[0] // w.shape[0])
         found = {}
         if "weight" in self.params:  # w scales the narrower of Δ and A
             if d.shape[1] <= a.shape[1]:
@@ -201,6 +200,12 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """(B, ..., k) as (B, T, k), T the product of the middle dims (B = 0 or T = 0 too, where
+    ``reshape(B, -1, k)`` cannot tell T)."""
+    return x.reshape(batch, math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 class _TransposedDense(_Dense):
@@ -295,6 +300,37 @@ class _Embedding(_Layer):
     """Embedding: the Gram of one-hot rows is index equality."""
 
     kind = "embedding"
+
+    def precheck(self) -> None:
+        for use in self.uses:
+            shared = _shared_use(use)
+            if shared is not None and shared.other is not None:
+                raise ValueError(
+                    f"{self.run.call}: module {self.name!r} (Embedding) was called with an "
+                    "index shared by the batch (dim 0 of size 1), whose (1, ...) output the "
+                    f"model uses otherwise than broadcast against the batch (by {shared.other}"
+                    "; e.g. .sum(0), [0], .squeeze(0), a slice per example): its per-example "
+                    "gradients cannot be told apart there (funcgrad expands such an index to "
+                    f"(B, ...) = ({shared.batch}, ...) only for a broadcast such as x + pos "
+                    "with x of B rows, B being dim 0 of the model's first tensor argument "
+                    "whose dim 0 is not 1; the forward was the model's own). Nothing was "
+                    "written. Expand the index "
+                    "to the batch yourself (ids.expand(B, -1)), or leave its parameters out "
+                    "with inputs=."
+                )
+            for _, shape, _ in use.outputs:
+                if len(shape) and shape[0] == 1 and self.batch != 1:
+                    raise ValueError(
+                        f"{self.run.call}: module {self.name!r} (Embedding) has an output of "
+                        f"shape {tuple(shape)}, an index shared by the batch, but the losses "
+                        f"have B = {self.batch} entries. funcgrad expands such an index to "
+                        "(B, ...) only during a call of the hooked model that has a tensor "
+                        "argument whose dim 0 is not 1: this call was outside it (a submodule "
+                        "called directly), or the model's call had none. Nothing was written. "
+                        "Expand the index to the batch yourself (ids.expand(B, -1)), or leave "
+                        "its parameters out with inputs=."
+                    )
+        super().precheck()
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         index_parts, d_parts = [], []
