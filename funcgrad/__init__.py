@@ -21,6 +21,7 @@ from ._memory import memory_budget
 from ._multitask import SecondBackwardError, backward
 from ._per_example import PerExample, per_example, per_example_gramian
 from ._plan import Plan
+from ._projector import DualConeProjector
 from ._pullback import Pullback, PullbackStats, pullback
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
 
@@ -38,6 +39,7 @@ __all__ = [
     # multi-task weighting
     "backward",
     "combine_heads",
+    "DualConeProjector",
     # per-example heads
     "per_example",
     "per_example_gramian",
