@@ -408,3 +408,17 @@ def test_no_warning_on_the_steady_path() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         funcgrad.DualConeProjector(check=True)(torch.eye(6), random_gramian(2, 6))
+
+
+def test_funcgrad_backward_refuses_unconverged_weights() -> None:
+    """The NaN of an unconverged row meets funcgrad's own finiteness read: a clear error,
+    and ``.grad`` untouched."""
+    tjd = _tjd()
+    encoder = torch.nn.Linear(5, 8)
+    features = encoder(torch.randn(16, 5))
+    directions = torch.randn(6, 8)  # conflicting tasks: one iteration does not solve them
+    losses = [(features @ c).mean() for c in directions]
+    weighting = tjd.UPGradWeighting(projector=funcgrad.DualConeProjector(max_iter=1, check=False))
+    with pytest.raises(ValueError, match="non-finite weights"):
+        funcgrad.backward(losses, through=features, weighting=weighting, level="params")
+    assert encoder.weight.grad is None
