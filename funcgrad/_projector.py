@@ -80,13 +80,15 @@ class DualConeProjector:
 
     Examples:
         >>> import torch, funcgrad
-        >>> J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)
+        >>> J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)  # 2 tasks
         >>> project = funcgrad.DualConeProjector()
         >>> W = project(torch.eye(2, dtype=torch.float64), J @ J.T)
-        >>> bool(((W @ J) @ J.T >= -1e-12).all())  # each row's update conflicts with no task
-        True
-        >>> W.shape
-        torch.Size([2, 2])
+        >>> W.round(decimals=3)  # row i: the least change of e_i that conflicts with no task
+        tensor([[1.0000, 0.5000],
+                [1.0000, 1.0000]], dtype=torch.float64)
+        >>> (W @ J @ J.T).round(decimals=3)  # >= 0, up to the regularisation reg_eps
+        tensor([[0.5000, -0.0000],
+                [-0.0000, 1.0000]], dtype=torch.float64)
 
     Notes:
         With TorchJD: ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` gives the
