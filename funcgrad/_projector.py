@@ -44,6 +44,7 @@ _BUDGET_FLOOR = 64
 _GAMMA = 1.0  # MPRGP's proportioning constant
 _STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
 _POWER_STEPS = 24  # power iterations for lambda_max (a lower bound, always >= lambda_max / 2)
+_FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
 
 class ProjectorConvergenceError(RuntimeError):
@@ -274,12 +275,21 @@ def solve(
     free = torch.sign(gap)  # 1 where y is off its bound, 0 on it
     P = g * free
     stale = torch.zeros_like(U[:, :1])  # 1 where g is out of date (after an expansion)
-    for _ in range(budget):
+    # 1 where a row has converged (checked every few iterations): it takes no more steps, so
+    # that its residual does not shrink on into subnormal numbers (slow on the CPU).
+    frozen = torch.zeros_like(stale)
+    bound = tol * low.abs().amax(1, keepdim=True) / 4
+    for iteration in range(budget):
+        if iteration % _FREEZE_EVERY == _FREEZE_EVERY - 1:
+            residual = torch.minimum(gap, g).abs().amax(1, keepdim=True)
+            scale = (low + gap).abs().amax(1, keepdim=True)
+            done = (residual <= tol / 4 * scale + bound).to(dtype) * (1 - stale)
+            frozen = torch.maximum(frozen, done)
         phi = g * free  # the free gradient
         beta = g.clamp(max=0) * (1 - free)  # the chopped gradient: bounds to release
         phit = torch.minimum(gap * inv_abar, phi)  # the reduced free gradient (0 on bounds)
         prop = (_dot(beta, beta) <= _GAMMA**2 * _dot(phit, phi)).to(dtype)
-        fresh = 1 - stale
+        fresh = (1 - stale) * (1 - frozen)
         # The direction: the CG one where proportional, else the chopped gradient; y itself
         # where g must be recomputed (then no step is taken).
         D = torch.lerp(torch.lerp(beta, P, prop), low + gap, stale)
@@ -292,7 +302,7 @@ def solve(
         feasible = 1 / (inv_feasible.abs() + tiny)  # finite, so 0 * it is 0 (abs: -0.0)
         step = fresh * (expand * feasible + (1 - expand) * alpha)
         gap = torch.addcmul(gap, step, D, value=-1).clamp_min(0)
-        g = torch.lerp(torch.addcmul(g, step, Q, value=-1), Q, stale)
+        g = torch.lerp(torch.addcmul(g, step, Q, value=-1), Q, stale * (1 - frozen))
         free = torch.sign(gap)
         # expansion rows: a projected gradient step of length abar from the half step
         gap = torch.addcmul(gap, expand * abar, g * free, value=-1).clamp_min(0)
