@@ -27,6 +27,7 @@ from ._per_example import (
     per_example_norms,
 )
 from ._plan import Plan
+from ._projector import DualConeProjector
 from ._pullback import Pullback, PullbackStats, pullback
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
 
@@ -44,6 +45,7 @@ __all__ = [
     # multi-task weighting
     "backward",
     "combine_heads",
+    "DualConeProjector",
     # per-example heads
     "per_example",
     "per_example_gramian",

@@ -53,6 +53,9 @@ from ._per_example import TARGETS as PER_EXAMPLE_TARGETS
 from ._per_example import per_example_case
 from ._planner import cells as planner_cells
 from ._planner import planner_case
+from ._projector import CELLS as PROJECTOR_CELLS
+from ._projector import TARGETS as PROJECTOR_TARGETS
+from ._projector import projector_case
 from ._real_model import real_model_case
 from ._real_stacks import CELLS as REAL_STACKS_CELLS
 from ._real_stacks import TARGETS as REAL_STACKS_TARGETS
@@ -68,11 +71,12 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     "overhead": overhead_case,
     "per-example": per_example_case,
     "attribution": attribution_case,
+    "projector": projector_case,
 }
 # Not in a default run: the planner's grid (funcgrad against itself), the chunk-memory
 # case (gigabytes at full size: a GPU check), per-example (minutes at B = 512) and
 # attribution (captum's loop: minutes; docs/benchmarks_attribution.md).
-NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example", "attribution")
+NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example", "attribution", "projector")
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
 DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
@@ -92,6 +96,7 @@ TARGETS = [
     *PER_EXAMPLE_TARGETS,
     *REAL_STACKS_TARGETS,
     *ATTRIBUTION_TARGETS,
+    *PROJECTOR_TARGETS,
 ]
 OVERHEAD_TARGETS = [
     (f"overhead {name} k=8", "funcgrad", "recipe", 1.2) for name in overhead_names()
@@ -127,6 +132,8 @@ def _cells(name: str, mode: str) -> list[tuple[str, int]]:
         return PER_EXAMPLE_CELLS[mode]
     if name == "attribution":
         return ATTRIBUTION_CELLS[mode]
+    if name == "projector":
+        return PROJECTOR_CELLS[mode]
     if name == "overhead":
         return [(entry, 8) for entry in overhead_names()]
     return [("", k) for k in HEAD_COUNTS[name][mode]]

@@ -1,0 +1,321 @@
+"""A batched, sync-free solver of TorchJD's dual-cone projection (the QP inside UPGrad and
+DualProj): `DualConeProjector`, a drop-in for TorchJD 0.18's ``projector=`` argument.
+
+For each row u of U it solves ``min_v v^T G v subject to v >= u`` with G normalised and
+regularised as TorchJD's ``QuadprogProjector`` does it (``G / trace(G)`` where the trace is at
+least ``norm_eps``, else 0; then ``+ reg_eps * I``). All rows are solved together, on G's
+device, by MPRGP (Dostal and Schoberl 2005, "Minimizing quadratic functions subject to bound
+constraints with the rate of convergence and finite termination"): conjugate gradient steps
+on the current face, expansion steps (a feasible half step, then a projected gradient step of
+length ``abar``) when a bound is hit, and proportioning steps that release the bounds whose
+multipliers are negative. It is monotone (each step lowers ``v^T G v``), converges for any
+positive definite G, and terminates finitely in exact arithmetic once the optimal face is
+found, so its answer is the exact one (within rounding), not an approximation.
+
+Assumptions, and how each is checked:
+
+- G is symmetric positive semi-definite (a Gramian). ``reg_eps > 0`` makes it definite, so
+  the solution is unique and equal to quadprog's.
+- The iteration count is fixed (``max_iter``): a loop that stops when every row has
+  converged would read a device value every iteration. Convergence is checked once, at the
+  end, on the device (the KKT conditions ``v >= u``, ``G v >= 0``, ``(v - u) * (G v) = 0``
+  within ``tol``); a row that did not converge comes back as NaN (a loud failure that
+  funcgrad's own finiteness check, already one read per call, turns into an error), or, with
+  ``check=True``, is re-solved by quadprog with a warning (``"strict"``: an error).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from ._config import CheckMode, resolve_check
+from ._errors import FuncgradWarning
+
+# The default iteration count, 4 m + 64, from the experiments of docs/projector.md: the
+# hardest Gramians of the test sets (random low rank) needed up to 4 m iterations at m = 64
+# and 8 m at m = 16; most need under m.
+_BUDGET_PER_ROW = 4
+_BUDGET_FLOOR = 64
+_GAMMA = 1.0  # MPRGP's proportioning constant
+_STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
+_POWER_STEPS = 24  # power iterations for lambda_max (a lower bound, always >= lambda_max / 2)
+_FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
+
+
+class ProjectorConvergenceError(RuntimeError):
+    """`funcgrad.DualConeProjector` did not reach its tolerance within ``max_iter``
+    iterations on some rows, with ``check="strict"``."""
+
+
+class DualConeProjector:
+    """Projects onto the dual cone of a Gramian's rows, as TorchJD's ``QuadprogProjector``
+    does, but for all rows at once, on G's device, and without reading any device value.
+
+    For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
+    ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
+    is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``. Pass it
+    as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
+    ``DualProjWeighting``, ``DualProj``), or call it on its own.
+
+    Args:
+        norm_eps: G is divided by its trace where the trace is at least ``norm_eps``, and
+            replaced by zeros otherwise (TorchJD's ``normalize``).
+        reg_eps: added to G's diagonal after normalisation (TorchJD's ``regularize``); it
+            makes G definite, hence the solution unique.
+        max_iter: MPRGP iterations, a fixed count (each one product ``(rows, m) @ (m, m)``);
+            None: ``4 m + 64``, enough for every Gramian of the tests. Fewer is faster,
+            and rows that do not converge come back as NaN (or re-solved, see ``check``).
+        tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
+            (on the Jacobi-scaled problem) is at most ``tol * (max |v| + max |u|)``;
+            None: ``16 * eps * sqrt(m)`` for G's dtype.
+        check: None follows `funcgrad.checking` / `funcgrad.set_check`. False reads
+            nothing: unconverged rows are NaN. True reads one boolean per call and re-solves
+            unconverged rows with TorchJD's ``QuadprogProjector``, with a
+            `funcgrad.FuncgradWarning` (an error if quadprog is not installed); ``"strict"``
+            raises ``DualConeProjector.ConvergenceError`` (a ``RuntimeError``) instead.
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]], dtype=torch.float64)  # 2 tasks
+        >>> project = funcgrad.DualConeProjector()
+        >>> W = project(torch.eye(2, dtype=torch.float64), J @ J.T)
+        >>> W.round(decimals=3)  # row i: the least change of e_i that conflicts with no task
+        tensor([[1.0000, 0.5000],
+                [1.0000, 1.0000]], dtype=torch.float64)
+        >>> (W @ J @ J.T).round(decimals=3)  # >= 0, up to the regularisation reg_eps
+        tensor([[0.5000, -0.0000],
+                [-0.0000, 1.0000]], dtype=torch.float64)
+
+    Notes:
+        With TorchJD: ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` gives the
+        weights of ``UPGradWeighting()`` (quadprog), to 1e-8 relative in float64 on the tests'
+        Gramians, without copying G to the host. funcgrad never imports TorchJD; where
+        TorchJD is already imported, this class is registered as a virtual subclass of
+        ``torchjd.linalg.DualConeProjector``. The result is not differentiable (as
+        TorchJD's). Cost: ``max_iter`` products of the rows with G (about 8 m^4 flops for
+        UPGrad's m rows), and a few elementwise passes per iteration.
+    """
+
+    ConvergenceError = ProjectorConvergenceError
+
+    def __init__(
+        self,
+        norm_eps: float = 1e-4,
+        reg_eps: float = 1e-4,
+        *,
+        max_iter: int | None = None,
+        tol: float | None = None,
+        check: CheckMode | None = None,
+    ) -> None:
+        call = "funcgrad.DualConeProjector(...)"
+        for name, value in (("norm_eps", norm_eps), ("reg_eps", reg_eps)):
+            if not isinstance(value, (int, float)) or not value >= 0.0:
+                raise ValueError(f"{call}: `{name}` must be a number >= 0, got {value!r}.")
+        if max_iter is not None and (not isinstance(max_iter, int) or max_iter < 1):
+            raise ValueError(
+                f"{call}: `max_iter` must be a positive int or None, got {max_iter!r}."
+            )
+        if tol is not None and (not isinstance(tol, (int, float)) or not tol > 0.0):
+            raise ValueError(f"{call}: `tol` must be a number > 0 or None, got {tol!r}.")
+        if check is not None:
+            resolve_check(check, call)  # validates it
+        self.norm_eps = float(norm_eps)
+        self.reg_eps = float(reg_eps)
+        self.max_iter = max_iter
+        self.tol = tol
+        self.check = check
+        _register_with_torchjd()
+
+    def __repr__(self) -> str:
+        options = {"max_iter": self.max_iter, "tol": self.tol, "check": self.check}
+        extra = "".join(f", {key}={value!r}" for key, value in options.items() if value is not None)
+        return f"DualConeProjector(norm_eps={self.norm_eps}, reg_eps={self.reg_eps}{extra})"
+
+    def __call__(self, U: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+        """The weights W (shape of ``U``, G's dtype and device): row by row,
+        ``argmin_v v^T G v subject to v >= u``, G normalised and regularised."""
+        call = "funcgrad.DualConeProjector(U, G)"
+        _validate(U, G, call)
+        mode = resolve_check(self.check, call)
+        with torch.no_grad():
+            gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
+            rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
+            W, converged = solve(gramian, rows, self.max_iter, self.tol)
+            if mode is not False and not bool(converged.all()):  # the one read, on request
+                W = self._fallback(U, G, W, converged, mode)
+        return W.reshape(U.shape)
+
+    def _fallback(
+        self,
+        U: torch.Tensor,
+        G: torch.Tensor,
+        W: torch.Tensor,
+        converged: torch.Tensor,
+        mode: CheckMode,
+    ) -> torch.Tensor:
+        bad = (~converged).nonzero().flatten()
+        m = G.shape[0]
+        budget = self.max_iter or default_budget(m)
+        why = (
+            f"funcgrad.DualConeProjector(U, G): {bad.numel()} of {W.shape[0]} rows did not "
+            f"reach the tolerance in max_iter={budget} iterations (m = {m})"
+        )
+        if mode == "strict":
+            raise ProjectorConvergenceError(
+                f"{why}. Raise max_iter, or pass check=True to re-solve them with quadprog."
+            )
+        try:
+            from torchjd.linalg import QuadprogProjector
+        except ImportError as error:
+            raise ProjectorConvergenceError(
+                f"{why}, and TorchJD's QuadprogProjector, the fallback, cannot be imported "
+                f"({error}). Raise max_iter, or install torchjd[quadprog_projector]."
+            ) from error
+        warnings.warn(
+            f"{why}; re-solving them with TorchJD's QuadprogProjector (host reads). Raise "
+            "max_iter to stay on the device.",
+            FuncgradWarning,
+            stacklevel=3,
+        )
+        exact: Any = QuadprogProjector(norm_eps=self.norm_eps, reg_eps=self.reg_eps)
+        rows = U.detach().reshape(-1, m)[bad]
+        W = W.clone()
+        W[bad] = exact(rows, G.detach()).to(W.dtype)
+        return W
+
+
+def _register_with_torchjd() -> None:
+    """Make ``isinstance(p, torchjd.linalg.DualConeProjector)`` true where TorchJD is already
+    imported (funcgrad never imports it: it takes seconds)."""
+    module = sys.modules.get("torchjd._linalg._dual_cone")
+    base: Any = getattr(module, "DualConeProjector", None)
+    if base is not None and hasattr(base, "register") and not issubclass(DualConeProjector, base):
+        base.register(DualConeProjector)
+
+
+def _validate(U: object, G: object, call: str) -> None:
+    if not isinstance(G, torch.Tensor) or G.ndim != 2 or G.shape[0] != G.shape[1]:
+        got = f"shape {tuple(G.shape)}" if isinstance(G, torch.Tensor) else type(G).__name__
+        raise ValueError(f"{call}: `G` must be a square (m, m) Gramian, got {got}.")
+    if not isinstance(U, torch.Tensor) or U.ndim == 0 or U.shape[-1] != G.shape[0]:
+        got = f"shape {tuple(U.shape)}" if isinstance(U, torch.Tensor) else type(U).__name__
+        raise ValueError(
+            f"{call}: `U` must have shape (..., m) with m = {G.shape[0]} (G's size), got {got}."
+        )
+    for name, t in (("G", G), ("U", U)):
+        if not t.is_floating_point() or t.dtype in (torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"{call}: `{name}` must be float32 or float64, got {t.dtype}. Convert it "
+                f"with {name}.float() or {name}.double()."
+            )
+
+
+def regularized(G: torch.Tensor, norm_eps: float, reg_eps: float) -> torch.Tensor:
+    """TorchJD's ``regularize(normalize(G, norm_eps), reg_eps)``, op for op."""
+    trace = G.diagonal().sum()
+    normalized = torch.where(trace < norm_eps, torch.zeros_like(G), G / trace)
+    return normalized + reg_eps * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
+
+
+def default_budget(m: int) -> int:
+    return _BUDGET_PER_ROW * m + _BUDGET_FLOOR
+
+
+def default_tol(m: int, dtype: torch.dtype) -> float:
+    return 16 * torch.finfo(dtype).eps * math.sqrt(m)
+
+
+def _lambda_max(A: torch.Tensor) -> torch.Tensor:
+    """The largest eigenvalue of the PSD matrix A (unit diagonal), from below: the Rayleigh
+    quotient after a fixed number of power iterations, and at least 1 (the diagonal)."""
+    m = A.shape[0]
+    x = torch.ones(m, dtype=A.dtype, device=A.device)
+    x = x + 0.5 * torch.sin(torch.arange(m, dtype=A.dtype, device=A.device))  # no symmetry
+    for _ in range(_POWER_STEPS):
+        x = A @ x
+        x = x / x.norm().clamp_min(torch.finfo(A.dtype).tiny)
+    return torch.maximum(x @ (A @ x), torch.ones((), dtype=A.dtype, device=A.device))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products, (r, 1) (``linalg.vecdot`` is slower on the CPU)."""
+    return (a * b).sum(1, keepdim=True)
+
+
+def solve(
+    G: torch.Tensor, U: torch.Tensor, max_iter: int | None = None, tol: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, converged): MPRGP on every row of U (r, m) with the (regularised) G, no host read.
+
+    The problem is Jacobi-scaled first (``v = s * y``, ``s = diag(G)^(-1/2)``), which makes
+    rows of very different scales (tasks whose gradients differ by 1e8) as easy as the rest.
+    """
+    m = G.shape[0]
+    budget = default_budget(m) if max_iter is None else max_iter
+    tol = default_tol(m, G.dtype) if tol is None else tol
+    diag = G.diagonal()
+    s = torch.where(diag > 0, diag.clamp_min(torch.finfo(G.dtype).tiny).rsqrt(), 1.0)
+    A = G * s[:, None] * s[None, :]
+    A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
+    low = U / s  # the bound on y
+    abar = _STEP / _lambda_max(A)
+    inv_abar = 1 / abar
+    dtype = G.dtype
+    tiny = torch.finfo(dtype).tiny
+    # The state is x = y - low >= 0 (``gap``), the gradient g = A y (kept up to date
+    # incrementally, recomputed after an expansion), the CG direction P. Masks are 0/1
+    # floats: boolean (r, m) tensors and ``torch.where`` are slow on the CPU.
+    gap = low.clamp_min(0) - low  # y = max(low, 0), the box's projection of the minimum, 0
+    g = (low + gap) @ A
+    free = torch.sign(gap)  # 1 where y is off its bound, 0 on it
+    P = g * free
+    stale = torch.zeros_like(U[:, :1])  # 1 where g is out of date (after an expansion)
+    # 1 where a row has converged (checked every few iterations): it takes no more steps, so
+    # that its residual does not shrink on into subnormal numbers (slow on the CPU).
+    frozen = torch.zeros_like(stale)
+    bound = tol * low.abs().amax(1, keepdim=True) / 4
+    for iteration in range(budget):
+        if iteration % _FREEZE_EVERY == _FREEZE_EVERY - 1:
+            residual = torch.minimum(gap, g).abs().amax(1, keepdim=True)
+            scale = (low + gap).abs().amax(1, keepdim=True)
+            done = (residual <= tol / 4 * scale + bound).to(dtype) * (1 - stale)
+            frozen = torch.maximum(frozen, done)
+        phi = g * free  # the free gradient
+        beta = g.clamp(max=0) * (1 - free)  # the chopped gradient: bounds to release
+        phit = torch.minimum(gap * inv_abar, phi)  # the reduced free gradient (0 on bounds)
+        prop = (_dot(beta, beta) <= _GAMMA**2 * _dot(phit, phi)).to(dtype)
+        fresh = (1 - stale) * (1 - frozen)
+        # The direction: the CG one where proportional, else the chopped gradient; y itself
+        # where g must be recomputed (then no step is taken).
+        D = torch.lerp(torch.lerp(beta, P, prop), low + gap, stale)
+        Q = D @ A
+        dQd = _dot(D, Q)
+        alpha = _dot(g, D) / dQd.clamp_min(tiny)
+        # 1 / the longest feasible step along -D (only D's positive entries meet a bound)
+        inv_feasible = (D.clamp_min(0) / gap.clamp_min(tiny)).amax(1, keepdim=True)
+        expand = fresh * prop * (alpha * inv_feasible > 1).to(dtype)
+        feasible = 1 / (inv_feasible.abs() + tiny)  # finite, so 0 * it is 0 (abs: -0.0)
+        step = fresh * (expand * feasible + (1 - expand) * alpha)
+        gap = torch.addcmul(gap, step, D, value=-1).clamp_min(0)
+        g = torch.lerp(torch.addcmul(g, step, Q, value=-1), Q, stale * (1 - frozen))
+        free = torch.sign(gap)
+        # expansion rows: a projected gradient step of length abar from the half step
+        gap = torch.addcmul(gap, expand * abar, g * free, value=-1).clamp_min(0)
+        free = torch.sign(gap)
+        phi = g * free
+        gamma = _dot(phi, Q) / dQd.clamp_min(tiny)
+        P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
+        stale = expand
+    Y = low + gap
+    g = Y @ A  # fresh, for the KKT check
+    residual = torch.minimum(gap, g).abs().amax(1)
+    scale = Y.abs().amax(1) + low.abs().amax(1)
+    converged = residual <= tol * scale
+    W = U + gap * s  # = Y * s, and >= U exactly
+    W = torch.where(converged[:, None], W, torch.full_like(W, math.nan))
+    return W, converged

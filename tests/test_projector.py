@@ -1,0 +1,424 @@
+"""funcgrad.DualConeProjector against TorchJD's QuadprogProjector (quadprog, float64), the
+KKT conditions of the dual-cone QP directly, host reads counted, and UPGrad / DualProj end to
+end with the projector passed to TorchJD's own weightings."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import funcgrad
+from funcgrad._projector import default_budget, regularized, solve
+
+# --------------------------------------------------------------------------------------------
+# Gramians
+
+
+def _orthonormal(m: int, gen: torch.Generator, against: torch.Tensor | None = None) -> torch.Tensor:
+    """A random orthonormal basis of the complement of ``against``'s columns (m x (m - k))."""
+    q = torch.zeros(m, 0) if against is None else against
+    a = torch.randn(m, m - q.shape[1], generator=gen)
+    a = a - q @ (q.T @ a)
+    return torch.linalg.qr(a).Q
+
+
+def _spectrum(rank: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.diag(torch.randn(rank, generator=gen).abs())
+
+
+def torchjd_matrices() -> list[tuple[str, torch.Tensor]]:
+    """The kinds of matrices of TorchJD's aggregation tests (tests/unit/aggregation/_inputs.py):
+    a given rank, strongly stationary (some v > 0 with v^T A = 0), weakly but not strongly
+    stationary, not weakly stationary, zero, and the first kind scaled by 0 .. 1e15."""
+    gen = torch.Generator().manual_seed(0)
+    out: list[tuple[str, torch.Tensor]] = []
+    for m, n, rank in [(1, 1, 1), (4, 3, 1), (4, 3, 2), (4, 3, 3), (9, 11, 5), (9, 11, 9)]:
+        a = _orthonormal(m, gen)[:, :rank] @ _spectrum(rank, gen) @ _orthonormal(n, gen)[:rank]
+        out.append((f"rank{m}x{n}r{rank}", a))
+        for scale in [0.0, 1e-10, 1e3, 1e5, 1e10, 1e15]:
+            out.append((f"rank{m}x{n}r{rank}*{scale:g}", scale * a))
+    for m, n in [(1, 1), (4, 3), (9, 11)]:
+        out.append((f"zero{m}x{n}", torch.zeros(m, n)))
+    for m, n, rank in [(5, 3, 3), (9, 11, 6), (7, 13, 2)]:
+        v = torch.randn(m, generator=gen).abs()
+        basis = _orthonormal(m, gen, (v / v.norm())[:, None])  # orthogonal to v > 0
+        a = basis[:, :rank] @ _spectrum(rank, gen) @ _orthonormal(n, gen)[:rank]
+        out.append((f"strong{m}x{n}r{rank}", a))
+        split = int(torch.randint(1, m, (1,), generator=gen))
+        perm = torch.randperm(m, generator=gen)
+        w1, w2 = torch.zeros(m), torch.zeros(m)
+        w1[perm[:split]], w2[perm[split:]] = v[perm[:split]], v[perm[split:]]
+        pair = torch.stack([w1 / w1.norm(), w2 / w2.norm()], 1)
+        basis = torch.cat([pair, _orthonormal(m, gen, pair)], 1)
+        a = basis[:, 1 : rank + 1] @ _spectrum(rank, gen) @ _orthonormal(n, gen)[:rank]
+        out.append((f"weak{m}x{n}r{rank}", a))
+        u1 = (v / v.norm())[:, None]
+        basis = torch.cat([u1, _orthonormal(m, gen, u1)], 1)
+        a = basis[:, :rank] @ _spectrum(rank, gen) @ _orthonormal(n, gen)[:rank]
+        out.append((f"nonweak{m}x{n}r{rank}", a))
+    return out
+
+
+def random_gramian(i: int, m: int) -> torch.Tensor:
+    """The i-th random Gramian of size m, in six kinds: Gaussian, random rank, aligned tasks,
+    duplicate tasks, zero tasks, tasks scaled by 1e-8 .. 1e8."""
+    gen = torch.Generator().manual_seed(7919 * m + i)
+    n = int(torch.randint(1, 3 * m + 2, (1,), generator=gen))
+    kind = i % 6
+    J = torch.randn(m, n, generator=gen)
+    if kind == 1:
+        r = int(torch.randint(1, m + 1, (1,), generator=gen))
+        J = torch.randn(m, r, generator=gen) @ torch.randn(r, n, generator=gen)
+    elif kind == 2:
+        J = torch.randn(1, n, generator=gen) + 0.7 * J
+    elif kind == 3:
+        J = J[torch.randint(max(1, m // 3), (m,), generator=gen)]
+    elif kind == 4:
+        J = J * (torch.rand(m, 1, generator=gen) > 0.3)
+    elif kind == 5:
+        J = J * 10 ** (16 * torch.rand(m, 1, generator=gen) - 8)
+    return J @ J.T
+
+
+def _sizes(count: int, high: int, seed: int) -> list[int]:
+    """``count`` sizes from 2 to ``high``, log-uniform, the extremes included."""
+    gen = torch.Generator().manual_seed(seed)
+    logs = torch.rand(count - 2, generator=gen) * math.log(high / 2) + math.log(2)
+    return [2, high, *[round(math.exp(x)) for x in logs.tolist()]]
+
+
+def _rows(m: int, seed: int) -> torch.Tensor:
+    """UPGrad's rows (the diagonal of its preference weights) and rows of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen)])
+
+
+# --------------------------------------------------------------------------------------------
+# References
+
+
+def _quadprog(U: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    pytest.importorskip("quadprog")
+    linalg = pytest.importorskip("torchjd.linalg")
+    return linalg.QuadprogProjector()(U, G)
+
+
+def _relative(W: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.abs().amax().clamp_min(1e-300)
+    return float((W - reference).abs().amax() / scale)
+
+
+def _kkt(W: torch.Tensor, U: torch.Tensor, G: torch.Tensor) -> tuple[float, float, float]:
+    """(dual feasibility, primal feasibility, complementarity) violations of W for
+    ``min v^T G v s.t. v >= u`` (G regularised), relative to the rows' scale."""
+    Gr = regularized(G, 1e-4, 1e-4)
+    scale = float(W.abs().amax() + U.abs().amax())
+    grad = W @ Gr
+    gscale = float(Gr.abs().amax()) * scale
+    return (
+        float((U - W).clamp_min(0).amax()) / scale,
+        float((-grad).clamp_min(0).amax()) / gscale,
+        float(((W - U) * grad).abs().sum(1).amax()) / (scale * gscale),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Against quadprog, float64
+
+
+@pytest.mark.parametrize(("name", "matrix"), torchjd_matrices(), ids=lambda x: x)
+def test_torchjd_test_matrices(name: str, matrix: torch.Tensor) -> None:
+    G = matrix @ matrix.T
+    U = _rows(G.shape[0], seed=1)
+    W = funcgrad.DualConeProjector()(U, G)
+    assert _relative(W, _quadprog(U, G)) <= 1e-8, name
+
+
+@pytest.mark.parametrize("m", _sizes(60, 32, seed=0))
+def test_random_gramians_fast(m: int) -> None:
+    i = m * 13 % 600  # every kind appears (i % 6)
+    G = random_gramian(i, m)
+    U = _rows(m, seed=i)
+    W = funcgrad.DualConeProjector()(U, G)
+    assert _relative(W, _quadprog(U, G)) <= 1e-8, (m, i % 6)
+
+
+@pytest.mark.slow
+def test_500_random_gramians() -> None:
+    """500 random Gramians, m from 2 to 128 (quadprog takes seconds per Gramian beyond)."""
+    worst = 0.0
+    for i, m in enumerate(_sizes(500, 128, seed=1)):
+        G = random_gramian(i, m)
+        U = torch.eye(m) / m
+        worst = max(worst, _relative(funcgrad.DualConeProjector()(U, G), _quadprog(U, G)))
+    assert worst <= 1e-8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [256, 512])
+def test_large_gramians_kkt(m: int) -> None:
+    """Beyond quadprog's reach (minutes): the KKT conditions, which certify the optimum."""
+    for i in (0, 1):  # Gaussian, random rank
+        G = random_gramian(i, m)
+        U = torch.eye(m) / m
+        W = funcgrad.DualConeProjector()(U, G)
+        assert max(_kkt(W, U, G)) <= 1e-10
+
+
+# --------------------------------------------------------------------------------------------
+# The KKT conditions, directly
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_kkt_conditions(i: int) -> None:
+    m = 24
+    G = random_gramian(i, m)
+    U = _rows(m, seed=i)
+    W = funcgrad.DualConeProjector()(U, G)
+    dual, primal, slack = _kkt(W, U, G)
+    assert dual == 0.0  # v >= u exactly: the iterates stay feasible
+    assert primal <= 1e-12
+    assert slack <= 1e-12
+
+
+def test_kkt_check_fails_on_a_wrong_answer() -> None:
+    """The KKT check itself can fail: the unprojected rows violate it."""
+    G = random_gramian(0, 24)
+    U = torch.eye(24) / 24
+    assert max(_kkt(U, U, G)) > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# float32: within the problem's conditioning
+
+
+@pytest.mark.parametrize("i", range(12))
+def test_float32_within_conditioning(i: int) -> None:
+    m = 32
+    G = random_gramian(i, m)
+    U = torch.eye(m) / m
+    reference = _quadprog(U, G)
+    W = funcgrad.DualConeProjector()(U.float(), G.float())
+    assert W.dtype == torch.float32
+    eigenvalues = torch.linalg.eigvalsh(regularized(G, 1e-4, 1e-4))
+    cond = float(eigenvalues[-1] / eigenvalues[0])
+    assert _relative(W.double(), reference) <= 100 * torch.finfo(torch.float32).eps * cond
+
+
+# --------------------------------------------------------------------------------------------
+# Host reads
+
+
+@pytest.mark.parametrize("check", [False, None])
+def test_no_host_read(check: bool | None) -> None:
+    G = random_gramian(1, 16)
+    project = funcgrad.DualConeProjector(check=check)
+    with funcgrad.HostReadCounter() as counter:
+        W = project(torch.eye(16) / 16, G)
+    assert counter.count == 0, counter.reads
+    assert bool(torch.isfinite(W).all())
+
+
+def test_check_reads_once() -> None:
+    G = random_gramian(1, 16)
+    with funcgrad.HostReadCounter() as counter:
+        funcgrad.DualConeProjector(check=True)(torch.eye(16) / 16, G)
+    assert counter.count == 1
+    with funcgrad.checking("strict"), funcgrad.HostReadCounter() as counter:
+        funcgrad.DualConeProjector()(torch.eye(16) / 16, G)
+    assert counter.count == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Not converged: NaN, a fallback, or an error
+
+
+def _hard() -> tuple[torch.Tensor, torch.Tensor]:
+    G = random_gramian(1, 32)
+    return torch.eye(32) / 32, G
+
+
+def test_unconverged_rows_are_nan_without_check() -> None:
+    U, G = _hard()
+    W = funcgrad.DualConeProjector(max_iter=60, check=False)(U, G)  # 11 of 32 rows converge
+    bad = torch.isnan(W).any(1)
+    assert bool(bad.any())
+    assert bool(torch.isfinite(W[~bad]).all())
+    reference = _quadprog(U, G)
+    assert _relative(W[~bad], reference[~bad]) <= 1e-8  # the converged rows are exact
+
+
+def test_unconverged_rows_fall_back_to_quadprog_with_check() -> None:
+    U, G = _hard()
+    with pytest.warns(funcgrad.FuncgradWarning, match="did not reach the tolerance"):
+        W = funcgrad.DualConeProjector(max_iter=2, check=True)(U, G)
+    assert _relative(W, _quadprog(U, G)) <= 1e-8
+
+
+def test_unconverged_rows_raise_with_strict() -> None:
+    U, G = _hard()
+    with pytest.raises(funcgrad.DualConeProjector.ConvergenceError, match="max_iter=2"):
+        funcgrad.DualConeProjector(max_iter=2, check="strict")(U, G)
+
+
+def test_default_budget_converges_where_a_short_one_does_not() -> None:
+    U, G = _hard()
+    assert default_budget(32) > 2
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U)
+    assert bool(converged.all())
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2)
+    assert not bool(converged.all())
+
+
+# --------------------------------------------------------------------------------------------
+# TorchJD's weightings with this projector
+
+
+def _tjd():  # type: ignore[no-untyped-def]
+    pytest.importorskip("quadprog")
+    return pytest.importorskip("torchjd.aggregation")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_upgrad_weighting_end_to_end(i: int) -> None:
+    tjd = _tjd()
+    G = random_gramian(i, 20)
+    fast = tjd.UPGradWeighting(projector=funcgrad.DualConeProjector())(G)
+    assert _relative(fast, tjd.UPGradWeighting()(G)) <= 1e-8
+    fast = tjd.DualProjWeighting(projector=funcgrad.DualConeProjector())(G)
+    assert _relative(fast, tjd.DualProjWeighting()(G)) <= 1e-8
+
+
+def test_upgrad_aggregator_and_preference_vector() -> None:
+    tjd = _tjd()
+    J = torch.randn(6, 40)
+    pref = torch.rand(6)
+    fast = tjd.UPGrad(pref_vector=pref, projector=funcgrad.DualConeProjector())(J)
+    assert _relative(fast, tjd.UPGrad(pref_vector=pref)(J)) <= 1e-8
+
+
+def test_funcgrad_backward_with_the_fast_projector() -> None:
+    tjd = _tjd()
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(5, 8)
+    x = torch.randn(16, 5)
+
+    def run(projector: object) -> tuple[torch.Tensor, torch.Tensor]:
+        encoder.zero_grad()
+        features = encoder(x)
+        losses = [(features[:, i] - i).pow(2).mean() for i in range(4)]
+        kwargs = {} if projector is None else {"projector": projector}
+        weights = funcgrad.backward(
+            losses, through=features, weighting=tjd.UPGradWeighting(**kwargs), level="params"
+        )
+        assert encoder.weight.grad is not None
+        return weights, encoder.weight.grad.clone()
+
+    w_ref, g_ref = run(None)
+    w_fast, g_fast = run(funcgrad.DualConeProjector())
+    assert _relative(w_fast, w_ref) <= 1e-8
+    assert _relative(g_fast, g_ref) <= 1e-8
+
+
+def test_registered_as_torchjd_projector() -> None:
+    linalg = pytest.importorskip("torchjd.linalg")
+    assert isinstance(funcgrad.DualConeProjector(), linalg.DualConeProjector)
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes, dtypes, degenerate inputs, errors
+
+
+def test_batched_shapes_equal_rows() -> None:
+    G = random_gramian(0, 7)
+    U = torch.randn(2, 3, 7)
+    project = funcgrad.DualConeProjector()
+    W = project(U, G)
+    assert W.shape == U.shape
+    torch.testing.assert_close(W.reshape(6, 7), project(U.reshape(6, 7), G), rtol=0, atol=0)
+    w = project(U[0, 0], G)
+    assert w.shape == (7,)
+    torch.testing.assert_close(w, W[0, 0], rtol=1e-12, atol=1e-15)
+
+
+def test_dtype_and_device_follow_g() -> None:
+    G = random_gramian(0, 5)
+    W = funcgrad.DualConeProjector()(torch.eye(5, dtype=torch.float32), G)
+    assert W.dtype == torch.float64
+    assert W.device == G.device
+
+
+def test_degenerate_gramians() -> None:
+    """A zero Gramian (trace below norm_eps): G becomes reg_eps * I and v = max(u, 0)."""
+    U = torch.tensor([[1.0, -2.0, 0.5], [-1.0, -1.0, -1.0]])
+    W = funcgrad.DualConeProjector()(U, torch.zeros(3, 3))
+    torch.testing.assert_close(W, U.clamp_min(0), rtol=0, atol=0)
+    W = funcgrad.DualConeProjector()(U, torch.ones(3, 3))  # three identical tasks
+    torch.testing.assert_close(W, _quadprog(U, torch.ones(3, 3)), rtol=1e-10, atol=1e-12)
+
+
+def test_not_differentiable_and_detached() -> None:
+    G = random_gramian(0, 4).requires_grad_()
+    U = torch.eye(4).requires_grad_()
+    W = funcgrad.DualConeProjector()(U, G)
+    assert not W.requires_grad
+
+
+@pytest.mark.parametrize(
+    ("U", "G", "error", "match"),
+    [
+        (torch.eye(3), torch.zeros(3, 4), ValueError, r"`G` must be a square \(m, m\)"),
+        (torch.eye(3), torch.zeros(3), ValueError, r"`G` must be a square"),
+        (torch.eye(4), torch.eye(3), ValueError, r"`U` must have shape \(\.\.\., m\) with m = 3"),
+        (torch.tensor(1.0), torch.eye(3), ValueError, r"`U` must have shape"),
+        (torch.eye(3), torch.eye(3, dtype=torch.int64), TypeError, r"`G` must be float32"),
+        (torch.eye(3, dtype=torch.bfloat16), torch.eye(3), TypeError, r"`U` must be float32"),
+    ],
+)
+def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        funcgrad.DualConeProjector()(U, G)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"norm_eps": -1.0}, "`norm_eps` must be a number >= 0"),
+        ({"reg_eps": math.nan}, "`reg_eps` must be a number >= 0"),
+        ({"max_iter": 0}, "`max_iter` must be a positive int"),
+        ({"tol": 0.0}, "`tol` must be a number > 0"),
+        ({"check": "full"}, "`check` must be True, False or 'strict'"),
+    ],
+)
+def test_constructor_errors(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        funcgrad.DualConeProjector(**kwargs)  # type: ignore[arg-type]
+
+
+def test_repr() -> None:
+    expected = "DualConeProjector(norm_eps=0.0001, reg_eps=0.0001)"
+    assert repr(funcgrad.DualConeProjector()) == expected
+    assert "max_iter=5" in repr(funcgrad.DualConeProjector(max_iter=5))
+
+
+def test_no_warning_on_the_steady_path() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        funcgrad.DualConeProjector(check=True)(torch.eye(6), random_gramian(2, 6))
+
+
+def test_funcgrad_backward_refuses_unconverged_weights() -> None:
+    """The NaN of an unconverged row meets funcgrad's own finiteness read: a clear error,
+    and ``.grad`` untouched."""
+    tjd = _tjd()
+    encoder = torch.nn.Linear(5, 8)
+    features = encoder(torch.randn(16, 5))
+    directions = torch.randn(6, 8)  # conflicting tasks: one iteration does not solve them
+    losses = [(features @ c).mean() for c in directions]
+    weighting = tjd.UPGradWeighting(projector=funcgrad.DualConeProjector(max_iter=1, check=False))
+    with pytest.raises(ValueError, match="non-finite weights"):
+        funcgrad.backward(losses, through=features, weighting=weighting, level="params")
+    assert encoder.weight.grad is None
