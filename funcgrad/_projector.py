@@ -36,14 +36,19 @@ import torch
 from ._config import CheckMode, resolve_check
 from ._errors import FuncgradWarning
 
-# The default iteration count, 4 m + 64, from the experiments of docs/projector.md: the
-# hardest Gramians of the test sets (random low rank) needed up to 4 m iterations at m = 64
-# and 8 m at m = 16; most need under m.
+# The default iteration count, (4 m + 64) * max(1, sqrt(1e-4 / reg_eps)), from the
+# experiments of docs/projector.md: at the default reg_eps = 1e-4 the hardest Gramians of the
+# test sets needed up to 4 m iterations; reg_eps sets the conditioning (cond(G) <= (1 +
+# reg_eps) / reg_eps after TorchJD's normalisation), and conjugate gradients need
+# O(sqrt(cond)) iterations, hence the factor. Below _MIN_REG_EPS the budget would be
+# impractical (and float64 accuracy degrades): refused at construction.
 _BUDGET_PER_ROW = 4
 _BUDGET_FLOOR = 64
+_BUDGET_REG_EPS = 1e-4
+_MIN_REG_EPS = 1e-8
 _GAMMA = 1.0  # MPRGP's proportioning constant
 _STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
-_POWER_STEPS = 24  # power iterations for lambda_max (a lower bound, always >= lambda_max / 2)
+_POWER_STEPS = 24  # power iterations for lambda_max (a Rayleigh quotient: a lower bound)
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
 
@@ -66,18 +71,24 @@ class DualConeProjector:
         norm_eps: G is divided by its trace where the trace is at least ``norm_eps``, and
             replaced by zeros otherwise (TorchJD's ``normalize``).
         reg_eps: added to G's diagonal after normalisation (TorchJD's ``regularize``); it
-            makes G definite, hence the solution unique.
+            makes G definite, hence the solution unique, and sets the conditioning, hence
+            the default budget. At least 1e-8 (below it, use TorchJD's
+            ``QuadprogProjector``).
         max_iter: MPRGP iterations, a fixed count (each one product ``(rows, m) @ (m, m)``);
-            None: ``4 m + 64``, enough for every Gramian of the tests. Fewer is faster,
-            and rows that do not converge come back as NaN (or re-solved, see ``check``).
+            None: ``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``, enough for every Gramian of
+            the tests. Fewer is faster, and rows that do not converge come back as NaN (or
+            re-solved, see ``check``).
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
-            (on the Jacobi-scaled problem) is at most ``tol * (max |v| + max |u|)``;
-            None: ``16 * eps * sqrt(m)`` for G's dtype.
+            (on the problem scaled to a mean diagonal of 1 and u to max |u| = 1) is at most
+            ``tol * (max |v| + max |u|)``; None: ``16 * eps * sqrt(m)`` for G's dtype.
         check: None follows `funcgrad.checking` / `funcgrad.set_check`. False reads
             nothing: unconverged rows are NaN. True reads one boolean per call and re-solves
             unconverged rows with TorchJD's ``QuadprogProjector``, with a
             `funcgrad.FuncgradWarning` (an error if quadprog is not installed); ``"strict"``
             raises ``DualConeProjector.ConvergenceError`` (a ``RuntimeError``) instead.
+            With True or ``"strict"``, a non-finite G or U, or a G that is not positive
+            semi-definite, raises a ``ValueError``; with False such input gives NaN rows
+            (not checked: that would read the device).
 
     Examples:
         >>> import torch, funcgrad
@@ -113,17 +124,28 @@ class DualConeProjector:
         check: CheckMode | None = None,
     ) -> None:
         call = "funcgrad.DualConeProjector(...)"
-        for name, value in (("norm_eps", norm_eps), ("reg_eps", reg_eps)):
-            if not isinstance(value, (int, float)) or not value >= 0.0:
-                raise ValueError(f"{call}: `{name}` must be a number >= 0, got {value!r}.")
-        if max_iter is not None and (not isinstance(max_iter, int) or max_iter < 1):
+        if not _is_number(norm_eps) or not 0.0 <= norm_eps < math.inf:
+            raise ValueError(f"{call}: `norm_eps` must be a finite number >= 0, got {norm_eps!r}.")
+        if not _is_number(reg_eps) or not _MIN_REG_EPS <= reg_eps < math.inf:
+            raise ValueError(
+                f"{call}: `reg_eps` must be a finite number >= {_MIN_REG_EPS:g}, got "
+                f"{reg_eps!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
+                "impractical iteration count; use TorchJD's QuadprogProjector there."
+            )
+        if max_iter is not None and (
+            isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
+        ):
             raise ValueError(
                 f"{call}: `max_iter` must be a positive int or None, got {max_iter!r}."
             )
-        if tol is not None and (not isinstance(tol, (int, float)) or not tol > 0.0):
-            raise ValueError(f"{call}: `tol` must be a number > 0 or None, got {tol!r}.")
-        if check is not None:
-            resolve_check(check, call)  # validates it
+        if tol is not None and (not _is_number(tol) or not 0.0 < tol < math.inf):
+            raise ValueError(f"{call}: `tol` must be a finite number > 0 or None, got {tol!r}.")
+        if check is not None and not (check is True or check is False or check == "strict"):
+            raise ValueError(
+                f"{call}: `check` must be None, True, False or 'strict', got {check!r}. "
+                "True reads once per call and re-solves unconverged rows with quadprog; "
+                "'strict' raises instead; False reads nothing (unconverged rows are NaN)."
+            )
         self.norm_eps = float(norm_eps)
         self.reg_eps = float(reg_eps)
         self.max_iter = max_iter
@@ -145,9 +167,12 @@ class DualConeProjector:
         with torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
-            W, converged = solve(gramian, rows, self.max_iter, self.tol)
-            if mode is not False and not bool(converged.all()):  # the one read, on request
-                W = self._fallback(U, G, W, converged, mode)
+            budget = default_budget(G.shape[0], self.reg_eps) if self.max_iter is None else None
+            W, converged = solve(gramian, rows, self.max_iter or budget, self.tol)
+            if mode is not False:
+                ok = converged.all() & torch.isfinite(G).all() & torch.isfinite(U).all()
+                if not bool(ok):  # the one read, on request
+                    W = self._fallback(U, G, W, converged, mode)
         return W.reshape(U.shape)
 
     def _fallback(
@@ -158,16 +183,24 @@ class DualConeProjector:
         converged: torch.Tensor,
         mode: CheckMode,
     ) -> torch.Tensor:
+        for name, t in (("G", G), ("U", U)):  # further reads, on the failure path only
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"funcgrad.DualConeProjector(U, G): `{name}` has non-finite entries "
+                    "(NaN or inf); the projection is undefined."
+                )
         bad = (~converged).nonzero().flatten()
         m = G.shape[0]
-        budget = self.max_iter or default_budget(m)
+        budget = self.max_iter or default_budget(m, self.reg_eps)
         why = (
             f"funcgrad.DualConeProjector(U, G): {bad.numel()} of {W.shape[0]} rows did not "
             f"reach the tolerance in max_iter={budget} iterations (m = {m})"
         )
         if mode == "strict":
             raise ProjectorConvergenceError(
-                f"{why}. Raise max_iter, or pass check=True to re-solve them with quadprog."
+                f"{why}. Raise max_iter, or pass check=True to re-solve them with quadprog; "
+                "if neither helps, check that G is symmetric positive semi-definite "
+                "(torch.linalg.eigvalsh(G))."
             )
         try:
             from torchjd.linalg import QuadprogProjector
@@ -185,7 +218,15 @@ class DualConeProjector:
         exact: Any = QuadprogProjector(norm_eps=self.norm_eps, reg_eps=self.reg_eps)
         rows = U.detach().reshape(-1, m)[bad]
         W = W.clone()
-        W[bad] = exact(rows, G.detach()).to(W.dtype)
+        try:
+            W[bad] = exact(rows, G.detach()).to(W.dtype)
+        except Exception as error:  # qpsolvers' ProblemError: "P is not positive definite"
+            raise ValueError(
+                "funcgrad.DualConeProjector(U, G): TorchJD's QuadprogProjector failed on the "
+                f"rows that did not converge ({type(error).__name__}: {error}): `G` must be "
+                "a symmetric positive semi-definite Gramian (J @ J.T); check its "
+                "eigenvalues (torch.linalg.eigvalsh(G))."
+            ) from error
         return W
 
 
@@ -222,8 +263,14 @@ def regularized(G: torch.Tensor, norm_eps: float, reg_eps: float) -> torch.Tenso
     return normalized + reg_eps * torch.eye(G.shape[0], dtype=G.dtype, device=G.device)
 
 
-def default_budget(m: int) -> int:
-    return _BUDGET_PER_ROW * m + _BUDGET_FLOOR
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
+    """``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``: reg_eps bounds the conditioning."""
+    factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
+    return math.ceil((_BUDGET_PER_ROW * m + _BUDGET_FLOOR) * factor)
 
 
 def default_tol(m: int, dtype: torch.dtype) -> float:
@@ -231,8 +278,12 @@ def default_tol(m: int, dtype: torch.dtype) -> float:
 
 
 def _lambda_max(A: torch.Tensor) -> torch.Tensor:
-    """The largest eigenvalue of the PSD matrix A (unit diagonal), from below: the Rayleigh
-    quotient after a fixed number of power iterations, and at least 1 (the diagonal)."""
+    """The largest eigenvalue of the PSD matrix A (mean diagonal 1), from below: the Rayleigh
+    quotient after a fixed number of power iterations, and at least 1 (the largest diagonal
+    entry is). Only a lower bound is guaranteed: where the start vector is nearly orthogonal
+    to the top eigenvector it can be well below lambda_max (by 2x in the review's example),
+    so the expansion step 1.9 / it may exceed MPRGP's bound 2 / lambda_max; the converged
+    rows are still certified by the KKT check at the end."""
     m = A.shape[0]
     x = torch.ones(m, dtype=A.dtype, device=A.device)
     x = x + 0.5 * torch.sin(torch.arange(m, dtype=A.dtype, device=A.device))  # no symmetry
@@ -250,17 +301,30 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def solve(
     G: torch.Tensor, U: torch.Tensor, max_iter: int | None = None, tol: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W, converged): MPRGP on every row of U (r, m) with the (regularised) G, no host read.
+    """(W, converged): MPRGP on every row of U (r, m) with the (regularised) G, no host read;
+    unconverged rows are NaN.
 
-    The problem is Jacobi-scaled first (``v = s * y``, ``s = diag(G)^(-1/2)``), which makes
-    rows of very different scales (tasks whose gradients differ by 1e8) as easy as the rest.
+    Each row is first divided by its max |u| (the problem is positively homogeneous in u:
+    the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
+    neither overflow nor underflow; G is scaled by one scalar to a mean diagonal of 1.
     """
+    rmax = U.abs().amax(1, keepdim=True)
+    rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
+    increment, converged = _solve(G, U / rmax, max_iter, tol)
+    return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
+
+
+def _solve(
+    G: torch.Tensor, U: torch.Tensor, max_iter: int | None, tol: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
     tol = default_tol(m, G.dtype) if tol is None else tol
-    diag = G.diagonal()
-    s = torch.where(diag > 0, diag.clamp_min(torch.finfo(G.dtype).tiny).rsqrt(), 1.0)
-    A = G * s[:, None] * s[None, :]
+    # One scalar scale (``v = s * y``, mean diagonal of A = 1), not a per-task one: after
+    # TorchJD's normalisation cond(G) <= (1 + reg_eps) / reg_eps whatever the tasks' scales,
+    # and a Jacobi scaling makes it worse where reg_eps dominates small tasks' diagonals.
+    s = G.diagonal().mean().clamp_min(torch.finfo(G.dtype).tiny).rsqrt()
+    A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
     abar = _STEP / _lambda_max(A)
@@ -316,6 +380,6 @@ def solve(
     residual = torch.minimum(gap, g).abs().amax(1)
     scale = Y.abs().amax(1) + low.abs().amax(1)
     converged = residual <= tol * scale
-    W = U + gap * s  # = Y * s, and >= U exactly
-    W = torch.where(converged[:, None], W, torch.full_like(W, math.nan))
-    return W, converged
+    increment = gap * s  # W = Y * s = U + increment
+    increment = torch.where(converged[:, None], increment, torch.full_like(increment, math.nan))
+    return increment, converged

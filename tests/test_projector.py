@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -111,10 +112,12 @@ def _relative(W: torch.Tensor, reference: torch.Tensor) -> float:
     return float((W - reference).abs().amax() / scale)
 
 
-def _kkt(W: torch.Tensor, U: torch.Tensor, G: torch.Tensor) -> tuple[float, float, float]:
+def _kkt(
+    W: torch.Tensor, U: torch.Tensor, G: torch.Tensor, reg_eps: float = 1e-4
+) -> tuple[float, float, float]:
     """(dual feasibility, primal feasibility, complementarity) violations of W for
     ``min v^T G v s.t. v >= u`` (G regularised), relative to the rows' scale."""
-    Gr = regularized(G, 1e-4, 1e-4)
+    Gr = regularized(G, 1e-4, reg_eps)
     scale = float(W.abs().amax() + U.abs().amax())
     grad = W @ Gr
     gscale = float(Gr.abs().amax()) * scale
@@ -166,6 +169,171 @@ def test_large_gramians_kkt(m: int) -> None:
         U = torch.eye(m) / m
         W = funcgrad.DualConeProjector()(U, G)
         assert max(_kkt(W, U, G)) <= 1e-10
+
+
+# --------------------------------------------------------------------------------------------
+# The review's families (review 4): low-rank J with task scales spread by 1e2-1e3, rank 1 plus
+# noise, clusters of aligned tasks. A Jacobi scaling of the problem left NaN rows on them with
+# the default settings (14/14 at m = 32); the scalar scale converges on all.
+
+
+def spread_low_rank(m: int, rank: int, spread: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(m, rank, generator=gen, dtype=torch.float64)
+    J = J @ torch.randn(rank, 40, generator=gen, dtype=torch.float64)
+    return J * 10 ** (-spread * torch.rand(m, 1, generator=gen, dtype=torch.float64))
+
+
+def rank_one_noise(m: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(m, 1, generator=gen, dtype=torch.float64)
+    J = J @ torch.randn(1, 64, generator=gen, dtype=torch.float64)
+    return J + 1e-5 * torch.randn(m, 64, generator=gen, dtype=torch.float64)
+
+
+def clusters(m: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(m, 50, generator=gen, dtype=torch.float64)
+    centres = torch.randn(3, 50, generator=gen, dtype=torch.float64)
+    which = torch.randint(3, (m,), generator=gen)
+    return centres[which] * torch.rand(m, 1, generator=gen, dtype=torch.float64) + 0.01 * noise
+
+
+def _review_jacobians() -> list[Any]:
+    """The families at m = 16, 32 (fast tier) and 64 (slow tier: quadprog takes seconds),
+    three seeds each, and the review's own three repros."""
+    out: list[Any] = []
+    for m in (16, 32, 64):
+        for seed in range(3):
+            for rank, spread in ((1, 2.0), (2, 2.0), (1, 3.0), (3, 3.0)):
+                out.append(
+                    (
+                        f"spread1e{spread:g}-r{rank}-m{m}-s{seed}",
+                        spread_low_rank(m, rank, spread, seed),
+                    )
+                )
+            out.append((f"rank1noise-m{m}-s{seed}", rank_one_noise(m, seed)))
+            out.append((f"clusters-m{m}-s{seed}", clusters(m, seed)))
+    # the review's own repros, with the global generator
+    torch.manual_seed(0)
+    J = torch.randn(32, 2, dtype=torch.float64) @ torch.randn(2, 40, dtype=torch.float64)
+    out.append(("review-S1", J * 10 ** (-2 * torch.rand(32, 1, dtype=torch.float64))))
+    torch.manual_seed(8)
+    J = torch.randn(32, 1, dtype=torch.float64) @ torch.randn(1, 64, dtype=torch.float64)
+    out.append(("review-R1", J + 1e-5 * torch.randn(32, 64, dtype=torch.float64)))
+    gen = torch.Generator().manual_seed(64014)
+    n = int(torch.randint(1, 194, (1,), generator=gen))
+    J = torch.randn(64, n, generator=gen, dtype=torch.float64)
+    c = torch.randn(3, n, generator=gen, dtype=torch.float64)
+    which = torch.randint(3, (64,), generator=gen)
+    J = c[which] * torch.rand(64, 1, generator=gen, dtype=torch.float64) + 0.01 * J
+    out.append(("review-R2", J))
+    slow = pytest.mark.slow
+    return [pytest.param(*case, marks=slow) if "-m64-" in case[0] else case for case in out]
+
+
+@pytest.mark.parametrize(
+    ("name", "J"), _review_jacobians(), ids=lambda x: x if isinstance(x, str) else ""
+)
+def test_review_families_default_settings(name: str, J: torch.Tensor) -> None:
+    G = J @ J.T
+    U = _rows(G.shape[0], seed=3)
+    W = funcgrad.DualConeProjector(check=False)(U, G)
+    assert bool(torch.isfinite(W).all()), name
+    assert _relative(W, _quadprog(U, G)) <= 1e-8, name
+    dual, primal, slack = _kkt(W, U, G)
+    assert dual == 0.0
+    assert primal <= 1e-12
+    assert slack <= 1e-12
+
+
+def test_upgrad_on_a_review_family_is_finite() -> None:
+    """TorchJD's UPGrad with this projector gave an all-NaN update on the review's case."""
+    tjd = _tjd()
+    J = spread_low_rank(32, 2, 2.0, seed=0)
+    fast = tjd.UPGrad(projector=funcgrad.DualConeProjector(check=False))(J)
+    assert _relative(fast, tjd.UPGrad()(J)) <= 1e-8
+
+
+# --------------------------------------------------------------------------------------------
+# reg_eps below the default: the budget grows as sqrt(1e-4 / reg_eps); below 1e-8, refused
+
+
+def _small_reg_eps_cases() -> list[Any]:
+    """m = 32 at reg_eps = 1e-8 takes seconds (a budget of 100 (4 m + 64)): slow tier."""
+    cases = [(reg_eps, m) for reg_eps in (1e-5, 1e-6, 1e-7, 1e-8) for m in (16, 32)]
+    return [
+        pytest.param(*case, seed, marks=pytest.mark.slow) if case == (1e-8, 32) else (*case, seed)
+        for case in cases
+        for seed in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize(("reg_eps", "m", "seed"), _small_reg_eps_cases())
+def test_small_reg_eps(reg_eps: float, m: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rank = m // 3
+    J = torch.randn(m, rank, generator=gen, dtype=torch.float64)
+    J = J @ torch.randn(rank, 2 * m, generator=gen, dtype=torch.float64)
+    G = J @ J.T
+    U = _rows(m, seed=seed)
+    W = funcgrad.DualConeProjector(reg_eps=reg_eps, check=False)(U, G)
+    assert bool(torch.isfinite(W).all())
+    linalg = pytest.importorskip("torchjd.linalg")
+    pytest.importorskip("quadprog")
+    reference = linalg.QuadprogProjector(reg_eps=reg_eps)(U, G)
+    # quadprog itself is accurate to about eps * cond(G) ~ 1e-16 / reg_eps here
+    assert _relative(W, reference) <= max(1e-8, 1e-15 / reg_eps)
+    dual, primal, slack = _kkt(W, U, G, reg_eps=reg_eps)
+    assert dual == 0.0
+    assert primal <= 1e-12
+    assert slack <= 1e-12
+
+
+def test_default_budget_grows_with_the_conditioning() -> None:
+    assert default_budget(32) == 4 * 32 + 64
+    assert default_budget(32, 1e-4) == default_budget(32)
+    assert default_budget(32, 1e-2) == default_budget(32)
+    assert default_budget(32, 1e-6) == 10 * default_budget(32)
+    assert default_budget(32, 1e-8) == 100 * default_budget(32)
+
+
+# --------------------------------------------------------------------------------------------
+# Very large or very small rows: the answer is homogeneous in u
+
+
+@pytest.mark.parametrize("scale", [1e160, 1e-160, 1e300, 1e-300])
+def test_extreme_row_scales_float64(scale: float) -> None:
+    G = random_gramian(0, 4).double()
+    U = torch.cat([torch.eye(4), torch.randn(2, 4, generator=torch.Generator().manual_seed(0))])
+    U = U.double()
+    W1 = funcgrad.DualConeProjector(check=False)(U, G)
+    W = funcgrad.DualConeProjector(check=False)(scale * U, G)
+    assert bool(torch.isfinite(W).all())
+    assert bool((scale * U <= W).all())
+    torch.testing.assert_close(W / scale, W1, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("scale", [1e-18, 1e-30, 1e30])
+def test_extreme_row_scales_float32(scale: float) -> None:
+    G = random_gramian(0, 4).float()
+    U = torch.eye(4)
+    W1 = funcgrad.DualConeProjector(check=False)(U, G)
+    W = funcgrad.DualConeProjector(check=False)(scale * U, G)
+    assert W.dtype == torch.float32
+    assert bool(torch.isfinite(W).all())
+    assert bool((scale * U <= W).all())
+    torch.testing.assert_close(W / scale, W1, rtol=1e-5, atol=0)
+
+
+def test_mixed_row_scales_are_independent() -> None:
+    G = random_gramian(1, 8).double()
+    U = torch.randn(3, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scales = torch.tensor([[1e150], [1.0], [1e-150]], dtype=torch.float64)
+    W = funcgrad.DualConeProjector(check=False)(scales * U, G)
+    torch.testing.assert_close(
+        W / scales, funcgrad.DualConeProjector()(U, G), rtol=1e-10, atol=1e-12
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,16 +554,73 @@ def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"norm_eps": -1.0}, "`norm_eps` must be a number >= 0"),
-        ({"reg_eps": math.nan}, "`reg_eps` must be a number >= 0"),
+        ({"norm_eps": -1.0}, "`norm_eps` must be a finite number >= 0"),
+        ({"norm_eps": math.inf}, "`norm_eps` must be a finite number >= 0"),
+        ({"reg_eps": math.nan}, "`reg_eps` must be a finite number >= 1e-08"),
+        ({"reg_eps": math.inf}, "`reg_eps` must be a finite number >= 1e-08"),
+        ({"reg_eps": 0.0}, "`reg_eps` must be a finite number >= 1e-08"),
+        ({"reg_eps": 1e-10}, "use TorchJD's QuadprogProjector there"),
         ({"max_iter": 0}, "`max_iter` must be a positive int"),
-        ({"tol": 0.0}, "`tol` must be a number > 0"),
-        ({"check": "full"}, "`check` must be True, False or 'strict'"),
+        ({"max_iter": True}, "`max_iter` must be a positive int"),
+        ({"max_iter": 2.0}, "`max_iter` must be a positive int"),
+        ({"tol": 0.0}, "`tol` must be a finite number > 0"),
+        ({"tol": math.inf}, "`tol` must be a finite number > 0"),
+        ({"check": "full"}, "`check` must be None, True, False or 'strict'.*re-solves"),
     ],
 )
 def test_constructor_errors(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         funcgrad.DualConeProjector(**kwargs)  # type: ignore[arg-type]
+
+
+def _invalid_inputs() -> list[tuple[str, torch.Tensor, torch.Tensor, str]]:
+    G = random_gramian(0, 4)
+    U = torch.eye(4)
+    inf_off = G.clone()
+    inf_off[0, 1] = inf_off[1, 0] = math.inf
+    nan = G.clone()
+    nan[1, 2] = math.nan
+    u_inf = U.clone()
+    u_inf[0, 0] = math.inf
+    return [
+        ("G inf", U, inf_off, "`G` has non-finite entries"),
+        ("G nan", U, nan, "`G` has non-finite entries"),
+        ("U inf", u_inf, G, "`U` has non-finite entries"),
+    ]
+
+
+@pytest.mark.parametrize(("name", "U", "G", "match"), _invalid_inputs(), ids=lambda x: "")
+@pytest.mark.parametrize("check", [True, "strict"])
+def test_non_finite_input_is_an_error_under_check(
+    name: str, U: torch.Tensor, G: torch.Tensor, match: str, check: object
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        funcgrad.DualConeProjector(check=check)(U, G)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "U", "G", "match"), _invalid_inputs(), ids=lambda x: "")
+def test_non_finite_input_gives_nan_without_check(
+    name: str, U: torch.Tensor, G: torch.Tensor, match: str
+) -> None:
+    """Documented: without check nothing is read, and the bad input shows as NaN rows."""
+    with funcgrad.HostReadCounter() as counter:
+        W = funcgrad.DualConeProjector(check=False)(U, G)
+    assert counter.count == 0
+    assert bool(torch.isnan(W).any())
+
+
+def test_indefinite_gramian_under_check_names_g() -> None:
+    pytest.importorskip("quadprog")
+    pytest.importorskip("torchjd.linalg")
+    G = random_gramian(0, 4)
+    G[0, 0] = -G[0, 0]
+    with (
+        pytest.warns(funcgrad.FuncgradWarning, match="re-solving"),
+        pytest.raises(ValueError, match="`G` must be a symmetric positive semi-definite"),
+    ):
+        funcgrad.DualConeProjector(check=True)(torch.eye(4), G)
+    with pytest.raises(funcgrad.DualConeProjector.ConvergenceError, match="positive semi-def"):
+        funcgrad.DualConeProjector(check="strict")(torch.eye(4), G)
 
 
 def test_repr() -> None:
