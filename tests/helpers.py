@@ -46,6 +46,20 @@ def autograd_reference(f, heads, args, argnums=0, has_aux=False):
     return values, grads
 
 
+def per_example_jacobian(model, losses_fn, params=None):
+    """(B, P): the per-example gradients, one ``torch.autograd.grad(losses[b], params)`` each
+    (zeros for a parameter the example does not reach); params: the trainable ones."""
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
+    losses = losses_fn(model)
+    rows = []
+    for b in range(losses.shape[0]):
+        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
 def tree_index(tree, i):
     return optree.tree_map(lambda leaf: leaf[i], tree)
 

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from helpers import per_example_jacobian
 from torch import nn
 from torchjd import aggregation as tjd
 from torchjd.autojac import backward as tjd_backward
@@ -178,17 +179,7 @@ def trainable(model):
 
 def loop_jacobian(model, losses_fn):
     """(B, P): the rows of torch.autograd.grad(losses[b], params), one backward each."""
-    params = trainable(model)
-    losses = losses_fn(model)
-    rows = []
-    for b in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
-            )
-        )
-    return torch.stack(rows)
+    return per_example_jacobian(model, losses_fn, trainable(model))
 
 
 def grads_of(model):

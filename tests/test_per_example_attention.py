@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import per_example_jacobian
 from torch import nn
 
 import funcgrad
@@ -15,14 +16,7 @@ import funcgrad
 B, T, S, D = 5, 4, 3, 8
 
 
-def loop_jacobian(model, losses_fn, params):
-    losses = losses_fn(model)
-    rows = []
-    for b in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-        rows.append(torch.cat([g.flatten() for g in grads]))
-    return torch.stack(rows)
+loop_jacobian = per_example_jacobian
 
 
 class Attend(nn.Module):

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_example_jacobian
 from torch import nn
 
 import funcgrad
@@ -89,16 +90,7 @@ def tied():
 MODELS = {"mlp": mlp, "cnn": cnn, "encoder": encoder, "tied": tied}
 
 
-def loop_grads(model, losses_fn):
-    """(B, P): the per-example gradients, one torch.autograd.grad each."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = losses_fn(model)
-    rows = []
-    for b in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-        rows.append(torch.cat([g.flatten() for g in grads]))
-    return torch.stack(rows)
+loop_grads = per_example_jacobian
 
 
 def flat_grads(model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_example_jacobian
 from realstacks_models import import_or_skip
 from torch import nn
 
@@ -19,19 +20,7 @@ B, T = 4, 6
 TINY = dict(hidden=16, layers=1, heads=2)
 
 
-def loop_jacobian(model, losses_fn):
-    """(B, P): the rows of torch.autograd.grad(losses[b], params), one backward each."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = losses_fn(model)
-    rows = []
-    for b in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
-            )
-        )
-    return torch.stack(rows)
+loop_jacobian = per_example_jacobian
 
 
 def flat_grads(model):

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_example_jacobian
 from torch import nn
 
 import funcgrad
@@ -106,17 +107,7 @@ def mixing_cases():
 
 
 def loop_gramian(model, losses_fn):
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses = losses_fn(model)
-    rows = []
-    for b in range(losses.shape[0]):
-        grads = torch.autograd.grad(losses[b], params, retain_graph=True, allow_unused=True)
-        rows.append(
-            torch.cat(
-                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
-            )
-        )
-    jac = torch.stack(rows)
+    jac = per_example_jacobian(model, losses_fn)
     return jac @ jac.T
 
 
