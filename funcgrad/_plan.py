@@ -281,7 +281,8 @@ def _refuse(r: Request, linear: bool) -> None:
     """The options that no plan can run, refused before f runs."""
     if not linear and r.requested in ("jacrev", "jacfwd"):
         raise ValueError(
-            f"{r.call}: f registers a tensor hook (Tensor.register_hook) in its forward, and a "
+            f"{r.call}: f registers a tensor hook (Tensor.register_hook) or calls a module with "
+            "a backward hook in its forward, and a "
             f"hook may act nonlinearly on its gradient (a clamp), while strategy={r.requested!r} "
             + (
                 "combines the pullbacks of y's unit directions"

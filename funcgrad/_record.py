@@ -84,7 +84,7 @@ class Record:
     shape_tried: bool = False  # plan() ran f on fake tensors for m
     draws: bool | None = None  # f drew from an explicit torch.Generator (None: not watched)
     random: bool = False  # f draws random numbers: eager autograd, no forward mode
-    hooked: bool = False  # f registers a tensor hook: only the cotangents go through f
+    hooked: bool = False  # f runs a (tensor or module) backward hook: cotangents only
     compiled: bool = False  # f's graph holds a torch.compile'd backward: torch.func
     mutates: bool = False  # torch.func refuses f (a buffer updated in place, ...)
     rnn: bool = False  # f runs an RNN, whose backward vmap batches badly
@@ -154,7 +154,9 @@ def function_facts(record: Record) -> Record:
         rnn=record.rnn,
         slow_path=record.slow_path,
         forward_lost=record.forward_lost,
-        draws=record.draws,
+        # None: a new signature's first call is watched again (f may take another branch at
+        # other shapes: a hook, a draw).
+        draws=None,
         prior=record.settled if record.settled is not None else record.prior,
     )
 
