@@ -237,10 +237,16 @@ def checked_shape(weights: Any, k: int, source: str, call: str, unit: str = "tas
 
 
 def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
+    """``weights``, or an error naming the first few non-finite indices and their count."""
     if values_readable([weights]) and not bool(torch.isfinite(weights).all()):
+        bad = (~torch.isfinite(weights)).nonzero().flatten().tolist()
+        shown = ", ".join(f"[{i}] = {v}" for i, v in zip(bad, weights[bad[:5]].tolist()))
+        more = f", ... ({len(bad) - 5} more)" if len(bad) > 5 else ""
         raise ValueError(
-            f"{call}: `weighting` returned non-finite weights {weights.tolist()} from {source}; "
-            "the update would be NaN. Check the weighting (a solver that failed to converge?)."
+            f"{call}: `weighting` returned non-finite weights from {source}: expected "
+            f"{weights.numel()} finite weights, got NaN or inf at {len(bad)} of them: "
+            f"{shown}{more}; the update would be NaN. Check the weighting (a solver that "
+            "failed to converge?)."
         )
     return weights
 
