@@ -41,16 +41,8 @@ def grads(
         retain_graph: as in ``torch.autograd.grad`` (None: ``create_graph``). Without it,
             the graph counts as freed after the call, where ``torch.autograd.grad`` would
             free it: a later ``grads``, ``backward`` or ``.backward()`` through it raises
-            torch's error, before any ``.grad`` is written. Where k <= numel(through), the
-            one batched backward from ``through`` frees the part below it, as torch's own
-            backward does (the last chunk, the last direction of a loop, the last of
-            ``check``'s comparisons); else (``through``'s unit directions, whose product may
-            need the cotangents pulled again) that part's memory goes when you drop the
-            outputs and ``through``. Each output's backward to ``through`` frees that
-            output's own part (what no later output runs through). Where vmap cannot
-            batch that backward and fails after it freed part of the graph, the loop that
-            would answer cannot run: a clear error says so, before any ``.grad`` is written
-            (pass ``retain_graph=True``, or ``chunk_size=1`` for a loop from the start).
+            torch's error, before any ``.grad`` is written (the docs page "Reliability",
+            Freed and spent graphs, says which pass frees what).
         create_graph: build the graph of the gradients, for higher order.
         allow_unused: give zeros for inputs that ``through`` does not depend on, instead of
             an error.

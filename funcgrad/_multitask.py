@@ -365,22 +365,12 @@ def backward(
         before it leaves every ``.grad`` unchanged.
 
         Without ``retain_graph``, the last pass through the shared part frees its saved
-        tensors, as ``sum(losses).backward()`` does, at both levels and with every
-        ``process_group``: the one backward of ``w @ V``, or at level ``"params"`` the
-        batched backward (the last chunk of ``chunk_size``, the last direction of a loop or
-        through a reentrant checkpoint, the last of ``check``'s comparisons; no pass is
-        added). So the previous step's activations are gone before the next forward, though
-        you still hold ``through`` and the losses. Each loss's backward to ``through`` frees
-        that loss's own part (what no later loss runs through), so the weighting runs after
-        passes that freed part of the graph: a retry after its error needs a new forward
-        (or ``retain_graph=True``). Where vmap cannot batch that backward and fails after it
-        freed part of the graph, the loop that would answer cannot run: a clear error says
-        so, before any ``.grad`` is written (pass ``retain_graph=True``, or ``chunk_size=1``
-        for a loop from the start). The graph counts as freed where
-        ``sum(losses).backward()`` would free it, the heads' part that a later loss shares
-        (which funcgrad keeps for that loss's gradient on ``through``, until the losses go)
-        included: a second call through it, or the user's own ``.backward()``, raises
-        torch's error before any ``.grad`` is written.
+        tensors, as ``sum(losses).backward()`` does (no pass is added), and the graph counts
+        as freed from the losses down: a second call through it, or your own
+        ``.backward()``, raises torch's error before any ``.grad`` is written. The weighting
+        runs after passes that freed part of the graph, so a retry after its error needs a
+        new forward (or ``retain_graph=True``). In full: the docs page "Reliability", Freed
+        and spent graphs.
     """
     if batch_dim is not None or through is None:  # per-example losses: _per_example.py
         from ._per_example import backward_from_losses
