@@ -3,12 +3,9 @@ and ``combine_heads``. Pure math: no collectives (the Sync policy makes those, b
 these steps).
 
 A weighting is any callable Gramian (k x k) -> weights (k,), TorchJD's ``*Weighting``
-objects included. TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
-their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them: a
-Gramian-weighted one (UPGrad, MGDA, ...) without forward hooks through its Gramian
-weighting, which needs only the Gramian; any other (NashMTL, Mean, a hooked UPGrad,
-GradDrop, ...) is called on the Jacobian, hooks included, and its output is the update
-(its weights, where it has a weighting, are read from that weighting).
+objects included; TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
+their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them
+(see :class:`Rule`).
 
 With G the Gramian of the rows of a Jacobian P (k x n) and w = weighting(G), the update is
 ``w @ P``. When P = V J (V the head cotangents on y, J f's Jacobian), ``w @ P = (w @ V) J``:
@@ -276,9 +273,7 @@ def checked_weights(
 
 def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
     """``rule.fn(stat)`` on a detached ``stat``, outside autocast, with grad mode on (a
-    weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``,
-    also where the entry point computes its results under ``torch.no_grad``; its input
-    carries no graph and its result is detached by the caller)."""
+    weighting may differentiate inside itself, also under a caller's ``torch.no_grad``)."""
     with no_autocast(stat.device), torch.enable_grad():
         try:
             return rule.fn(stat.detach())
