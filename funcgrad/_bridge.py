@@ -89,7 +89,8 @@ def grads(
         raise RuntimeError(_graph.SECOND_BACKWARD.format(call=spender))
 
     retain = create_graph if retain_graph is None else retain_graph
-    try:
+    # (Without retain_graph, parts of the graph may be freed: a later backward raises up front.)
+    with _graph.spent_if_raising(graph, _CALL, freed=not retain):
         # Outputs -> through (cheap): one cotangent on `through` per output, each backward
         # freeing that output's own part of the graph unless a later one runs through it.
         cotangents, _, _, _ = _linearize.losses_backward(
@@ -116,13 +117,6 @@ def grads(
             result, _ = _engine.by_linearity(
                 lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
             )
-    except BaseException as error:
-        if not retain:  # parts of the graph may be freed: a later backward raises up front
-            _graph.spend(graph, _CALL)
-        freed = _graph.freed_error(error, _CALL)
-        if freed is not None:
-            raise freed from error
-        raise
     if not retain:  # as torch.autograd.grad: see Args (no other process refuses with this one)
         # (Nothing to pull, empty inputs: no pass ran below `through`, so nothing there is
         # freed by torch, and the graph is marked as spent.)

@@ -599,7 +599,7 @@ def spend(
     ``heads_freed``: the nodes above ``through`` that the outputs' backward freed (see
     :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no other process must
     refuse with this one; then, where torch freed every node and none needs a hook, nothing
-    is marked (a later call gives its own message for torch's error: :func:`freed_error`)."""
+    is marked (a later call gives its own message for torch's error: :func:`spent_if_raising`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -633,21 +633,29 @@ def spend(
             node.register_prehook(refuse if below is None else refuse_before(below))
 
 
-def freed_error(error: BaseException, call: str) -> RuntimeError | None:
-    """funcgrad's error for torch's own refusal of a backward through saved tensors an
-    earlier backward freed, raised by one of ``call``'s passes (a graph that a call which
-    left no mark, see :func:`spend`, or the user's own backward freed); else None."""
-    text = str(error) if isinstance(error, RuntimeError) else ""
-    if not text.startswith(FREED_GRAPH) or text.startswith(
-        FREED_GRAPH + ":"
-    ):  # (not funcgrad's own)
-        return None
-    return RuntimeError(
-        f"{FREED_GRAPH}: {call} reached saved tensors of this graph that an earlier backward "
-        "without retain_graph freed (an earlier funcgrad call, or your own .backward() or "
-        "torch.autograd.grad). Nothing was written. Pass retain_graph=True to the earlier "
-        "backward, or run the forward again."
-    )
+@contextlib.contextmanager
+def spent_if_raising(
+    graph: Graph, call: str, *, freed: bool, error: type[RuntimeError] = RuntimeError
+) -> Iterator[None]:
+    """Around ``call``'s passes through ``graph`` and what follows them (``freed``: without
+    retain_graph, they free parts of it): where the body raises, the graph counts as spent
+    (see :func:`spend`), so that a retry, or the user's own backward, raises up front. torch's
+    refusal of saved tensors an earlier backward freed (a graph that a call which left no
+    mark, or the user's own backward, freed) is raised as ``error`` with funcgrad's message."""
+    try:
+        yield
+    except BaseException as caught:
+        if freed:
+            spend(graph, call)
+        text = str(caught) if isinstance(caught, RuntimeError) else ""
+        if text.startswith(FREED_GRAPH) and not text.startswith(FREED_GRAPH + ":"):  # torch's
+            raise error(
+                f"{FREED_GRAPH}: {call} reached saved tensors of this graph that an earlier "
+                "backward without retain_graph freed (an earlier funcgrad call, or your own "
+                ".backward() or torch.autograd.grad). Nothing was written. Pass "
+                "retain_graph=True to the earlier backward, or run the forward again."
+            ) from caught
+        raise
 
 
 SECOND_BACKWARD = (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -259,24 +259,6 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-@contextlib.contextmanager
-def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
-    """Around the passes that free the graph (``freed``: without retain_graph, each loss's
-    backward frees its own part, the last pull the shared part) and what follows them: where
-    the body raises (a pass failing past a freed node, a weighting's error), the graph is
-    counted as spent, so that a retry through it, or the user's own backward, raises a clear
-    error up front, before any pass or write."""
-    try:
-        yield
-    except BaseException as error:
-        if freed:
-            _graph.spend(graph, _CALL)
-        spent = _graph.freed_error(error, _CALL)
-        if spent is not None:
-            raise SecondBackwardError(str(spent)) from error
-        raise
-
-
 @_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
@@ -408,7 +390,12 @@ def backward(
     # Without retain_graph, each loss's backward frees its own part of the graph (where no
     # later loss runs through it) and the last pull the shared part: if anything below
     # raises, the graph counts as spent (a retry raises up front).
-    with _spent_if_raising(task.graph, freed=not retain_graph), contextlib.ExitStack() as stack:
+    with (
+        _graph.spent_if_raising(
+            task.graph, _CALL, freed=not retain_graph, error=SecondBackwardError
+        ),
+        contextlib.ExitStack() as stack,
+    ):
         cotangents, own, own_grads, all_freed = _collect(task, sync, retain_graph)
         # `through`'s tensor hooks ran in that backward: not again from `through` down.
         stack.enter_context(_graph.hooks_fired(task.through))
