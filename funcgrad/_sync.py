@@ -81,10 +81,9 @@ class Sync:
     # -- the questions backward asks, answered by each policy --------------------------
 
     def by_backward(self, one_pull: bool) -> bool:
-        """Whether the shared leaves get their update from ONE backward of ``w @ V``
-        through the wrap, whose reducer averages it (else funcgrad computes the update and
-        writes it, :meth:`write`); ``one_pull``: the update is one pull of ``w @ V`` anyway
-        (level ``"features"`` or no weighting), else it is ``w @ P``."""
+        """Whether the update comes from ONE backward of ``w @ V`` through the wrap, which
+        averages it (else :meth:`write`); ``one_pull``: the update is that pull anyway (level
+        ``"features"`` or no weighting), not ``w @ P``."""
         return self.reduces_backward
 
     def check_inputs(self, inputs: Any, through: Any) -> None:
@@ -465,15 +464,12 @@ class FSDPSync(GroupSync):
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features, which
-        all-gathers the last layer and prefetches the one before it; its final callback
-        then reshards them and drops the prefetch: all-gathers that the backward through the
-        encoder would repeat, k times. So during these k backwards resharding is put off and
-        none of them is FSDP's last backward (FSDP's public ``set_reshard_after_backward``
-        and ``set_is_last_backward``): what they gathered stays for the real backward,
-        which needs it anyway. Then each setting is put back. FSDP's API sets these but does
-        not read them, so they are read from FSDP's private state; where that is not found,
-        nothing is changed (only communication is saved, never correctness)."""
+        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features (an
+        all-gather, then a reshard at its end): during these k backwards, resharding is put
+        off and none is FSDP's last backward (its public ``set_reshard_after_backward``,
+        ``set_is_last_backward``), so what they gathered stays for the real backward; then
+        each setting, read from FSDP's private state, is put back (where that is not found,
+        nothing is changed: only communication is saved, never correctness)."""
         settings = _backward_settings(self.module)
         root: Any = self.module
         if settings is not None:
