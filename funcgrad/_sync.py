@@ -299,11 +299,8 @@ class GroupSync(Sync):
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             flat = self._sum(torch.cat([tensors[i].reshape(-1) for i in indices])) / self.size
-            start = 0
-            for i in indices:
-                numel = tensors[i].numel()
-                result[i] = flat[start : start + numel].view_as(tensors[i])
-                start += numel
+            for i, part in zip(indices, torch.split(flat, [tensors[i].numel() for i in indices])):
+                result[i] = part.view_as(tensors[i])
         return tuple(t for t in result if t is not None)  # every entry is set above
 
     def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -577,10 +574,7 @@ class FSDPSync(GroupSync):
                 shape=p.shape,
                 stride=p.stride(),
             )
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
         post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
 
 
