@@ -52,10 +52,8 @@ def weigh_features(
     if rule.needs_jacobian:  # resolve() refused this with a process group
         weights, vector = _weighting.aggregate(rule, rows, call)
         assert weights is not None  # "vector" rules are refused at this level
-        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
         if vector is None:  # a weighting of V
             return weights, weights, cotangents
-        vector = _weighting.check_update(vector, rule, call)
         like = tuple(v[0] for v in cotangents)
         one = torch.ones(1, dtype=rows.dtype, device=rows.device)
         return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
@@ -88,13 +86,10 @@ def weigh_params(
         weights = _weighting.checked_weights(rule, g, blocks, what, call, sync.from_first_rank)
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
-    found, vector = _weighting.aggregate(rule, rows, call)
-    if found is not None:
-        found = sync.from_first_rank(found)
-        found = _weighting.check_finite(found, f"the ({k}, {rows.shape[1]}) Jacobian", call)
-        if vector is None:  # a Jacobian weighting: weights only
-            return found, _weighting.weighted_sum(found, task_grads)
-    assert vector is not None  # a Jacobian rule gives weights or an update
+    found, vector = _weighting.aggregate(rule, rows, call, sync.from_first_rank)
+    if vector is None:  # a Jacobian weighting: weights only
+        assert found is not None  # a Jacobian rule gives weights or an update
+        return found, _weighting.weighted_sum(found, task_grads)
     if found is None and not all(weighed):
         raise ValueError(
             f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
@@ -103,7 +98,6 @@ def weigh_params(
         )
     # The aggregator's output (with its hooks' effect) is the update of the leaves it saw,
     # as jac_to_grad writes it.
-    vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
     like = tuple(g[0] for g in shaping)
     written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
     unseen = [g for g, w in zip(task_grads, weighed) if not w]

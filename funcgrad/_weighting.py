@@ -301,18 +301,23 @@ def weights_from_gramian(
 
 
 def aggregate(
-    rule: Rule, rows: torch.Tensor, call: str
+    rule: Rule,
+    rows: torch.Tensor,
+    call: str,
+    share: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
     ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
     included, and its output is the update (a weighted one's weights are read as its
     weighting returns them, after that weighting's own hooks); a Jacobian weighting gives
-    weights only."""
+    weights only. Each result is ``share``'d (the first rank's on every rank), then checked
+    to be finite."""
     k, n = rows.shape
     given = f"the ({k}, {n}) Jacobian"
     work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        return checked_shape(_call(rule, work, given, call), k, given, call), None
+        found = checked_shape(_call(rule, work, given, call), k, given, call)
+        return check_finite(share(found), given, call), None
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
@@ -329,15 +334,12 @@ def aggregate(
             f"shape ({n},), got {describe(vector)}."
         )
     weights = checked_shape(captured[-1], k, given, call) if captured else None
-    return weights, vector.detach()
-
-
-def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
+    if weights is not None:
+        weights = check_finite(share(weights), given, call)
+    vector = share(vector.detach())
     if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
-        raise ValueError(
-            f"{call}: the aggregator {type(rule.fn).__name__} returned a non-finite update."
-        )
-    return vector
+        raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
+    return weights, vector
 
 
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:

@@ -81,6 +81,35 @@ def test_params_level_weighting_errors_come_before_any_write():
     assert not _grads(model)
 
 
+class _NaNMean(tjd.Mean):
+    def forward(self, matrix):
+        return super().forward(matrix) * float("nan")
+
+
+class _NaNMeanWeighting(tjd.MeanWeighting):
+    def forward(self, matrix):
+        return super().forward(matrix) * float("nan")
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize(
+    ("weighting", "match"),
+    [
+        (_NaNMean(), "the aggregator _NaNMean returned a non-finite update"),
+        (_NaNMeanWeighting(), r"non-finite weights from the \(3, \d+\) Jacobian: expected 3 "),
+    ],
+)
+def test_a_non_finite_aggregate_of_the_jacobian_is_an_error_before_any_write(
+    level, weighting, match
+):
+    """An aggregator's update, or a Jacobian weighting's weights, that are not finite: a clear
+    error (at both levels), and no .grad written."""
+    _, model, features, losses = _counted_graph()
+    with pytest.raises(ValueError, match=match):
+        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    assert not _grads(model)
+
+
 def test_non_finite_weights_error_names_the_first_indices_and_a_count():
     """m NaN weights: the message names the first five indices with their values and the count
     (expected vs got, and the fix), not the whole list."""
