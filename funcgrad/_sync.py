@@ -113,16 +113,11 @@ class Sync:
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``.
-
-    A first ``.grad`` is ``grad`` itself where the leaf may own it: no other leaf of this
-    call holds its storage (``taken``: autograd hands one tensor to every leaf of a sum), it
-    spans its whole storage (not a row of the k stacked per-task gradients, which would
-    keep all k alive) and it has the leaf's strides (torch's layout contract: a
-    channels_last weight gets a channels_last ``.grad``); else a copy in the leaf's layout.
-    An existing ``.grad`` is added to in place, building no graph; a sparse one meeting a
-    dense update becomes their dense sum, as in torch. :func:`check_presets` refuses
-    beforehand what cannot be accumulated into; :func:`post_accumulate` fires the hooks."""
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
+    (docs/reliability.md, ".grad presets"). A first ``.grad`` is ``grad`` itself where the
+    leaf may own it: no other leaf of this call holds its storage (``taken``), it spans its
+    whole storage (not a row of the k stacked per-task gradients, which would keep all k
+    alive) and it has the leaf's strides; else a copy in the leaf's layout."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
