@@ -41,16 +41,8 @@ def grads(
         retain_graph: as in ``torch.autograd.grad`` (None: ``create_graph``). Without it,
             the graph counts as freed after the call, where ``torch.autograd.grad`` would
             free it: a later ``grads``, ``backward`` or ``.backward()`` through it raises
-            torch's error, before any ``.grad`` is written. Where k <= numel(through), the
-            one batched backward from ``through`` frees the part below it, as torch's own
-            backward does (the last chunk, the last direction of a loop, the last of
-            ``check``'s comparisons); else (``through``'s unit directions, whose product may
-            need the cotangents pulled again) that part's memory goes when you drop the
-            outputs and ``through``. Each output's backward to ``through`` frees that
-            output's own part (what no later output runs through). Where vmap cannot
-            batch that backward and fails after it freed part of the graph, the loop that
-            would answer cannot run: a clear error says so, before any ``.grad`` is written
-            (pass ``retain_graph=True``, or ``chunk_size=1`` for a loop from the start).
+            torch's error, before any ``.grad`` is written (the docs page "Reliability",
+            Freed and spent graphs, says which pass frees what).
         create_graph: build the graph of the gradients, for higher order.
         allow_unused: give zeros for inputs that ``through`` does not depend on, instead of
             an error.
@@ -97,7 +89,8 @@ def grads(
         raise RuntimeError(_graph.SECOND_BACKWARD.format(call=spender))
 
     retain = create_graph if retain_graph is None else retain_graph
-    try:
+    # (Without retain_graph, parts of the graph may be freed: a later backward raises up front.)
+    with _graph.spent_if_raising(graph, _CALL, freed=not retain):
         # Outputs -> through (cheap): one cotangent on `through` per output, each backward
         # freeing that output's own part of the graph unless a later one runs through it.
         cotangents, _, _, _ = _linearize.losses_backward(
@@ -124,13 +117,6 @@ def grads(
             result, _ = _engine.by_linearity(
                 lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
             )
-    except BaseException as error:
-        if not retain:  # parts of the graph may be freed: a later backward raises up front
-            _graph.spend(graph, _CALL)
-        freed = _graph.freed_error(error, _CALL)
-        if freed is not None:
-            raise freed from error
-        raise
     if not retain:  # as torch.autograd.grad: see Args (no other process refuses with this one)
         # (Nothing to pull, empty inputs: no pass ran below `through`, so nothing there is
         # freed by torch, and the graph is marked as spent.)

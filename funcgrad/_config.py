@@ -25,10 +25,6 @@ _block_check: contextvars.ContextVar[CheckMode | None] = contextvars.ContextVar(
 )
 
 
-def _from_env() -> CheckMode:
-    return _parse_env(os.environ.get(_ENV, "0"))  # (read at every call: it may change)
-
-
 @functools.lru_cache(maxsize=16)
 def _parse_env(raw: str) -> CheckMode:
     value = raw.strip().lower()
@@ -113,4 +109,6 @@ def resolve_check(mode: CheckMode | None, call: str) -> CheckMode:
     block = _block_check.get()
     if block is not None:
         return block
-    return _from_env() if _check is None else _check
+    if _check is None:  # the environment, read at every call: it may change
+        return _parse_env(os.environ.get(_ENV, "0"))
+    return _check

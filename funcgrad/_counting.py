@@ -1,16 +1,6 @@
 """Counting what a call costs: :class:`PassCounter` (passes through f's backward) and
-:class:`HostReadCounter` (reads of tensor values by the host), public, so that users can
-check the cost claims themselves (the demo, the notebooks, the benchmarks and the tests use
-them too).
-
-``counted(x, counter)`` is the identity on x, and each backward pass that reaches it adds
-one to ``counter.backward`` (a vmapped backward is one pass). It works under torch.func
-transforms: it has ``setup_context`` and a vmap rule.
-
-A host read (``bool(t)``, ``t.item()``, ``torch.equal``, ``if t.any():``) makes the host
-wait for the device: on a GPU it stalls the stream. Every one of them reaches the dispatcher
-as one of ``HOST_READS``, on CPU tensors as on CUDA ones, so :class:`HostReadCounter` counts
-on the CPU what would stall a GPU.
+:class:`HostReadCounter` (reads of tensor values by the host, each a stall of a GPU's
+stream), public, so that users can check the cost claims themselves.
 """
 
 from __future__ import annotations

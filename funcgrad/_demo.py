@@ -67,22 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         description="The seed problem: many cheap heads on one slow matrix_exp, naive "
         "autograd against funcgrad, with every gradient checked against the closed form.",
     )
+    size_help = "N of the N x N matrix_exp (default 300; the seed used 1000)"
+    parser.add_argument("-n", "--size", type=int, default=300, help=size_help)
+    k_max = len(HEADS)
     parser.add_argument(
-        "-n",
-        "--size",
-        type=int,
-        default=300,
-        help="N of the N x N matrix_exp (default 300; the seed used 1000)",
-    )
-    parser.add_argument(
-        "-k",
-        "--heads",
-        type=int,
-        default=8,
-        choices=range(1, len(HEADS) + 1),
-        metavar=f"{{1..{len(HEADS)}}}",
-        help="number of heads (default 8)",
-    )
+        "-k", "--heads", type=int, default=8, choices=range(1, k_max + 1),
+        metavar=f"{{1..{k_max}}}", help="number of heads (default 8)",
+    )  # fmt: skip
     parser.add_argument("-x", type=float, default=1.0, help="the point x (default 1.0)")
     parser.add_argument("--repeats", type=int, default=3, help="timing repeats (median)")
     parser.add_argument("--dtype", choices=["float32", "float64"], default="float64")

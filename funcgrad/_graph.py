@@ -65,22 +65,16 @@ def walk(
     nodes: set[Any] | None = None,
     ends: list[Any] | None = None,
 ) -> tuple[set[int], set[int]]:
-    """(indices of the target edges, indices of the stop edges) reached from ``starts``; the
-    walk does not go past a stop edge, so it stays in the cheap part of the graph. The leaf
-    tensors it reaches (their AccumulateGrad nodes) are added to ``leaves`` if given, and
-    every node it goes past is recorded in ``into`` (node -> the nodes that pass gradients
-    into it, see :class:`Graph`) if given, and in ``nodes`` (all but leaves) if given;
-    ``ends`` (if given) gets every node where a path ends other than at a stop edge (a leaf,
-    a node whose inputs need no gradient).
-
-    Conservative where it must be: gradient entering a node by any output is taken to reach
-    all of its inputs (true of every op but a few with unused inputs), so a dependency is
-    never missed; a stop edge is checked before a target edge."""
+    """(indices of the target edges, indices of the stop edges) reached from ``starts``,
+    never past a stop edge (checked first). If given, ``leaves`` gets the leaf tensors
+    reached, ``into`` each node gone past (node -> the nodes that pass gradients into it),
+    ``nodes`` those nodes but leaves, ``ends`` every node where a path ends other than at a
+    stop edge. Gradient entering a node by any output is taken to reach all of its inputs,
+    so a dependency is never missed."""
     found: set[int] = set()
     stopped: set[int] = set()
     seen, todo = set(starts), list(starts)
-    # (The hot loop of every call's validation: one read of next_functions per edge, an
-    # AccumulateGrad node, a leaf, is the only kind without parents.)
+    # (One read of next_functions per edge: only a leaf's AccumulateGrad node has no parents.)
     while todo:
         e = todo.pop()
         if stop and e in stop:
@@ -113,19 +107,14 @@ def walk(
     return found, stopped
 
 
-# The backward node of torch.utils.checkpoint(use_reentrant=True), transformers' default
-# gradient checkpointing. It recomputes its forward in backward and calls .backward() there:
-# the leaves it uses (the parameters inside) are not edges of the graph, so torch.autograd.grad
-# never reaches them (it would return None, or zeros with allow_unused) and only .backward()
-# accumulates their gradients.
+# The backward node of torch.utils.checkpoint(use_reentrant=True) (transformers' default): it
+# calls .backward() on its recomputed forward, so the leaves inside are no edges of the graph
+# and only .backward() accumulates their gradients (torch.autograd.grad never reaches them).
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
-# The backward node of a torch.compile'd region (AOTAutograd). torch 2.13 may run it wrongly a
-# second time on the same graph (retain_graph=True), with no error: seen with inductor where
-# the default dtype was float64 when it compiled (the second pass differs from the first).
-# funcgrad checks a second pass against the first where it makes one (see
-# funcgrad._linearize.repeat_checked).
+# The backward node of a torch.compile'd region (AOTAutograd), which torch 2.13 may run wrongly a
+# second time on one graph: a second pass is checked (docs/reliability.md, _linearize).
 COMPILED_BACKWARD = "CompiledFunctionBackward"
 
 
@@ -610,7 +599,7 @@ def spend(
     ``heads_freed``: the nodes above ``through`` that the outputs' backward freed (see
     :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no other process must
     refuse with this one; then, where torch freed every node and none needs a hook, nothing
-    is marked (a later call gives its own message for torch's error: :func:`freed_error`)."""
+    is marked (a later call gives its own message for torch's error: :func:`spent_if_raising`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -623,12 +612,9 @@ def spend(
 
         return hook
 
-    # Where the call's last pass freed the shared part for real (``shared_freed``: a pull
-    # without retain_graph), torch raises at its nodes itself: only the nodes funcgrad kept
-    # alive need a hook (a real model's shared part has thousands of nodes). (The caller
-    # knows; reading a saved tensor to find out would run its unpack hook: a non-reentrant
-    # checkpoint's recomputation.) The same for the heads' nodes
-    # that each output's own backward freed (``heads_freed``).
+    # Where a pass freed nodes for real, torch raises at them itself: only the nodes funcgrad
+    # kept alive need a hook. (The caller knows which: reading a saved tensor to find out
+    # would run its unpack hook, a non-reentrant checkpoint's recomputation.)
     hooked = [
         (node, below)
         for node, below in graph.refusing().items()
@@ -647,21 +633,29 @@ def spend(
             node.register_prehook(refuse if below is None else refuse_before(below))
 
 
-def freed_error(error: BaseException, call: str) -> RuntimeError | None:
-    """funcgrad's error for torch's own refusal of a backward through saved tensors an
-    earlier backward freed, raised by one of ``call``'s passes (a graph that a call which
-    left no mark, see :func:`spend`, or the user's own backward freed); else None."""
-    text = str(error) if isinstance(error, RuntimeError) else ""
-    if not text.startswith(FREED_GRAPH) or text.startswith(
-        FREED_GRAPH + ":"
-    ):  # (not funcgrad's own)
-        return None
-    return RuntimeError(
-        f"{FREED_GRAPH}: {call} reached saved tensors of this graph that an earlier backward "
-        "without retain_graph freed (an earlier funcgrad call, or your own .backward() or "
-        "torch.autograd.grad). Nothing was written. Pass retain_graph=True to the earlier "
-        "backward, or run the forward again."
-    )
+@contextlib.contextmanager
+def spent_if_raising(
+    graph: Graph, call: str, *, freed: bool, error: type[RuntimeError] = RuntimeError
+) -> Iterator[None]:
+    """Around ``call``'s passes through ``graph`` and what follows them (``freed``: without
+    retain_graph, they free parts of it): where the body raises, the graph counts as spent
+    (see :func:`spend`), so that a retry, or the user's own backward, raises up front. torch's
+    refusal of saved tensors an earlier backward freed (a graph that a call which left no
+    mark, or the user's own backward, freed) is raised as ``error`` with funcgrad's message."""
+    try:
+        yield
+    except BaseException as caught:
+        if freed:
+            spend(graph, call)
+        text = str(caught) if isinstance(caught, RuntimeError) else ""
+        if text.startswith(FREED_GRAPH) and not text.startswith(FREED_GRAPH + ":"):  # torch's
+            raise error(
+                f"{FREED_GRAPH}: {call} reached saved tensors of this graph that an earlier "
+                "backward without retain_graph freed (an earlier funcgrad call, or your own "
+                ".backward() or torch.autograd.grad). Nothing was written. Pass "
+                "retain_graph=True to the earlier backward, or run the forward again."
+            ) from caught
+        raise
 
 
 SECOND_BACKWARD = (

@@ -5,11 +5,9 @@ The budget comes from :func:`memory_budget` (a block), else ``FUNCGRAD_MEMORY_BU
 or with a unit: ``512MiB``, ``2GB``), else half of the memory free now (``torch.cuda.
 mem_get_info`` on CUDA, ``MemAvailable`` on the CPU).
 
-The measurement counts live bytes, not the process's resident size: on the CPU, glibc keeps
-freed memory, so peak RSS reads what the allocator holds, not what a chunk needs (see
-docs/performance.md). :class:`LivePeak` sees every tensor the chunk's
-ops allocate (a TorchDispatchMode, below vmap, so it sees the batched tensors) and every
-release; on CUDA, ``max_memory_allocated`` says the same.
+The measurement counts live bytes, not resident size (docs/performance.md says why):
+:class:`LivePeak`, a TorchDispatchMode below vmap, sees every tensor a chunk allocates and
+every release; on CUDA, ``max_memory_allocated`` says the same.
 """
 
 from __future__ import annotations

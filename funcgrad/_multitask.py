@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
@@ -52,10 +52,8 @@ def weigh_features(
     if rule.needs_jacobian:  # resolve() refused this with a process group
         weights, vector = _weighting.aggregate(rule, rows, call)
         assert weights is not None  # "vector" rules are refused at this level
-        weights = _weighting.check_finite(weights, f"the ({k}, {rows.shape[1]}) Jacobian", call)
         if vector is None:  # a weighting of V
             return weights, weights, cotangents
-        vector = _weighting.check_update(vector, rule, call)
         like = tuple(v[0] for v in cotangents)
         one = torch.ones(1, dtype=rows.dtype, device=rows.device)
         return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
@@ -88,13 +86,10 @@ def weigh_params(
         weights = _weighting.checked_weights(rule, g, blocks, what, call, sync.from_first_rank)
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
-    found, vector = _weighting.aggregate(rule, rows, call)
-    if found is not None:
-        found = sync.from_first_rank(found)
-        found = _weighting.check_finite(found, f"the ({k}, {rows.shape[1]}) Jacobian", call)
-        if vector is None:  # a Jacobian weighting: weights only
-            return found, _weighting.weighted_sum(found, task_grads)
-    assert vector is not None  # a Jacobian rule gives weights or an update
+    found, vector = _weighting.aggregate(rule, rows, call, sync.from_first_rank)
+    if vector is None:  # a Jacobian weighting: weights only
+        assert found is not None  # a Jacobian rule gives weights or an update
+        return found, _weighting.weighted_sum(found, task_grads)
     if found is None and not all(weighed):
         raise ValueError(
             f"{call}: the aggregator {type(rule.fn).__name__} reported no weights, so the "
@@ -103,7 +98,6 @@ def weigh_params(
         )
     # The aggregator's output (with its hooks' effect) is the update of the leaves it saw,
     # as jac_to_grad writes it.
-    vector = _weighting.check_update(sync.from_first_rank(vector), rule, call)
     like = tuple(g[0] for g in shaping)
     written = iter(u[0] for u in _coords.from_coords(vector.to(rows.dtype)[None], like))
     unseen = [g for g, w in zip(task_grads, weighed) if not w]
@@ -259,24 +253,6 @@ def _outside_autocast(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
-@contextlib.contextmanager
-def _spent_if_raising(graph: _graph.Graph, *, freed: bool) -> Iterator[None]:
-    """Around the passes that free the graph (``freed``: without retain_graph, each loss's
-    backward frees its own part, the last pull the shared part) and what follows them: where
-    the body raises (a pass failing past a freed node, a weighting's error), the graph is
-    counted as spent, so that a retry through it, or the user's own backward, raises a clear
-    error up front, before any pass or write."""
-    try:
-        yield
-    except BaseException as error:
-        if freed:
-            _graph.spend(graph, _CALL)
-        spent = _graph.freed_error(error, _CALL)
-        if spent is not None:
-            raise SecondBackwardError(str(spent)) from error
-        raise
-
-
 @_outside_autocast
 def backward(
     losses: Sequence[torch.Tensor] | Mapping[Any, torch.Tensor],
@@ -365,22 +341,12 @@ def backward(
         before it leaves every ``.grad`` unchanged.
 
         Without ``retain_graph``, the last pass through the shared part frees its saved
-        tensors, as ``sum(losses).backward()`` does, at both levels and with every
-        ``process_group``: the one backward of ``w @ V``, or at level ``"params"`` the
-        batched backward (the last chunk of ``chunk_size``, the last direction of a loop or
-        through a reentrant checkpoint, the last of ``check``'s comparisons; no pass is
-        added). So the previous step's activations are gone before the next forward, though
-        you still hold ``through`` and the losses. Each loss's backward to ``through`` frees
-        that loss's own part (what no later loss runs through), so the weighting runs after
-        passes that freed part of the graph: a retry after its error needs a new forward
-        (or ``retain_graph=True``). Where vmap cannot batch that backward and fails after it
-        freed part of the graph, the loop that would answer cannot run: a clear error says
-        so, before any ``.grad`` is written (pass ``retain_graph=True``, or ``chunk_size=1``
-        for a loop from the start). The graph counts as freed where
-        ``sum(losses).backward()`` would free it, the heads' part that a later loss shares
-        (which funcgrad keeps for that loss's gradient on ``through``, until the losses go)
-        included: a second call through it, or the user's own ``.backward()``, raises
-        torch's error before any ``.grad`` is written.
+        tensors, as ``sum(losses).backward()`` does (no pass is added), and the graph counts
+        as freed from the losses down: a second call through it, or your own
+        ``.backward()``, raises torch's error before any ``.grad`` is written. The weighting
+        runs after passes that freed part of the graph, so a retry after its error needs a
+        new forward (or ``retain_graph=True``). In full: the docs page "Reliability", Freed
+        and spent graphs.
     """
     if batch_dim is not None or through is None:  # per-example losses: _per_example.py
         from ._per_example import backward_from_losses
@@ -418,7 +384,12 @@ def backward(
     # Without retain_graph, each loss's backward frees its own part of the graph (where no
     # later loss runs through it) and the last pull the shared part: if anything below
     # raises, the graph counts as spent (a retry raises up front).
-    with _spent_if_raising(task.graph, freed=not retain_graph), contextlib.ExitStack() as stack:
+    with (
+        _graph.spent_if_raising(
+            task.graph, _CALL, freed=not retain_graph, error=SecondBackwardError
+        ),
+        contextlib.ExitStack() as stack,
+    ):
         cotangents, own, own_grads, all_freed = _collect(task, sync, retain_graph)
         # `through`'s tensor hooks ran in that backward: not again from `through` down.
         stack.enter_context(_graph.hooks_fired(task.through))

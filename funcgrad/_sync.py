@@ -1,32 +1,18 @@
-"""Sync policies: every collective funcgrad makes, in one place.
+"""Sync policies: every collective funcgrad makes, in one place (docs/scaling.md).
 
-DDP's convention: every rank holds an equal shard, each loss is a mean over the local shard,
-and the global loss is the average of the ranks'. So the global task gradient is the average
-of the ranks' local ones, and:
+DDP's convention: each loss is a mean over an equal local shard and the global loss the
+ranks' average, so the global task gradient is the average of the local ones. Features
+level: the global Gramian is ``(1/R^2) sum_r V_r V_r^T`` (one all-reduce of k x k numbers),
+then one backward of ``w @ V_r``, averaged by DDP's reducer, FSDP's reduce-scatter or one
+flat buffer here. Params level: one all-reduce of the k x P per-task gradients; under FSDP2,
+which alone computes its parameters' gradients, one FSDP backward per task, the Gramian
+summed over every rank's shard and ``w @`` its own shard written on each rank.
 
-- features level: the ranks' features are disjoint coordinates of the global features, so
-  the global Gramian is ``(1/R^2) sum_r V_r V_r^T``: one all-reduce of k x k numbers, then
-  the one backward of ``w @ V_r`` whose parameter gradients are averaged (by DDP's own
-  reducer when the encoder is wrapped in DDP, else in one flat buffer here);
-- params level: one all-reduce of the k x P per-task gradients (one flat buffer).
-
-FSDP2 (``fully_shard``) keeps that convention: its reduce-scatter averages the gradients of one
-backward, and each rank holds a shard of every parameter. The features level is the same
-one backward. The params level needs the k per-task gradients, which only FSDP's own
-backward computes (``torch.autograd.grad`` on its parameters returns unreduced gradients, or
-None with per-layer wraps): k backwards, one per task, each rank reading its shard of the
-averaged gradient. The Gramian is then the sum over the disjoint shards of every rank (one
-all-reduce of k x k numbers), and each rank writes ``w @`` its own shard.
-
-The policies: :class:`Sync` (no distribution: every collective is the identity),
-:class:`GroupSync` (a ProcessGroup), :class:`DDPSync` (a DistributedDataParallel encoder,
-whose reducer averages the shared gradients of one backward) and :class:`FSDPSync` (an
-FSDP2-sharded encoder). Every call agrees first
-(:meth:`Sync.agree`): each rank's local checks and the choices that must match travel in
-one all-gather, before any backward, so that a mistake on one rank is a clear error on
-every rank instead of a hang. The weights (or an aggregator's update) are then broadcast
-from the first rank, so a weighting that draws random numbers gives every rank one update,
-and every rank returns the weights it applied.
+:class:`Sync` (no distribution: every collective the identity), :class:`GroupSync` (a
+ProcessGroup), :class:`DDPSync`, :class:`FSDPSync`. Every call agrees first
+(:meth:`Sync.agree`: local checks and the choices that must match, in one all-gather before
+any backward), so a mistake on one rank is a clear error on every rank, not a hang; the
+weights (or an aggregator's update) are broadcast from the first rank.
 """
 
 from __future__ import annotations
@@ -95,10 +81,9 @@ class Sync:
     # -- the questions backward asks, answered by each policy --------------------------
 
     def by_backward(self, one_pull: bool) -> bool:
-        """Whether the shared leaves get their update from ONE backward of ``w @ V``
-        through the wrap, whose reducer averages it (else funcgrad computes the update and
-        writes it, :meth:`write`); ``one_pull``: the update is one pull of ``w @ V`` anyway
-        (level ``"features"`` or no weighting), else it is ``w @ P``."""
+        """Whether the update comes from ONE backward of ``w @ V`` through the wrap, which
+        averages it (else :meth:`write`); ``one_pull``: the update is that pull anyway (level
+        ``"features"`` or no weighting), not ``w @ P``."""
         return self.reduces_backward
 
     def check_inputs(self, inputs: Any, through: Any) -> None:
@@ -128,16 +113,11 @@ class Sync:
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
-    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``.
-
-    A first ``.grad`` is ``grad`` itself where the leaf may own it: no other leaf of this
-    call holds its storage (``taken``: autograd hands one tensor to every leaf of a sum), it
-    spans its whole storage (not a row of the k stacked per-task gradients, which would
-    keep all k alive) and it has the leaf's strides (torch's layout contract: a
-    channels_last weight gets a channels_last ``.grad``); else a copy in the leaf's layout.
-    An existing ``.grad`` is added to in place, building no graph; a sparse one meeting a
-    dense update becomes their dense sum, as in torch. :func:`check_presets` refuses
-    beforehand what cannot be accumulated into; :func:`post_accumulate` fires the hooks."""
+    """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
+    (docs/reliability.md, ".grad presets"). A first ``.grad`` is ``grad`` itself where the
+    leaf may own it: no other leaf of this call holds its storage (``taken``), it spans its
+    whole storage (not a row of the k stacked per-task gradients, which would keep all k
+    alive) and it has the leaf's strides; else a copy in the leaf's layout."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
@@ -314,11 +294,8 @@ class GroupSync(Sync):
         for dtype in dict.fromkeys(t.dtype for t in tensors):
             indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
             flat = self._sum(torch.cat([tensors[i].reshape(-1) for i in indices])) / self.size
-            start = 0
-            for i in indices:
-                numel = tensors[i].numel()
-                result[i] = flat[start : start + numel].view_as(tensors[i])
-                start += numel
+            for i, part in zip(indices, torch.split(flat, [tensors[i].numel() for i in indices])):
+                result[i] = part.view_as(tensors[i])
         return tuple(t for t in result if t is not None)  # every entry is set above
 
     def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -479,15 +456,12 @@ class FSDPSync(GroupSync):
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features, which
-        all-gathers the last layer and prefetches the one before it; its final callback
-        then reshards them and drops the prefetch: all-gathers that the backward through the
-        encoder would repeat, k times. So during these k backwards resharding is put off and
-        none of them is FSDP's last backward (FSDP's public ``set_reshard_after_backward``
-        and ``set_is_last_backward``): what they gathered stays for the real backward,
-        which needs it anyway. Then each setting is put back. FSDP's API sets these but does
-        not read them, so they are read from FSDP's private state; where that is not found,
-        nothing is changed (only communication is saved, never correctness)."""
+        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features (an
+        all-gather, then a reshard at its end): during these k backwards, resharding is put
+        off and none is FSDP's last backward (its public ``set_reshard_after_backward``,
+        ``set_is_last_backward``), so what they gathered stays for the real backward; then
+        each setting, read from FSDP's private state, is put back (where that is not found,
+        nothing is changed: only communication is saved, never correctness)."""
         settings = _backward_settings(self.module)
         root: Any = self.module
         if settings is not None:
@@ -595,10 +569,7 @@ class FSDPSync(GroupSync):
                 shape=p.shape,
                 stride=p.stride(),
             )
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
+            p.grad = grad if p.grad is None else p.grad.add_(grad)
         post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
 
 
@@ -620,17 +591,11 @@ def _sharded_params(module: torch.nn.Module) -> list[Any]:
         return _SHARDED[module]
     parts: list[Any] = list(module.modules())
     for part in parts:
-        if isinstance(part, _fsdp_module()):
+        if _is_fsdp(part):
             part.reshard()
     params = [p for p in module.parameters() if isinstance(p, DTensor)]
     _SHARDED[module] = params
     return params
-
-
-def _fsdp_module() -> Any:
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
 
 
 def _backward_settings(module: torch.nn.Module) -> tuple[bool, dict[Any, bool]] | None:
@@ -641,7 +606,7 @@ def _backward_settings(module: torch.nn.Module) -> tuple[bool, dict[Any, bool]] 
     try:
         last = bool(parts[0]._get_fsdp_state()._state_ctx.is_last_backward)
         for part in parts:
-            if isinstance(part, _fsdp_module()):
+            if _is_fsdp(part):
                 groups = part._get_fsdp_state()._fsdp_param_groups
                 values = {bool(group.reshard_after_backward) for group in groups}
                 if len(values) > 1:
@@ -656,7 +621,7 @@ def _fsdp_params(modules: Any) -> Iterator[tuple[Any, Any]]:
     """(param group, FSDPParam) of every FSDP module among ``modules`` (FSDP's private
     state: AttributeError where it is not found)."""
     for part in modules:
-        if isinstance(part, _fsdp_module()):
+        if _is_fsdp(part):
             for group in part._get_fsdp_state()._fsdp_param_groups:
                 for fsdp_param in group.fsdp_params:
                     yield group, fsdp_param
@@ -727,7 +692,11 @@ def first_sharded(leaves: Sequence[torch.Tensor]) -> int | None:
 
 
 def _is_fsdp(value: Any) -> bool:
-    return dist.is_available() and isinstance(value, _fsdp_module())
+    if not dist.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule  # (imported late: slow to import)
+
+    return isinstance(value, FSDPModule)
 
 
 def policy(process_group: Any, call: str, *, allow_modules: bool = True) -> Sync:

@@ -37,11 +37,9 @@ _differentiating: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 
 def differentiating() -> contextlib.AbstractContextManager[None]:
-    """While funcgrad runs f or the heads on autograd to differentiate them (``pullback``,
-    the eager engines, the heads): a funcgrad call inside counts as inside a transform, as
-    it does inside ``torch.func.vjp``, so that its results keep their graph (the outer
-    derivative goes through them) and it reads no values. Nothing in compiled code, where
-    dynamo cannot trace the context variable (and values are never read)."""
+    """While funcgrad runs f or the heads on autograd to differentiate them: a funcgrad call
+    inside counts as inside a transform (its results keep their graph, it reads no values).
+    Nothing in compiled code, where dynamo cannot trace the context variable."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return _DifferentiatingBlock()

@@ -3,12 +3,9 @@ and ``combine_heads``. Pure math: no collectives (the Sync policy makes those, b
 these steps).
 
 A weighting is any callable Gramian (k x k) -> weights (k,), TorchJD's ``*Weighting``
-objects included. TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
-their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them: a
-Gramian-weighted one (UPGrad, MGDA, ...) without forward hooks through its Gramian
-weighting, which needs only the Gramian; any other (NashMTL, Mean, a hooked UPGrad,
-GradDrop, ...) is called on the Jacobian, hooks included, and its output is the update
-(its weights, where it has a weighting, are read from that weighting).
+objects included; TorchJD's ``Aggregator`` objects (Jacobian -> vector) are recognised by
+their class, without importing TorchJD, and run as TorchJD's ``jac_to_grad`` runs them
+(see :class:`Rule`).
 
 With G the Gramian of the rows of a Jacobian P (k x n) and w = weighting(G), the update is
 ``w @ P``. When P = V J (V the head cotangents on y, J f's Jacobian), ``w @ P = (w @ V) J``:
@@ -237,10 +234,16 @@ def checked_shape(weights: Any, k: int, source: str, call: str, unit: str = "tas
 
 
 def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
+    """``weights``, or an error naming the first few non-finite indices and their count."""
     if values_readable([weights]) and not bool(torch.isfinite(weights).all()):
+        bad = (~torch.isfinite(weights)).nonzero().flatten().tolist()
+        shown = ", ".join(f"[{i}] = {v}" for i, v in zip(bad, weights[bad[:5]].tolist()))
+        more = f", ... ({len(bad) - 5} more)" if len(bad) > 5 else ""
         raise ValueError(
-            f"{call}: `weighting` returned non-finite weights {weights.tolist()} from {source}; "
-            "the update would be NaN. Check the weighting (a solver that failed to converge?)."
+            f"{call}: `weighting` returned non-finite weights from {source}: expected "
+            f"{weights.numel()} finite weights, got NaN or inf at {len(bad)} of them: "
+            f"{shown}{more}; the update would be NaN. Check the weighting (a solver that "
+            "failed to converge?)."
         )
     return weights
 
@@ -270,9 +273,7 @@ def checked_weights(
 
 def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
     """``rule.fn(stat)`` on a detached ``stat``, outside autocast, with grad mode on (a
-    weighting may differentiate inside itself, e.g. a few gradient steps on ``w^T G w``,
-    also where the entry point computes its results under ``torch.no_grad``; its input
-    carries no graph and its result is detached by the caller)."""
+    weighting may differentiate inside itself, also under a caller's ``torch.no_grad``)."""
     with no_autocast(stat.device), torch.enable_grad():
         try:
             return rule.fn(stat.detach())
@@ -300,18 +301,23 @@ def weights_from_gramian(
 
 
 def aggregate(
-    rule: Rule, rows: torch.Tensor, call: str
+    rule: Rule,
+    rows: torch.Tensor,
+    call: str,
+    share: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
     ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
     included, and its output is the update (a weighted one's weights are read as its
     weighting returns them, after that weighting's own hooks); a Jacobian weighting gives
-    weights only."""
+    weights only. Each result is ``share``'d (the first rank's on every rank), then checked
+    to be finite."""
     k, n = rows.shape
     given = f"the ({k}, {n}) Jacobian"
     work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        return checked_shape(_call(rule, work, given, call), k, given, call), None
+        found = checked_shape(_call(rule, work, given, call), k, given, call)
+        return check_finite(share(found), given, call), None
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
@@ -328,15 +334,12 @@ def aggregate(
             f"shape ({n},), got {describe(vector)}."
         )
     weights = checked_shape(captured[-1], k, given, call) if captured else None
-    return weights, vector.detach()
-
-
-def check_update(vector: torch.Tensor, rule: Rule, call: str) -> torch.Tensor:
+    if weights is not None:
+        weights = check_finite(share(weights), given, call)
+    vector = share(vector.detach())
     if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
-        raise ValueError(
-            f"{call}: the aggregator {type(rule.fn).__name__} returned a non-finite update."
-        )
-    return vector
+        raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
+    return weights, vector
 
 
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:

@@ -81,6 +81,61 @@ def test_params_level_weighting_errors_come_before_any_write():
     assert not _grads(model)
 
 
+class _NaNMean(tjd.Mean):
+    def forward(self, matrix):
+        return super().forward(matrix) * float("nan")
+
+
+class _NaNMeanWeighting(tjd.MeanWeighting):
+    def forward(self, matrix):
+        return super().forward(matrix) * float("nan")
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize(
+    ("weighting", "match"),
+    [
+        (_NaNMean(), "the aggregator _NaNMean returned a non-finite update"),
+        (_NaNMeanWeighting(), r"non-finite weights from the \(3, \d+\) Jacobian: expected 3 "),
+    ],
+)
+def test_a_non_finite_aggregate_of_the_jacobian_is_an_error_before_any_write(
+    level, weighting, match
+):
+    """An aggregator's update, or a Jacobian weighting's weights, that are not finite: a clear
+    error (at both levels), and no .grad written."""
+    _, model, features, losses = _counted_graph()
+    with pytest.raises(ValueError, match=match):
+        funcgrad.backward(losses, through=features, weighting=weighting, level=level)
+    assert not _grads(model)
+
+
+def test_non_finite_weights_error_names_the_first_indices_and_a_count():
+    """m NaN weights: the message names the first five indices with their values and the count
+    (expected vs got, and the fix), not the whole list."""
+    m = 40
+    bad = [2, 3, 5, 7, 11, 13, 17, 19]
+
+    def weighting(gramian):
+        w = torch.ones(gramian.shape[0], dtype=gramian.dtype)
+        w[bad[::2]] = float("nan")
+        w[bad[1::2]] = float("inf")
+        return w
+
+    model = torch.nn.Linear(3, 4)
+    features = model(torch.randn(5, 3))
+    losses = [(features * i).sum() for i in range(m)]
+    with pytest.raises(ValueError) as info:
+        funcgrad.backward(losses, through=features, weighting=weighting)
+    message = str(info.value)
+    assert message.startswith("funcgrad.backward(")
+    assert f"expected {m} finite weights, got NaN or inf at {len(bad)} of them: " in message
+    assert "[2] = nan, [3] = inf, [5] = nan, [7] = inf, [11] = nan, ... (3 more);" in message
+    assert "[13]" not in message and "1.0" not in message
+    assert "a solver that failed to converge?" in message
+    assert model.weight.grad is None
+
+
 def test_non_finite_gramian_is_an_error_before_the_shared_part():
     _raises(
         r"Gramian of the task gradients with respect to `through` is not finite: task\(s\) \[1\]",
@@ -248,5 +303,5 @@ def test_weighted_sum_leaf_by_leaf_and_the_checks_of_weights():
         _weighting.checked_shape(torch.ones(2), 3, "G", CALL)
     with pytest.raises(TypeError, match=r"must return real floating-point weights"):
         _weighting.checked_shape(torch.ones(3, dtype=torch.long), 3, "G", CALL)
-    with pytest.raises(ValueError, match=r"non-finite weights \[1.0, nan, 1.0\]"):
+    with pytest.raises(ValueError, match=r"non-finite weights from G: expected 3 finite .* at 1 "):
         _weighting.check_finite(torch.tensor([1.0, float("nan"), 1.0]), "G", CALL)
