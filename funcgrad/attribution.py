@@ -878,9 +878,11 @@ def token_attr(
         CPU): the backward work of captum's T backwards, without its T (or T x (n_steps +
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
         ``get_output_embeddings()``), d wide, where the model returns that layer's output
-        as its logits (checked on every forward), else at the logits. Where T is well above
-        L_in, reverse mode runs a few groups of consecutive targets, each on its own prefix
-        (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
+        as its logits (checked on every forward), else at the logits; the model's own call
+        of that layer runs on its input detached (no graph, no tangents). Hugging Face
+        models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
+        well above L_in, reverse mode runs a few groups of consecutive targets, each on its
+        own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
         the L_in tangents go through with that forward, whatever T.
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
