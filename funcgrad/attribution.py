@@ -430,13 +430,17 @@ def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSi
     return chunk_size
 
 
-def _keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward`` takes Hugging Face's ``logits_to_keep`` (the logits of the
-    last n positions only)."""
+def _forward_kwargs(model: torch.nn.Module, targets: int) -> dict[str, Any]:
+    """What the model's forward is also given where it takes it (Hugging Face's causal LMs
+    do): ``logits_to_keep=T``, the logits of the last T positions only, and
+    ``use_cache=False``, no key-value cache (which copies every layer's keys and values,
+    with their tangents in forward mode and their cotangents in reverse mode)."""
     try:
-        return "logits_to_keep" in inspect.signature(model.forward).parameters
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # (a forward without a signature)
-        return False
+        return {}
+    wanted = {"logits_to_keep": targets, "use_cache": False}
+    return {name: value for name, value in wanted.items() if name in parameters}
 
 
 def _composed(
@@ -480,8 +484,7 @@ def _composed(
     model_ref, embedding_ref = weakref.ref(args.model), weakref.ref(args.embedding)
     unembedding_ref = None if unembedding is None else weakref.ref(unembedding)
     rows = len(steps)
-    # Hugging Face computes the logits of the last T positions only where asked.
-    keep = {"logits_to_keep": targets} if _keeps_logits(args.model) else {}
+    keep = _forward_kwargs(args.model, targets)
 
     def f(
         x: torch.Tensor,
@@ -513,12 +516,20 @@ def _composed(
             _check_substituted(output, plain)
             return embeds
 
+        def detach(module: torch.nn.Module, inputs: Any, kwargs: Any) -> Any:
+            # The heads apply the layer to its input themselves: the model's own call of it
+            # runs on the values alone, with no graph (reverse mode) and no tangents (forward
+            # mode: L_in tangents of (rows, T, vocabulary) logits otherwise).
+            layer.append((inputs, kwargs, None))
+            return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inputs), kwargs
+
         def capture(module: torch.nn.Module, inputs: Any, kwargs: Any, output: Any) -> None:
-            layer.append((inputs, kwargs, output))
+            layer[-1] = (*layer[-1][:2], output)
 
         handles = [embedding.register_forward_hook(substitute)]
         output_layer = None if unembedding_ref is None else unembedding_ref()
         if output_layer is not None:
+            handles.append(output_layer.register_forward_pre_hook(detach, with_kwargs=True))
             handles.append(output_layer.register_forward_hook(capture, with_kwargs=True))
         try:
             output = model(sequence.expand(rows, -1), **keep)
@@ -576,8 +587,11 @@ def _composed(
         position, target = p
         output_layer = unembedding_ref() if unembedding_ref is not None else None
         assert output_layer is not None
-        logits: torch.Tensor = output_layer(y.index_select(1, position[None]))  # (rows, 1, V)
-        chosen = logits.log_softmax(-1).index_select(-1, target[None])
+        # (gather, not index_select: vmap batches the heads' gather and its backward, where
+        # index_select's backward loops over the T heads)
+        row = y.gather(1, position.expand(rows, 1, y.shape[-1]))
+        logits: torch.Tensor = output_layer(row)  # (rows, 1, V)
+        chosen = logits.log_softmax(-1).gather(-1, target.expand(rows, 1, 1))
         return (weights * chosen.reshape(rows)).sum()
 
     heads = (
@@ -864,9 +878,11 @@ def token_attr(
         CPU): the backward work of captum's T backwards, without its T (or T x (n_steps +
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
         ``get_output_embeddings()``), d wide, where the model returns that layer's output
-        as its logits (checked on every forward), else at the logits. Where T is well above
-        L_in, reverse mode runs a few groups of consecutive targets, each on its own prefix
-        (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
+        as its logits (checked on every forward), else at the logits; the model's own call
+        of that layer runs on its input detached (no graph, no tangents). Hugging Face
+        models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
+        well above L_in, reverse mode runs a few groups of consecutive targets, each on its
+        own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
         the L_in tangents go through with that forward, whatever T.
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse

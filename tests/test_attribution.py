@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
 from funcgrad import _memory
@@ -262,6 +263,54 @@ def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     logits_bytes = 16 * (24 + 16 - 1) * 4000 * 8  # T cotangents on the logits
     assert peak < logits_bytes / 4, (peak, logits_bytes)
     assert widths[0] == 16, widths  # the forward's logits: the last T positions
+
+
+class VocabularyRows(TorchDispatchMode):
+    """Counts the rows of the matrix products that are ``width`` wide (the output layer's),
+    as they run (under vmap: every batched row)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.rows = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        products = (
+            torch.ops.aten.mm.default,
+            torch.ops.aten.bmm.default,
+            torch.ops.aten.addmm.default,
+        )
+        if func in products and out.shape[-1] == self.width:
+            self.rows += out.numel() // self.width
+        return out
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_the_output_layer_runs_on_one_row_per_target_whatever_the_prompt(gpt2, mode):
+    """The heads apply the output layer to their own rows, and the model's own call of it
+    gets its input detached: in forward mode the L_in tangents do not go through it (L_in x
+    T rows a vocabulary wide otherwise). Each mode runs 2 T rows of it, the model's logits of
+    the last T positions (``logits_to_keep``) and the heads', whatever L_in. The model is
+    called without a key-value cache (``use_cache=False``)."""
+    calls = []
+    handle = gpt2.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True
+    )
+    try:
+        for prompt in (4, 8):
+            input_ids, target_ids = _ids(prompt, 12)
+            token_attr(gpt2, input_ids, target_ids, mode=mode)  # (the first call measures)
+            calls.clear()
+            with VocabularyRows(VOCAB) as counted:
+                attr = token_attr(gpt2, input_ids, target_ids, mode=mode)
+            assert counted.rows == 2 * 12, (prompt, counted.rows)
+            assert calls and all(kwargs.get("use_cache") is False for kwargs in calls), calls
+            expected, _ = _loop(
+                gpt2, gpt2.get_input_embeddings(), input_ids, target_ids, "grad_x_input"
+            )
+            torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    finally:
+        handle.remove()
 
 
 class CountedLM(TinyLM):
