@@ -184,6 +184,9 @@ class Request:
     transforms and compiled code (records are kept); ``graph``: a graph of the results is
     wanted (grad mode on). ``forward``: forward mode may still run (False once f ran).
     ``hooked``: this call's run of f registered a tensor hook. ``check``: ``check`` is on.
+    ``once``: a one-shot pull through a recorded graph (``grads``, ``backward``): nothing is
+    timed or learnt; ``last``: its pull frees the graph, so nothing can be recomputed after
+    it; ``sparse``: the graph gives a sparse gradient, which vmap cannot batch.
     """
 
     requested: Strategy
@@ -200,6 +203,9 @@ class Request:
     hooked: bool = False
     check: bool = False
     call: str = "funcgrad"
+    once: bool = False
+    last: bool = False
+    sparse: bool = False
 
 
 def decide(request: Request, record: Record) -> Plan:
@@ -215,6 +221,8 @@ def decide(request: Request, record: Record) -> Plan:
     m = r.m if r.m is not None else 0
     linear = not (r.hooked or record.hooked)
     _refuse(r, linear)
+    if r.once:
+        return _once(r, linear)
     if r.weighted:
         engine: Engine = "autograd" if r.eager and not r.graph else "torch.func"
         return Plan(
@@ -268,6 +276,20 @@ def decide(request: Request, record: Record) -> Plan:
         through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+def _once(r: Request, linear: bool) -> Plan:
+    """A one-shot pull through a recorded graph (``grads``, ``backward``): the k cotangents
+    themselves, or, with more cotangents than y has coordinates (k > m), y's m unit
+    directions combined (one read: the product must be finite, else the cotangents go
+    through, which the graph must still allow: not where the pull frees it, and not where
+    hooks must see each cotangent). A sparse gradient: one direction at a time."""
+    m = r.m or 0
+    strategy: Executed = "jacrev" if linear and not r.last and m < r.k else "vjp"
+    return Plan(
+        strategy, r.k, m, r.n, 1 if r.sparse else r.chunk_size, r.requested,
+        (("vjp", r.k), ("jacrev", m)), _FALLBACKS[strategy][1:], engine="autograd",
+    )  # fmt: skip
 
 
 def pullback_engine(eager: bool, record: Record) -> Engine:

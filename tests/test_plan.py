@@ -581,6 +581,34 @@ def test_decide(record, request_, expected):
     assert decide(request_, record) == decide(request_, record)
 
 
+# grads and backward: one pull through a recorded graph, k = 5 cotangents, y of size m = 3.
+ONCE = Request("auto", 5, 4, m=3, once=True)
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected"),
+    [
+        # k > m: y's m unit directions, combined; k <= m: the cotangents themselves
+        (ONCE, ("jacrev", None)),
+        (dataclasses.replace(ONCE, m=5), ("vjp", None)),
+        (dataclasses.replace(ONCE, chunk_size=2), ("jacrev", 2)),
+        (dataclasses.replace(ONCE, chunk_size="auto"), ("jacrev", "auto")),
+        # the pull frees the graph (backward without retain_graph): nothing could be
+        # recomputed after it, so the cotangents themselves
+        (dataclasses.replace(ONCE, last=True), ("vjp", None)),
+        # hooks below `through` must see the outputs' gradients
+        (dataclasses.replace(ONCE, hooked=True), ("vjp", None)),
+        # a sparse gradient: vmap cannot batch it, one direction at a time
+        (dataclasses.replace(ONCE, sparse=True, chunk_size=4), ("jacrev", 1)),
+        (dataclasses.replace(ONCE, sparse=True, last=True), ("vjp", 1)),
+    ],
+)
+def test_decide_one_shot_pulls(request_, expected):
+    plan = decide(request_, Record())
+    assert (plan.strategy, plan.chunk_size) == expected
+    assert not plan.timed and not plan.measure and plan.final
+
+
 def test_a_plan_is_final_by_the_third_call_whatever_the_times():
     """Whatever two timed calls measure, the third call's plan is final and every later
     plan equals it; a new signature of the function starts from it, untimed."""
