@@ -83,19 +83,11 @@ def _vmap_last(
     """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
     function over every chunk)."""
     spans = chunks(args[0].shape[0], chunk_size)
-    if len(spans) == 1:
-        return _vmap(last_fn, args, None, "error", log)
     parts = [
-        _vmap(
-            last_fn if i == len(spans) - 1 else fn,
-            [a[start:stop] for a in args],
-            None,
-            "error",
-            log,
-        )
-        for i, (start, stop) in enumerate(spans)
+        _vmap(last_fn if i == len(spans) - 1 else fn, [a[s:e] for a in args], None, "error", log)
+        for i, (s, e) in enumerate(spans)
     ]
-    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def _vmap_watched(
@@ -513,13 +505,8 @@ def nothing_to_pull(k: int, out_like: Tensors, x_like: Tensors) -> bool:
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry is finite, in ONE read of a device value: NaN and inf survive a
-    sum (an overflow to inf only costs a needless, still correct, recomputation)."""
-    sums = [torch.isfinite(leaf.sum()) for leaf in leaves if leaf.numel()]
-    if not sums:
-        return True
-    device = sums[0].device
-    return bool(torch.stack([s.to(device) for s in sums]).all())
+    """Whether every entry is finite, in ONE read of a device value (see :func:`_finite`)."""
+    return not leaves or bool(_finite(leaves))
 
 
 def went_non_finite(grads: Tensors, out: Tensors) -> bool:
