@@ -5,6 +5,7 @@ plan reported (counted passes through f and runs of its Python body)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import warnings
 
@@ -725,6 +726,33 @@ def test_auto_runs_eager_autograd_then_torch_func_then_the_faster():
             assert not grads[key].requires_grad
     assert engines[:2] == ["autograd", "torch.func"] and timed == [True] * 2 + [False] * 6
     assert len(set(engines[2:])) == 1 and plan.final and plan.measured is not None
+
+
+def test_auto_times_its_calls_with_the_garbage_collector_paused():
+    """A collection inside a timed call (4 ms on the bench's machine) must not decide the
+    plan: the timed calls run with Python's cyclic GC off, as timeit does; the others, and
+    the caller after every call, with it as it was."""
+    seen = []
+
+    def f(x):
+        seen.append(gc.isenabled())
+        return torch.tanh(x) * 2
+
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
+    x = torch.randn(3, dtype=torch.float64)
+    timed = []
+    for _ in range(4):
+        timed.append(fn.plan(x).timed)
+        seen.clear()
+        fn(x)
+        assert seen == [not timed[-1]] and gc.isenabled()
+    assert timed == [True, True, False, False]
+    gc.disable()  # a caller's own setting is left alone
+    try:
+        fn(torch.randn(5, dtype=torch.float64))
+    finally:
+        gc.enable()
+    assert gc.isenabled()
 
 
 def test_a_new_signature_starts_from_what_the_function_settled_on():

@@ -77,11 +77,14 @@ BUILDERS: dict[str, Callable[..., Case]] = {
 NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example", "attribution", "projector")
 _PLANNER_NOTE = (
     "Per cell: a fresh `compose_heads` per method on a new signature, the methods taking their "
-    f"calls in turn; **regret** = auto's median call after call {_planner.CALLS} over the best "
-    f"fixed strategy's (**(min)**: fastest over fastest); **first 8 ratio** = auto's sum of "
-    f"calls 1-{_planner.CALLS} over the best fixed strategy's (each call its fastest over the "
-    "reps); **plan ms** = a fresh function's "
-    "`plan()`, **plan forwards** = that over one eager forward of f."
+    "calls in turn (Python's garbage collector off, as timeit), each call number's time its "
+    "fastest over the reps; **regret** = auto's "
+    f"median over calls {_planner.CALLS + 1}-{_planner.CALLS + _planner.STEADY} over the best "
+    "fixed strategy's (**(all calls)**: the median of every such call, rep by rep); "
+    f"**first 8 ratio** = auto's calls 1-{_planner.CALLS} summed over the best fixed "
+    "strategy's; **plan ms** = a fresh function's `plan()`, **plan forwards** = that over one "
+    "eager forward of f. A fixed strategy that falls back, or is 2.5x slower than the fastest "
+    "on a warm call, is not timed."
 )
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
@@ -806,8 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds for every method (planner: fresh functions per method, default 3, "
-        "quick 1; else default: 7, 3 for cases over 10 s a round, then "
+        help="timed rounds for every method (planner: fresh functions per method, default 4, "
+        "quick 2; else default: 7, 3 for cases over 10 s a round, then "
         "twice as many more for the methods within 2x of the fastest; quick: 3)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -856,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (not args.variants or variant in args.variants)
                 and (not args.heads or k in args.heads)
             )
-            reps = args.rounds or (1 if args.quick else 3)
+            reps = args.rounds or (2 if args.quick else 4)
             report["planner"] = _planner.learning(cells, quick=True, reps=reps)
             continue
         if name == "ddp":  # 2 gloo ranks in subprocesses: time per step, bytes per rank

@@ -10,6 +10,7 @@ that a slow moment of a shared machine hits them alike (docs/benchmarks_planner.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import sys
@@ -228,53 +229,66 @@ CELLS = (
     ("probes", 32),
 )
 CALLS, STEADY = 8, 5  # the first calls summed, then the calls whose median is the steady state
+SLOWER = 2.5  # a fixed strategy this much slower than the fastest on a warm call is not timed
 
 
 def learning(
-    cells: tuple[tuple[str, int], ...] = CELLS, quick: bool = True, reps: int = 3
+    cells: tuple[tuple[str, int], ...] = CELLS, quick: bool = True, reps: int = 4
 ) -> list[dict[str, Any]]:
     """One row per cell (see the module's docstring). A fixed strategy that warns on a
-    first call (it falls back to another way) is left out. Then ``reps`` times, every
+    first call (it falls back to another way), or whose second call is ``SLOWER`` than the
+    fastest one's, is left out (it cannot be the best). Then ``reps`` times, every
     method gets a fresh function and its ``CALLS + STEADY`` calls, the methods in turn call
-    by call. A method's first-8 time sums, call by call, its fastest over the reps (a
-    preempted call on a shared machine costs a scheduler quantum, 10 ms, which would swamp
-    the 2 ms calls); its steady state is the median (and the fastest) of all its later
-    calls."""
+    by call, with Python's garbage collector off (as ``timeit``). Each call number's time
+    is its fastest over the reps (a preempted call on a
+    shared machine costs a scheduler quantum, 10 ms, which would swamp the 2 ms calls): a
+    method's first-8 time sums calls 1-8, its steady state is the median of the later ones
+    (``regret (all calls)``: the median of every later call instead)."""
     rows = []
     for name, k in cells:
         f, heads, args = FUNCTIONS[name](k, quick)
         probe = funcgrad.compose_heads(f, heads, strategy="vjp").plan(*args)
-        methods: list[Any] = ["auto"]
+        warm: dict[str, float] = {}  # each fixed strategy's second call, s
         for strategy in ("vjp", "jacrev", "jacfwd", "loop"):
             if funcgrad.Plan(strategy, probe.k, probe.m, probe.n).directions > 512:
                 continue
+            fn = funcgrad.compose_heads(f, heads, strategy=strategy)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", funcgrad.FuncgradWarning)
                 try:
-                    funcgrad.compose_heads(f, heads, strategy=strategy)(*args)
+                    fn(*args)
                 except funcgrad.FuncgradWarning:
                     continue
-            methods.append(strategy)
-        first: dict[str, list[float]] = {m: [math.inf] * CALLS for m in methods}
-        steady: dict[str, list[float]] = {m: [] for m in methods}
+            start = time.perf_counter()
+            fn(*args)
+            warm[strategy] = time.perf_counter() - start
+        fastest_warm = min(warm.values())
+        methods: list[Any] = ["auto", *(m for m, s in warm.items() if s <= SLOWER * fastest_warm)]
+        fastest = {m: [math.inf] * (CALLS + STEADY) for m in methods}  # per call number
+        every: dict[str, list[float]] = {m: [] for m in methods}  # the steady calls
         for rep in range(reps):
             fns = {m: funcgrad.compose_heads(f, heads, strategy=m) for m in methods}
+            gc.collect()  # (then off while timing, as timeit does: a collection costs 4 ms)
+            gc.disable()
             for call in range(CALLS + STEADY):
                 turn = (rep + call) % len(methods)
                 for method in methods[turn:] + methods[:turn]:
                     start = time.perf_counter()
                     fns[method](*args)
                     seconds = time.perf_counter() - start
-                    if call < CALLS:
-                        first[method][call] = min(first[method][call], seconds)
-                    else:
-                        steady[method].append(seconds)
-        medians = {m: statistics.median(s) for m, s in steady.items()}
-        fastest = {m: min(s) for m, s in steady.items()}
+                    fastest[method][call] = min(fastest[method][call], seconds)
+                    if call >= CALLS:
+                        every[method].append(seconds)
+            gc.enable()
+        first = {m: sum(s[:CALLS]) for m, s in fastest.items()}
+        medians = {m: statistics.median(s[CALLS:]) for m, s in fastest.items()}
+        medians_all = {m: statistics.median(s) for m, s in every.items()}
         fixed = methods[1:]
         best = min(fixed, key=lambda m: medians[m])
         settled = fns["auto"].plan(*args)
         forwards, plan_s = [], []
+        gc.collect()
+        gc.disable()
         for _ in range(3):
             start = time.perf_counter()
             f(*args)
@@ -282,6 +296,7 @@ def learning(
             start = time.perf_counter()
             funcgrad.compose_heads(f, heads).plan(*args)
             plan_s.append(time.perf_counter() - start)
+        gc.enable()
         print(f"planner: {name}, k={k} done", file=sys.stderr)
         rows.append(
             {
@@ -291,8 +306,8 @@ def learning(
                 "best fixed": best,
                 "auto settles on": f"{settled.strategy} on {settled.engine}",
                 "regret": medians["auto"] / medians[best],
-                "regret (min)": fastest["auto"] / min(fastest[m] for m in fixed),
-                "first 8 ratio": sum(first["auto"]) / min(sum(first[m]) for m in fixed),
+                "regret (all calls)": medians_all["auto"] / min(medians_all[m] for m in fixed),
+                "first 8 ratio": first["auto"] / min(first[m] for m in fixed),
                 "auto ms": 1e3 * medians["auto"],
                 "fixed ms": ", ".join(f"{m} {1e3 * medians[m]:.3g}" for m in fixed),
                 "plan ms": 1e3 * min(plan_s),
