@@ -172,16 +172,17 @@ def _vmap(
         mutated()
 
 
+@dataclasses.dataclass
 class Log:
     """What a call's batched maps saw, for its observations (one per call, never shared):
     ``measure``, time the first vmapped call against one unbatched call; ``watch``, record
     whether vmap warned of an op without a batching rule (its slow path) or could not batch
-    at all."""
+    at all (``slow_path``)."""
 
-    def __init__(self, measure: bool = False, watch: bool = False) -> None:
-        self.measure, self.watch = measure, watch
-        self.timing: Timing | None = None
-        self.slow_path = False  # vmap warned of its slow path, or could not batch at all
+    measure: bool = False
+    watch: bool = False
+    timing: Timing | None = None
+    slow_path: bool = False
 
 
 def _vmap_measured(
