@@ -516,12 +516,12 @@ def rule_cases():
         "embedding ghost": (
             nn.Sequential(nn.Embedding(5000, 3), nn.Linear(3, 1)),
             lambda m: m(tokens).pow(2).sum((1, 2)),
-            "ghost [i_bt = i_b't']",
+            "pairs of rows with one index (18 pairs",
         ),
         "embedding on the rows used": (
             nn.Sequential(nn.Embedding(50, 3, padding_idx=1), nn.Linear(3, 1)),
             lambda m: m(tokens_long).pow(2).sum((1, 2)),
-            "materialised on the rows used",
+            "pairs of rows with one index (441 pairs, 133 rows)",
         ),
         "conv ghost": (
             nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3, 1)),
@@ -603,3 +603,29 @@ def test_a_module_torch_func_cannot_run_is_looped_with_autograd():
         gram = pe.gramian(losses_fn(model))
     assert "0  OldStyle  (6, 3)  materialised, loop" in str(pe.plan)
     torch.testing.assert_close(gram, jac @ jac.T)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 22])
+def test_embedding_pairs_rule_is_exact_in_any_blocking(monkeypatch, block):
+    """The Embedding's Gramian from the pairs of (example, index) rows sharing an index:
+    repeated indices within an example, a frequent index, the padding index left out, and
+    the pairs formed in blocks of any size (one pair per block up to all at once)."""
+    from funcgrad._per_example import _rules
+
+    monkeypatch.setattr(_rules, "_BLOCK", block * 4)  # pairs per block: _BLOCK // width
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(12, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 2))
+    model = model.double()
+    tokens = torch.randint(0, 12, (7, 9))
+    tokens[:, 0] = 5  # a frequent index: every example, several times
+    tokens[:, 3] = 5
+    tokens[2:, 6:] = 0  # padding
+
+    def losses_fn(m):
+        return m(tokens).pow(2).sum((1, 2))
+
+    jac = loop_jacobian(model, losses_fn)
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(losses_fn(model))
+    assert "pairs of rows with one index" in str(pe.plan)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)

@@ -108,7 +108,7 @@ def test_gpt2_shared_position_ids_are_expanded_not_refused():
         calls = [use for use in pe._uses if use.module is model.wpe]
         assert [tuple(use.args[0].shape) for use in calls] == [(B, T)]
         pe.gramian(losses)
-    assert "wpe  Embedding  (4, 6)  materialised on the rows used" in str(pe.plan)
+    assert "wpe  Embedding  (4, 6)  pairs of rows with one index" in str(pe.plan)
 
 
 class WithConv1D(nn.Module):

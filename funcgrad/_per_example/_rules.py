@@ -346,30 +346,66 @@ class _Embedding(_Layer):
             d_parts.append(d)
         return _cat_rows(index_parts), _cat_rows(d_parts)
 
-    def gramian(self) -> torch.Tensor:
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each example's Δ rows summed per index it uses (its per-example gradient on the
+        rows it hits): (R, d) in the work dtype, and each row's example and index, R ≤ B·T
+        (the padding index left out: its row gets no gradient)."""
         index, d = self.rows()
-        batch, rows, width = d.shape
-        used = min(self.params["weight"].shape[0], batch * rows)  # at most B·T rows are hit
-        self.ghost_flops = float(batch * batch * rows * rows * (width + 2))
-        self.materialised_flops = float(batch * rows * width + batch * batch * used * width)
-        d = d.to(self.run.dtype)
-        if self.ghost_flops <= self.materialised_flops:
-            self.rule = f"ghost [i_bt = i_b't']·<Δ, Δ> T={rows}"
-            return _ghost(index.unsqueeze(-1), d, equal=True)
-        self.rule = f"materialised on the rows used T={rows}"
-        unique, inverse = torch.unique(index, return_inverse=True)
-        return _gram(self.scatter(inverse, d, unique.shape[0]))
-
-    def diagonal(self) -> torch.Tensor:
-        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
-        index, d = self.rows()
+        module = self.module
+        assert isinstance(module, nn.Embedding)
         vocab, width = self.params["weight"].shape[0], d.shape[-1]
         offsets = torch.arange(self.batch, device=index.device).unsqueeze(1) * vocab
         keys, inverse = torch.unique(index + offsets, return_inverse=True)
         sums = d.new_zeros(keys.shape[0], width, dtype=self.run.dtype)
         sums.index_add_(0, inverse.flatten(), d.reshape(-1, width).to(self.run.dtype))
-        self.rule = f"materialised on the rows each example uses T={d.shape[1]}"
-        return self.zero_diagonal().index_add_(0, keys // vocab, _squares(sums))
+        examples, indices = keys // vocab, keys % vocab
+        if module.padding_idx is not None:
+            keep = indices != (module.padding_idx % vocab)
+            sums, examples, indices = sums[keep], examples[keep], indices[keep]
+        return sums, examples, indices
+
+    def gramian(self) -> torch.Tensor:
+        """``G[b, c] = sum_v <g_bv, g_cv>`` over the indices v that both examples use, from
+        the pairs of rows with the same index alone: sum_v n_v²·d products (n_v: the
+        examples using index v), never the dense (B, vocab·d) per-example gradients nor
+        the (BT)² index-equality kernel."""
+        sums, examples, indices = self.sums()
+        rows, width = sums.shape
+        batch = self.batch
+        order = torch.argsort(indices, stable=True)
+        sums, examples, indices = sums[order], examples[order], indices[order]
+        _, counts = torch.unique_consecutive(indices, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        size = torch.repeat_interleave(counts, counts)  # each row's group: its size, start
+        start = torch.repeat_interleave(starts, counts)
+        pairs = int(size.sum())  # one host read: sum_v n_v², the pairs to form
+        self.ghost_flops = float(batch * batch * rows * width)  # the dense Gram, for the plan
+        self.materialised_flops = float(pairs * width)
+        self.rule = f"pairs of rows with one index ({pairs} pairs, {rows} rows)"
+        gram = self.zero()
+        step = max(1, _BLOCK // max(1, width))  # pairs per block: bounded transient memory
+        ends = torch.cumsum(size, 0)
+        first = 0
+        while first < rows:  # blocks of left rows whose pairs fit in a block
+            done = int(ends[first - 1]) if first else 0
+            last = max(first + 1, int(torch.searchsorted(ends, done + step, right=True)))
+            block = torch.arange(first, min(last, rows), device=sums.device)
+            left = torch.repeat_interleave(block, size[block])
+            within = torch.arange(left.shape[0], device=sums.device)
+            within = within - (torch.cumsum(size[block], 0) - size[block]).repeat_interleave(
+                size[block]
+            )
+            right = start[left] + within
+            values = (sums[left] * sums[right]).sum(1)
+            gram.index_put_((examples[left], examples[right]), values, accumulate=True)
+            first = int(block[-1]) + 1
+        return gram
+
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
+        sums, examples, _ = self.sums()
+        self.rule = "materialised on the rows each example uses"
+        return self.zero_diagonal().index_add_(0, examples, _squares(sums))
 
     def scatter(self, index: torch.Tensor, d: torch.Tensor, vocab: int) -> torch.Tensor:
         """(B, vocab, width): each example's rows of Δ added at its indices."""
