@@ -85,19 +85,26 @@ class _Dense(_Layer):
             return bias @ bias.T
         batch = self.batch
         rows, width, out = self.dims()
-        self.ghost_flops = float(batch * batch * rows * rows * (width + out + 1))
+        # the ghost products on the rows whose Δ is not zero (padding skipped), upper
+        # triangle: about N²/2·(d+p) for N such rows (one host read, where T > 1)
+        live = batch * rows
+        if rows > 1 and not isinstance(self, _Conv):
+            live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
+        self.ghost_flops = float(live * (live + batch * rows // max(1, batch)) // 2) * (
+            width + out + 1
+        )
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
         if self.ghost_flops <= self.materialised_flops:
             a, d = self.rows()
             a, d = a.to(dtype), d.to(dtype)
             if rows == 1:
                 return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
-            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
+            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}, {live} rows live"
             g = _ghost(a, d)
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
             grads = self.weight_per_example()
-            if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+            if self.keeps(grads, rows, width, out):
                 self.kept = grads
             g = _gram(grads.to(dtype))
         return g if bias is None else g + bias @ bias.T
@@ -127,9 +134,16 @@ class _Dense(_Layer):
             return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
         self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
         grads = self.weight_per_example()
-        if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+        if self.keeps(grads, rows, width, out):
             self.kept = grads
         return found + _squares(grads.to(dtype))
+
+    def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
+        """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
+        than ``Aᵀ (w ⊙ Δ)`` (B·T·d·p): where they take at most half the memory of the rows A
+        and Δ held already (a convolution's many positions), so that keeping them does not
+        raise the peak."""
+        return 2 * grads.numel() <= self.batch * rows * (width + out) and grads.numel() <= _BLOCK
 
     def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
         """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
