@@ -15,6 +15,7 @@ from torch.utils import _pytree
 from .._config import CheckMode
 from .._errors import describe
 from .._validate import outside_transforms
+from ._attention import _Attention
 from ._choose import _layer_class
 from ._generic import _Generic
 from ._layer import PerExamplePlan
@@ -146,6 +147,13 @@ class PerExample:
         # in it; a leaf module needs only its forward hook.
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
         self._shared = _SharedIndex(self)
+        # the modules whose rule may be the generic one (by their class at hooking, or
+        # attention's, which is generic in training with dropout): their forwards take _swap
+        self._swappable = {
+            m
+            for m, params in self._direct.items()
+            if params and _layer_class(m) in (_Generic, _Attention)
+        }
         for module, params in self._direct.items():
             if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
                 self._handles.append(
@@ -245,7 +253,7 @@ class PerExample:
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._recording:
             return
-        if self._direct[module] and _layer_class(module) is _Generic:
+        if module in self._swappable and _layer_class(module) is _Generic:
             self._swap.acquire()  # released by _post (always called)
             self._state.held.append(module)
         if module in self._batchnorms and _batch_statistics(module):  # before its forward
