@@ -516,12 +516,12 @@ def rule_cases():
         "embedding ghost": (
             nn.Sequential(nn.Embedding(5000, 3), nn.Linear(3, 1)),
             lambda m: m(tokens).pow(2).sum((1, 2)),
-            "ghost [i_bt = i_b't']",
+            "pairs of rows with one index (18 pairs",
         ),
         "embedding on the rows used": (
             nn.Sequential(nn.Embedding(50, 3, padding_idx=1), nn.Linear(3, 1)),
             lambda m: m(tokens_long).pow(2).sum((1, 2)),
-            "materialised on the rows used",
+            "pairs of rows with one index (441 pairs, 133 rows)",
         ),
         "conv ghost": (
             nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3, 1)),
@@ -603,3 +603,74 @@ def test_a_module_torch_func_cannot_run_is_looped_with_autograd():
         gram = pe.gramian(losses_fn(model))
     assert "0  OldStyle  (6, 3)  materialised, loop" in str(pe.plan)
     torch.testing.assert_close(gram, jac @ jac.T)
+
+
+@pytest.mark.parametrize("block", [1, 7, 1 << 22])
+def test_embedding_pairs_rule_is_exact_in_any_blocking(monkeypatch, block):
+    """The Embedding's Gramian from the pairs of (example, index) rows sharing an index:
+    repeated indices within an example, a frequent index, the padding index left out, and
+    the pairs formed in blocks of any size (one pair per block up to all at once)."""
+    from funcgrad._per_example import _rules
+
+    monkeypatch.setattr(_rules, "_BLOCK", block * 4)  # pairs per block: _BLOCK // width
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(12, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 2))
+    model = model.double()
+    tokens = torch.randint(0, 12, (7, 9))
+    tokens[:, 0] = 5  # a frequent index: every example, several times
+    tokens[:, 3] = 5
+    tokens[2:, 6:] = 0  # padding
+
+    def losses_fn(m):
+        return m(tokens).pow(2).sum((1, 2))
+
+    jac = loop_jacobian(model, losses_fn)
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(losses_fn(model))
+    assert "pairs of rows with one index" in str(pe.plan)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+
+
+def _dense_ghost(a, d):
+    """``sum_{t,s} <a_bt, a_cs> <d_bt, d_cs>`` from the whole (B, T, T, B) products."""
+    return torch.einsum("btx,csx,bty,csy->bc", a, a, d, d)
+
+
+@pytest.mark.parametrize("block", [0, 1, 50, 10**9])
+def test_ghost_skips_zero_rows_forms_the_upper_triangle_in_bounded_blocks(block):
+    """The ghost products of a layer on (B, T, ·) rows: the rows with Δ_bt = 0 (padding)
+    left out, an example with no row left, blocks of any size, the upper triangle mirrored:
+    equal to the whole (BT)² sum; the kernel formed never holds more than the budget
+    (beyond one example's rows)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from funcgrad._per_example._layer import _ghost
+
+    torch.manual_seed(4)
+    a, d = torch.randn(6, 5, 7), torch.randn(6, 5, 3)
+    lengths = torch.tensor([5, 2, 0, 4, 1, 5])
+    d = d * (torch.arange(5) < lengths[:, None]).unsqueeze(-1)  # padded rows: Δ = 0
+    with FlopCounterMode(display=False) as counter:
+        gram = _ghost(a, d, block)
+    torch.testing.assert_close(gram, _dense_ghost(a, d), rtol=1e-12, atol=1e-12)
+    live = int(lengths.sum())
+    full = 2 * live * live * (7 + 3)  # both kernels over all live pairs
+    assert counter.get_total_flops() <= full * 0.5 + 2 * live * 5 * (7 + 3) * 2
+
+
+def test_a_padded_sequence_layer_takes_the_ghost_rule_on_its_live_rows():
+    """A Linear on padded sequences whose losses read the real positions alone: the ghost
+    rule counts only the live rows, and is exact against the loop."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 1)).double()
+    x = torch.randn(5, 6, 40)
+    keep = (torch.arange(6) < torch.tensor([6, 3, 1, 4, 2])[:, None]).double()
+
+    def losses_fn(m):
+        return (m(x).squeeze(-1) * keep).pow(2).sum(1)
+
+    jac = loop_jacobian(model, losses_fn)
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(losses_fn(model))
+    assert "T=6, 16 rows live" in str(pe.plan), str(pe.plan)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)

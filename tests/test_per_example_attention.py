@@ -97,3 +97,33 @@ def test_encoder_layer_self_attention_is_native():
         gram = funcgrad.per_example_gramian(losses_fn(layer))
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
     assert "vmap" not in str(pe.plan) and "loop" not in str(pe.plan), str(pe.plan)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "none"])
+def test_the_recompute_without_identity_projections_equals_the_general_one(kind, monkeypatch):
+    """The common call (a padding mask or none, no weights returned) recomputes the attention
+    by one scaled_dot_product_attention on the projected heads; the general recompute (the
+    identity projections of F.multi_head_attention_forward) gives the same G, and both the
+    loop's."""
+    from funcgrad._per_example import _attention
+
+    torch.manual_seed(6)
+    model = nn.MultiheadAttention(D, 2, batch_first=True).double()
+    x = torch.randn(B, T, D)
+    pad = torch.zeros(B, T, dtype=torch.bool)
+    pad[0, 2:] = True
+    pad[3, 3:] = True
+    mask = {"bool": pad, "float": pad.double() * -1e4, "none": None}[kind]
+
+    def losses_fn(m):
+        return m(x, x, x, key_padding_mask=mask, need_weights=False)[0].pow(2).sum((1, 2))
+
+    jac = loop_jacobian(model, losses_fn)
+    grams = []
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(_attention._Attention, "attend", lambda *args: None)
+        with funcgrad.per_example(model) as pe:
+            grams.append(pe.gramian(losses_fn(model)))
+    for gram in grams:
+        torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)

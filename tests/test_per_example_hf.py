@@ -108,7 +108,7 @@ def test_gpt2_shared_position_ids_are_expanded_not_refused():
         calls = [use for use in pe._uses if use.module is model.wpe]
         assert [tuple(use.args[0].shape) for use in calls] == [(B, T)]
         pe.gramian(losses)
-    assert "wpe  Embedding  (4, 6)  materialised on the rows used" in str(pe.plan)
+    assert "wpe  Embedding  (4, 6)  pairs of rows with one index" in str(pe.plan)
 
 
 class WithConv1D(nn.Module):
@@ -137,3 +137,32 @@ def test_hf_conv1d_is_a_linear_with_a_transposed_weight(shape):
     torch.testing.assert_close(flat_grads(model), weights @ jac, rtol=1e-10, atol=1e-12)
     rules = str(pe.plan)
     assert "Conv1D" in rules and "vmap" not in rules and "loop" not in rules, rules
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_a_mask_shared_by_the_batch_fails_as_without_funcgrad_and_its_expansion_is_exact(name):
+    """A (1, T) attention_mask: transformers itself refuses it at B > 1 (BERT: an IndexError
+    in its masking utilities; GPT-2: a view error), with or without the hooks, so funcgrad
+    changes nothing there; ``mask.expand(B, -1)``, the same mask for every example, is exact."""
+    import_or_skip("transformers")
+    make = {
+        "bert": lambda: models.bert("eager", **TINY, intermediate=32, vocab=50, positions=16),
+        "gpt2": lambda: models.gpt2("eager", **TINY, vocab=50, positions=16),
+    }[name]
+    model = make().double().eval()
+    ids = torch.randint(50, (B, T))
+    shared = torch.ones(1, T, dtype=torch.long)
+    shared[0, 4:] = 0
+
+    def losses_fn(m, mask):
+        return m(ids, attention_mask=mask).last_hidden_state.pow(2).sum((1, 2))
+
+    with pytest.raises((IndexError, RuntimeError)) as plain:
+        losses_fn(model, shared)
+    with funcgrad.per_example(model) as pe:
+        with pytest.raises(type(plain.value), match=str(plain.value)[:30].replace("[", r"\[")):
+            losses_fn(model, shared)
+        expanded = shared.expand(B, -1)
+        gram = pe.gramian(losses_fn(model, expanded))
+    jac = loop_jacobian(model, lambda m: losses_fn(m, expanded))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)

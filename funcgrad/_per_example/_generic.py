@@ -28,7 +28,9 @@ class _Generic(_Layer):
             return self.grads
         found: dict[str, torch.Tensor] = {}
         try:
-            with _RefuseTensorHooks(self):
+            # the module's parameters are swapped during its functional calls: no other
+            # thread runs its forward meanwhile (its hooks wait on the same lock)
+            with self.run.recorder._swap, _RefuseTensorHooks(self):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)

@@ -251,8 +251,9 @@ def _verify_materialised(run: _Run, blocks: list[list[_Layer]]) -> None:
         for block in blocks:
             for layer in block:
                 if isinstance(layer, _Generic):
-                    for use in layer.uses:
-                        _compare_rows(run, layer, use)
+                    with run.recorder._swap:  # parameters swapped: see _Generic.per_example
+                        for use in layer.uses:
+                            _compare_rows(run, layer, use)
     finally:
         run.recorder._recording = True
 

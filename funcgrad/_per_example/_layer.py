@@ -26,23 +26,57 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _ghost(a: torch.Tensor, d: torch.Tensor, equal: bool = False) -> torch.Tensor:
-    """``G[b, c] = sum_{t,s} K(a_bt, a_cs) <d_bt, d_cs>`` with K the dot product (or index
-    equality for ``equal``), for a (B, T, ·) and d (B, T, p), in blocks of examples."""
+def _live_rows(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows (b, t) whose output gradient Δ_bt is not all zeros, packed in example order:
+    A (N, d), Δ (N, p) and each row's example (N,). A row with Δ_bt = 0 (a padding
+    position that the losses do not read, and that no other position reads: a masked key)
+    adds exactly 0 to every ghost product it is in, so it is skipped (one host read)."""
     batch, rows = a.shape[:2]
-    if rows == 1 and not equal:
+    flat_a, flat_d = a.reshape(batch * rows, -1), d.reshape(batch * rows, -1)
+    live = (flat_d != 0).any(1).nonzero().squeeze(1)
+    if live.shape[0] < batch * rows:
+        flat_a, flat_d = flat_a.index_select(0, live), flat_d.index_select(0, live)
+        examples = live // max(1, rows)
+    else:
+        examples = torch.arange(batch, device=a.device).repeat_interleave(rows)
+    return flat_a, flat_d, examples
+
+
+def _ghost(a: torch.Tensor, d: torch.Tensor, block: int = 0) -> torch.Tensor:
+    """``G[b, c] = sum_{t,s} <a_bt, a_cs> <d_bt, d_cs>`` for a (B, T, ·) and d (B, T, p):
+    the rows with Δ_bt = 0 skipped (`_live_rows`), the upper triangle alone (c ≥ b, then
+    mirrored), in blocks of examples whose (n_rows, N_rows) kernel holds at most ``block``
+    elements (default: as many as the layer's own rows, A and Δ: the (BT)² kernel is never
+    formed, and the transient memory stays about that of the rows)."""
+    batch, rows = a.shape[:2]
+    if rows == 1:
         return (a[:, 0] @ a[:, 0].T) * (d[:, 0] @ d[:, 0].T)
-    flat_a = a.reshape(batch * rows, -1)
-    flat_d = d.reshape(batch * rows, -1)
-    step = max(1, _BLOCK // max(1, batch * rows * rows))
-    blocks = []
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        part_a, part_d = flat_a[start * rows : stop * rows], flat_d[start * rows : stop * rows]
-        kernel = (part_a == flat_a.T).to(d.dtype) if equal else part_a @ flat_a.T
-        prod = kernel * (part_d @ flat_d.T)  # (n T, B T)
-        blocks.append(prod.view(stop - start, rows, batch, rows).sum(dim=(1, 3)))
-    return torch.cat(blocks)
+    flat_a, flat_d, examples = _live_rows(a, d)
+    count = flat_a.shape[0]
+    gram = d.new_zeros(batch, batch)
+    if count == 0:
+        return gram
+    # each example's first packed row: row ranges of the examples, from one host read
+    starts = torch.searchsorted(examples, torch.arange(batch + 1, device=a.device)).tolist()
+    budget = max(block or (a.numel() + d.numel()), 1 << 16)
+    first = 0
+    while first < batch:
+        lo = starts[first]
+        stop = first + 1  # at least one example; as many as the budget allows
+        while stop < batch and (starts[stop + 1] - lo) * (count - lo) <= budget:
+            stop += 1
+        hi = starts[stop]
+        if hi > lo:
+            part_a, part_d = flat_a[lo:hi], flat_d[lo:hi]
+            prod = (part_a @ flat_a[lo:].T).mul_(part_d @ flat_d[lo:].T)  # (n, N - lo)
+            cols = prod.new_zeros(hi - lo, batch - first)  # summed over the columns' rows
+            cols.index_add_(1, examples[lo:] - first, prod)
+            block_rows = prod.new_zeros(stop - first, batch - first)
+            block_rows.index_add_(0, examples[lo:hi] - first, cols)
+            gram[first:stop, first:] = block_rows
+            gram[first:, first:stop] = block_rows.T
+        first = stop
+    return gram
 
 
 def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

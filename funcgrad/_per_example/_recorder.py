@@ -3,6 +3,7 @@ user's forward, and the lookup of the recorder of a batch's losses."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -14,6 +15,9 @@ from torch.utils import _pytree
 from .._config import CheckMode
 from .._errors import describe
 from .._validate import outside_transforms
+from ._attention import _Attention
+from ._choose import _layer_class
+from ._generic import _Generic
 from ._layer import PerExamplePlan
 from ._record import (
     _BACKWARD,
@@ -109,7 +113,6 @@ class PerExample:
             raise ValueError(_distributed_refusal(_MARK))
         self.model = model
         self.batch_dim = batch_dim
-        self.plan: PerExamplePlan | None = None
         self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
         self._names = {module: name or "<model>" for name, module in model.named_modules()}
         for name, module in model.named_modules():
@@ -126,9 +129,14 @@ class PerExample:
                     "(parametrize.remove_parametrizations), or leave the module out of the "
                     "model given to per_example."
                 )
-        self._uses: list[_Use] = []
-        self._frames: list[tuple[nn.Module, list[_Use]]] = []
-        self._recording = True
+        # What a forward records, and whether the hooks record, is each thread's own: two
+        # threads sharing the hooks (a forward and a call each) never see each other's calls.
+        self._local = threading.local()
+        self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
+        self._last_plan: PerExamplePlan | None = None
+        # Held while a call swaps a generic-rule module's parameters for its functional
+        # calls, and by every thread's forward of such a module: the forward never sees them.
+        self._swap = threading.RLock()
         self._removed = False
         self._handles = []
         self._direct = {module: tuple(_direct(module)) for module in model.modules()}
@@ -139,6 +147,13 @@ class PerExample:
         # in it; a leaf module needs only its forward hook.
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
         self._shared = _SharedIndex(self)
+        # the modules whose rule may be the generic one (by their class at hooking, or
+        # attention's, which is generic in training with dropout): their forwards take _swap
+        self._swappable = {
+            m
+            for m, params in self._direct.items()
+            if params and _layer_class(m) in (_Generic, _Attention)
+        }
         for module, params in self._direct.items():
             if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
                 self._handles.append(
@@ -146,7 +161,7 @@ class PerExample:
                         self._shared.wrap, with_kwargs=True, prepend=True, always_call=True
                     )
                 )
-            if (params and module in self._parents) or module in self._batchnorms:
+            if params or module in self._batchnorms:
                 self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
             if params:
                 # First of the module's forward hooks, so that it sees the output of forward
@@ -168,17 +183,89 @@ class PerExample:
                 )
         _RECORDERS.add(self)
 
+    # Per-thread state ------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For a copy (``copy.deepcopy`` of a hooked model copies its hooks): the threads'
+        records and the lock are not copied; the copy starts with none."""
+        return {k: v for k, v in self.__dict__.items() if k not in _PER_THREAD}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+        self._threads = weakref.WeakSet()
+        self._swap = threading.RLock()
+
+    @property
+    def _state(self) -> _ThreadState:
+        """This thread's records (made on its first use)."""
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _ThreadState()
+            self._threads.add(state)
+        return state
+
+    @property
+    def _uses(self) -> list[_Use]:
+        return self._state.uses
+
+    @_uses.setter
+    def _uses(self, uses: list[_Use]) -> None:
+        self._state.uses = uses
+
+    @property
+    def _frames(self) -> list[tuple[nn.Module, list[_Use]]]:
+        return self._state.frames
+
+    @_frames.setter
+    def _frames(self, frames: list[tuple[nn.Module, list[_Use]]]) -> None:
+        self._state.frames = frames
+
+    @property
+    def _recording(self) -> bool:
+        return self._state.recording
+
+    @_recording.setter
+    def _recording(self, recording: bool) -> None:
+        self._state.recording = recording
+
+    @property
+    def plan(self) -> PerExamplePlan | None:
+        """The rule each layer took in this thread's last call (None before any call; from
+        another thread's last call where this thread made none)."""
+        return self._state.plan or self._last_plan
+
+    @plan.setter
+    def plan(self, plan: PerExamplePlan | None) -> None:
+        self._state.plan = self._last_plan = plan
+
+    def _other_threads_record(self, losses: torch.Tensor) -> bool:
+        """Whether another thread's forward recorded the losses' forward."""
+        mine = self._state
+        others = [s for s in list(self._threads) if s is not mine and s.uses]
+        if not others or losses.grad_fn is None:
+            return False
+        reached = _reachable_edges(losses)
+        return any(e in reached for s in others for u in list(s.uses) for e in _keys(u))
+
     # Hooks ---------------------------------------------------------------------------
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if not self._recording:
             return
+        if module in self._swappable and _layer_class(module) is _Generic:
+            self._swap.acquire()  # released by _post (always called)
+            self._state.held.append(module)
         if module in self._batchnorms and _batch_statistics(module):  # before its forward
             _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
         if module in self._parents and self._direct[module]:
             self._frames.append((module, []))
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        held = self._state.held
+        if held and held[-1] is module:
+            held.pop()
+            self._swap.release()
         if not self._recording:
             return
         nested: list[_Use] = []
@@ -297,7 +384,12 @@ class PerExample:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._drop("removed")
+        for state in list(self._threads):  # every thread's records
+            for top in state.uses:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "removed")
+            state.uses, state.frames = [], []
         self._removed = True
         _RECORDERS.discard(self)
 
@@ -321,6 +413,22 @@ class PerExample:
 _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
 
 
+_PER_THREAD = ("_local", "_threads", "_swap")  # not copied with a PerExample
+
+
+class _ThreadState:
+    """One thread's share of a `PerExample`: its forwards' records, the frames of its calls
+    in progress, whether its hooks record (not during its own calls' functional calls), and
+    its last plan."""
+
+    def __init__(self) -> None:
+        self.uses: list[_Use] = []
+        self.frames: list[tuple[nn.Module, list[_Use]]] = []
+        self.recording = True
+        self.plan: PerExamplePlan | None = None
+        self.held: list[nn.Module] = []  # the generic-rule modules whose forward holds _swap
+
+
 class _SharedIndex:
     """An Embedding's index shared by the batch, (1, T) (the position ids of GPT-2 and BERT,
     broadcast against the (B, T, d) token embeddings), expanded to (B, T) before its forward,
@@ -340,10 +448,40 @@ class _SharedIndex:
 
     def __init__(self, recorder: PerExample) -> None:
         self.recorder = weakref.ref(recorder)
-        self.batches: list[int | None] = []  # the model's calls in progress (nested: a stack)
-        self.last: int | None = None
-        # Embedding -> its calls in progress that got an expanded index: (B, that index)
-        self.pending: dict[nn.Module, list[tuple[int, torch.Tensor]]] = {}
+        self._local = threading.local()  # each thread's model calls are its own
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"recorder": self.recorder}  # a copy: no call in progress
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.recorder = state["recorder"]
+        self._local = threading.local()
+
+    @property
+    def batches(self) -> list[int | None]:
+        """This thread's calls of the model in progress (nested: a stack), their B."""
+        if not hasattr(self._local, "batches"):
+            self._local.batches = []
+        batches: list[int | None] = self._local.batches
+        return batches
+
+    @property
+    def last(self) -> int | None:
+        last: int | None = getattr(self._local, "last", None)
+        return last
+
+    @last.setter
+    def last(self, batch: int | None) -> None:
+        self._local.last = batch
+
+    @property
+    def pending(self) -> dict[nn.Module, list[tuple[int, torch.Tensor]]]:
+        """Embedding -> this thread's calls in progress that got an expanded index: (B,
+        that index)."""
+        if not hasattr(self._local, "pending"):
+            self._local.pending = {}
+        pending: dict[nn.Module, list[tuple[int, torch.Tensor]]] = self._local.pending
+        return pending
 
     def active(self) -> bool:
         recorder = self.recorder()
@@ -536,6 +674,8 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
         return live[0]
     if not live:
         if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
+            for recorder in list(_RECORDERS):
+                _refuse_other_thread(recorder, losses, call)
             _explain_spent(losses, call, None)
             _refuse_reentrant_checkpoint(losses, call)
         raise ValueError(
@@ -551,3 +691,15 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
         "the PerExample you mean (per_example_norms and per_example_clip have no such "
         "method: keep one hook for them)."
     )
+
+
+def _refuse_other_thread(recorder: PerExample, losses: torch.Tensor, call: str) -> None:
+    """Raise where another thread's forward recorded the forward of ``losses``: the records
+    are each thread's own, so that threads sharing one `PerExample` never mix their calls."""
+    if recorder._other_threads_record(losses):
+        raise ValueError(
+            f"{call}: the forward of these losses ran in another thread. The records of "
+            "funcgrad.per_example are each thread's own (so that threads sharing the hooks "
+            "never see each other's calls): call gramian / backward / per_example_norms / "
+            "per_example_clip in the thread that ran the forward."
+        )

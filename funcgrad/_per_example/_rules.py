@@ -85,19 +85,26 @@ class _Dense(_Layer):
             return bias @ bias.T
         batch = self.batch
         rows, width, out = self.dims()
-        self.ghost_flops = float(batch * batch * rows * rows * (width + out + 1))
+        # the ghost products on the rows whose Δ is not zero (padding skipped), upper
+        # triangle: about N²/2·(d+p) for N such rows (one host read, where T > 1)
+        live = batch * rows
+        if rows > 1 and not isinstance(self, _Conv):
+            live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
+        self.ghost_flops = float(live * (live + batch * rows // max(1, batch)) // 2) * (
+            width + out + 1
+        )
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
         if self.ghost_flops <= self.materialised_flops:
             a, d = self.rows()
             a, d = a.to(dtype), d.to(dtype)
             if rows == 1:
                 return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
-            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}"
+            self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}, {live} rows live"
             g = _ghost(a, d)
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
             grads = self.weight_per_example()
-            if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+            if self.keeps(grads, rows, width, out):
                 self.kept = grads
             g = _gram(grads.to(dtype))
         return g if bias is None else g + bias @ bias.T
@@ -127,9 +134,16 @@ class _Dense(_Layer):
             return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
         self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
         grads = self.weight_per_example()
-        if grads.numel() <= _BLOCK:  # small: the update reads it (w @ grads)
+        if self.keeps(grads, rows, width, out):
             self.kept = grads
         return found + _squares(grads.to(dtype))
+
+    def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
+        """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
+        than ``Aᵀ (w ⊙ Δ)`` (B·T·d·p): where they take at most half the memory of the rows A
+        and Δ held already (a convolution's many positions), so that keeping them does not
+        raise the peak."""
+        return 2 * grads.numel() <= self.batch * rows * (width + out) and grads.numel() <= _BLOCK
 
     def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
         """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
@@ -346,30 +360,66 @@ class _Embedding(_Layer):
             d_parts.append(d)
         return _cat_rows(index_parts), _cat_rows(d_parts)
 
-    def gramian(self) -> torch.Tensor:
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each example's Δ rows summed per index it uses (its per-example gradient on the
+        rows it hits): (R, d) in the work dtype, and each row's example and index, R ≤ B·T
+        (the padding index left out: its row gets no gradient)."""
         index, d = self.rows()
-        batch, rows, width = d.shape
-        used = min(self.params["weight"].shape[0], batch * rows)  # at most B·T rows are hit
-        self.ghost_flops = float(batch * batch * rows * rows * (width + 2))
-        self.materialised_flops = float(batch * rows * width + batch * batch * used * width)
-        d = d.to(self.run.dtype)
-        if self.ghost_flops <= self.materialised_flops:
-            self.rule = f"ghost [i_bt = i_b't']·<Δ, Δ> T={rows}"
-            return _ghost(index.unsqueeze(-1), d, equal=True)
-        self.rule = f"materialised on the rows used T={rows}"
-        unique, inverse = torch.unique(index, return_inverse=True)
-        return _gram(self.scatter(inverse, d, unique.shape[0]))
-
-    def diagonal(self) -> torch.Tensor:
-        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
-        index, d = self.rows()
+        module = self.module
+        assert isinstance(module, nn.Embedding)
         vocab, width = self.params["weight"].shape[0], d.shape[-1]
         offsets = torch.arange(self.batch, device=index.device).unsqueeze(1) * vocab
         keys, inverse = torch.unique(index + offsets, return_inverse=True)
         sums = d.new_zeros(keys.shape[0], width, dtype=self.run.dtype)
         sums.index_add_(0, inverse.flatten(), d.reshape(-1, width).to(self.run.dtype))
-        self.rule = f"materialised on the rows each example uses T={d.shape[1]}"
-        return self.zero_diagonal().index_add_(0, keys // vocab, _squares(sums))
+        examples, indices = keys // vocab, keys % vocab
+        if module.padding_idx is not None:
+            keep = indices != (module.padding_idx % vocab)
+            sums, examples, indices = sums[keep], examples[keep], indices[keep]
+        return sums, examples, indices
+
+    def gramian(self) -> torch.Tensor:
+        """``G[b, c] = sum_v <g_bv, g_cv>`` over the indices v that both examples use, from
+        the pairs of rows with the same index alone: sum_v n_v²·d products (n_v: the
+        examples using index v), never the dense (B, vocab·d) per-example gradients nor
+        the (BT)² index-equality kernel."""
+        sums, examples, indices = self.sums()
+        rows, width = sums.shape
+        batch = self.batch
+        order = torch.argsort(indices, stable=True)
+        sums, examples, indices = sums[order], examples[order], indices[order]
+        _, counts = torch.unique_consecutive(indices, return_counts=True)
+        starts = torch.cumsum(counts, 0) - counts
+        size = torch.repeat_interleave(counts, counts)  # each row's group: its size, start
+        start = torch.repeat_interleave(starts, counts)
+        pairs = int(size.sum())  # one host read: sum_v n_v², the pairs to form
+        self.ghost_flops = float(batch * batch * rows * width)  # the dense Gram, for the plan
+        self.materialised_flops = float(pairs * width)
+        self.rule = f"pairs of rows with one index ({pairs} pairs, {rows} rows)"
+        gram = self.zero()
+        step = max(1, _BLOCK // max(1, width))  # pairs per block: bounded transient memory
+        ends = torch.cumsum(size, 0)
+        first = 0
+        while first < rows:  # blocks of left rows whose pairs fit in a block
+            done = int(ends[first - 1]) if first else 0
+            last = max(first + 1, int(torch.searchsorted(ends, done + step, right=True)))
+            block = torch.arange(first, min(last, rows), device=sums.device)
+            left = torch.repeat_interleave(block, size[block])
+            within = torch.arange(left.shape[0], device=sums.device)
+            within = within - (torch.cumsum(size[block], 0) - size[block]).repeat_interleave(
+                size[block]
+            )
+            right = start[left] + within
+            values = (sums[left] * sums[right]).sum(1)
+            gram.index_put_((examples[left], examples[right]), values, accumulate=True)
+            first = int(block[-1]) + 1
+        return gram
+
+    def diagonal(self) -> torch.Tensor:
+        """G's diagonal alone: each example's Δ rows summed per index it uses (B·T·d)."""
+        sums, examples, _ = self.sums()
+        self.rule = "materialised on the rows each example uses"
+        return self.zero_diagonal().index_add_(0, examples, _squares(sums))
 
     def scatter(self, index: torch.Tensor, d: torch.Tensor, vocab: int) -> torch.Tensor:
         """(B, vocab, width): each example's rows of Δ added at its indices."""

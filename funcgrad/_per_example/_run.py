@@ -4,6 +4,7 @@ apply (``.grad`` written in one place, at the end)."""
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,10 @@ from ._record import _explain_spent, _grads_after_hooks, _nested_params, _Use
 
 if TYPE_CHECKING:
     from ._recorder import PerExample
+
+
+# .grad is read and written by one call at a time (threads sharing a model)
+_APPLY = threading.Lock()
 
 
 class _Run:
@@ -123,6 +128,9 @@ class _Run:
             try:
                 uses = _recorded_uses(self)
             except ValueError:  # no record of this forward: say why, if known
+                from ._recorder import _refuse_other_thread
+
+                _refuse_other_thread(recorder, self.losses, self.call)
                 _explain_spent(self.losses, self.call, recorder)
                 raise
             _refuse_changed(self, uses)
@@ -150,16 +158,21 @@ class _Run:
             recorder._recording = True
             if not retain_graph:  # consumed (and older forwards dropped)
                 recorder._consume(done)
-        if write:  # Apply: the one place that writes .grad.
-            taken: set[int] = set()
-            if self.replace:
-                for param in self.selected:
-                    param.grad = None
-            for param, grad in update:
-                _sync.accumulate(param, grad.to(param.dtype), taken)
-            # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
-            _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
+        if write:  # Apply: the one place that writes .grad (one thread at a time).
+            with _APPLY:
+                self._apply(update)
         return gram, weights
+
+    def _apply(self, update: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``.grad`` written: replaced or accumulated, then the post-accumulate hooks."""
+        taken: set[int] = set()
+        if self.replace:
+            for param in self.selected:
+                param.grad = None
+        for param, grad in update:
+            _sync.accumulate(param, grad.to(param.dtype), taken)
+        # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
+        _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
 
     def _weigh(
         self, blocks: list[list[_Layer]], need_gramian: bool, write: bool

@@ -1,0 +1,178 @@
+"""Threads sharing one `funcgrad.per_example(model)`: each thread's forwards and calls are its
+own (the records, the recording flag, the shared-index state), a generic-rule module's
+parameters are never seen swapped by another thread's forward, and `.grad` is written by one
+call at a time. Against the per-example autograd loop, in float64."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import funcgrad
+from tests.helpers import per_example_jacobian
+
+ROUNDS = 20
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+class Scale(nn.Module):
+    """A module with its own forward: the generic rule (its parameters swapped for vmap)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.s + h.sin() * self.s.cos()
+
+
+def _run_threads(work, count=2):
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(count)
+
+    def target(i):
+        try:
+            work(i, barrier)
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _losses(model, x):
+    return model(x).pow(2).squeeze(1)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_two_threads_with_different_batches_get_their_own_gramian(generic):
+    """The recording flag and the records were the PerExample's: a call in one thread
+    switched recording off during another thread's forward (a crash naming a parameter
+    'outside the forward', or a silently wrong G), and consumed its records."""
+    torch.manual_seed(0)
+    middle = Scale(16) if generic else nn.Identity()
+    model = nn.Sequential(
+        nn.Linear(5, 16), middle, nn.Tanh(), nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+        nn.Linear(16, 1),
+    )  # fmt: skip
+    xs = [torch.randn(6, 5), torch.randn(9, 5)]
+    refs = []
+    for x in xs:
+        jac = per_example_jacobian(model, lambda m, x=x: _losses(m, x))
+        refs.append(jac @ jac.T)
+    results: list[list[torch.Tensor]] = [[], []]
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            for _ in range(ROUNDS):
+                barrier.wait()
+                results[i].append(pe.gramian(_losses(model, xs[i]), check=False))
+
+        _run_threads(work)
+    for i in range(2):
+        assert len(results[i]) == ROUNDS
+        for gram in results[i]:
+            torch.testing.assert_close(gram, refs[i], rtol=1e-10, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_two_threads_accumulate_every_update_into_grad():
+    """Each call's update lands in .grad, none lost to the other thread's write."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    xs = [torch.randn(5, 4), torch.randn(7, 4)]
+    params = list(model.parameters())
+    expected = (
+        sum(per_example_jacobian(model, lambda m, x=x: _losses(m, x)).sum(0) for x in xs) * ROUNDS
+    )
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            for _ in range(ROUNDS):
+                barrier.wait()
+                pe.backward(_losses(model, xs[i]))
+                funcgrad.per_example_clip(_losses(model, xs[i]), 1e9)  # factors 1: the sum
+
+        _run_threads(work)
+    found = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(found, 2 * expected, rtol=1e-10, atol=1e-10)
+
+
+def test_calls_in_two_threads_never_interleave_a_generic_modules_parameter_swap():
+    """A call swaps a generic-rule module's parameters for its functional calls (vmap) and
+    puts them back after; two calls at once interleaved the swaps, and one put the other's
+    transform tensors back as the parameters (every later G wrong: 0.43 off here). Without a
+    barrier, the threads' calls overlap at every phase."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 16), Scale(16), nn.Tanh(), nn.Linear(16, 1))
+    xs = [torch.randn(6, 5), torch.randn(9, 5)]
+    refs = []
+    for x in xs:
+        jac = per_example_jacobian(model, lambda m, x=x: _losses(m, x))
+        refs.append(jac @ jac.T)
+    found: list[list[torch.Tensor]] = [[], []]
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            for _ in range(3 * ROUNDS):
+                found[i].append(pe.gramian(_losses(model, xs[i]), check=False))
+
+        _run_threads(work)
+    for i in range(2):
+        for gram in found[i]:
+            torch.testing.assert_close(gram, refs[i], rtol=1e-10, atol=1e-12)
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_a_call_in_another_thread_than_the_forward_is_refused_clearly():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 3)
+    errors: list[BaseException] = []
+    with funcgrad.per_example(model) as pe:
+        losses = _losses(model, x)
+
+        def other():
+            for call in (pe.gramian, funcgrad.per_example_norms):
+                try:
+                    call(losses)
+                except ValueError as error:
+                    errors.append(error)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert len(errors) == 2
+        for error in errors:
+            assert "ran in another thread" in str(error)
+        # the records are still there for the forward's own thread
+        jac = per_example_jacobian(model, lambda m: _losses(m, x))
+        torch.testing.assert_close(pe.gramian(losses), jac @ jac.T, rtol=1e-10, atol=1e-12)
+
+
+def test_a_hooked_model_can_be_deep_copied():
+    """copy.deepcopy of a hooked model copies its hooks and so the PerExample: its
+    per-thread state and lock are made anew (they cannot be copied)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    with funcgrad.per_example(model):
+        clone = copy.deepcopy(model)
+    x = torch.randn(3, 3)
+    jac = per_example_jacobian(clone, lambda m: _losses(m, x))
+    with funcgrad.per_example(clone) as pe:
+        torch.testing.assert_close(pe.gramian(_losses(clone, x)), jac @ jac.T)
