@@ -49,6 +49,13 @@ _MIN_REG_EPS = 1e-8
 _GAMMA = 1.0  # MPRGP's proportioning constant
 _STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
 _POWER_STEPS = 24  # power iterations for lambda_max (a Rayleigh quotient: a lower bound)
+_RELAX = 1.6  # ADMM's over-relaxation
+_RHO = 1.0  # ADMM's first penalty (A Jacobi-scaled: a unit diagonal, mean eigenvalue 1)
+_ADAPT = (8, 16, 32, 64, 128)  # ADMM iterations after which the penalty is rebalanced
+_ADAPT_LIMIT = 1e4  # at most this factor per rebalance
+_ADMM_BUDGET = 128  # default ADMM iterations: 128 + min(128, 8192 // m) (docs/projector.md)
+_ADMM_SMALL = 8192
+_CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
 
@@ -120,6 +127,7 @@ class DualConeProjector:
         reg_eps: float = 1e-4,
         *,
         max_iter: int | None = None,
+        admm_iter: int | None = None,
         tol: float | None = None,
         check: CheckMode | None = None,
     ) -> None:
@@ -132,12 +140,11 @@ class DualConeProjector:
                 f"{reg_eps!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
                 "impractical iteration count; use TorchJD's QuadprogProjector there."
             )
-        if max_iter is not None and (
-            isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
-        ):
-            raise ValueError(
-                f"{call}: `max_iter` must be a positive int or None, got {max_iter!r}."
-            )
+        for name, value in (("max_iter", max_iter), ("admm_iter", admm_iter)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{call}: `{name}` must be an int >= 0 or None, got {value!r}.")
         if tol is not None and (not _is_number(tol) or not 0.0 < tol < math.inf):
             raise ValueError(f"{call}: `tol` must be a finite number > 0 or None, got {tol!r}.")
         if check is not None and not (check is True or check is False or check == "strict"):
@@ -149,12 +156,18 @@ class DualConeProjector:
         self.norm_eps = float(norm_eps)
         self.reg_eps = float(reg_eps)
         self.max_iter = max_iter
+        self.admm_iter = admm_iter
         self.tol = tol
         self.check = check
         _register_with_torchjd()
 
     def __repr__(self) -> str:
-        options = {"max_iter": self.max_iter, "tol": self.tol, "check": self.check}
+        options = {
+            "max_iter": self.max_iter,
+            "admm_iter": self.admm_iter,
+            "tol": self.tol,
+            "check": self.check,
+        }
         extra = "".join(f", {key}={value!r}" for key, value in options.items() if value is not None)
         return f"DualConeProjector(norm_eps={self.norm_eps}, reg_eps={self.reg_eps}{extra})"
 
@@ -167,13 +180,19 @@ class DualConeProjector:
         with torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
-            budget = default_budget(G.shape[0], self.reg_eps) if self.max_iter is None else None
-            W, converged = solve(gramian, rows, self.max_iter or budget, self.tol)
+            W, converged = solve(gramian, rows, *self._budgets(G.shape[0], G.dtype), tol=self.tol)
             if mode is not False:
                 ok = converged.all() & torch.isfinite(G).all() & torch.isfinite(U).all()
                 if not bool(ok):  # the one read, on request
                     W = self._fallback(U, G, W, converged, mode)
         return W.reshape(U.shape)
+
+    def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(MPRGP iterations, ADMM iterations) for a Gramian of size m."""
+        admm = default_admm_budget(m, self.reg_eps) if self.admm_iter is None else self.admm_iter
+        if self.max_iter is not None:
+            return self.max_iter, admm
+        return (default_budget(m, self.reg_eps) if dtype == torch.float64 else 0), admm
 
     def _fallback(
         self,
@@ -191,10 +210,11 @@ class DualConeProjector:
                 )
         bad = (~converged).nonzero().flatten()
         m = G.shape[0]
-        budget = self.max_iter or default_budget(m, self.reg_eps)
+        mprgp, admm = self._budgets(m, G.dtype)
         why = (
             f"funcgrad.DualConeProjector(U, G): {bad.numel()} of {W.shape[0]} rows did not "
-            f"reach the tolerance in max_iter={budget} iterations (m = {m})"
+            f"reach the tolerance in admm_iter={admm} and max_iter={mprgp} iterations "
+            f"(m = {m}, {G.dtype})"
         )
         if mode == "strict":
             raise ProjectorConvergenceError(
@@ -273,6 +293,12 @@ def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
     return math.ceil((_BUDGET_PER_ROW * m + _BUDGET_FLOOR) * factor)
 
 
+def default_admm_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
+    """``(128 + min(128, 8192 // m)) * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations."""
+    factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
+    return math.ceil((_ADMM_BUDGET + min(_ADMM_BUDGET, _ADMM_SMALL // m)) * factor)
+
+
 def default_tol(m: int, dtype: torch.dtype) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(m)
 
@@ -293,16 +319,27 @@ def _lambda_max(A: torch.Tensor) -> torch.Tensor:
     return torch.maximum(x @ (A @ x), torch.ones((), dtype=A.dtype, device=A.device))
 
 
+def _norm(a: torch.Tensor) -> torch.Tensor:
+    """Row-wise max-norms (no squares: those of small residuals are subnormal, slow on the
+    CPU)."""
+    return a.abs().amax(1)
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Row-wise dot products, (r, 1) (``linalg.vecdot`` is slower on the CPU)."""
     return (a * b).sum(1, keepdim=True)
 
 
 def solve(
-    G: torch.Tensor, U: torch.Tensor, max_iter: int | None = None, tol: float | None = None
+    G: torch.Tensor,
+    U: torch.Tensor,
+    max_iter: int | None = None,
+    admm_iter: int | None = None,
+    tol: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W, converged): MPRGP on every row of U (r, m) with the (regularised) G, no host read;
-    unconverged rows are NaN.
+    """(W, converged): ADMM (``admm_iter`` iterations, None: `default_admm_budget`), then
+    MPRGP from its answer (``max_iter``, None: `default_budget`), on every row of U (r, m)
+    with the (regularised) G, no host read; unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -310,12 +347,18 @@ def solve(
     """
     rmax = U.abs().amax(1, keepdim=True)
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
-    increment, converged = _solve(G, U / rmax, max_iter, tol)
+    m = G.shape[0]
+    admm = default_admm_budget(m) if admm_iter is None else admm_iter
+    increment, converged = _solve(G, U / rmax, max_iter, tol, admm)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
 def _solve(
-    G: torch.Tensor, U: torch.Tensor, max_iter: int | None, tol: float | None
+    G: torch.Tensor,
+    U: torch.Tensor,
+    max_iter: int | None,
+    tol: float | None,
+    admm_iter: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -327,14 +370,16 @@ def _solve(
     A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
+    gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
+    dtype = G.dtype
+    if budget == 0:  # the ADMM answer, checked (below)
+        return _checked(A, low, gap, s, tol)
     abar = _STEP / _lambda_max(A)
     inv_abar = 1 / abar
-    dtype = G.dtype
     tiny = torch.finfo(dtype).tiny
     # The state is x = y - low >= 0 (``gap``), the gradient g = A y (kept up to date
     # incrementally, recomputed after an expansion), the CG direction P. Masks are 0/1
     # floats: boolean (r, m) tensors and ``torch.where`` are slow on the CPU.
-    gap = low.clamp_min(0) - low  # y = max(low, 0), the box's projection of the minimum, 0
     g = (low + gap) @ A
     free = torch.sign(gap)  # 1 where y is off its bound, 0 on it
     P = g * free
@@ -343,7 +388,7 @@ def _solve(
     # that its residual does not shrink on into subnormal numbers (slow on the CPU).
     frozen = torch.zeros_like(stale)
     bound = tol * low.abs().amax(1, keepdim=True) / 4
-    for iteration in range(budget):
+    for iteration in range(budget):  # (budget may be 0: the ADMM answer, checked)
         if iteration % _FREEZE_EVERY == _FREEZE_EVERY - 1:
             residual = torch.minimum(gap, g).abs().amax(1, keepdim=True)
             scale = (low + gap).abs().amax(1, keepdim=True)
@@ -375,6 +420,13 @@ def _solve(
         gamma = _dot(phi, Q) / dQd.clamp_min(tiny)
         P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
         stale = expand
+    return _checked(A, low, gap, s, tol)
+
+
+def _checked(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, s: torch.Tensor, tol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(increment, converged): the rows whose KKT residual is within tol, the others NaN."""
     Y = low + gap
     g = Y @ A  # fresh, for the KKT check
     residual = torch.minimum(gap, g).abs().amax(1)
@@ -383,3 +435,59 @@ def _solve(
     increment = gap * s  # W = Y * s = U + increment
     increment = torch.where(converged[:, None], increment, torch.full_like(increment, math.nan))
     return increment, converged
+
+
+def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> torch.Tensor:
+    """``y - low >= 0`` after ``iterations`` steps of ADMM on ``min y^T A y, y >= low`` (every
+    row of ``low``), with one shared inverse of the (Jacobi-scaled) A per penalty.
+
+    The splitting is ``y = z``, ``z >= low`` (OSQP's, for a box): the y-step is one product
+    of the rows with ``M = rho (A + rho I)^-1``, shared by the rows, the z-step a clamp;
+    over-relaxed by ``_RELAX``. The penalty rho, one for all rows, is rebalanced after the
+    iterations of ``_ADAPT`` by OSQP's rule, ``rho * sqrt(primal / dual residual)`` (the
+    residuals summed over the rows), on the device. Every ``_CHECK_EVERY`` iterations and at
+    the end, a row within tol of the KKT conditions keeps that iterate (float32 iterates
+    wander at rounding level once converged).
+    """
+    m = A.shape[0]
+    eye = torch.eye(m, dtype=A.dtype, device=A.device)
+    dh = A.diagonal().rsqrt()  # y = dh * z: At = diag(dh) A diag(dh) has a unit diagonal
+    At = dh[:, None] * A * dh[None, :]
+    At = (At + At.T) / 2
+    lowt = low / dh
+    tiny = torch.finfo(A.dtype).tiny
+
+    def factor(rho: torch.Tensor) -> torch.Tensor:
+        inverse: torch.Tensor = torch.linalg.inv_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
+        return (inverse + inverse.T) * (rho / 2)  # symmetric: rows @ M is M's action
+
+    rho = torch.full((), _RHO, dtype=A.dtype, device=A.device)
+    M = factor(rho)
+    z = lowt.clamp_min(0)
+    q = -z  # q = w - z, w the scaled multiplier (w = 0 at the start)
+    best = z
+    done = torch.zeros_like(z[:, :1])
+    bound = tol / 2 * low.abs().amax(1, keepdim=True)  # tol / 2: the final check agrees
+    for iteration in range(1, iterations + 1):
+        # t = relax * y + (1 - relax) * z + w, y = (z - w) @ M = -(q @ M): two passes
+        t = torch.addmm(torch.add(q, z, alpha=2 - _RELAX), q, M, alpha=-_RELAX)
+        znew = torch.maximum(lowt, t)
+        if iteration in _ADAPT:
+            y = (t - (1 - _RELAX) * z - (q + z)) / _RELAX
+            primal = _norm(y - znew) / _norm(znew).clamp_min(tiny)
+            dual = _norm(znew - z) / _norm(znew @ At).clamp_min(tiny)
+            ratio = primal.sum() / (rho * dual.sum()).clamp_min(tiny)
+            new = rho * ratio.clamp(_ADAPT_LIMIT**-2, _ADAPT_LIMIT**2).sqrt()
+            new = torch.where(torch.isfinite(new), new, rho)
+            q = (t - znew) * (rho / new) - znew  # the scaled multiplier follows rho
+            rho = new
+            M = factor(rho)
+        else:
+            q = torch.add(t, znew, alpha=-2)  # w - z = (t - z) - z
+        z = znew
+        if iteration % _CHECK_EVERY == 0 or iteration == iterations:
+            residual = torch.minimum((z - lowt) * dh, (z * dh) @ A).abs().amax(1, keepdim=True)
+            now = (residual <= tol / 2 * (z * dh).abs().amax(1, keepdim=True) + bound) * (1 - done)
+            best = torch.lerp(best, z, now)
+            done = done + now
+    return (best - lowt) * dh  # exactly 0 on the bounds (best >= lowt: a clamp)

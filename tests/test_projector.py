@@ -411,7 +411,8 @@ def _hard() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_unconverged_rows_are_nan_without_check() -> None:
     U, G = _hard()
-    W = funcgrad.DualConeProjector(max_iter=60, check=False)(U, G)  # 11 of 32 rows converge
+    # MPRGP alone (no ADMM first): 11 of 32 rows converge in 60 iterations
+    W = funcgrad.DualConeProjector(max_iter=60, admm_iter=0, check=False)(U, G)
     bad = torch.isnan(W).any(1)
     assert bool(bad.any())
     assert bool(torch.isfinite(W[~bad]).all())
@@ -422,14 +423,14 @@ def test_unconverged_rows_are_nan_without_check() -> None:
 def test_unconverged_rows_fall_back_to_quadprog_with_check() -> None:
     U, G = _hard()
     with pytest.warns(funcgrad.FuncgradWarning, match="did not reach the tolerance"):
-        W = funcgrad.DualConeProjector(max_iter=2, check=True)(U, G)
+        W = funcgrad.DualConeProjector(max_iter=2, admm_iter=0, check=True)(U, G)
     assert _relative(W, _quadprog(U, G)) <= 1e-8
 
 
 def test_unconverged_rows_raise_with_strict() -> None:
     U, G = _hard()
     with pytest.raises(funcgrad.DualConeProjector.ConvergenceError, match="max_iter=2"):
-        funcgrad.DualConeProjector(max_iter=2, check="strict")(U, G)
+        funcgrad.DualConeProjector(max_iter=2, admm_iter=0, check="strict")(U, G)
 
 
 def test_default_budget_converges_where_a_short_one_does_not() -> None:
@@ -437,8 +438,12 @@ def test_default_budget_converges_where_a_short_one_does_not() -> None:
     assert default_budget(32) > 2
     _, converged = solve(regularized(G, 1e-4, 1e-4), U)
     assert bool(converged.all())
-    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2)
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2, admm_iter=0)
     assert not bool(converged.all())
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=8)
+    assert not bool(converged.all())
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0)  # ADMM alone
+    assert bool(converged.all())
 
 
 # --------------------------------------------------------------------------------------------
@@ -560,9 +565,11 @@ def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) 
         ({"reg_eps": math.inf}, "`reg_eps` must be a finite number >= 1e-08"),
         ({"reg_eps": 0.0}, "`reg_eps` must be a finite number >= 1e-08"),
         ({"reg_eps": 1e-10}, "use TorchJD's QuadprogProjector there"),
-        ({"max_iter": 0}, "`max_iter` must be a positive int"),
-        ({"max_iter": True}, "`max_iter` must be a positive int"),
-        ({"max_iter": 2.0}, "`max_iter` must be a positive int"),
+        ({"max_iter": -1}, "`max_iter` must be an int >= 0"),
+        ({"max_iter": True}, "`max_iter` must be an int >= 0"),
+        ({"max_iter": 2.0}, "`max_iter` must be an int >= 0"),
+        ({"admm_iter": -1}, "`admm_iter` must be an int >= 0"),
+        ({"admm_iter": False}, "`admm_iter` must be an int >= 0"),
         ({"tol": 0.0}, "`tol` must be a finite number > 0"),
         ({"tol": math.inf}, "`tol` must be a finite number > 0"),
         ({"check": "full"}, "`check` must be None, True, False or 'strict'.*re-solves"),
@@ -643,7 +650,8 @@ def test_funcgrad_backward_refuses_unconverged_weights() -> None:
     features = encoder(torch.randn(16, 5))
     directions = torch.randn(6, 8)  # conflicting tasks: one iteration does not solve them
     losses = [(features @ c).mean() for c in directions]
-    weighting = tjd.UPGradWeighting(projector=funcgrad.DualConeProjector(max_iter=1, check=False))
+    projector = funcgrad.DualConeProjector(max_iter=1, admm_iter=0, check=False)
+    weighting = tjd.UPGradWeighting(projector=projector)
     with pytest.raises(ValueError, match="non-finite weights"):
         funcgrad.backward(losses, through=features, weighting=weighting, level="params")
     assert encoder.weight.grad is None
