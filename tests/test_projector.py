@@ -446,6 +446,36 @@ def test_default_budget_converges_where_a_short_one_does_not() -> None:
     assert bool(converged.all())
 
 
+def test_admm_keeps_converged_rows() -> None:
+    """float32 ADMM iterates wander at rounding level once converged: a row within tol at a
+    check keeps that iterate. (Without the checks, 1 or 2 of these 60 Gramians end with a
+    row outside tol, depending on the rounding: measured on 1 thread.)"""
+    for i in range(60):
+        G = regularized(random_gramian(i, 8), 1e-4, 1e-4).float()
+        _, converged = solve(G, torch.eye(8, dtype=torch.float32) / 8, max_iter=0, admm_iter=384)
+        assert bool(converged.all()), i
+
+
+def test_mprgp_finishes_admm_tail() -> None:
+    """Duplicate tasks, UPGrad's rows and rows of both signs: ADMM's slow tail (3 rows
+    unconverged after 256 iterations); MPRGP from ADMM's answer finishes it (the float32
+    default), exact against quadprog."""
+    m = _sizes(100, 128, 11)[63]
+    G = random_gramian(63, m).double()
+    gen = torch.Generator().manual_seed(63)
+    U = torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen)]).float()
+    G32 = regularized(G, 1e-4, 1e-4).float()
+    _, converged = solve(G32, U, max_iter=0, admm_iter=256)
+    assert not bool(converged.all())
+    _, converged = solve(G32, U, max_iter=64, admm_iter=256)
+    assert bool(converged.all())
+    W32 = funcgrad.DualConeProjector(check=False)(U, G.float())  # the float32 default
+    W = funcgrad.DualConeProjector(check=False)(U.double(), G)
+    reference = _quadprog(U.double(), G)
+    assert _relative(W, reference) <= 1e-8
+    assert _relative(W32.double(), reference) <= 1e-3
+
+
 # --------------------------------------------------------------------------------------------
 # TorchJD's weightings with this projector
 
