@@ -476,6 +476,34 @@ def test_mprgp_finishes_admm_tail() -> None:
     assert _relative(W32.double(), reference) <= 1e-3
 
 
+def _adversarial_for_a_fixed_start(m: int) -> torch.Tensor:
+    """Mean diagonal 1, top eigenvector orthogonal to the old power-iteration start
+    (ones + 0.5 sin(arange)), second eigenvalue half the top one."""
+    old = torch.ones(m) + 0.5 * torch.sin(torch.arange(m, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    Q = torch.linalg.qr(torch.cat([old[:, None], torch.randn(m, m - 1, generator=gen)], 1)).Q
+    spectrum = torch.full((m,), 0.5)
+    spectrum[0], spectrum[1] = 5.0, 10.0  # Q[:, 1], the top one, is orthogonal to old
+    A = Q @ torch.diag(spectrum) @ Q.T
+    return A * m / A.trace()
+
+
+def test_lambda_max_estimate_keeps_the_expansion_step_safe() -> None:
+    """MPRGP's expansion step 1.9 / estimate must stay <= 2 / lambda_max: on an adversarial
+    Gramian for a structured start (which gave lambda_max / 2) and on 300 random ones."""
+    from funcgrad._projector import _lambda_max
+
+    cases = [_adversarial_for_a_fixed_start(32)]
+    for i in range(300):
+        m = (2, 5, 16, 32, 64)[i % 5]
+        G = regularized(random_gramian(i, m), 1e-4, 1e-4)
+        cases.append(G * m / G.trace())
+    for A in cases:
+        top = torch.linalg.eigvalsh(A)[-1]
+        assert 1.9 / float(_lambda_max(A)) <= 2 / float(top)
+        assert float(_lambda_max(A)) <= float(torch.linalg.matrix_norm(A)) + 1e-12
+
+
 # --------------------------------------------------------------------------------------------
 # TorchJD's weightings with this projector
 
@@ -529,6 +557,42 @@ def test_funcgrad_backward_with_the_fast_projector() -> None:
 def test_registered_as_torchjd_projector() -> None:
     linalg = pytest.importorskip("torchjd.linalg")
     assert isinstance(funcgrad.DualConeProjector(), linalg.DualConeProjector)
+
+
+_BUILT_BEFORE_TORCHJD = """
+import sys
+import funcgrad
+early = funcgrad.DualConeProjector()
+assert "torchjd" not in sys.modules
+import torchjd.linalg
+assert isinstance(early, torchjd.linalg.DualConeProjector), "built before torchjd"
+assert not any(type(f).__name__ == "_RegisterOnImport" for f in sys.meta_path)
+"""
+
+_TORCHJD_FIRST = """
+import torchjd.linalg
+import funcgrad
+assert isinstance(funcgrad.DualConeProjector(), torchjd.linalg.DualConeProjector)
+"""
+
+
+@pytest.mark.parametrize("script", [_BUILT_BEFORE_TORCHJD, _TORCHJD_FIRST])
+def test_registered_whatever_the_import_order(script: str) -> None:
+    """A fresh interpreter: a projector built before TorchJD is imported is an instance of
+    TorchJD's ABC too (registration when TorchJD's module is executed), and so is one built
+    after."""
+    pytest.importorskip("torchjd.linalg")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(funcgrad.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
 
 
 # --------------------------------------------------------------------------------------------
