@@ -262,6 +262,28 @@ class DualConeProjector:
         return W
 
 
+_SOLVERS = ("UPGradWeighting", "DualProjWeighting", "UPGrad", "DualProj")
+
+
+def projector_advice(weighting: object) -> str | None:
+    """Where ``weighting`` is TorchJD's UPGrad or DualProj (weighting or aggregator) with
+    its default ``QuadprogProjector``, how to pass this projector instead (`funcgrad.Plan`'s
+    ``advice``); else None. funcgrad never swaps a user's projector."""
+    name = type(weighting).__name__
+    if name not in _SOLVERS:
+        return None
+    inner = getattr(weighting, "gramian_weighting", weighting)  # aggregators hold one
+    projector = getattr(inner, "projector", getattr(inner, "_projector", None))
+    if type(projector).__name__ != "QuadprogProjector":
+        return None
+    return (
+        f"{name} solves its dual-cone QPs with TorchJD's default QuadprogProjector "
+        "(quadprog, one QP per row on the host: a device sync, and slow for many rows); "
+        f"{name}(projector=funcgrad.DualConeProjector()) solves them batched on the device "
+        "(docs/projector.md)"
+    )
+
+
 _TORCHJD_MODULE = "torchjd._linalg._dual_cone"  # where torchjd.linalg.DualConeProjector lives
 
 

@@ -599,6 +599,28 @@ def test_registered_whatever_the_import_order(script: str) -> None:
 # Shapes, dtypes, degenerate inputs, errors
 
 
+@pytest.mark.parametrize("name", ["UPGradWeighting", "UPGrad", "DualProjWeighting", "DualProj"])
+def test_plan_advises_the_fast_projector_never_swaps(name: str) -> None:
+    """combine_heads' plan() says how to pass funcgrad's projector where the weighting uses
+    TorchJD's default (quadprog), and nothing where it already uses another; the user's
+    object is not changed."""
+    tjd = _tjd()
+    f = torch.nn.Linear(3, 4)
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(3)]
+    default = getattr(tjd, name)()
+    plan = funcgrad.combine_heads(f, heads, default).plan(torch.zeros(2, 3))
+    assert plan.advice is not None
+    assert f"{name}(projector=funcgrad.DualConeProjector())" in plan.advice
+    assert "advice:" in repr(plan)
+    inner = getattr(default, "gramian_weighting", default)
+    assert type(inner.projector).__name__ == "QuadprogProjector"  # not swapped
+    fast = getattr(tjd, name)(projector=funcgrad.DualConeProjector())
+    assert funcgrad.combine_heads(f, heads, fast).plan(torch.zeros(2, 3)).advice is None
+    mean = funcgrad.combine_heads(f, heads, tjd.MeanWeighting()).plan(torch.zeros(2, 3))
+    assert mean.advice is None
+    assert "advice" not in repr(mean)
+
+
 def test_batched_shapes_equal_rows() -> None:
     G = random_gramian(0, 7)
     U = torch.randn(2, 3, 7)
