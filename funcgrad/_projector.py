@@ -4,7 +4,9 @@ DualProj): `DualConeProjector`, a drop-in for TorchJD 0.18's ``projector=`` argu
 For each row u of U it solves ``min_v v^T G v subject to v >= u`` with G normalised and
 regularised as TorchJD's ``QuadprogProjector`` does it (``G / trace(G)`` where the trace is at
 least ``norm_eps``, else 0; then ``+ reg_eps * I``). All rows are solved together, on G's
-device, by MPRGP (Dostal and Schoberl 2005, "Minimizing quadratic functions subject to bound
+device: first by ADMM (OSQP's splitting for a box, one inverse of the Jacobi-scaled G shared
+by every row, the penalty rebalanced on the device), then by MPRGP from ADMM's answer
+(Dostal and Schoberl 2005, "Minimizing quadratic functions subject to bound
 constraints with the rate of convergence and finite termination"): conjugate gradient steps
 on the current face, expansion steps (a feasible half step, then a projected gradient step of
 length ``abar``) when a bound is hit, and proportioning steps that release the bounds whose
@@ -79,7 +81,8 @@ class DualConeProjector:
 
     For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
-    is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``. Pass it
+    is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
+    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -90,10 +93,14 @@ class DualConeProjector:
             makes G definite, hence the solution unique, and sets the conditioning, hence
             the default budget. At least 1e-8 (below it, use TorchJD's
             ``QuadprogProjector``).
-        max_iter: MPRGP iterations, a fixed count (each one product ``(rows, m) @ (m, m)``);
-            None: ``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``, enough for every Gramian of
-            the tests. Fewer is faster, and rows that do not converge come back as NaN (or
-            re-solved, see ``check``).
+        max_iter: MPRGP iterations after ADMM, a fixed count (each one product
+            ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
+            ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
+        admm_iter: ADMM iterations first, a fixed count (each one product with a shared
+            inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
+            the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
+            are faster, and rows that do not converge come back as NaN (or re-solved, see
+            ``check``).
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
             (on the problem scaled to a mean diagonal of 1 and u to max |u| = 1) is at most
             ``tol * (max |v| + max |u|)``; None: ``16 * eps * sqrt(m)`` for G's dtype.
@@ -123,9 +130,10 @@ class DualConeProjector:
         weights of ``UPGradWeighting()`` (quadprog), to 1e-8 relative in float64 on the tests'
         Gramians, without copying G to the host. funcgrad never imports TorchJD; where
         TorchJD is already imported, this class is registered as a virtual subclass of
-        ``torchjd.linalg.DualConeProjector``. The result is not differentiable (as
-        TorchJD's). Cost: ``max_iter`` products of the rows with G (about 8 m^4 flops for
-        UPGrad's m rows), and a few elementwise passes per iteration.
+        ``torchjd.linalg.DualConeProjector`` (whatever the import order). The result is not
+        differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
+        with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
+        passes per iteration.
     """
 
     ConvergenceError = ProjectorConvergenceError
