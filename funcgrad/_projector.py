@@ -28,9 +28,6 @@ Assumptions, and how each is checked:
 
 from __future__ import annotations
 
-import contextlib
-import importlib.abc
-import importlib.util
 import math
 import sys
 import warnings
@@ -193,6 +190,7 @@ class DualConeProjector:
         ``argmin_v v^T G v subject to v >= u``, G normalised and regularised."""
         call = "funcgrad.DualConeProjector(U, G)"
         _validate(U, G, call)
+        _register_with_torchjd()  # (a dict lookup: TorchJD may have been imported since)
         mode = resolve_check(self.check, call)
         with torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
@@ -305,51 +303,6 @@ def _register_with_torchjd() -> bool:
     if not issubclass(DualConeProjector, base):
         base.register(DualConeProjector)
     return True
-
-
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers `DualConeProjector` with TorchJD's ABC right after TorchJD's module is
-    executed, whatever the import order (a projector built before ``import torchjd`` is
-    then an instance too). It finds nothing itself: it wraps the module's own loader, once,
-    and leaves ``sys.meta_path``."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _TORCHJD_MODULE:
-            return None
-        _remove_hook()
-        spec = importlib.util.find_spec(name)
-        loader: Any = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            with contextlib.suppress(Exception):  # never break TorchJD's import
-                _register_with_torchjd_module(module)
-
-        loader.exec_module = exec_module
-        return spec
-
-
-def _register_with_torchjd_module(module: Any) -> None:
-    base: Any = getattr(module, "DualConeProjector", None)
-    if base is not None and hasattr(base, "register"):
-        base.register(DualConeProjector)
-
-
-_HOOK = _RegisterOnImport()
-
-
-def _remove_hook() -> None:
-    if _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
-
-
-def _install_hook() -> None:
-    """At funcgrad's import: register now if TorchJD is imported, else when it is."""
-    if not _register_with_torchjd() and _HOOK not in sys.meta_path:
-        sys.meta_path.insert(0, _HOOK)
 
 
 def _validate(U: object, G: object, call: str) -> None:
@@ -592,4 +545,4 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     return (best - lowt) * dh  # exactly 0 on the bounds (best >= lowt: a clamp)
 
 
-_install_hook()
+_register_with_torchjd()  # where TorchJD is imported before funcgrad
