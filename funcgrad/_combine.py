@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from ._function import result_graph
 from ._heads import Composition, StackedHeads
 from ._multitask import weigh_features, weigh_params
 from ._plan import Plan
+from ._projector import projector_advice
 from ._types import ChunkSize, Level, ProcessGroupLike, Strategy, Weighting
 from ._validate import check_flag, check_not_inference_mode, outside_transforms
 
@@ -74,7 +76,8 @@ class CombinedHeads:
         c = self._composition
         flat = c.flat(args)
         with result_graph(self._create_graph, flat.leaves):
-            return c.plan(flat, weighted=self._one_pullback(self.rule))
+            plan = c.plan(flat, weighted=self._one_pullback(self.rule))
+        return dataclasses.replace(plan, advice=projector_advice(self._weighting))
 
     def __call__(self, *args: Any) -> Any:
         check_not_inference_mode(_CALL)

@@ -85,6 +85,9 @@ class Plan:
             see docs/planning.md): its time decides the later calls' plan.
         final: no later call on these shapes plans otherwise (unless f is seen to do
             something new: draw random numbers, register a hook).
+        advice: what the user could pass instead to run faster, never applied by funcgrad
+            (a TorchJD UPGrad or DualProj with its default quadprog projector: the
+            batched `funcgrad.DualConeProjector`), else None.
 
     Examples:
         >>> import torch, funcgrad
@@ -115,6 +118,7 @@ class Plan:
     # (the heads on f's graph), not its cotangent formed first and then pulled through f.
     through_heads: bool = dataclasses.field(default=False, repr=False)
     choice: Choice | None = dataclasses.field(default=None, repr=False)
+    advice: str | None = None
 
     @property
     def directions(self) -> int:
@@ -171,7 +175,8 @@ class Plan:
         timing = "; times vmap against one unbatched call (this call)" * self.measure
         timing += "; this call is timed against auto's other candidate" * self.timed
         runs = f"; f's Python body runs {self.f_runs} times" * (self.f_runs != 1)
-        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{timing}{runs})"
+        advice = "" if self.advice is None else f"; advice: {self.advice}"
+        return f"Plan({self.strategy!r}: {what}; {shapes}; {why}{timing}{runs}{advice})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,9 @@ DualProj): `DualConeProjector`, a drop-in for TorchJD 0.18's ``projector=`` argu
 For each row u of U it solves ``min_v v^T G v subject to v >= u`` with G normalised and
 regularised as TorchJD's ``QuadprogProjector`` does it (``G / trace(G)`` where the trace is at
 least ``norm_eps``, else 0; then ``+ reg_eps * I``). All rows are solved together, on G's
-device, by MPRGP (Dostal and Schoberl 2005, "Minimizing quadratic functions subject to bound
+device: first by ADMM (OSQP's splitting for a box, one inverse of the Jacobi-scaled G shared
+by every row, the penalty rebalanced on the device), then by MPRGP from ADMM's answer
+(Dostal and Schoberl 2005, "Minimizing quadratic functions subject to bound
 constraints with the rate of convergence and finite termination"): conjugate gradient steps
 on the current face, expansion steps (a feasible half step, then a projected gradient step of
 length ``abar``) when a bound is hit, and proportioning steps that release the bounds whose
@@ -48,7 +50,20 @@ _BUDGET_REG_EPS = 1e-4
 _MIN_REG_EPS = 1e-8
 _GAMMA = 1.0  # MPRGP's proportioning constant
 _STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
+_POWER_SEED = 0x5EED  # the power iteration's start: a fixed-seed Gaussian vector
+_POWER_MARGIN = 0.9  # lambda_max <= quotient / it, observed (see _lambda_max)
 _POWER_STEPS = 24  # power iterations for lambda_max (a Rayleigh quotient: a lower bound)
+_RELAX = 1.6  # ADMM's over-relaxation
+_RHO = 1.0  # ADMM's first penalty (A Jacobi-scaled: a unit diagonal, mean eigenvalue 1)
+_ADAPT = (8, 16, 32, 64, 128)  # ADMM iterations after which the penalty is rebalanced
+_ADAPT_LIMIT = 1e4  # at most this factor per rebalance
+_ADMM_BUDGET = 128  # default ADMM iterations: 128 + min(128, 8192 // m) (docs/projector.md)
+_ADMM_SMALL = 8192
+# MPRGP's default budget after ADMM in float32 (float64: `default_budget`): with it, 200 of
+# 200 random Gramians (m = 2..128, UPGrad's rows and rows of both signs) converged; ADMM
+# alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail).
+_FINISH_FLOAT32 = 64
+_CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
 
@@ -63,7 +78,8 @@ class DualConeProjector:
 
     For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
-    is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``. Pass it
+    is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
+    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -74,10 +90,14 @@ class DualConeProjector:
             makes G definite, hence the solution unique, and sets the conditioning, hence
             the default budget. At least 1e-8 (below it, use TorchJD's
             ``QuadprogProjector``).
-        max_iter: MPRGP iterations, a fixed count (each one product ``(rows, m) @ (m, m)``);
-            None: ``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``, enough for every Gramian of
-            the tests. Fewer is faster, and rows that do not converge come back as NaN (or
-            re-solved, see ``check``).
+        max_iter: MPRGP iterations after ADMM, a fixed count (each one product
+            ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
+            ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
+        admm_iter: ADMM iterations first, a fixed count (each one product with a shared
+            inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
+            the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
+            are faster, and rows that do not converge come back as NaN (or re-solved, see
+            ``check``).
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
             (on the problem scaled to a mean diagonal of 1 and u to max |u| = 1) is at most
             ``tol * (max |v| + max |u|)``; None: ``16 * eps * sqrt(m)`` for G's dtype.
@@ -107,9 +127,10 @@ class DualConeProjector:
         weights of ``UPGradWeighting()`` (quadprog), to 1e-8 relative in float64 on the tests'
         Gramians, without copying G to the host. funcgrad never imports TorchJD; where
         TorchJD is already imported, this class is registered as a virtual subclass of
-        ``torchjd.linalg.DualConeProjector``. The result is not differentiable (as
-        TorchJD's). Cost: ``max_iter`` products of the rows with G (about 8 m^4 flops for
-        UPGrad's m rows), and a few elementwise passes per iteration.
+        ``torchjd.linalg.DualConeProjector`` (whatever the import order). The result is not
+        differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
+        with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
+        passes per iteration.
     """
 
     ConvergenceError = ProjectorConvergenceError
@@ -120,6 +141,7 @@ class DualConeProjector:
         reg_eps: float = 1e-4,
         *,
         max_iter: int | None = None,
+        admm_iter: int | None = None,
         tol: float | None = None,
         check: CheckMode | None = None,
     ) -> None:
@@ -132,12 +154,11 @@ class DualConeProjector:
                 f"{reg_eps!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
                 "impractical iteration count; use TorchJD's QuadprogProjector there."
             )
-        if max_iter is not None and (
-            isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1
-        ):
-            raise ValueError(
-                f"{call}: `max_iter` must be a positive int or None, got {max_iter!r}."
-            )
+        for name, value in (("max_iter", max_iter), ("admm_iter", admm_iter)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{call}: `{name}` must be an int >= 0 or None, got {value!r}.")
         if tol is not None and (not _is_number(tol) or not 0.0 < tol < math.inf):
             raise ValueError(f"{call}: `tol` must be a finite number > 0 or None, got {tol!r}.")
         if check is not None and not (check is True or check is False or check == "strict"):
@@ -149,12 +170,18 @@ class DualConeProjector:
         self.norm_eps = float(norm_eps)
         self.reg_eps = float(reg_eps)
         self.max_iter = max_iter
+        self.admm_iter = admm_iter
         self.tol = tol
         self.check = check
         _register_with_torchjd()
 
     def __repr__(self) -> str:
-        options = {"max_iter": self.max_iter, "tol": self.tol, "check": self.check}
+        options = {
+            "max_iter": self.max_iter,
+            "admm_iter": self.admm_iter,
+            "tol": self.tol,
+            "check": self.check,
+        }
         extra = "".join(f", {key}={value!r}" for key, value in options.items() if value is not None)
         return f"DualConeProjector(norm_eps={self.norm_eps}, reg_eps={self.reg_eps}{extra})"
 
@@ -163,17 +190,27 @@ class DualConeProjector:
         ``argmin_v v^T G v subject to v >= u``, G normalised and regularised."""
         call = "funcgrad.DualConeProjector(U, G)"
         _validate(U, G, call)
+        _register_with_torchjd()  # (a dict lookup: TorchJD may have been imported since)
         mode = resolve_check(self.check, call)
         with torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
-            budget = default_budget(G.shape[0], self.reg_eps) if self.max_iter is None else None
-            W, converged = solve(gramian, rows, self.max_iter or budget, self.tol)
+            W, converged = solve(gramian, rows, *self._budgets(G.shape[0], G.dtype), tol=self.tol)
             if mode is not False:
                 ok = converged.all() & torch.isfinite(G).all() & torch.isfinite(U).all()
                 if not bool(ok):  # the one read, on request
                     W = self._fallback(U, G, W, converged, mode)
         return W.reshape(U.shape)
+
+    def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(MPRGP iterations, ADMM iterations) for a Gramian of size m."""
+        admm = default_admm_budget(m, self.reg_eps) if self.admm_iter is None else self.admm_iter
+        if self.max_iter is not None:
+            return self.max_iter, admm
+        if dtype == torch.float64:
+            return default_budget(m, self.reg_eps), admm
+        factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / self.reg_eps))
+        return math.ceil(_FINISH_FLOAT32 * factor), admm
 
     def _fallback(
         self,
@@ -191,10 +228,11 @@ class DualConeProjector:
                 )
         bad = (~converged).nonzero().flatten()
         m = G.shape[0]
-        budget = self.max_iter or default_budget(m, self.reg_eps)
+        mprgp, admm = self._budgets(m, G.dtype)
         why = (
             f"funcgrad.DualConeProjector(U, G): {bad.numel()} of {W.shape[0]} rows did not "
-            f"reach the tolerance in max_iter={budget} iterations (m = {m})"
+            f"reach the tolerance in admm_iter={admm} and max_iter={mprgp} iterations "
+            f"(m = {m}, {G.dtype})"
         )
         if mode == "strict":
             raise ProjectorConvergenceError(
@@ -230,13 +268,41 @@ class DualConeProjector:
         return W
 
 
-def _register_with_torchjd() -> None:
-    """Make ``isinstance(p, torchjd.linalg.DualConeProjector)`` true where TorchJD is already
-    imported (funcgrad never imports it: it takes seconds)."""
-    module = sys.modules.get("torchjd._linalg._dual_cone")
+_SOLVERS = ("UPGradWeighting", "DualProjWeighting", "UPGrad", "DualProj")
+
+
+def projector_advice(weighting: object) -> str | None:
+    """Where ``weighting`` is TorchJD's UPGrad or DualProj (weighting or aggregator) with
+    its default ``QuadprogProjector``, how to pass this projector instead (`funcgrad.Plan`'s
+    ``advice``); else None. funcgrad never swaps a user's projector."""
+    name = type(weighting).__name__
+    if name not in _SOLVERS:
+        return None
+    inner = getattr(weighting, "gramian_weighting", weighting)  # aggregators hold one
+    projector = getattr(inner, "projector", getattr(inner, "_projector", None))
+    if type(projector).__name__ != "QuadprogProjector":
+        return None
+    return (
+        f"{name} solves its dual-cone QPs with TorchJD's default QuadprogProjector "
+        "(quadprog, one QP per row on the host: a device sync, and slow for many rows); "
+        f"{name}(projector=funcgrad.DualConeProjector()) solves them batched on the device "
+        "(docs/projector.md)"
+    )
+
+
+_TORCHJD_MODULE = "torchjd._linalg._dual_cone"  # where torchjd.linalg.DualConeProjector lives
+
+
+def _register_with_torchjd() -> bool:
+    """Make ``isinstance(p, torchjd.linalg.DualConeProjector)`` true where TorchJD is
+    imported (funcgrad never imports it: it takes seconds). True once registered."""
+    module = sys.modules.get(_TORCHJD_MODULE)
     base: Any = getattr(module, "DualConeProjector", None)
-    if base is not None and hasattr(base, "register") and not issubclass(DualConeProjector, base):
+    if base is None or not hasattr(base, "register"):
+        return False
+    if not issubclass(DualConeProjector, base):
         base.register(DualConeProjector)
+    return True
 
 
 def _validate(U: object, G: object, call: str) -> None:
@@ -273,24 +339,42 @@ def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
     return math.ceil((_BUDGET_PER_ROW * m + _BUDGET_FLOOR) * factor)
 
 
+def default_admm_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
+    """``(128 + min(128, 8192 // m)) * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations."""
+    factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
+    return math.ceil((_ADMM_BUDGET + min(_ADMM_BUDGET, _ADMM_SMALL // m)) * factor)
+
+
 def default_tol(m: int, dtype: torch.dtype) -> float:
     return 16 * torch.finfo(dtype).eps * math.sqrt(m)
 
 
 def _lambda_max(A: torch.Tensor) -> torch.Tensor:
-    """The largest eigenvalue of the PSD matrix A (mean diagonal 1), from below: the Rayleigh
-    quotient after a fixed number of power iterations, and at least 1 (the largest diagonal
-    entry is). Only a lower bound is guaranteed: where the start vector is nearly orthogonal
-    to the top eigenvector it can be well below lambda_max (by 2x in the review's example),
-    so the expansion step 1.9 / it may exceed MPRGP's bound 2 / lambda_max; the converged
-    rows are still certified by the KKT check at the end."""
+    """An estimate of the largest eigenvalue of the PSD matrix A (mean diagonal 1), meant to
+    be at least it: the Rayleigh quotient after a fixed number of power iterations (at least
+    1, as the largest diagonal entry is), divided by 0.9, capped by ``||A||_F``. The start is
+    a fixed-seed Gaussian vector, drawn on A's device, so it is not orthogonal to the top
+    eigenvector in practice: a structured start (ones plus a sine) underestimated lambda_max
+    by 2x on an adversarial A, and the expansion step 1.9 / lambda then broke MPRGP's bound
+    2 / lambda_max. The converged rows are certified by the KKT check either way."""
     m = A.shape[0]
-    x = torch.ones(m, dtype=A.dtype, device=A.device)
-    x = x + 0.5 * torch.sin(torch.arange(m, dtype=A.dtype, device=A.device))  # no symmetry
+    gen = torch.Generator(device=A.device).manual_seed(_POWER_SEED)
+    x = torch.randn(m, generator=gen, dtype=A.dtype, device=A.device)
     for _ in range(_POWER_STEPS):
         x = A @ x
         x = x / x.norm().clamp_min(torch.finfo(A.dtype).tiny)
-    return torch.maximum(x @ (A @ x), torch.ones((), dtype=A.dtype, device=A.device))
+    quotient = torch.maximum(x @ (A @ x), torch.ones((), dtype=A.dtype, device=A.device))
+    # Near-equal top eigenvalues (duplicate or clustered tasks) converge slowly: the
+    # quotient was at least 0.90 lambda_max on 300 random Gramians; / _POWER_MARGIN makes
+    # the step 1.9 / it safe (<= 2 / lambda_max) down to 0.855 lambda_max, and the Frobenius
+    # norm (>= lambda_max) caps it.
+    return torch.minimum(quotient / _POWER_MARGIN, torch.linalg.matrix_norm(A))
+
+
+def _norm(a: torch.Tensor) -> torch.Tensor:
+    """Row-wise max-norms (no squares: those of small residuals are subnormal, slow on the
+    CPU)."""
+    return a.abs().amax(1)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -299,10 +383,15 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def solve(
-    G: torch.Tensor, U: torch.Tensor, max_iter: int | None = None, tol: float | None = None
+    G: torch.Tensor,
+    U: torch.Tensor,
+    max_iter: int | None = None,
+    admm_iter: int | None = None,
+    tol: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W, converged): MPRGP on every row of U (r, m) with the (regularised) G, no host read;
-    unconverged rows are NaN.
+    """(W, converged): ADMM (``admm_iter`` iterations, None: `default_admm_budget`), then
+    MPRGP from its answer (``max_iter``, None: `default_budget`), on every row of U (r, m)
+    with the (regularised) G, no host read; unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -310,12 +399,18 @@ def solve(
     """
     rmax = U.abs().amax(1, keepdim=True)
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
-    increment, converged = _solve(G, U / rmax, max_iter, tol)
+    m = G.shape[0]
+    admm = default_admm_budget(m) if admm_iter is None else admm_iter
+    increment, converged = _solve(G, U / rmax, max_iter, tol, admm)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
 def _solve(
-    G: torch.Tensor, U: torch.Tensor, max_iter: int | None, tol: float | None
+    G: torch.Tensor,
+    U: torch.Tensor,
+    max_iter: int | None,
+    tol: float | None,
+    admm_iter: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -327,14 +422,16 @@ def _solve(
     A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
+    gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
+    dtype = G.dtype
+    if budget == 0:  # the ADMM answer, checked (below)
+        return _checked(A, low, gap, s, tol)
     abar = _STEP / _lambda_max(A)
     inv_abar = 1 / abar
-    dtype = G.dtype
     tiny = torch.finfo(dtype).tiny
     # The state is x = y - low >= 0 (``gap``), the gradient g = A y (kept up to date
     # incrementally, recomputed after an expansion), the CG direction P. Masks are 0/1
     # floats: boolean (r, m) tensors and ``torch.where`` are slow on the CPU.
-    gap = low.clamp_min(0) - low  # y = max(low, 0), the box's projection of the minimum, 0
     g = (low + gap) @ A
     free = torch.sign(gap)  # 1 where y is off its bound, 0 on it
     P = g * free
@@ -343,7 +440,7 @@ def _solve(
     # that its residual does not shrink on into subnormal numbers (slow on the CPU).
     frozen = torch.zeros_like(stale)
     bound = tol * low.abs().amax(1, keepdim=True) / 4
-    for iteration in range(budget):
+    for iteration in range(budget):  # (budget may be 0: the ADMM answer, checked)
         if iteration % _FREEZE_EVERY == _FREEZE_EVERY - 1:
             residual = torch.minimum(gap, g).abs().amax(1, keepdim=True)
             scale = (low + gap).abs().amax(1, keepdim=True)
@@ -375,6 +472,13 @@ def _solve(
         gamma = _dot(phi, Q) / dQd.clamp_min(tiny)
         P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
         stale = expand
+    return _checked(A, low, gap, s, tol)
+
+
+def _checked(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, s: torch.Tensor, tol: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(increment, converged): the rows whose KKT residual is within tol, the others NaN."""
     Y = low + gap
     g = Y @ A  # fresh, for the KKT check
     residual = torch.minimum(gap, g).abs().amax(1)
@@ -383,3 +487,62 @@ def _solve(
     increment = gap * s  # W = Y * s = U + increment
     increment = torch.where(converged[:, None], increment, torch.full_like(increment, math.nan))
     return increment, converged
+
+
+def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> torch.Tensor:
+    """``y - low >= 0`` after ``iterations`` steps of ADMM on ``min y^T A y, y >= low`` (every
+    row of ``low``), with one shared inverse of the (Jacobi-scaled) A per penalty.
+
+    The splitting is ``y = z``, ``z >= low`` (OSQP's, for a box): the y-step is one product
+    of the rows with ``M = rho (A + rho I)^-1``, shared by the rows, the z-step a clamp;
+    over-relaxed by ``_RELAX``. The penalty rho, one for all rows, is rebalanced after the
+    iterations of ``_ADAPT`` by OSQP's rule, ``rho * sqrt(primal / dual residual)`` (the
+    residuals summed over the rows), on the device. Every ``_CHECK_EVERY`` iterations and at
+    the end, a row within tol of the KKT conditions keeps that iterate (float32 iterates
+    wander at rounding level once converged).
+    """
+    m = A.shape[0]
+    eye = torch.eye(m, dtype=A.dtype, device=A.device)
+    dh = A.diagonal().rsqrt()  # y = dh * z: At = diag(dh) A diag(dh) has a unit diagonal
+    At = dh[:, None] * A * dh[None, :]
+    At = (At + At.T) / 2
+    lowt = low / dh
+    tiny = torch.finfo(A.dtype).tiny
+
+    def factor(rho: torch.Tensor) -> torch.Tensor:
+        inverse: torch.Tensor = torch.linalg.inv_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
+        return (inverse + inverse.T) * (rho / 2)  # symmetric: rows @ M is M's action
+
+    rho = torch.full((), _RHO, dtype=A.dtype, device=A.device)
+    M = factor(rho)
+    z = lowt.clamp_min(0)
+    q = -z  # q = w - z, w the scaled multiplier (w = 0 at the start)
+    best = z
+    done = torch.zeros_like(z[:, :1])
+    bound = tol / 2 * low.abs().amax(1, keepdim=True)  # tol / 2: the final check agrees
+    for iteration in range(1, iterations + 1):
+        # t = relax * y + (1 - relax) * z + w, y = (z - w) @ M = -(q @ M): two passes
+        t = torch.addmm(torch.add(q, z, alpha=2 - _RELAX), q, M, alpha=-_RELAX)
+        znew = torch.maximum(lowt, t)
+        if iteration in _ADAPT:
+            y = (t - (1 - _RELAX) * z - (q + z)) / _RELAX
+            primal = _norm(y - znew) / _norm(znew).clamp_min(tiny)
+            dual = _norm(znew - z) / _norm(znew @ At).clamp_min(tiny)
+            ratio = primal.sum() / (rho * dual.sum()).clamp_min(tiny)
+            new = rho * ratio.clamp(_ADAPT_LIMIT**-2, _ADAPT_LIMIT**2).sqrt()
+            new = torch.where(torch.isfinite(new), new, rho)
+            q = (t - znew) * (rho / new) - znew  # the scaled multiplier follows rho
+            rho = new
+            M = factor(rho)
+        else:
+            q = torch.add(t, znew, alpha=-2)  # w - z = (t - z) - z
+        z = znew
+        if iteration % _CHECK_EVERY == 0 or iteration == iterations:
+            residual = torch.minimum((z - lowt) * dh, (z * dh) @ A).abs().amax(1, keepdim=True)
+            now = (residual <= tol / 2 * (z * dh).abs().amax(1, keepdim=True) + bound) * (1 - done)
+            best = torch.lerp(best, z, now)
+            done = done + now
+    return (best - lowt) * dh  # exactly 0 on the bounds (best >= lowt: a clamp)
+
+
+_register_with_torchjd()  # where TorchJD is imported before funcgrad

@@ -411,7 +411,8 @@ def _hard() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_unconverged_rows_are_nan_without_check() -> None:
     U, G = _hard()
-    W = funcgrad.DualConeProjector(max_iter=60, check=False)(U, G)  # 11 of 32 rows converge
+    # MPRGP alone (no ADMM first): 11 of 32 rows converge in 60 iterations
+    W = funcgrad.DualConeProjector(max_iter=60, admm_iter=0, check=False)(U, G)
     bad = torch.isnan(W).any(1)
     assert bool(bad.any())
     assert bool(torch.isfinite(W[~bad]).all())
@@ -422,14 +423,14 @@ def test_unconverged_rows_are_nan_without_check() -> None:
 def test_unconverged_rows_fall_back_to_quadprog_with_check() -> None:
     U, G = _hard()
     with pytest.warns(funcgrad.FuncgradWarning, match="did not reach the tolerance"):
-        W = funcgrad.DualConeProjector(max_iter=2, check=True)(U, G)
+        W = funcgrad.DualConeProjector(max_iter=2, admm_iter=0, check=True)(U, G)
     assert _relative(W, _quadprog(U, G)) <= 1e-8
 
 
 def test_unconverged_rows_raise_with_strict() -> None:
     U, G = _hard()
     with pytest.raises(funcgrad.DualConeProjector.ConvergenceError, match="max_iter=2"):
-        funcgrad.DualConeProjector(max_iter=2, check="strict")(U, G)
+        funcgrad.DualConeProjector(max_iter=2, admm_iter=0, check="strict")(U, G)
 
 
 def test_default_budget_converges_where_a_short_one_does_not() -> None:
@@ -437,8 +438,70 @@ def test_default_budget_converges_where_a_short_one_does_not() -> None:
     assert default_budget(32) > 2
     _, converged = solve(regularized(G, 1e-4, 1e-4), U)
     assert bool(converged.all())
-    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2)
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2, admm_iter=0)
     assert not bool(converged.all())
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=8)
+    assert not bool(converged.all())
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0)  # ADMM alone
+    assert bool(converged.all())
+
+
+def test_admm_keeps_converged_rows() -> None:
+    """float32 ADMM iterates wander at rounding level once converged: a row within tol at a
+    check keeps that iterate. (Without the checks, 1 or 2 of these 60 Gramians end with a
+    row outside tol, depending on the rounding: measured on 1 thread.)"""
+    for i in range(60):
+        G = regularized(random_gramian(i, 8), 1e-4, 1e-4).float()
+        _, converged = solve(G, torch.eye(8, dtype=torch.float32) / 8, max_iter=0, admm_iter=384)
+        assert bool(converged.all()), i
+
+
+def test_mprgp_finishes_admm_tail() -> None:
+    """Duplicate tasks, UPGrad's rows and rows of both signs: ADMM's slow tail (3 rows
+    unconverged after 256 iterations); MPRGP from ADMM's answer finishes it (the float32
+    default), exact against quadprog."""
+    m = _sizes(100, 128, 11)[63]
+    G = random_gramian(63, m).double()
+    gen = torch.Generator().manual_seed(63)
+    U = torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen)]).float()
+    G32 = regularized(G, 1e-4, 1e-4).float()
+    _, converged = solve(G32, U, max_iter=0, admm_iter=256)
+    assert not bool(converged.all())
+    _, converged = solve(G32, U, max_iter=64, admm_iter=256)
+    assert bool(converged.all())
+    W32 = funcgrad.DualConeProjector(check=False)(U, G.float())  # the float32 default
+    W = funcgrad.DualConeProjector(check=False)(U.double(), G)
+    reference = _quadprog(U.double(), G)
+    assert _relative(W, reference) <= 1e-8
+    assert _relative(W32.double(), reference) <= 1e-3
+
+
+def _adversarial_for_a_fixed_start(m: int) -> torch.Tensor:
+    """Mean diagonal 1, top eigenvector orthogonal to the old power-iteration start
+    (ones + 0.5 sin(arange)), second eigenvalue half the top one."""
+    old = torch.ones(m) + 0.5 * torch.sin(torch.arange(m, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    Q = torch.linalg.qr(torch.cat([old[:, None], torch.randn(m, m - 1, generator=gen)], 1)).Q
+    spectrum = torch.full((m,), 0.5)
+    spectrum[0], spectrum[1] = 5.0, 10.0  # Q[:, 1], the top one, is orthogonal to old
+    A = Q @ torch.diag(spectrum) @ Q.T
+    return A * m / A.trace()
+
+
+def test_lambda_max_estimate_keeps_the_expansion_step_safe() -> None:
+    """MPRGP's expansion step 1.9 / estimate must stay <= 2 / lambda_max: on an adversarial
+    Gramian for a structured start (which gave lambda_max / 2) and on 300 random ones."""
+    from funcgrad._projector import _lambda_max
+
+    cases = [_adversarial_for_a_fixed_start(32)]
+    for i in range(300):
+        m = (2, 5, 16, 32, 64)[i % 5]
+        G = regularized(random_gramian(i, m), 1e-4, 1e-4)
+        cases.append(G * m / G.trace())
+    for A in cases:
+        top = torch.linalg.eigvalsh(A)[-1]
+        assert 1.9 / float(_lambda_max(A)) <= 2 / float(top)
+        assert float(_lambda_max(A)) <= float(torch.linalg.matrix_norm(A)) + 1e-12
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,8 +559,68 @@ def test_registered_as_torchjd_projector() -> None:
     assert isinstance(funcgrad.DualConeProjector(), linalg.DualConeProjector)
 
 
+_BUILT_BEFORE_TORCHJD = """
+import sys
+import funcgrad
+early = funcgrad.DualConeProjector()
+assert "torchjd" not in sys.modules
+import torch
+import torchjd.linalg
+import torchjd.aggregation
+weights = torchjd.aggregation.UPGradWeighting(projector=early)(torch.eye(3))
+assert isinstance(early, torchjd.linalg.DualConeProjector), "built before torchjd, used"
+"""
+
+_TORCHJD_FIRST = """
+import torchjd.linalg
+import funcgrad
+assert isinstance(funcgrad.DualConeProjector(), torchjd.linalg.DualConeProjector)
+"""
+
+
+@pytest.mark.parametrize("script", [_BUILT_BEFORE_TORCHJD, _TORCHJD_FIRST])
+def test_registered_whatever_the_import_order(script: str) -> None:
+    """A fresh interpreter: a projector built before TorchJD is imported is an instance of
+    TorchJD's ABC once it has been called (registration on each call, a dict lookup), and
+    one built after TorchJD's import is one at once."""
+    pytest.importorskip("torchjd.linalg")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(funcgrad.__file__).parent.parent)
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # Shapes, dtypes, degenerate inputs, errors
+
+
+@pytest.mark.parametrize("name", ["UPGradWeighting", "UPGrad", "DualProjWeighting", "DualProj"])
+def test_plan_advises_the_fast_projector_never_swaps(name: str) -> None:
+    """combine_heads' plan() says how to pass funcgrad's projector where the weighting uses
+    TorchJD's default (quadprog), and nothing where it already uses another; the user's
+    object is not changed."""
+    tjd = _tjd()
+    f = torch.nn.Linear(3, 4)
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(3)]
+    default = getattr(tjd, name)()
+    plan = funcgrad.combine_heads(f, heads, default).plan(torch.zeros(2, 3))
+    assert plan.advice is not None
+    assert f"{name}(projector=funcgrad.DualConeProjector())" in plan.advice
+    assert "advice:" in repr(plan)
+    inner = getattr(default, "gramian_weighting", default)
+    assert type(inner.projector).__name__ == "QuadprogProjector"  # not swapped
+    fast = getattr(tjd, name)(projector=funcgrad.DualConeProjector())
+    assert funcgrad.combine_heads(f, heads, fast).plan(torch.zeros(2, 3)).advice is None
+    mean = funcgrad.combine_heads(f, heads, tjd.MeanWeighting()).plan(torch.zeros(2, 3))
+    assert mean.advice is None
+    assert "advice" not in repr(mean)
 
 
 def test_batched_shapes_equal_rows() -> None:
@@ -560,9 +683,11 @@ def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) 
         ({"reg_eps": math.inf}, "`reg_eps` must be a finite number >= 1e-08"),
         ({"reg_eps": 0.0}, "`reg_eps` must be a finite number >= 1e-08"),
         ({"reg_eps": 1e-10}, "use TorchJD's QuadprogProjector there"),
-        ({"max_iter": 0}, "`max_iter` must be a positive int"),
-        ({"max_iter": True}, "`max_iter` must be a positive int"),
-        ({"max_iter": 2.0}, "`max_iter` must be a positive int"),
+        ({"max_iter": -1}, "`max_iter` must be an int >= 0"),
+        ({"max_iter": True}, "`max_iter` must be an int >= 0"),
+        ({"max_iter": 2.0}, "`max_iter` must be an int >= 0"),
+        ({"admm_iter": -1}, "`admm_iter` must be an int >= 0"),
+        ({"admm_iter": False}, "`admm_iter` must be an int >= 0"),
         ({"tol": 0.0}, "`tol` must be a finite number > 0"),
         ({"tol": math.inf}, "`tol` must be a finite number > 0"),
         ({"check": "full"}, "`check` must be None, True, False or 'strict'.*re-solves"),
@@ -643,7 +768,8 @@ def test_funcgrad_backward_refuses_unconverged_weights() -> None:
     features = encoder(torch.randn(16, 5))
     directions = torch.randn(6, 8)  # conflicting tasks: one iteration does not solve them
     losses = [(features @ c).mean() for c in directions]
-    weighting = tjd.UPGradWeighting(projector=funcgrad.DualConeProjector(max_iter=1, check=False))
+    projector = funcgrad.DualConeProjector(max_iter=1, admm_iter=0, check=False)
+    weighting = tjd.UPGradWeighting(projector=projector)
     with pytest.raises(ValueError, match="non-finite weights"):
         funcgrad.backward(losses, through=features, weighting=weighting, level="params")
     assert encoder.weight.grad is None

@@ -94,7 +94,8 @@ def projector_case(m: int, quick: bool, source: str) -> Case:
         memory=False,
         extra={
             "cond": float(eigenvalues[-1] / eigenvalues[0]),
-            "budget": funcgrad._projector.default_budget(m),
+            "budget": funcgrad._projector.default_budget(m),  # MPRGP's, float64
+            "admm budget": funcgrad._projector.default_admm_budget(m),
         },
     )
     return case
