@@ -8,6 +8,8 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize
 from ._config import CheckMode, resolve_check
+from ._plan import Request, decide
+from ._record import Record
 from ._types import ChunkSize, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
 
@@ -106,17 +108,19 @@ def grads(
             by_backward=graph.checkpoint,
             compiled=graph.compiled,
         )
-        basis = _engine.Basis(_coords.real_size(lin.out))
-        # Where the k cotangents themselves go through (k <= numel(through)), that one batched
-        # pull is the last: it frees the part below `through`, as torch.autograd.grad would.
-        # So too where hooks that can be seen below `through` (a module's backward hook, a
-        # tensor hook on an input) must see the outputs' gradients, not unit directions.
+        # Hooks that can be seen below `through` (a module's backward hook, a tensor hook on
+        # an input) must see the outputs' gradients, not unit directions.
         hooked = graph.hooked or any(x._backward_hooks for x in ins)
-        last = (not retain and len(outs) <= basis.m) or hooked
+        request = Request(
+            "auto", len(outs), _coords.real_size(ins), _coords.real_size(lin.out),
+            chunk_size, hooked=hooked, call=_CALL, once=True,
+        )  # fmt: skip
+        plan = decide(request, Record())
+        # Where the cotangents themselves go through, that one batched pull is the last: it
+        # frees the part below `through`, as torch.autograd.grad would.
+        last = hooked or (not retain and plan.strategy == "vjp")
         with _graph.hooks_fired(mids):  # (they ran in the backward of each output)
-            result, _ = _engine.by_linearity(
-                lin, cotangents, basis, keep=False, chunk_size=chunk_size, check=mode, last=last
-            )
+            result = _engine.once(plan, lin, cotangents, mode, last)
     if not retain:  # as torch.autograd.grad: see Args (no other process refuses with this one)
         # (Nothing to pull, empty inputs: no pass ran below `through`, so nothing there is
         # freed by torch, and the graph is marked as spent.)

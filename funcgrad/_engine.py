@@ -83,19 +83,11 @@ def _vmap_last(
     """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
     function over every chunk)."""
     spans = chunks(args[0].shape[0], chunk_size)
-    if len(spans) == 1:
-        return _vmap(last_fn, args, None, "error", log)
     parts = [
-        _vmap(
-            last_fn if i == len(spans) - 1 else fn,
-            [a[start:stop] for a in args],
-            None,
-            "error",
-            log,
-        )
-        for i, (start, stop) in enumerate(spans)
+        _vmap(last_fn if i == len(spans) - 1 else fn, [a[s:e] for a in args], None, "error", log)
+        for i, (s, e) in enumerate(spans)
     ]
-    return tuple(torch.cat(outputs) for outputs in zip(*parts))
+    return parts[0] if len(parts) == 1 else tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def _vmap_watched(
@@ -513,13 +505,8 @@ def nothing_to_pull(k: int, out_like: Tensors, x_like: Tensors) -> bool:
 
 
 def all_finite(leaves: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry is finite, in ONE read of a device value: NaN and inf survive a
-    sum (an overflow to inf only costs a needless, still correct, recomputation)."""
-    sums = [torch.isfinite(leaf.sum()) for leaf in leaves if leaf.numel()]
-    if not sums:
-        return True
-    device = sums[0].device
-    return bool(torch.stack([s.to(device) for s in sums]).all())
+    """Whether every entry is finite, in ONE read of a device value (see :func:`_finite`)."""
+    return not leaves or bool(_finite(leaves))
 
 
 def went_non_finite(grads: Tensors, out: Tensors) -> bool:
@@ -1067,35 +1054,44 @@ def _roundoff(dtype: torch.dtype, rank: int) -> float:
     return 16 * float(torch.finfo(dtype).eps) * math.sqrt(rank + 1)
 
 
+def once(
+    plan: Plan, lin: Linearization, cotangents: Tensors, check: bool | str, last: bool
+) -> Tensors:
+    """``J^T v_i`` for k cotangents by a one-shot plan (``grads``, ``backward``; see
+    :func:`funcgrad._plan.decide`): ``jacrev`` pulls y's m unit directions and combines them
+    (one read: where the product is not finite, or values cannot be read, the cotangents
+    themselves go through f, as autograd would), ``vjp`` the cotangents themselves. ``last``:
+    no pull through ``lin`` follows (see :func:`pull`)."""
+    k, chunk = cotangents[0].shape[0], plan.chunk_size
+    if nothing_to_pull(k, lin.out, lin.x_like):
+        return zeros(k, lin.x_like)
+    if plan.strategy == "jacrev" and values_readable(cotangents):
+        images = pull(lin, _coords.unit_rows(lin.out, 0, plan.m), chunk, check)
+        result = _coords.combine(_coords.to_coords(cotangents, k), images)
+        if all_finite(result):
+            return result
+    return pull(lin, cotangents, chunk, check, last=last)
+
+
 def by_linearity(
     lin: Linearization,
     cotangents: Tensors,
     basis: Basis,
     *,
-    keep: bool,
     chunk_size: ChunkSize,
     check: bool | str,
-    last: bool = False,
     fit: ChunkFit | None = None,
 ) -> tuple[Tensors, int]:
-    """``J^T v_i`` for k cotangents, sending through f only directions outside ``basis``.
+    """``J^T v_i`` for k cotangents (a `Pullback`), sending through f only directions
+    outside ``basis``.
 
     Every answer is a combination of the images of the kept (and new) directions, unless
     the product form could differ from autograd: non-finite cotangents, a non-finite image
     or product, differentiable cotangents facing a partial basis (the product would project
-    their derivative), a basis over budget, or (``keep=False``) as many new directions as
-    cotangents. Then the cotangents themselves go through f. Returns the answer and the
-    number of directions pulled through f.
+    their derivative), or a basis over budget. Then the cotangents themselves go through f.
+    Returns the answer and the number of directions pulled through f.
 
-    A one-shot call (``keep=False``: ``grads``, ``backward``) detects no rank: that reads
-    values (a QR, host reads) and pays off only where the shapes say so. With more
-    cotangents than y has coordinates (k > m) it pulls y's m unit directions and combines
-    them, with one read to check the product is finite; else the k cotangents themselves.
-    ``last`` (one-shot calls): no pull through ``lin`` follows (see :func:`pull`); the k
-    cotangents themselves then go through f also where k > m, as nothing could be
-    recomputed after that pull.
-
-    A kept basis (``keep=True``: a `Pullback`) reads at most one value in the usual calls:
+    It reads at most one value in the usual calls:
     - nothing kept yet and k < m: the k cotangents go through f as they are (no read), and
       are held (:meth:`Basis.hold`);
     - nothing kept and k >= m: y's m unit directions, combined (one read: finite?);
@@ -1111,8 +1107,8 @@ def by_linearity(
     if nothing_to_pull(k, out_like, x_like):
         return zeros(k, x_like), 0
     if not values_readable(cotangents):  # reuse reads values: eager mode only
-        return pull(lin, cotangents, chunk_size, check, last=last, fit=fit), k
-    if keep and basis.enabled and basis.kept == 0 and k <= m:
+        return pull(lin, cotangents, chunk_size, check, fit=fit), k
+    if basis.enabled and basis.kept == 0 and k <= m:
         # Nothing kept yet: pulled as they are (no read), held for the next call.
         result = pull(lin, cotangents, chunk_size, check, fit=fit)
         if basis.fits(k, out_like, x_like):
@@ -1120,18 +1116,9 @@ def by_linearity(
         return result, k
 
     def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check, last=last, fit=fit), pulled + k
+        return pull(lin, cotangents, chunk_size, check, fit=fit), pulled + k
 
-    if not keep and (k <= m or last):
-        return direct()
     coords = _coords.to_coords(cotangents, k)
-    if not keep:
-        images = pull(lin, _coords.unit_rows(out_like, 0, m), chunk_size, check, fit=fit)
-        result = _coords.combine(coords, images)
-        # A non-finite cotangent or image, or an overflow, shows in the product (0 * inf):
-        # the cotangents themselves then go through f, as autograd would.
-        return (result, m) if all_finite(result) else direct(m)
-
     if not basis.enabled:
         return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))

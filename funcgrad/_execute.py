@@ -8,9 +8,11 @@ fallback that runs it again replays its random draws (:class:`RandomState`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -51,29 +53,31 @@ def execute(
     autograd each head is pulled through the heads and f at once (``vjp``, ``loop``).
     ``fit``: ``chunk_size="auto"``'s working record (returned in the observations)."""
     flat.watch, timed, asked_forward = plan.watch, plan.timed, plan.strategy == "jacfwd"
-    log = _engine.Log(watch=plan.watch or timed)
-    start = time.perf_counter() if timed else 0.0
-    forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None
-    compiled = False
-    if forward is not None:
-        values, grads, aux, m = forward
-        ran, engine = plan, plan.engine
-    else:
-        if asked_forward:  # forward mode could not run: the reverse-mode plan
-            plan = replan(plan.m, flat.hooked)
-        rng = None if plan.engine == "autograd" else RandomState(flat)
-        # (auto's timed call of torch.func only tries it: no warning where it cannot)
-        quiet = timed and plan.requested == "auto"
-        lin = _linearize.of_function(flat, rng, plan.engine, warn=not quiet)
-        m = _coords.real_size(lin.out)
-        ran = replan(m, flat.hooked)
-        log.measure = ran.measure
-        values, grads = _reverse(ran, lin, cotangents_of, values_of, check, log, fit)
-        aux, engine, compiled = lin.aux, lin.engine, lin.compiled
+    with _gc_paused(timed):  # (a collection, 4 ms here, must not decide auto's plan)
+        log = _engine.Log(watch=plan.watch or timed)
+        start = time.perf_counter() if timed else 0.0
+        forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None
+        compiled = False
+        if forward is not None:
+            values, grads, aux, m = forward
+            ran, engine = plan, plan.engine
+        else:
+            if asked_forward:  # forward mode could not run: the reverse-mode plan
+                plan = replan(plan.m, flat.hooked)
+            rng = None if plan.engine == "autograd" else RandomState(flat)
+            # (auto's timed call of torch.func only tries it: no warning where it cannot)
+            quiet = timed and plan.requested == "auto"
+            lin = _linearize.of_function(flat, rng, plan.engine, warn=not quiet)
+            m = _coords.real_size(lin.out)
+            ran = replan(m, flat.hooked)
+            log.measure = ran.measure
+            values, grads = _reverse(ran, lin, cotangents_of, values_of, check, log, fit)
+            aux, engine, compiled = lin.aux, lin.engine, lin.compiled
+        end = time.perf_counter() if timed else 0.0
     seconds = None
     if timed:
         measuring = log.timing.single if log.timing is not None else 0.0
-        seconds = max(time.perf_counter() - start - measuring, 0.0)
+        seconds = max(end - start - measuring, 0.0)
     seen = observed(
         flat,
         ran,
@@ -87,6 +91,20 @@ def execute(
         fit=fit,
     )
     return Result(values, grads, aux, seen)
+
+
+@contextlib.contextmanager
+def _gc_paused(paused: bool) -> Iterator[None]:
+    """Python's cyclic garbage collector off for a timed call, as ``timeit`` times: a
+    collection within one of auto's timed calls would decide its plan."""
+    if not (paused and gc.isenabled()):
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def observed(

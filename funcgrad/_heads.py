@@ -272,7 +272,7 @@ def _head_cotangents(
         return _heads_eager(heads, keys, out_def, out, call)
     results = []
     for index, head in enumerate(heads):
-        where = f"head {index}" if keys is None else f"head {keys[index]!r}"
+        where = _head_where(index, keys)
 
         def one(y: Tensors, head: Callable[..., Any] = head, where: str = where) -> torch.Tensor:
             return _scalar(head(_tree.unflatten(out_def, y)), where, call)
@@ -533,7 +533,7 @@ class ComposedHeads(Generic[R]):
 
         Costs f on fake tensors, once per new shapes (shapes, no data: a few ms after the
         first use in a process, which takes about a second to initialise); where that cannot
-        tell y's shape (data-dependent Python in f, more than 100 ops), one real forward
+        tell y's shape (data-dependent Python in f, more than 50 ops), one real forward
         without gradients as well. Neither writes a buffer or advances a generator, but f's
         Python body runs in both. ``Plan.f_runs`` counts the runs of f's body that the call
         after it makes. With ``chunk_size="auto"``, where the call would measure (these

@@ -18,6 +18,8 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
+from ._plan import Request, decide
+from ._record import Record
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Tensors, Weighting
 from ._validate import (
     as_tensors,
@@ -415,14 +417,15 @@ def backward(
             last = not sync.by_backward(one_pull=False)
             # vmap cannot batch a sparse embedding's gradient, and a batched pass that frees the
             # graph would fail there after freeing the nodes above it: a loop from the start.
-            chunk = 1 if task.graph.sparse else chunk_size
+            k, m = len(task.losses), _coords.real_size(lin.out)
+            request = Request(
+                "auto", k, _coords.real_size(task.shared), m, chunk_size, call=_CALL,
+                once=True, last=last, sparse=task.graph.sparse,
+            )  # fmt: skip
+            plan = decide(request, Record())
 
             def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
-                basis = _engine.Basis(_coords.real_size(lin.out))
-                grads, _ = _engine.by_linearity(
-                    lin, cotangents, basis, keep=False, chunk_size=chunk, check=mode, last=last
-                )
-                return grads
+                return _engine.once(plan, lin, cotangents, mode, last)
 
             task_grads = sync.task_gradients(task.through, cotangents, retain_graph, pull)
             # Sparse gradients (nn.Embedding(sparse=True)) are densified for the Gramian and

@@ -184,6 +184,9 @@ class Request:
     transforms and compiled code (records are kept); ``graph``: a graph of the results is
     wanted (grad mode on). ``forward``: forward mode may still run (False once f ran).
     ``hooked``: this call's run of f registered a tensor hook. ``check``: ``check`` is on.
+    ``once``: a one-shot pull through a recorded graph (``grads``, ``backward``): nothing is
+    timed or learnt; ``last``: its pull frees the graph, so nothing can be recomputed after
+    it; ``sparse``: the graph gives a sparse gradient, which vmap cannot batch.
     """
 
     requested: Strategy
@@ -200,6 +203,9 @@ class Request:
     hooked: bool = False
     check: bool = False
     call: str = "funcgrad"
+    once: bool = False
+    last: bool = False
+    sparse: bool = False
 
 
 def decide(request: Request, record: Record) -> Plan:
@@ -215,13 +221,15 @@ def decide(request: Request, record: Record) -> Plan:
     m = r.m if r.m is not None else 0
     linear = not (r.hooked or record.hooked)
     _refuse(r, linear)
+    if r.once:
+        return _once(r, linear)
     if r.weighted:
         engine: Engine = "autograd" if r.eager and not r.graph else "torch.func"
         return Plan(
             "weighted", k, m, n, r.chunk_size, r.requested, (("weighted", 1),),
             _FALLBACKS["weighted"], engine=engine, watch=_watch(r, record),
         )  # fmt: skip
-    one_batch = r.chunk_size is None or r.chunk_size == "auto" or r.chunk_size >= n
+    one_batch = _one_batch(r)
     costs = {"vjp": k, "jacrev": m if r.m is not None else k}
     may_forward = bool(n) and one_batch and (r.requested != "auto" or _forward_ok(r, record))
     if may_forward:
@@ -247,7 +255,7 @@ def decide(request: Request, record: Record) -> Plan:
     directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[strategy]
     chunk = _chunk(r, chunk, strategy, directions)
     batches = strategy in ("vjp", "jacrev") and chunk != 1 and min(k, m, n) > 0
-    measure = timed and batches and directions > 1 and _loop_open(record, engine)
+    measure = timed and batches and directions > 1 and _loop(record, engine) is None
     forward = strategy == "jacfwd"
     return Plan(
         strategy,
@@ -268,6 +276,20 @@ def decide(request: Request, record: Record) -> Plan:
         through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+def _once(r: Request, linear: bool) -> Plan:
+    """A one-shot pull through a recorded graph (``grads``, ``backward``): the k cotangents
+    themselves, or, with more cotangents than y has coordinates (k > m), y's m unit
+    directions combined (one read: the product must be finite, else the cotangents go
+    through, which the graph must still allow: not where the pull frees it, and not where
+    hooks must see each cotangent). A sparse gradient: one direction at a time."""
+    m = r.m or 0
+    strategy: Executed = "jacrev" if linear and not r.last and m < r.k else "vjp"
+    return Plan(
+        strategy, r.k, m, r.n, 1 if r.sparse else r.chunk_size, r.requested,
+        (("vjp", r.k), ("jacrev", m)), _FALLBACKS[strategy][1:], engine="autograd",
+    )  # fmt: skip
 
 
 def pullback_engine(eager: bool, record: Record) -> Engine:
@@ -300,6 +322,11 @@ def _refuse(r: Request, linear: bool) -> None:
             f"chunk_size=None (or >= {r.n}) with jacfwd, or use strategy='jacrev' or 'vjp' to "
             "bound memory with chunks."
         )
+
+
+def _one_batch(r: Request) -> bool:
+    """Whether all n input coordinates fit one batch (forward mode's one batched pass)."""
+    return r.chunk_size is None or r.chunk_size == "auto" or r.chunk_size >= r.n
 
 
 def _forward_ok(r: Request, record: Record) -> bool:
@@ -335,22 +362,11 @@ def _chunk(r: Request, chunk: ChunkSize, strategy: str, directions: int) -> Chun
     return r.fitted
 
 
-def _loop_open(record: Record, engine: Engine) -> bool:
-    """Whether this engine's loop-or-vmap question is still open (nothing timed it, and
-    nothing known answers it)."""
-    if (
-        record.rnn
-        or record.slow_path
-        or (record.prior is not None and record.prior.engine == engine)
-    ):
-        return False
-    return not any(t.timing is not None and t.choice.engine == engine for t in record.trials)
-
-
-def _loop(record: Record, engine: Engine) -> tuple[bool, str | None]:
+def _loop(record: Record, engine: Engine) -> tuple[bool, str | None] | None:
     """Whether calls on ``engine`` loop over the directions unbatched, and why: f runs an
     RNN or vmap said it has no batching rule (known before timing), what another signature
-    settled on, else this engine's timed call."""
+    settled on, else this engine's timed call; None while the question is open (nothing
+    timed it, and nothing known answers it)."""
     if record.rnn:
         return True, "f runs an RNN, whose backward vmap batches badly -> a loop"
     if record.slow_path:
@@ -361,14 +377,14 @@ def _loop(record: Record, engine: Engine) -> tuple[bool, str | None]:
         if trial.timing is not None and trial.choice.engine == engine:
             faster = trial.timing.unbatched_faster
             return faster, trial.timing.why() + " (measured)" if faster else None
-    return False, None
+    return None
 
 
 def _cost(trial: Trial, record: Record) -> float:
     """A timed call's cost as the settled plan would run it: where its engine then loops
     but the call ran vmap, at the timed loop's cost."""
-    timing = trial.timing
-    if timing is None or trial.choice.forward or not _loop(record, trial.choice.engine)[0]:
+    timing, loops = trial.timing, _loop(record, trial.choice.engine)
+    if timing is None or trial.choice.forward or loops is None or not loops[0]:
         return trial.seconds
     return max(trial.seconds + timing.directions * (timing.single - timing.batched), 0.0)
 
@@ -411,11 +427,11 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     untried = [c for c in candidates if (c.engine, c.forward) not in tried]
     if untried and len(record.trials) < TRIAL_CALLS and (len(candidates) > 1 or not tried):
         choice = untried[0]
-        loop, why = _loop(record, choice.engine)
+        loop, why = _loop(record, choice.engine) or (False, None)
         timed = len(candidates) > 1 or _forward_possible(r, record)
         return dataclasses.replace(choice, loop=loop and not choice.forward), timed, why
     choice, why = _settle(candidates, tried, record)
-    loop, loop_why = _loop(record, choice.engine)
+    loop, loop_why = _loop(record, choice.engine) or (False, None)
     if loop_why is not None and not choice.forward:
         why = loop_why if why is None else f"{why}; {loop_why}"
     return dataclasses.replace(choice, loop=loop and not choice.forward), False, why
@@ -424,10 +440,9 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
 def _forward_possible(r: Request, record: Record) -> bool:
     """Whether forward mode may become a candidate once y's size is known (so that the
     first call is timed, to compare with it)."""
-    one_batch = r.chunk_size is None or r.chunk_size == "auto" or r.chunk_size >= r.n
     return (
         r.m is None
-        and one_batch
+        and _one_batch(r)
         and 0 < FORWARD_MODE_PENALTY * r.n < r.k
         and not (record.random or record.hooked or record.forward_lost)
     )

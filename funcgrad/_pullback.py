@@ -247,7 +247,6 @@ class Pullback:
                     self._lin,
                     cotangents,
                     self._basis,
-                    keep=True,
                     chunk_size=chunk_size,
                     check=check,
                     fit=fit,

@@ -17,7 +17,7 @@ from ._linearize import RandomState
 
 # A fake run of f (shapes only) stops past this many ops (a Python loop of small ops would
 # cost many eager forwards: docs/planning.md); plan() then runs one real forward instead.
-FAKE_RUN_OPS = 100
+FAKE_RUN_OPS = 50
 
 
 class _Stop(Exception):

@@ -5,6 +5,7 @@ plan reported (counted passes through f and runs of its Python body)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import warnings
 
@@ -581,6 +582,34 @@ def test_decide(record, request_, expected):
     assert decide(request_, record) == decide(request_, record)
 
 
+# grads and backward: one pull through a recorded graph, k = 5 cotangents, y of size m = 3.
+ONCE = Request("auto", 5, 4, m=3, once=True)
+
+
+@pytest.mark.parametrize(
+    ("request_", "expected"),
+    [
+        # k > m: y's m unit directions, combined; k <= m: the cotangents themselves
+        (ONCE, ("jacrev", None)),
+        (dataclasses.replace(ONCE, m=5), ("vjp", None)),
+        (dataclasses.replace(ONCE, chunk_size=2), ("jacrev", 2)),
+        (dataclasses.replace(ONCE, chunk_size="auto"), ("jacrev", "auto")),
+        # the pull frees the graph (backward without retain_graph): nothing could be
+        # recomputed after it, so the cotangents themselves
+        (dataclasses.replace(ONCE, last=True), ("vjp", None)),
+        # hooks below `through` must see the outputs' gradients
+        (dataclasses.replace(ONCE, hooked=True), ("vjp", None)),
+        # a sparse gradient: vmap cannot batch it, one direction at a time
+        (dataclasses.replace(ONCE, sparse=True, chunk_size=4), ("jacrev", 1)),
+        (dataclasses.replace(ONCE, sparse=True, last=True), ("vjp", 1)),
+    ],
+)
+def test_decide_one_shot_pulls(request_, expected):
+    plan = decide(request_, Record())
+    assert (plan.strategy, plan.chunk_size) == expected
+    assert not plan.timed and not plan.measure and plan.final
+
+
 def test_a_plan_is_final_by_the_third_call_whatever_the_times():
     """Whatever two timed calls measure, the third call's plan is final and every later
     plan equals it; a new signature of the function starts from it, untimed."""
@@ -697,6 +726,33 @@ def test_auto_runs_eager_autograd_then_torch_func_then_the_faster():
             assert not grads[key].requires_grad
     assert engines[:2] == ["autograd", "torch.func"] and timed == [True] * 2 + [False] * 6
     assert len(set(engines[2:])) == 1 and plan.final and plan.measured is not None
+
+
+def test_auto_times_its_calls_with_the_garbage_collector_paused():
+    """A collection inside a timed call (4 ms on the bench's machine) must not decide the
+    plan: the timed calls run with Python's cyclic GC off, as timeit does; the others, and
+    the caller after every call, with it as it was."""
+    seen = []
+
+    def f(x):
+        seen.append(gc.isenabled())
+        return torch.tanh(x) * 2
+
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
+    x = torch.randn(3, dtype=torch.float64)
+    timed = []
+    for _ in range(4):
+        timed.append(fn.plan(x).timed)
+        seen.clear()
+        fn(x)
+        assert seen == [not timed[-1]] and gc.isenabled()
+    assert timed == [True, True, False, False]
+    gc.disable()  # a caller's own setting is left alone
+    try:
+        fn(torch.randn(5, dtype=torch.float64))
+    finally:
+        gc.enable()
+    assert gc.isenabled()
 
 
 def test_a_new_signature_starts_from_what_the_function_settled_on():

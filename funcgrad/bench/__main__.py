@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 import funcgrad
 
+from . import _planner
 from ._attribution import CELLS as ATTRIBUTION_CELLS
 from ._attribution import TARGETS as ATTRIBUTION_TARGETS
 from ._attribution import attribution_case
@@ -51,8 +52,6 @@ from ._per_example import CELLS as PER_EXAMPLE_CELLS
 from ._per_example import MEMORY_TARGETS as PER_EXAMPLE_MEMORY_TARGETS
 from ._per_example import TARGETS as PER_EXAMPLE_TARGETS
 from ._per_example import per_example_case
-from ._planner import cells as planner_cells
-from ._planner import planner_case
 from ._projector import CELLS as PROJECTOR_CELLS
 from ._projector import TARGETS as PROJECTOR_TARGETS
 from ._projector import projector_case
@@ -67,7 +66,6 @@ BUILDERS: dict[str, Callable[..., Case]] = {
     **STANDARD_BUILDERS,
     "real-model": real_model_case,
     "real-stacks": real_stacks_case,
-    "planner": planner_case,
     "overhead": overhead_case,
     "per-example": per_example_case,
     "attribution": attribution_case,
@@ -77,6 +75,17 @@ BUILDERS: dict[str, Callable[..., Case]] = {
 # case (gigabytes at full size: a GPU check), per-example (minutes at B = 512) and
 # attribution (captum's loop: minutes; docs/benchmarks_attribution.md).
 NOT_BY_DEFAULT = ("planner", "chunk-memory", "per-example", "attribution", "projector")
+_PLANNER_NOTE = (
+    "Per cell: a fresh `compose_heads` per method on a new signature, the methods taking their "
+    "calls in turn (Python's garbage collector off, as timeit), each call number's time its "
+    "fastest over the reps; **regret** = auto's "
+    f"median over calls {_planner.CALLS + 1}-{_planner.CALLS + _planner.STEADY} over the best "
+    "fixed strategy's (**(all calls)**: the median of every such call, rep by rep); "
+    f"**first 8 ratio** = auto's calls 1-{_planner.CALLS} summed over the best fixed "
+    "strategy's; **plan ms** = a fresh function's `plan()`, **plan forwards** = that over one "
+    "eager forward of f. A fixed strategy that falls back, or is 2.5x slower than the fastest "
+    "on a warm call, is not timed."
+)
 REAL_MODEL_CELLS = {mode: [("eager", 4), ("sdpa", 4)] for mode in ("full", "quick")}
 
 DDP_HEAD_COUNTS = {"full": (8,), "quick": (2,)}
@@ -122,8 +131,6 @@ MEMORY_TARGETS = [
 
 def _cells(name: str, mode: str) -> list[tuple[str, int]]:
     """(variant, k) of every cell of a case; variant "" for the cases with one function."""
-    if name == "planner":
-        return planner_cells(mode)
     if name == "real-model":
         return REAL_MODEL_CELLS[mode]
     if name == "real-stacks":
@@ -414,89 +421,6 @@ def _plan_record(plan: funcgrad.Plan) -> dict[str, Any]:
     }
 
 
-def _planner_summary(entries: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per cell of the planner grid: auto's median over the best fixed strategy's (the
-    regret); the max and median over the grid; fn.plan's cost against f's forward."""
-    cells: list[dict[str, Any]] = []
-    costs: list[dict[str, Any]] = []
-    missing: list[str] = []  # cells where auto itself did not run as asked
-    for label, entry in entries.items():
-        times = {m: stats["median"] for m, stats in entry["methods"].items()}
-        fastest = {m: stats["min"] for m, stats in entry["methods"].items()}
-        if entry.get("planner") == "regret" and "funcgrad auto" not in times:
-            missing.append(label)
-        elif entry.get("planner") == "regret":
-            fixed = {
-                m: t for m, t in times.items() if m.startswith("funcgrad ") and m != "funcgrad auto"
-            }
-            best = min(fixed, key=fixed.__getitem__)
-            twin = next((m for m in times if m.startswith("twin: ")), None)
-            same = twin and f"funcgrad {twin.removeprefix('twin: ')}"
-            noise = (
-                max(times[twin] / times[same], times[same] / times[twin])
-                if twin and same in times
-                else None
-            )
-            cells.append(
-                {
-                    "case": label,
-                    "function": entry["variant"],
-                    "k": entry["k"],
-                    "m": entry["m"],
-                    "n": entry["n"],
-                    "auto_s": times["funcgrad auto"],
-                    "fixed_s": fixed,
-                    "best": best.removeprefix("funcgrad "),
-                    "regret": times["funcgrad auto"] / fixed[best],
-                    # The same on each method's fastest round: what a quiet machine would see.
-                    "regret_min": fastest["funcgrad auto"] / min(fastest[m] for m in fixed),
-                    # Two identical runs of one strategy differ by this factor here.
-                    "noise": noise,
-                    # The rounds, and those added for the contenders (auto among them).
-                    "rounds": f"{entry['rounds']}"
-                    + (f"+{more['rounds']}" if (more := entry.get("more_rounds")) else ""),
-                    "auto_first_call_s": entry["methods"]["funcgrad auto"]["first_call"],
-                    "first_call": entry["plans"]["funcgrad auto (first call)"],
-                    "plan": entry["plans"]["funcgrad auto"],
-                }
-            )
-        elif entry.get("planner") == "plan-cost" and times:
-            forward = times[entry["baseline"]]
-            costs.append(
-                {
-                    "case": label,
-                    "function": entry["variant"],
-                    "k": entry["k"],
-                    "forward_s": forward,
-                    "plan_fresh_s": times["fn.plan, fresh fn"],
-                    "plan_again_s": times["fn.plan, same fn again"],
-                    "fresh_ratio": times["fn.plan, fresh fn"] / forward,
-                    "again_ratio": times["fn.plan, same fn again"] / forward,
-                    "plan": entry["plans"]["fn.plan"]["repr"],
-                }
-            )
-    regrets = [cell["regret"] for cell in cells]
-    regrets_min = [cell["regret_min"] for cell in cells]
-    noises = [cell["noise"] for cell in cells if cell["noise"] is not None]
-    return {
-        "cells": cells,
-        "max_noise": max(noises, default=None),
-        "median_noise": statistics.median(noises) if noises else None,
-        # Cells where auto loses by more than 1.2 and more than the run's own noise there.
-        "beyond_noise": [
-            f"{cell['function']} k={cell['k']}"
-            for cell in cells
-            if cell["regret"] > max(1.2, cell["noise"] or 1.0)
-        ],
-        "max_regret": max(regrets, default=None),
-        "median_regret": statistics.median(regrets) if regrets else None,
-        "max_regret_min": max(regrets_min, default=None),
-        "median_regret_min": statistics.median(regrets_min) if regrets_min else None,
-        "auto_not_run": missing,
-        "plan_cost": costs,
-    }
-
-
 def _summary(samples: list[float]) -> dict[str, float]:
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples)}
 
@@ -608,7 +532,7 @@ def _markdown(report: dict[str, Any]) -> str:
             for name, base in {
                 e["name"]: e.get("baseline", "naive")
                 for e in report["cases"].values()
-                if e.get("baseline", "naive") != "naive" and e.get("planner") is None
+                if e.get("baseline", "naive") != "naive"
             }.items()
         )
         + ".",
@@ -617,7 +541,7 @@ def _markdown(report: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for label, entry in report["cases"].items():
-        if entry.get("planner") is not None or entry["name"] in ("overhead", "real-stacks"):
+        if entry["name"] in ("overhead", "real-stacks"):
             continue  # their own tables below
         methods = entry["methods"]  # empty when the whole case was skipped
         # None when the whole case was skipped, or its baseline raised
@@ -662,12 +586,13 @@ def _markdown(report: dict[str, Any]) -> str:
     plans = [
         f"- {label}, {method}: `{plan['repr']}`"
         for label, entry in report["cases"].items()
-        if entry.get("planner") is None
         for method, plan in (entry.get("plans") or {}).items()
     ]
     if plans:
         lines += ["", "Plans (`fn.plan(...)` after the warm-up call):", "", *plans]
-    lines += _planner_markdown(report.get("planner") or {})
+    if report.get("planner"):
+        lines += ["", "## Planner: auto's learning", "", _PLANNER_NOTE, ""]
+        lines += _planner.markdown(report["planner"])
     lines += _overhead_markdown(report["cases"])
     lines += _real_stacks_markdown(report["cases"])
     lines += ["", "## Targets", "", "| case | target | ratio | met |", "|---|---|---:|---|"]
@@ -783,92 +708,6 @@ def _real_stacks_markdown(entries: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _planner_markdown(summary: dict[str, Any]) -> list[str]:
-    if not summary.get("cells") and not summary.get("plan_cost"):
-        return []
-    lines = [
-        "",
-        "## Planner regret",
-        "",
-        "Per cell, median ms of `compose_heads(..., strategy=...)` (warm-up call first: under "
-        "`auto` it measures vmap against one unbatched call and fixes the plan); regret = "
-        "auto / the best fixed strategy (regret (min): the same on each method's fastest round);"
-        " noise: how much two separate instances of auto's planned strategy differ in the same "
-        "run (max of their two ratios);"
-        " `—`: not run (too many passes through f, or it falls back to another way: see the "
-        "JSON's `skipped`); rounds: every method's timed rounds, + those then added for the "
-        "methods within 2x of the fastest (see the JSON's `more_rounds`); auto's 1st call: the "
-        "warm-up call, ms.",
-        "",
-        "| function | k | m | n | auto | vjp | jacrev | jacfwd | loop | regret | regret (min) "
-        "| noise | rounds | auto's 1st call | auto's plan (after the first call) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for cell in summary["cells"]:
-        fixed = [
-            f"{cell['fixed_s'][f'funcgrad {s}'] * 1e3:.2f}"
-            if f"funcgrad {s}" in cell["fixed_s"]
-            else "—"
-            for s in ("vjp", "jacrev", "jacfwd", "loop")
-        ]
-        plan = cell["plan"]
-        shown = f"{plan['strategy']}, {plan['passes']} passes"
-        if plan["chunk_size"] is not None:
-            shown += f" (chunk_size={plan['chunk_size']})"
-        if plan["measured"] is not None:
-            shown += f"; unbatched, measured: {plan['measured']}"
-        if cell["first_call"]["strategy"] != plan["strategy"]:
-            shown += f" (first call: {cell['first_call']['strategy']})"
-        regret = f"{cell['regret']:.2f}" + (" **>1.2**" if cell["regret"] > 1.2 else "")
-        lines.append(
-            f"| {cell['function']} | {cell['k']} | {cell['m']} | {cell['n']} | "
-            f"{cell['auto_s'] * 1e3:.2f} | "
-            + " | ".join(fixed)
-            + f" | {regret} | {cell['regret_min']:.2f}"
-            + (f" | {cell['noise']:.2f}" if cell["noise"] is not None else " | —")
-            + f" | {cell['rounds']}"
-            + f" | {cell['auto_first_call_s'] * 1e3:.1f}"
-            + f" | {shown} |"
-        )
-    if summary["cells"]:
-        worst = max(summary["cells"], key=lambda cell: cell["regret"])
-        lines += [
-            "",
-            f"Regret over {len(summary['cells'])} cells: max {summary['max_regret']:.2f} "
-            f"({worst['function']} k={worst['k']}), median {summary['median_regret']:.2f}; "
-            f"on each method's fastest round: max {summary['max_regret_min']:.2f}, median "
-            f"{summary['median_regret_min']:.2f}.",
-        ]
-        if summary["max_noise"] is not None:
-            beyond = summary["beyond_noise"]
-            lines += [
-                "",
-                f"Noise (two instances of one strategy): max {summary['max_noise']:.2f}, "
-                f"median {summary['median_noise']:.2f}. Cells where auto loses by more than "
-                f"1.2 and more than that cell's noise: {', '.join(beyond) or 'none'}.",
-            ]
-    if summary.get("auto_not_run"):
-        lines += ["", f"Auto did not run as asked in: {', '.join(summary['auto_not_run'])}."]
-    if summary.get("plan_cost"):
-        lines += [
-            "",
-            "### fn.plan(*args) against one eager forward of f",
-            "",
-            "| function | k | eager forward ms | fn.plan, fresh fn ms (x forward) "
-            "| fn.plan, same fn again ms (x forward) | plan |",
-            "|---|---:|---:|---:|---:|---|",
-        ]
-        for cost in summary["plan_cost"]:
-            lines.append(
-                f"| {cost['function'].removesuffix(' plan cost')} | {cost['k']} | "
-                f"{cost['forward_s'] * 1e3:.2f} | "
-                f"{cost['plan_fresh_s'] * 1e3:.2f} ({cost['fresh_ratio']:.2f}) | "
-                f"{cost['plan_again_s'] * 1e3:.3f} ({cost['again_ratio']:.3f}) | "
-                f"`{cost['plan']}` |"
-            )
-    return lines
-
-
 def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -943,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cases",
         nargs="+",
-        choices=[*BUILDERS, "ddp"],
+        choices=[*BUILDERS, "ddp", "planner"],
         default=[name for name in BUILDERS if name not in NOT_BY_DEFAULT] + ["ddp"],
         help="default: all but planner (funcgrad's auto against its own fixed strategies), "
         "chunk-memory (gigabytes: a GPU check) and per-example (IWRM, B = 32/128/512: minutes)",
@@ -970,7 +809,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=None,
-        help="timed rounds for every method (default: 7, 3 for cases over 10 s a round, then "
+        help="timed rounds for every method (planner: fresh functions per method, default 4, "
+        "quick 2; else default: 7, 3 for cases over 10 s a round, then "
         "twice as many more for the methods within 2x of the fastest; quick: 3)",
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -1012,6 +852,16 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         versions["torchjd"] = None
     for name in args.cases:
+        if name == "planner":  # funcgrad's auto against its fixed strategies: its own table
+            cells = tuple(
+                (variant, k)
+                for variant, k in _planner.CELLS
+                if (not args.variants or variant in args.variants)
+                and (not args.heads or k in args.heads)
+            )
+            reps = args.rounds or (2 if args.quick else 4)
+            report["planner"] = _planner.learning(cells, quick=True, reps=reps)
+            continue
         if name == "ddp":  # 2 gloo ranks in subprocesses: time per step, bytes per rank
             for k in DDP_HEAD_COUNTS[mode]:
                 entry = ddp_entry(k, args.quick, rounds)
@@ -1046,7 +896,6 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             report["cases"][case.label] = _run_case(case, args, rounds, report)
     report["targets"] = _evaluate_targets(report["cases"], args.device)
-    report["planner"] = _planner_summary(report["cases"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=2))
     markdown = _markdown(report)

@@ -1,43 +1,33 @@
-"""The planner case: how much ``strategy="auto"`` loses to the best fixed strategy.
+"""The planner case: how ``strategy="auto"`` learns, against the best fixed strategy.
 
-A grid of real functions x k heads. Each cell times ``compose_heads(..., strategy="auto")``
-(its first call, the warm-up, measures vmap against one unbatched call and fixes the plan)
-and every fixed strategy that fits, interleaved; the regret of the cell is auto's median over
-the best fixed strategy's median. The ``plan cost`` cells time ``fn.plan(*args)`` against one
-eager forward of f (the Python-loop ODE simulator, where f's overhead is all Python).
+Per cell of a grid of real functions x k heads (``CELLS``): auto's steady-state regret (its
+median call after 8 calls over the best fixed strategy's), its first-8-calls ratio (calls
+1-8 of a fresh function on this signature over the best fixed strategy's), and ``plan()``'s
+cost (a fresh function's, in ms and in eager forwards of f). Every method runs on a fresh
+function, and the methods take their calls in turn, call by call (the order rotating), so
+that a slow moment of a shared machine hits them alike (docs/benchmarks_planner.md).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+import gc
+import math
+import statistics
+import sys
+import time
+import warnings
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
-import optree
 import torch
 
 import funcgrad
 
-from ._cases import (
-    MAX_DIRECTIONS,
-    STRATEGIES,
-    Case,
-    Encoder,
-    _mtl_heads,
-    _scalar_heads,
-    built,
-    device,
-    generator,
-    on,
-    seed_fun,
-)
+from ._cases import Encoder, _mtl_heads, _scalar_heads, built, device, generator, on, seed_fun
 
 Heads = list[Callable[..., torch.Tensor]]
 Function = tuple[Callable[..., Any], Heads, tuple[Any, ...]]
-HEAD_COUNTS = {"full": (2, 8, 32), "quick": (2, 32)}
 ODE_STEPS = {"full": 300, "quick": 200}
-PLAN_COST_HEADS = 8
 
 
 def _generator() -> torch.Generator:
@@ -57,23 +47,6 @@ def seed(k: int, quick: bool) -> Function:
     """The seed: real(trace(matrix_exp(1j x ones(N, N)))), a scalar of a scalar."""
     f = seed_fun(30 if quick else 60)
     return f, _scalar_heads(k), (torch.tensor(1.0, dtype=torch.float64, device=device()),)
-
-
-def multi_output(k: int, quick: bool) -> Function:
-    """4 real diagonal entries of matrix_exp(i sum_j x_j A_j), x in R^4."""
-    n, gen = (20 if quick else 50), _generator()
-    bases = on(torch.randn(4, n, n, generator=gen, dtype=torch.float64, device="cpu") / n**0.5)
-    bases = bases + bases.transpose(1, 2)
-
-    def f(x):
-        e = torch.matrix_exp(1j * torch.einsum("j,jab->ab", x, bases))
-        return torch.real(torch.diagonal(e)[:4])
-
-    return (
-        f,
-        _vector_heads(k, 4, torch.float64),
-        (on(torch.randn(4, generator=gen, dtype=torch.float64, device="cpu")),),
-    )
 
 
 def mlp(k: int, quick: bool) -> Function:
@@ -118,28 +91,6 @@ def lstm(k: int, quick: bool) -> Function:
         return module(x)[1][0].flatten()
 
     return f, _vector_heads(k, hidden, torch.float32), (on(torch.randn(seq, 1, 8, device="cpu")),)
-
-
-def transformer(k: int, quick: bool) -> Function:
-    """A 2-layer nn.TransformerEncoder, mean-pooled, gradients w.r.t. its parameters."""
-    torch.manual_seed(0)
-    d_model, batch, seq = (32, 4, 16) if quick else (64, 8, 32)
-    module = built(
-        lambda: torch.nn.TransformerEncoder(
-            torch.nn.TransformerEncoderLayer(
-                d_model, 4, 2 * d_model, dropout=0.0, batch_first=True
-            ),
-            2,
-            enable_nested_tensor=False,
-        )
-    )
-    src = on(torch.randn(batch, seq, d_model, device="cpu"))
-
-    def f(p):
-        return torch.func.functional_call(module, p, (src,)).mean(1)
-
-    params = {name: p.detach() for name, p in module.named_parameters()}
-    return f, _mtl_heads(k, d_model, batch), (params,)
 
 
 def convnet(k: int, quick: bool) -> Function:
@@ -207,113 +158,6 @@ def ode(n: int, steps: int | None = None) -> Callable[[int, bool], Function]:
     return build
 
 
-FUNCTIONS: dict[str, Callable[[int, bool], Function]] = {
-    "seed": seed,
-    "multi-output": multi_output,
-    "mlp": mlp,
-    "probes": probes,
-    "lstm": lstm,
-    "transformer": transformer,
-    "convnet": convnet,
-    "ode n=2": ode(2),
-    "ode n=8": ode(8),
-    "ode n=64": ode(64),
-    "ode n=2, 10 steps": ode(2, steps=10),
-}
-QUICK_FUNCTIONS = (
-    "seed",
-    "multi-output",
-    "mlp",
-    "probes",
-    "lstm",
-    "transformer",
-    "convnet",
-    "ode n=2",
-    "ode n=64",
-    "ode n=2, 10 steps",
-)
-# The plan cost is also measured on the issue's 2000-step loop (a forward of ~0.15 s), where
-# the bounded shape-only run is small against the real forward.
-PLAN_ONLY = {"ode n=2, 2000 steps": ode(2, steps=2000)}
-PLAN_COST = ("ode n=2", "ode n=2, 2000 steps", "ode n=64", "ode n=2, 10 steps")
-PLAN_COST_SUFFIX = " plan cost"
-
-
-def cells(mode: str) -> list[tuple[str, int]]:
-    """(variant, k) for every cell of the grid, then the plan-cost cells."""
-    functions = QUICK_FUNCTIONS if mode == "quick" else tuple(FUNCTIONS)
-    grid = list(itertools.product(functions, HEAD_COUNTS[mode]))
-    return grid + [(name + PLAN_COST_SUFFIX, PLAN_COST_HEADS) for name in PLAN_COST]
-
-
-def _grads(fn: funcgrad.ComposedHeads[Any], args: tuple[Any, ...]) -> Any:
-    return fn(*args)[1]
-
-
-def planner_case(k: int, quick: bool, variant: str) -> Case:
-    if variant.endswith(PLAN_COST_SUFFIX):
-        return _plan_cost_case(k, quick, variant)
-    f, heads, args = FUNCTIONS[variant](k, quick)
-    auto = funcgrad.compose_heads(f, heads, strategy="auto")
-    first = auto.plan(*args)  # before the first call (which measures)
-    case = Case("planner", k, first.m, first.n, {}, variant=variant, memory=False)
-    case.drop_on_warning = True
-    case.methods["funcgrad auto"] = functools.partial(_grads, auto, args)
-    for strategy in STRATEGIES:
-        directions = funcgrad.Plan(strategy, first.k, first.m, first.n).directions
-        if directions > MAX_DIRECTIONS["quick" if quick else "full"]:
-            case.skipped[f"funcgrad {strategy}"] = f"needs {directions} passes through f"
-            continue
-        fixed = funcgrad.compose_heads(f, heads, strategy=strategy)
-        case.methods[f"funcgrad {strategy}"] = functools.partial(_grads, fixed, args)
-
-    # The noise of this run: a second, separate instance of auto's planned strategy, timed
-    # like the others; its ratio to the first is what two identical runs differ by here.
-    for strategy in STRATEGIES:
-        if strategy == first.strategy and f"funcgrad {strategy}" in case.methods:
-            twin = funcgrad.compose_heads(f, heads, strategy=strategy)
-            case.methods[f"twin: {strategy}"] = functools.partial(_grads, twin, args)
-
-    def naive():  # the reference: k x torch.autograd.grad on one graph of f
-        leaves, treedef = optree.tree_flatten(args[0])
-        leaves = [leaf.detach().requires_grad_() for leaf in leaves]
-        y = f(optree.tree_unflatten(treedef, leaves))
-        rows = [torch.autograd.grad(h(y), leaves, retain_graph=True) for h in heads]
-        stacked = [torch.stack([row[j] for row in rows]) for j in range(len(leaves))]
-        return optree.tree_unflatten(treedef, stacked)
-
-    case.methods["naive"] = naive
-    case.untimed = ("naive",)
-    case.auto = first.strategy
-    case.plans = {
-        "funcgrad auto (first call)": lambda: first,
-        "funcgrad auto": lambda: auto.plan(*args),
-    }
-    case.extra = {"planner": "regret"}
-    return case
-
-
-def _plan_cost_case(k: int, quick: bool, variant: str) -> Case:
-    name = variant.removesuffix(PLAN_COST_SUFFIX)
-    f, heads, args = {**FUNCTIONS, **PLAN_ONLY}[name](k, quick)
-    warm = funcgrad.compose_heads(f, heads)
-    plan = warm.plan(*args)
-    methods = {
-        "one eager forward of f": lambda: f(*args),
-        "fn.plan, fresh fn": lambda: funcgrad.compose_heads(f, heads).plan(*args),
-        "fn.plan, same fn again": lambda: warm.plan(*args),
-    }
-    case = Case("planner", k, plan.m, plan.n, methods, variant=variant, memory=False)
-    case.reference_only = tuple(methods)
-    case.baseline = "one eager forward of f"
-    case.plans = {"fn.plan": lambda: warm.plan(*args)}
-    case.extra = {"planner": "plan-cost"}
-    return case
-
-
-# -- auto's learning: the first 8 calls, the steady state, plan()'s cost ----------------------
-
-
 def gp(k: int, quick: bool) -> Function:
     """A GP posterior mean with a Cholesky solve: 50 test points from 200 (quick: 100)
     training points, gradients w.r.t. the 3 log-lengthscales (m = 50, n = 3)."""
@@ -361,8 +205,18 @@ def image_filter(k: int, quick: bool) -> Function:
     return f, _vector_heads(k, side * side, torch.float32), (img,)
 
 
-FUNCTIONS.update({"gp": gp, "attention": attention, "image filter": image_filter})
-LEARNING_CELLS = (
+FUNCTIONS: dict[str, Callable[[int, bool], Function]] = {
+    "seed": seed,
+    "mlp": mlp,
+    "probes": probes,
+    "lstm": lstm,
+    "convnet": convnet,
+    "ode n=8": ode(8),
+    "gp": gp,
+    "attention": attention,
+    "image filter": image_filter,
+}
+CELLS = (
     ("ode n=8", 32),
     ("gp", 48),
     ("lstm", 8),
@@ -374,70 +228,88 @@ LEARNING_CELLS = (
     ("mlp", 8),
     ("probes", 32),
 )
+CALLS, STEADY = 8, 5  # the first calls summed, then the calls whose median is the steady state
+SLOWER = 2.5  # a fixed strategy this much slower than the fastest on a warm call is not timed
 
 
 def learning(
-    cells: tuple[tuple[str, int], ...] = LEARNING_CELLS, quick: bool = True, reps: int = 2
+    cells: tuple[tuple[str, int], ...] = CELLS, quick: bool = True, reps: int = 4
 ) -> list[dict[str, Any]]:
-    """Per cell: auto's steady-state regret (its median call after 8 calls over the best
-    fixed strategy's), its first-8-calls ratio (the sum of calls 1-8 of a fresh function on
-    this signature over the best fixed strategy's), and ``plan()``'s cost (a fresh
-    function's, in ms and in eager forwards of f). Each method's first 8 calls are timed
-    on a fresh function, ``reps`` times in turn, the smallest sum kept."""
-    import statistics
-    import time
-
+    """One row per cell (see the module's docstring). A fixed strategy that warns on a
+    first call (it falls back to another way), or whose second call is ``SLOWER`` than the
+    fastest one's, is left out (it cannot be the best). Then ``reps`` times, every
+    method gets a fresh function and its ``CALLS + STEADY`` calls, the methods in turn call
+    by call, with Python's garbage collector off (as ``timeit``). Each call number's time
+    is its fastest over the reps (a preempted call on a
+    shared machine costs a scheduler quantum, 10 ms, which would swamp the 2 ms calls): a
+    method's first-8 time sums calls 1-8, its steady state is the median of the later ones
+    (``regret (all calls)``: the median of every later call instead)."""
     rows = []
     for name, k in cells:
         f, heads, args = FUNCTIONS[name](k, quick)
         probe = funcgrad.compose_heads(f, heads, strategy="vjp").plan(*args)
-        methods = ["auto"] + [
-            s
-            for s in ("vjp", "jacrev", "jacfwd", "loop")
-            if funcgrad.Plan(s, probe.k, probe.m, probe.n).directions <= 512
-        ]
-        strategies = cast(dict[str, Any], {m: m for m in methods})
-        first: dict[str, float] = {}
-        steady: dict[str, list[float]] = {m: [] for m in methods}
-        for rep in range(reps):
-            for method in methods if rep % 2 == 0 else methods[::-1]:
-                fn = funcgrad.compose_heads(f, heads, strategy=strategies[method])
-                seconds = []
-                for _ in range(8 + 5):
-                    start = time.perf_counter()
+        warm: dict[str, float] = {}  # each fixed strategy's second call, s
+        for strategy in ("vjp", "jacrev", "jacfwd", "loop"):
+            if funcgrad.Plan(strategy, probe.k, probe.m, probe.n).directions > 512:
+                continue
+            fn = funcgrad.compose_heads(f, heads, strategy=strategy)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", funcgrad.FuncgradWarning)
+                try:
                     fn(*args)
-                    seconds.append(time.perf_counter() - start)
-                total = sum(seconds[:8])
-                first[method] = min(first.get(method, total), total)
-                steady[method] += seconds[8:]
-        medians = {m: statistics.median(s) for m, s in steady.items()}
-        fixed = [m for m in methods if m != "auto"]
+                except funcgrad.FuncgradWarning:
+                    continue
+            start = time.perf_counter()
+            fn(*args)
+            warm[strategy] = time.perf_counter() - start
+        fastest_warm = min(warm.values())
+        methods: list[Any] = ["auto", *(m for m, s in warm.items() if s <= SLOWER * fastest_warm)]
+        fastest = {m: [math.inf] * (CALLS + STEADY) for m in methods}  # per call number
+        every: dict[str, list[float]] = {m: [] for m in methods}  # the steady calls
+        for rep in range(reps):
+            fns = {m: funcgrad.compose_heads(f, heads, strategy=m) for m in methods}
+            gc.collect()  # (then off while timing, as timeit does: a collection costs 4 ms)
+            gc.disable()
+            for call in range(CALLS + STEADY):
+                turn = (rep + call) % len(methods)
+                for method in methods[turn:] + methods[:turn]:
+                    start = time.perf_counter()
+                    fns[method](*args)
+                    seconds = time.perf_counter() - start
+                    fastest[method][call] = min(fastest[method][call], seconds)
+                    if call >= CALLS:
+                        every[method].append(seconds)
+            gc.enable()
+        first = {m: sum(s[:CALLS]) for m, s in fastest.items()}
+        medians = {m: statistics.median(s[CALLS:]) for m, s in fastest.items()}
+        medians_all = {m: statistics.median(s) for m, s in every.items()}
+        fixed = methods[1:]
         best = min(fixed, key=lambda m: medians[m])
-        best8 = min(first[m] for m in fixed)
-        forwards = []
+        settled = fns["auto"].plan(*args)
+        forwards, plan_s = [], []
+        gc.collect()
+        gc.disable()
         for _ in range(3):
             start = time.perf_counter()
             f(*args)
             forwards.append(time.perf_counter() - start)
-        plan_s = []
-        for _ in range(3):
             start = time.perf_counter()
-            plan = funcgrad.compose_heads(f, heads).plan(*args)
+            funcgrad.compose_heads(f, heads).plan(*args)
             plan_s.append(time.perf_counter() - start)
-        final = fn = funcgrad.compose_heads(f, heads)
-        for _ in range(3):
-            fn(*args)
+        gc.enable()
+        print(f"planner: {name}, k={k} done", file=sys.stderr)
         rows.append(
             {
                 "cell": f"{name}, k={k}",
-                "m": plan.m,
-                "n": plan.n,
+                "m": probe.m,
+                "n": probe.n,
                 "best fixed": best,
-                "auto settles on": f"{final.plan(*args).strategy} on {final.plan(*args).engine}",
+                "auto settles on": f"{settled.strategy} on {settled.engine}",
                 "regret": medians["auto"] / medians[best],
-                "first 8 ratio": first["auto"] / best8,
+                "regret (all calls)": medians_all["auto"] / min(medians_all[m] for m in fixed),
+                "first 8 ratio": first["auto"] / min(first[m] for m in fixed),
                 "auto ms": 1e3 * medians["auto"],
-                "best ms": 1e3 * medians[best],
+                "fixed ms": ", ".join(f"{m} {1e3 * medians[m]:.3g}" for m in fixed),
                 "plan ms": 1e3 * min(plan_s),
                 "plan forwards": min(plan_s) / min(forwards),
             }
@@ -445,10 +317,26 @@ def learning(
     return rows
 
 
-def learning_markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows as a markdown table, with the worst of each figure."""
+    if not rows:
+        return []
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for row in rows:
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    worst = {key: max(rows, key=lambda row: row[key]) for key in ("regret", "first 8 ratio")}
+
+    def over_bound(row: dict[str, Any]) -> float:  # plan()'s cost over 3 forwards or 50 ms
+        return float(row["plan ms"] / max(50, 3 * row["plan ms"] / row["plan forwards"]))
+
+    plan, regret, first8 = max(rows, key=over_bound), worst["regret"], worst["first 8 ratio"]
+    return [
+        *lines,
+        "",
+        f"Max regret {regret['regret']:.3g} ({regret['cell']}), max first-8 ratio "
+        f"{first8['first 8 ratio']:.3g} ({first8['cell']}); plan() nearest its bound (3 "
+        f"forwards or 50 ms, the larger): {plan['plan ms']:.3g} ms, "
+        f"{plan['plan forwards']:.3g} forwards ({plan['cell']}).",
+    ]
