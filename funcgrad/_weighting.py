@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import _coords
 from ._errors import describe
 from ._types import Tensors
 from ._validate import check_level, values_readable
@@ -184,11 +184,19 @@ def autocast_on(device: torch.device) -> bool:
     return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
+# A Jacobian of at most this many entries is concatenated for its Gramian: one product
+# instead of one per block (a small one costs its dispatch, docs/performance.md), for at most
+# this many entries more in memory.
+CONCAT_ENTRIES = 1 << 18
+
+
 def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached), block
-    by block, so that the k x n Jacobian is never concatenated; in float32 or wider, also
-    under autocast."""
+    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached): block
+    by block, so that a large k x n Jacobian is never concatenated (a small one is: one
+    product); in float32 or wider, also under autocast."""
     work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
+    if len(work) > 1 and sum(b.numel() for b in work) <= CONCAT_ENTRIES:
+        work = [torch.cat(work, dim=1)]  # (cat promotes mixed dtypes, as the sum would)
     with no_autocast(work[0].device):
         return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
 
@@ -265,7 +273,9 @@ def checked_weights(
     except Exception:
         check_gramian(g, blocks, what, call)
         raise
-    if values_readable([g]) and not bool(torch.isfinite(g).all() & torch.isfinite(weights).all()):
+    # (One read: a sum is finite only where every entry is, and where finite entries overflow
+    # it, the exact checks below find nothing to refuse.)
+    if values_readable([g]) and not math.isfinite(float(g.sum() + weights.sum())):
         check_gramian(g, blocks, what, call)
         check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
     return weights
@@ -345,5 +355,8 @@ def aggregate(
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
     """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
     dtype (also under autocast)."""
+    k = weights.shape[0]  # (a matrix-vector product per leaf: cheaper than tensordot's)
     with no_autocast(weights.device):
-        return _coords.combine(weights, grads)
+        return tuple(
+            torch.mv(g.reshape(k, -1).T, weights.to(g.dtype)).view(g.shape[1:]) for g in grads
+        )

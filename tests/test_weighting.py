@@ -81,6 +81,38 @@ def test_params_level_weighting_errors_come_before_any_write():
     assert not _grads(model)
 
 
+def test_finite_check_of_the_gramian_and_weights_is_exact():
+    """G and the weights are checked finite by one sum, which finite entries can overflow:
+    then the exact checks run and find nothing to refuse; one inf or NaN anywhere is refused."""
+    rule = _weighting.resolve(lambda g: torch.full((2,), 3e38), "params", "call")
+    big = torch.full((2, 2), 3e38)  # (finite, but its sum overflows float32)
+    weights = _weighting.checked_weights(rule, big, [big], "here", "call", lambda t: t)
+    assert torch.equal(weights, torch.full((2,), 3e38))
+    for bad in (float("inf"), float("nan")):
+        g = big.clone()
+        g[1, 0] = bad
+        with pytest.raises(ValueError, match="Gramian of the task gradients here is not finite"):
+            _weighting.checked_weights(rule, g, [g], "here", "call", lambda t: t)
+        nan_rule = _weighting.resolve(lambda g, bad=bad: torch.tensor([1.0, bad]), "params", "c")
+        with pytest.raises(ValueError, match="non-finite weights"):
+            _weighting.checked_weights(nan_rule, big / 1e38, [big], "here", "c", lambda t: t)
+
+
+def test_gramian_concatenated_or_by_blocks_agree():
+    gen = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(3, n, generator=gen, dtype=torch.float64) for n in (5, 1, 7)]
+    expected = torch.cat(blocks, dim=1) @ torch.cat(blocks, dim=1).T
+    torch.testing.assert_close(_weighting.gramian(blocks), expected)
+    big = [torch.randn(3, _weighting.CONCAT_ENTRIES // 3 + 1, generator=gen, dtype=torch.float32)]
+    big.append(blocks[0].float())
+    torch.testing.assert_close(
+        _weighting.gramian(big),
+        sum(b.double() @ b.double().T for b in big).float(),
+        rtol=1e-5,
+        atol=0,
+    )
+
+
 class _NaNMean(tjd.Mean):
     def forward(self, matrix):
         return super().forward(matrix) * float("nan")
