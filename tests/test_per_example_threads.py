@@ -176,3 +176,51 @@ def test_a_hooked_model_can_be_deep_copied():
     jac = per_example_jacobian(clone, lambda m: _losses(m, x))
     with funcgrad.per_example(clone) as pe:
         torch.testing.assert_close(pe.gramian(_losses(clone, x)), jac @ jac.T)
+
+
+def _clipped_sum(model, losses_fn, max_norm):
+    """Σ_b min(1, C / (‖g_b‖ + 1e-6)) g_b from the per-example autograd loop, flattened."""
+    jac = per_example_jacobian(model, losses_fn)
+    return (max_norm / (jac.norm(dim=1) + 1e-6)).clamp(max=1.0) @ jac
+
+
+def test_a_post_accumulate_hook_may_call_per_example_clip_on_another_model():
+    """The hooks ran under the lock that serialises .grad writes: a hook calling
+    per_example_clip (on another model) waited on it forever. Run in a thread, so that a
+    hang fails the test instead of stalling the suite."""
+    torch.manual_seed(3)
+    first, second = nn.Linear(6, 2), nn.Linear(6, 2)
+    x = torch.randn(5, 6)
+
+    def losses_of(m):
+        return m(x).pow(2).sum(-1)
+
+    want = [_clipped_sum(m, losses_of, 1.0) for m in (first, second)]
+    fired: list[int] = []
+
+    def hook(param):
+        if not fired:
+            fired.append(1)
+            with funcgrad.per_example(second):
+                funcgrad.per_example_clip(losses_of(second), 1.0)
+
+    first.weight.register_post_accumulate_grad_hook(hook)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            with funcgrad.per_example(first):
+                funcgrad.per_example_clip(losses_of(first), 1.0)
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "per_example_clip hung: a hook ran under the .grad lock"
+    if errors:
+        raise errors[0]
+    assert fired == [1]
+    for model, expected in zip((first, second), want):
+        found = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)

@@ -161,18 +161,19 @@ class _Run:
         if write:  # Apply: the one place that writes .grad (one thread at a time).
             with _APPLY:
                 self._apply(update)
+            # Post-accumulate-grad hooks fire once per leaf, on its final .grad: after the
+            # lock is released (user code, which may call funcgrad again, never under it).
+            _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
         return gram, weights
 
     def _apply(self, update: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``.grad`` written: replaced or accumulated, then the post-accumulate hooks."""
+        """``.grad`` written: replaced or accumulated (the hooks fire after, unlocked)."""
         taken: set[int] = set()
         if self.replace:
             for param in self.selected:
                 param.grad = None
         for param, grad in update:
             _sync.accumulate(param, grad.to(param.dtype), taken)
-        # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
-        _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
 
     def _weigh(
         self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
