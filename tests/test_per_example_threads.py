@@ -224,3 +224,66 @@ def test_a_post_accumulate_hook_may_call_per_example_clip_on_another_model():
     for model, expected in zip((first, second), want):
         found = torch.cat([p.grad.flatten() for p in model.parameters()])
         torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+
+
+class _Expert(nn.Module):
+    """A generic-rule module (its own forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.w)
+
+
+class _Ensemble(nn.Module):
+    """Experts run in worker threads of a pool (an ensemble / mixture of experts), the
+    parent waiting on them; with a gate of its own (a generic-rule parent) or not."""
+
+    def __init__(self, pool, experts, gate: bool) -> None:
+        super().__init__()
+        self.pool, self.experts = pool, nn.ModuleList(experts)
+        self.gate = nn.Parameter(torch.tensor([0.7, 1.3])) if gate else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        outs = [f.result() for f in [self.pool.submit(e, h) for e in self.experts]]
+        if self.gate is None:
+            return torch.tanh(outs[0]) + torch.tanh(outs[1])
+        return self.gate[0] * outs[0] + self.gate[1] * outs[1]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_submodules_run_in_worker_threads_belong_to_the_forward(generic):
+    """generic: the parent's forward held the one swap lock while waiting on the workers,
+    whose experts' pre-hooks waited on it: the forward hung. Not generic (plain Linear
+    experts, a parent without parameters): the experts' records went to the workers'
+    threads, and the call refused 'the forward of these losses ran in another thread'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(4)
+    pool = ThreadPoolExecutor(2)
+    experts = [_Expert(), _Expert()] if generic else [nn.Linear(6, 6), nn.Linear(6, 6)]
+    model = nn.Sequential(nn.Linear(6, 6), _Ensemble(pool, experts, generic), nn.Linear(6, 1))
+    x = torch.randn(5, 6)
+    jac = per_example_jacobian(model, lambda m: _losses(m, x))
+    found: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            with funcgrad.per_example(model) as pe:
+                found["G"] = pe.gramian(_losses(model, x))
+                found["norms"] = funcgrad.per_example_norms(_losses(model, x))
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the forward or the call hung on the swap lock"
+    pool.shutdown()
+    if errors:
+        raise errors[0]
+    torch.testing.assert_close(found["G"], jac @ jac.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(found["norms"], jac.norm(dim=1), rtol=1e-10, atol=1e-12)

@@ -30,7 +30,8 @@ class _Generic(_Layer):
         try:
             # the module's parameters are swapped during its functional calls: no other
             # thread runs its forward meanwhile (its hooks wait on the same lock)
-            with self.run.recorder._swap, _RefuseTensorHooks(self):
+            swapping = self.run.recorder._swapping(self.module, self.params.values())
+            with swapping, _RefuseTensorHooks(self):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)
