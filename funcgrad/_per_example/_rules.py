@@ -354,8 +354,8 @@ class _Embedding(_Layer):
             index = self.input(use)
             d = self.delta(use).reshape(self.batch, -1, module.embedding_dim)
             index = index.reshape(self.batch, -1)
-            if module.padding_idx is not None:  # its row gets no gradient
-                d = d * (index != module.padding_idx).unsqueeze(-1).to(d.dtype)
+            if module.padding_idx is not None:  # its row gets no gradient (a NaN Δ there too)
+                d = d.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
             index_parts.append(index)
             d_parts.append(d)
         return _cat_rows(index_parts), _cat_rows(d_parts)
