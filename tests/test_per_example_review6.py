@@ -66,3 +66,61 @@ def test_a_nan_output_gradient_at_padding_positions_leaves_the_padding_row_zero(
         model.zero_grad(set_to_none=True)
         pe.backward(model(index))
         torch.testing.assert_close(_flat_grads(model), jac.sum(0))
+
+
+# -- S2 / S3: gradients scaled by counts over the whole batch --------------------------------
+
+
+class _CustomLookup(nn.Module):
+    """A module of its own (the generic rule) calling F.embedding / F.embedding_bag."""
+
+    def __init__(self, bag: bool, **options) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+        self.bag, self.options = bag, options
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        if self.bag:
+            return nn.functional.embedding_bag(index, self.table, mode="sum", **self.options)
+        return nn.functional.embedding(index, self.table, **self.options).sum(1)
+
+
+def _counted_models():
+    yield "EmbeddingBag", nn.EmbeddingBag(10, 4, mode="sum", scale_grad_by_freq=True)
+    yield "EmbeddingBag", nn.EmbeddingBag(10, 4, mode="mean", sparse=True)
+    yield "_CustomLookup", _CustomLookup(False, scale_grad_by_freq=True)
+    yield "_CustomLookup", _CustomLookup(True, scale_grad_by_freq=True)
+    yield "_CustomLookup", _CustomLookup(False, sparse=True)
+
+
+@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("call", ["gramian", "norms", "clip"])
+def test_lookups_scaled_by_counts_over_the_batch_are_refused(case, call):
+    """nn.EmbeddingBag(scale_grad_by_freq=True) and a module's own F.embedding(...,
+    scale_grad_by_freq=True) gave silently wrong G, norms and updates (the gradient scales
+    each row by its count over the whole batch: the examples mix); sparse crashed."""
+    torch.manual_seed(1)
+    name, lookup = list(_counted_models())[case]
+    model = nn.Sequential(lookup, nn.Tanh(), nn.Linear(4, 1))
+    index = torch.tensor([[1, 2, 2], [2, 3, 4], [5, 1, 1]])
+    with funcgrad.per_example(model) as pe:
+        losses = model(index).squeeze(1)
+        run = {
+            "gramian": lambda: pe.gramian(losses),
+            "norms": lambda: funcgrad.per_example_norms(losses),
+            "clip": lambda: funcgrad.per_example_clip(losses, 1.0),
+        }[call]
+        with pytest.raises(ValueError, match=rf"\({name}\).*scale_grad_by_freq=True or sparse"):
+            run()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_lookups_without_counts_stay_exact():
+    """The refusal is for the options alone: the same modules without them are exact."""
+    torch.manual_seed(2)
+    index = torch.tensor([[1, 2, 2], [2, 3, 4], [5, 1, 1]])
+    for lookup in (nn.EmbeddingBag(10, 4, mode="sum"), _CustomLookup(False), _CustomLookup(True)):
+        model = nn.Sequential(lookup, nn.Tanh(), nn.Linear(4, 1))
+        jac = per_example_jacobian(model, lambda m: m(index).squeeze(1))
+        with funcgrad.per_example(model) as pe:
+            torch.testing.assert_close(pe.gramian(model(index).squeeze(1)), jac @ jac.T)

@@ -237,9 +237,12 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
             if p in run.selected and not any(p in _nested_params(use) for use in calls)
         }
         if params:
-            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and (
+                module.scale_grad_by_freq or module.sparse
+            ):
                 raise ValueError(
-                    f"{run.call}: module {run.recorder._names[module]!r} (Embedding) has "
+                    f"{run.call}: module {run.recorder._names[module]!r} "
+                    f"({type(module).__name__}) has "
                     "scale_grad_by_freq=True or sparse=True: its gradient is scaled by "
                     "counts over the whole batch (or sparse), which per-example gradients "
                     "do not sum to. Build it without those options."
