@@ -295,4 +295,9 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
                 found = found + _squares(g.to(run.dtype))
             else:
                 gram = gram + _gram(g.to(run.dtype))
-    return torch.diag(found) if gram is None else gram
+    if gram is None:
+        return torch.diag(found)
+    # exactly symmetric: the upper triangle mirrored (a rule's blocks, a ghost block's
+    # square computed in full, a matmul's rounding, may differ across the diagonal by ulps)
+    upper = gram.triu(1)
+    return upper + upper.T + torch.diag(gram.diagonal())
