@@ -146,3 +146,35 @@ def test_the_gramian_is_exactly_symmetric(masked):
         gram = pe.gramian(losses(model))
     assert torch.equal(gram, gram.T)
     torch.testing.assert_close(gram, jac @ jac.T)
+
+
+# -- rows whose output gradient is zero: the same in G, the norms and the update --------------
+
+
+@pytest.mark.parametrize("value", [1e160, float("inf")])
+@pytest.mark.parametrize("shape", [(6, 32, 32), (40, 8, 8)])  # ghost, materialised diagonal
+def test_a_never_read_row_adds_nothing_to_any_entry_point(value, shape):
+    """A row that the losses never read (Δ_bt = 0) holding 1e160 (its square overflows) or
+    inf: the Gramian skipped it, but the norms' ghost diagonal did not, so norms and clip
+    refused ('not finite') where the Gramian was finite. Now it adds nothing everywhere;
+    the reference is the loop on the input with that row zeroed (in exact arithmetic the
+    same gradients; torch's dense product gives NaN for an inf there)."""
+    torch.manual_seed(4)
+    rows, width, out = shape
+    model = nn.Linear(width, out)
+    x = torch.randn(5, rows, width)
+    mask = torch.ones(5, rows)
+    mask[1, 2] = 0.0
+    unread = x.clone()
+    unread[1, 2] = value
+
+    def losses(m, inputs):  # a where, so that Δ there is exactly 0 (inf * 0 is NaN)
+        return torch.where(mask.bool().unsqueeze(-1), m(inputs), 0.0).pow(2).sum((1, 2))
+
+    jac = per_example_jacobian(model, lambda m: losses(m, x * mask.unsqueeze(-1)))
+    with funcgrad.per_example(model) as pe:
+        torch.testing.assert_close(pe.gramian(losses(model, unread)), jac @ jac.T)
+        norms = funcgrad.per_example_norms(losses(model, unread))
+        torch.testing.assert_close(norms, jac.norm(dim=1))
+        funcgrad.per_example_clip(losses(model, unread), 1.0)
+    torch.testing.assert_close(_flat_grads(model), _clipped(jac, 1.0))

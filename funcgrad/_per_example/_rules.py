@@ -29,7 +29,7 @@ class _Dense(_Layer):
         a_parts, d_parts = [], []
         for use in self.uses:
             a, d = self.unfold(use)
-            a_parts.append(a)
+            a_parts.append(_unread_rows_zeroed(a, d))
             d_parts.append(d)
         return _cat_rows(a_parts), _cat_rows(d_parts)
 
@@ -202,6 +202,7 @@ class _Dense(_Layer):
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
+        a = _unread_rows_zeroed(a, d)
         # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
         w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
@@ -214,6 +215,16 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _unread_rows_zeroed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """A (B, T, d) with the rows whose output gradient Δ_bt is all zeros set to 0: such a
+    row adds nothing, even where it holds inf or NaN (torch's dense Δᵀ A gives NaN there),
+    so that G, its diagonal (the norms) and the update agree with the ghost products, which
+    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it."""
+    if a.shape[1] <= 1 or a.shape[:2] != d.shape[:2]:
+        return a
+    return a.masked_fill((d == 0).all(-1, keepdim=True), 0)
 
 
 def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:
