@@ -287,3 +287,40 @@ def test_submodules_run_in_worker_threads_belong_to_the_forward(generic):
         raise errors[0]
     torch.testing.assert_close(found["G"], jac @ jac.T, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(found["norms"], jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
+def test_a_call_after_the_forwards_thread_ended_says_so():
+    """The records are the thread's own and end with it: the call said 'no
+    funcgrad.per_example hooks recorded the forward', which they had."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 3)
+    found: dict[str, torch.Tensor] = {}
+    with funcgrad.per_example(model) as pe:
+        thread = threading.Thread(target=lambda: found.setdefault("losses", _losses(model, x)))
+        thread.start()
+        thread.join()
+        del thread
+        for call in (pe.gramian, funcgrad.per_example_norms):
+            with pytest.raises(ValueError, match="the thread that ran their forward has ended"):
+                call(found["losses"])
+        jac = per_example_jacobian(model, lambda m: _losses(m, x))  # this thread: as before
+        torch.testing.assert_close(pe.gramian(_losses(model, x)), jac @ jac.T)
+
+
+def test_the_hooks_of_a_deep_copy_record_nothing_and_a_call_on_its_losses_says_so():
+    """A copy's hooks recorded every forward into a PerExample that no call could find (not
+    among the live ones): its records piled up, and a call said 'no funcgrad.per_example
+    hooks recorded the forward'."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 3)
+    with funcgrad.per_example(model):
+        clone = copy.deepcopy(model)
+        copied = next(
+            h.__self__ for h in clone[0]._forward_hooks.values() if hasattr(h, "__self__")
+        )
+        for _ in range(3):
+            losses = _losses(clone, x)
+        assert copied._uses == []
+        for call in (funcgrad.per_example_gramian, funcgrad.per_example_norms):
+            with pytest.raises(ValueError, match=r"a copy of a hooked model.*per_example\(copy\)"):
+                call(losses)

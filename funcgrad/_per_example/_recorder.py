@@ -115,6 +115,7 @@ class PerExample:
             raise ValueError(_distributed_refusal(_MARK))
         self.model = model
         self.batch_dim = batch_dim
+        self._copied = False  # a copy made by copy.deepcopy of the hooked model
         self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
         self._names = {module: name or "<model>" for name, module in model.named_modules()}
         for name, module in model.named_modules():
@@ -212,6 +213,10 @@ class PerExample:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # a copy's hooks (copy.deepcopy of a hooked model) record nothing: no call could
+        # find it (it is not among the live recorders), so its records would only pile up;
+        # it marks the outputs instead, so that a call on their losses says what happened
+        self._copied = True
         self._local = threading.local()
         self._threads = weakref.WeakSet()
         self._locks = {m: threading.RLock() for m in self._swappable}
@@ -303,7 +308,7 @@ class PerExample:
         state.roots = max(state.roots - 1, 0)
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not self._target().recording:
+        if self._copied or not self._target().recording:
             return
         if module in self._swappable and _layer_class(module) is _Generic:
             self._locks[module].acquire()  # released by _post (always called)
@@ -318,6 +323,9 @@ class PerExample:
         if held and held[-1] is module:
             held.pop()
             self._locks[module].release()
+        if self._copied:
+            _mark_copy(module, output)
+            return
         target = self._target()
         if not target.recording:
             return
@@ -469,6 +477,18 @@ class PerExample:
 _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
 
 
+def _mark_copy(module: nn.Module, output: Any) -> None:
+    """The output of a call of a copied module marked as such (for the message of a call on
+    its losses), unless a live recorder hooks that module too (the copy hooked itself)."""
+    for hook in module._forward_hooks.values():
+        owner: Any = getattr(hook, "__self__", None)
+        if _is_recorder_hook(hook) and not owner._copied and not owner._removed:
+            return
+    for out in [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output):
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            _mark(out.grad_fn, "copy")
+
+
 _PER_THREAD = ("_local", "_threads", "_locks")  # not copied with a PerExample
 
 
@@ -484,6 +504,17 @@ class _ThreadState:
         self.plan: PerExamplePlan | None = None
         self.held: list[nn.Module] = []  # the generic-rule modules whose forward holds its lock
         self.roots = 0  # calls of the hooked model in progress
+
+    def __del__(self) -> None:
+        """The thread ended (its thread-local state freed): the graphs of the records it
+        still held are marked, so that a call on their losses says so."""
+        try:
+            for top in self.uses:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "ended")
+        except Exception:  # (at interpreter shutdown)
+            pass
 
     def busy(self) -> bool:
         """A call of the model (a forward) or a funcgrad call in progress."""
