@@ -180,12 +180,17 @@ class _Run:
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
         plans: list[_LayerPlan] = []
+        finite = True
         if need_gramian:
             gram = _gramian(self, blocks)
+            finite = bool(torch.isfinite(gram).all())
+            if not finite and _zero_unread(blocks):  # again, the rows no loss reads zeroed
+                gram = _gramian(self, blocks)
+                finite = bool(torch.isfinite(gram).all())
         for block in blocks:
             plans.extend(layer.plan() for layer in block)
         self.recorder.plan = PerExamplePlan(self.batch, plans)
-        if need_gramian and not bool(torch.isfinite(gram).all()):
+        if not finite:
             bad = (~torch.isfinite(gram.diagonal())).nonzero().flatten().tolist()
             raise ValueError(
                 f"{self.call}: the Gramian of the per-example gradients is not finite"
@@ -268,6 +273,22 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
     for i, layer in enumerate(layers):
         blocks.setdefault(find(i), []).append(layer)
     return list(blocks.values())
+
+
+def _zero_unread(blocks: list[list[_Layer]]) -> bool:
+    """Where G came out not finite: the Linear / convolution layers' rows whose output
+    gradient is all zeros (read by no loss) zeroed in their input from now on (G, the
+    norms and the update), as the ghost Gramian skips them, so that an inf or an overflow
+    there adds nothing on any path (torch's dense product gives NaN). Whether any layer
+    can."""
+    from ._rules import _Dense
+
+    found = False
+    for block in blocks:
+        for layer in block:
+            if isinstance(layer, _Dense):
+                layer.zero_unread, layer.kept, found = True, None, True
+    return found
 
 
 def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
