@@ -176,3 +176,151 @@ def test_a_hooked_model_can_be_deep_copied():
     jac = per_example_jacobian(clone, lambda m: _losses(m, x))
     with funcgrad.per_example(clone) as pe:
         torch.testing.assert_close(pe.gramian(_losses(clone, x)), jac @ jac.T)
+
+
+def _clipped_sum(model, losses_fn, max_norm):
+    """Σ_b min(1, C / (‖g_b‖ + 1e-6)) g_b from the per-example autograd loop, flattened."""
+    jac = per_example_jacobian(model, losses_fn)
+    return (max_norm / (jac.norm(dim=1) + 1e-6)).clamp(max=1.0) @ jac
+
+
+def test_a_post_accumulate_hook_may_call_per_example_clip_on_another_model():
+    """The hooks ran under the lock that serialises .grad writes: a hook calling
+    per_example_clip (on another model) waited on it forever. Run in a thread, so that a
+    hang fails the test instead of stalling the suite."""
+    torch.manual_seed(3)
+    first, second = nn.Linear(6, 2), nn.Linear(6, 2)
+    x = torch.randn(5, 6)
+
+    def losses_of(m):
+        return m(x).pow(2).sum(-1)
+
+    want = [_clipped_sum(m, losses_of, 1.0) for m in (first, second)]
+    fired: list[int] = []
+
+    def hook(param):
+        if not fired:
+            fired.append(1)
+            with funcgrad.per_example(second):
+                funcgrad.per_example_clip(losses_of(second), 1.0)
+
+    first.weight.register_post_accumulate_grad_hook(hook)
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            with funcgrad.per_example(first):
+                funcgrad.per_example_clip(losses_of(first), 1.0)
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "per_example_clip hung: a hook ran under the .grad lock"
+    if errors:
+        raise errors[0]
+    assert fired == [1]
+    for model, expected in zip((first, second), want):
+        found = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+
+
+class _Expert(nn.Module):
+    """A generic-rule module (its own forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.w)
+
+
+class _Ensemble(nn.Module):
+    """Experts run in worker threads of a pool (an ensemble / mixture of experts), the
+    parent waiting on them; with a gate of its own (a generic-rule parent) or not."""
+
+    def __init__(self, pool, experts, gate: bool) -> None:
+        super().__init__()
+        self.pool, self.experts = pool, nn.ModuleList(experts)
+        self.gate = nn.Parameter(torch.tensor([0.7, 1.3])) if gate else None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        outs = [f.result() for f in [self.pool.submit(e, h) for e in self.experts]]
+        if self.gate is None:
+            return torch.tanh(outs[0]) + torch.tanh(outs[1])
+        return self.gate[0] * outs[0] + self.gate[1] * outs[1]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_submodules_run_in_worker_threads_belong_to_the_forward(generic):
+    """generic: the parent's forward held the one swap lock while waiting on the workers,
+    whose experts' pre-hooks waited on it: the forward hung. Not generic (plain Linear
+    experts, a parent without parameters): the experts' records went to the workers'
+    threads, and the call refused 'the forward of these losses ran in another thread'."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.manual_seed(4)
+    pool = ThreadPoolExecutor(2)
+    experts = [_Expert(), _Expert()] if generic else [nn.Linear(6, 6), nn.Linear(6, 6)]
+    model = nn.Sequential(nn.Linear(6, 6), _Ensemble(pool, experts, generic), nn.Linear(6, 1))
+    x = torch.randn(5, 6)
+    jac = per_example_jacobian(model, lambda m: _losses(m, x))
+    found: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            with funcgrad.per_example(model) as pe:
+                found["G"] = pe.gramian(_losses(model, x))
+                found["norms"] = funcgrad.per_example_norms(_losses(model, x))
+        except BaseException as error:  # reported in the main thread
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the forward or the call hung on the swap lock"
+    pool.shutdown()
+    if errors:
+        raise errors[0]
+    torch.testing.assert_close(found["G"], jac @ jac.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(found["norms"], jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
+def test_a_call_after_the_forwards_thread_ended_says_so():
+    """The records are the thread's own and end with it: the call said 'no
+    funcgrad.per_example hooks recorded the forward', which they had."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 3)
+    found: dict[str, torch.Tensor] = {}
+    with funcgrad.per_example(model) as pe:
+        thread = threading.Thread(target=lambda: found.setdefault("losses", _losses(model, x)))
+        thread.start()
+        thread.join()
+        del thread
+        for call in (pe.gramian, funcgrad.per_example_norms):
+            with pytest.raises(ValueError, match="the thread that ran their forward has ended"):
+                call(found["losses"])
+        jac = per_example_jacobian(model, lambda m: _losses(m, x))  # this thread: as before
+        torch.testing.assert_close(pe.gramian(_losses(model, x)), jac @ jac.T)
+
+
+def test_the_hooks_of_a_deep_copy_record_nothing_and_a_call_on_its_losses_says_so():
+    """A copy's hooks recorded every forward into a PerExample that no call could find (not
+    among the live ones): its records piled up, and a call said 'no funcgrad.per_example
+    hooks recorded the forward'."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(4, 3)
+    with funcgrad.per_example(model):
+        clone = copy.deepcopy(model)
+        copied = next(
+            h.__self__ for h in clone[0]._forward_hooks.values() if hasattr(h, "__self__")
+        )
+        for _ in range(3):
+            losses = _losses(clone, x)
+        assert copied._uses == []
+        for call in (funcgrad.per_example_gramian, funcgrad.per_example_norms):
+            with pytest.raises(ValueError, match=r"a copy of a hooked model.*per_example\(copy\)"):
+                call(losses)

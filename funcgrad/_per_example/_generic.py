@@ -30,7 +30,8 @@ class _Generic(_Layer):
         try:
             # the module's parameters are swapped during its functional calls: no other
             # thread runs its forward meanwhile (its hooks wait on the same lock)
-            with self.run.recorder._swap, _RefuseTensorHooks(self):
+            swapping = self.run.recorder._swapping(self.module, self.params.values())
+            with swapping, _RefuseTensorHooks(self):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)
@@ -193,7 +194,37 @@ class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
                 "written. Register the hook on the module's output instead (hooks between "
                 "modules are honoured), or leave its parameters out with inputs=."
             )
+        if _batch_counts(func, args, kwargs or {}):
+            layer = self.layer
+            raise ValueError(
+                f"{layer.run.call}: module {layer.name!r} ({type(layer.module).__name__}) "
+                f"calls {func.__name__} with scale_grad_by_freq=True or sparse=True: its "
+                "gradient is scaled by counts over the whole batch (or sparse), which "
+                "per-example gradients do not sum to. Nothing was written. Call it without "
+                "those options, or leave its parameters out with inputs=."
+            )
         return func(*args, **(kwargs or {}))
+
+
+# where an embedding lookup's scale_grad_by_freq and sparse are, by position
+_COUNTED: dict[Any, tuple[int, int]] = {
+    torch.nn.functional.embedding: (5, 6),
+    torch.nn.functional.embedding_bag: (5, 7),
+    torch.embedding: (3, 4),
+    torch.embedding_bag: (3, 5),
+}
+
+
+def _batch_counts(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` is an embedding lookup with ``scale_grad_by_freq`` or ``sparse``."""
+    where = _COUNTED.get(func)
+    if where is None:
+        return False
+    found = [
+        kwargs.get(name, args[i] if len(args) > i else False)
+        for name, i in zip(("scale_grad_by_freq", "sparse"), where)
+    ]
+    return any(bool(x) for x in found)
 
 
 def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:

@@ -89,6 +89,12 @@ _WHY = {
     "removed": "the hooks were removed (the end of the `with funcgrad.per_example(model)` "
     "block, or remove()), which drops their records. Call gramian / backward inside the "
     "block, before the hooks are removed",
+    "ended": "the thread that ran their forward has ended, and its records with it (each "
+    "thread's records are its own). Call gramian / backward / per_example_norms / "
+    "per_example_clip in the thread that ran the forward, before it ends",
+    "copy": "they come from a copy of a hooked model (copy.deepcopy copies its modules' "
+    "hooks, funcgrad's too, but a copy's are inert: they record nothing). Hook the copy "
+    "itself: `with funcgrad.per_example(copy) as pe:` around its forward and call",
 }
 
 

@@ -3,8 +3,10 @@ user's forward, and the lookup of the recorder of a batch's losses."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -113,6 +115,7 @@ class PerExample:
             raise ValueError(_distributed_refusal(_MARK))
         self.model = model
         self.batch_dim = batch_dim
+        self._copied = False  # a copy made by copy.deepcopy of the hooked model
         self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
         self._names = {module: name or "<model>" for name, module in model.named_modules()}
         for name, module in model.named_modules():
@@ -131,12 +134,12 @@ class PerExample:
                 )
         # What a forward records, and whether the hooks record, is each thread's own: two
         # threads sharing the hooks (a forward and a call each) never see each other's calls.
+        # A thread with no call of the model in progress records into the one thread that
+        # has one (a worker of a thread pool running submodules of that forward); where
+        # several have, into its own (and a call on those losses refuses: another thread).
         self._local = threading.local()
         self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         self._last_plan: PerExamplePlan | None = None
-        # Held while a call swaps a generic-rule module's parameters for its functional
-        # calls, and by every thread's forward of such a module: the forward never sees them.
-        self._swap = threading.RLock()
         self._removed = False
         self._handles = []
         self._direct = {module: tuple(_direct(module)) for module in model.modules()}
@@ -148,12 +151,22 @@ class PerExample:
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
         self._shared = _SharedIndex(self)
         # the modules whose rule may be the generic one (by their class at hooking, or
-        # attention's, which is generic in training with dropout): their forwards take _swap
+        # attention's, which is generic in training with dropout): their forwards take its lock
         self._swappable = {
             m
             for m, params in self._direct.items()
             if params and _layer_class(m) in (_Generic, _Attention)
         }
+        # One lock per such module, held while a call swaps its parameters for its
+        # functional calls, and by every thread's forward of it: the forward never sees them
+        # swapped. Per module, not one for all: a parent's forward (holding its own) may wait
+        # on worker threads that run its children (an ensemble in a thread pool).
+        self._order = {m: i for i, m in enumerate(self._direct)}
+        self._owners: dict[int, list[nn.Module]] = {}
+        for module, params in self._direct.items():
+            for p in params:
+                self._owners.setdefault(id(p), []).append(module)
+        self._locks = {m: threading.RLock() for m in self._swappable}
         for module, params in self._direct.items():
             if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
                 self._handles.append(
@@ -172,6 +185,14 @@ class PerExample:
                         self._post, with_kwargs=True, prepend=True, always_call=True
                     )
                 )
+        # first of the model's pre-hooks, so that its own record (a model with parameters of
+        # its own) sees the call in progress; last of its forward hooks
+        self._handles.append(
+            model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
+        )
+        self._handles.append(
+            model.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
+        )
         self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
         self._handles.append(
             model.register_forward_hook(self._shared.root_done, with_kwargs=True, always_call=True)
@@ -192,9 +213,27 @@ class PerExample:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        # a copy's hooks (copy.deepcopy of a hooked model) record nothing: no call could
+        # find it (it is not among the live recorders), so its records would only pile up;
+        # it marks the outputs instead, so that a call on their losses says what happened
+        self._copied = True
         self._local = threading.local()
         self._threads = weakref.WeakSet()
-        self._swap = threading.RLock()
+        self._locks = {m: threading.RLock() for m in self._swappable}
+
+    @contextlib.contextmanager
+    def _swapping(self, module: nn.Module, params: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Held while a call swaps ``params`` (of the generic rule of ``module``): the locks of
+        ``module`` and of every module owning one of them (a forward of any of them waits),
+        taken in the order of ``model.modules()`` (two calls never wait on each other)."""
+        owners = {module} | {m for p in params for m in self._owners.get(id(p), ())}
+        locks = [
+            self._locks[m] for m in sorted(owners, key=self._order.__getitem__) if m in self._locks
+        ]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
 
     @property
     def _state(self) -> _ThreadState:
@@ -250,11 +289,29 @@ class PerExample:
 
     # Hooks ---------------------------------------------------------------------------
 
+    def _target(self) -> _ThreadState:
+        """The thread state that this thread's hooks record into: its own, or, where this
+        thread has no call of the model in progress (nor a funcgrad call) and exactly one
+        other thread has, that thread's: a worker thread running submodules for that
+        thread's forward (an ensemble in a thread pool) records into that forward."""
+        mine = self._state
+        if mine.roots or not mine.recording:
+            return mine
+        busy = [s for s in list(self._threads) if s is not mine and s.busy()]
+        return busy[0] if len(busy) == 1 else mine
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._state.roots += 1  # a call of the model in progress in this thread
+
+    def _leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        state = self._state
+        state.roots = max(state.roots - 1, 0)
+
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not self._recording:
+        if self._copied or not self._target().recording:
             return
         if module in self._swappable and _layer_class(module) is _Generic:
-            self._swap.acquire()  # released by _post (always called)
+            self._locks[module].acquire()  # released by _post (always called)
             self._state.held.append(module)
         if module in self._batchnorms and _batch_statistics(module):  # before its forward
             _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
@@ -265,8 +322,12 @@ class PerExample:
         held = self._state.held
         if held and held[-1] is module:
             held.pop()
-            self._swap.release()
-        if not self._recording:
+            self._locks[module].release()
+        if self._copied:
+            _mark_copy(module, output)
+            return
+        target = self._target()
+        if not target.recording:
             return
         nested: list[_Use] = []
         if module in self._parents:
@@ -274,9 +335,12 @@ class PerExample:
             while frame[0] is not module and self._frames:  # a call that raised left its frame
                 frame = self._frames.pop()
             nested = frame[1] if frame[0] is module else []
+        if not self._frames and target is not self._state:  # a worker's: into that forward
+            enclosing = target.frames[-1][1] if target.frames else target.uses
+        else:
+            enclosing = self._frames[-1][1] if self._frames else self._uses
         # where this call is not recorded itself (its own parameters frozen), the calls
         # nested in it are kept, as calls of the enclosing frame
-        enclosing = self._frames[-1][1] if self._frames else self._uses
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
             enclosing.extend(nested)
             return
@@ -413,7 +477,19 @@ class PerExample:
 _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
 
 
-_PER_THREAD = ("_local", "_threads", "_swap")  # not copied with a PerExample
+def _mark_copy(module: nn.Module, output: Any) -> None:
+    """The output of a call of a copied module marked as such (for the message of a call on
+    its losses), unless a live recorder hooks that module too (the copy hooked itself)."""
+    for hook in module._forward_hooks.values():
+        owner: Any = getattr(hook, "__self__", None)
+        if _is_recorder_hook(hook) and not owner._copied and not owner._removed:
+            return
+    for out in [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output):
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            _mark(out.grad_fn, "copy")
+
+
+_PER_THREAD = ("_local", "_threads", "_locks")  # not copied with a PerExample
 
 
 class _ThreadState:
@@ -426,7 +502,23 @@ class _ThreadState:
         self.frames: list[tuple[nn.Module, list[_Use]]] = []
         self.recording = True
         self.plan: PerExamplePlan | None = None
-        self.held: list[nn.Module] = []  # the generic-rule modules whose forward holds _swap
+        self.held: list[nn.Module] = []  # the generic-rule modules whose forward holds its lock
+        self.roots = 0  # calls of the hooked model in progress
+
+    def __del__(self) -> None:
+        """The thread ended (its thread-local state freed): the graphs of the records it
+        still held are marked, so that a call on their losses says so."""
+        try:
+            for top in self.uses:
+                for use in top.walk():
+                    for edge in use.edges:
+                        _mark(edge.node, "ended")
+        except Exception:  # (at interpreter shutdown)
+            pass
+
+    def busy(self) -> bool:
+        """A call of the model (a forward) or a funcgrad call in progress."""
+        return self.roots > 0 or not self.recording
 
 
 class _SharedIndex:

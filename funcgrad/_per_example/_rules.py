@@ -20,6 +20,8 @@ class _Dense(_Layer):
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
+    # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh)
+    zero_unread = False
 
     def oriented(self, grad: torch.Tensor) -> torch.Tensor:
         """A weight gradient computed as (..., p, d), in the layout of the weight."""
@@ -29,7 +31,7 @@ class _Dense(_Layer):
         a_parts, d_parts = [], []
         for use in self.uses:
             a, d = self.unfold(use)
-            a_parts.append(a)
+            a_parts.append(_unread_rows_zeroed(a, d) if self.zero_unread else a)
             d_parts.append(d)
         return _cat_rows(a_parts), _cat_rows(d_parts)
 
@@ -202,6 +204,8 @@ class _Dense(_Layer):
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
+        if self.zero_unread:
+            a = _unread_rows_zeroed(a, d)
         # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
         w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
@@ -214,6 +218,18 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _unread_rows_zeroed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """A (B, T, d) with the rows whose output gradient Δ_bt is all zeros set to 0: such a
+    row adds nothing, even where it holds inf or NaN (torch's dense Δᵀ A gives NaN there),
+    so that G, its diagonal (the norms) and the update agree with the ghost products, which
+    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it. Only
+    where G (or its diagonal) came out not finite without it (a pass over A: 1.5 ms per
+    (32, 64, 256) layer, most of a matmul's time)."""
+    if a.shape[1] <= 1 or a.shape[:2] != d.shape[:2]:
+        return a
+    return a.masked_fill((d == 0).all(-1, keepdim=True), 0)
 
 
 def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -354,8 +370,8 @@ class _Embedding(_Layer):
             index = self.input(use)
             d = self.delta(use).reshape(self.batch, -1, module.embedding_dim)
             index = index.reshape(self.batch, -1)
-            if module.padding_idx is not None:  # its row gets no gradient
-                d = d * (index != module.padding_idx).unsqueeze(-1).to(d.dtype)
+            if module.padding_idx is not None:  # its row gets no gradient (a NaN Δ there too)
+                d = d.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
             index_parts.append(index)
             d_parts.append(d)
         return _cat_rows(index_parts), _cat_rows(d_parts)

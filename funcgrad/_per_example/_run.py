@@ -161,30 +161,36 @@ class _Run:
         if write:  # Apply: the one place that writes .grad (one thread at a time).
             with _APPLY:
                 self._apply(update)
+            # Post-accumulate-grad hooks fire once per leaf, on its final .grad: after the
+            # lock is released (user code, which may call funcgrad again, never under it).
+            _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
         return gram, weights
 
     def _apply(self, update: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``.grad`` written: replaced or accumulated, then the post-accumulate hooks."""
+        """``.grad`` written: replaced or accumulated (the hooks fire after, unlocked)."""
         taken: set[int] = set()
         if self.replace:
             for param in self.selected:
                 param.grad = None
         for param, grad in update:
             _sync.accumulate(param, grad.to(param.dtype), taken)
-        # Post-accumulate-grad hooks fire once per leaf, on its final .grad.
-        _sync.post_accumulate(list({id(p): p for p, _ in update}.values()))
 
     def _weigh(
         self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
         plans: list[_LayerPlan] = []
+        finite = True
         if need_gramian:
             gram = _gramian(self, blocks)
+            finite = bool(torch.isfinite(gram).all())
+            if not finite and _zero_unread(blocks):  # again, the rows no loss reads zeroed
+                gram = _gramian(self, blocks)
+                finite = bool(torch.isfinite(gram).all())
         for block in blocks:
             plans.extend(layer.plan() for layer in block)
         self.recorder.plan = PerExamplePlan(self.batch, plans)
-        if need_gramian and not bool(torch.isfinite(gram).all()):
+        if not finite:
             bad = (~torch.isfinite(gram.diagonal())).nonzero().flatten().tolist()
             raise ValueError(
                 f"{self.call}: the Gramian of the per-example gradients is not finite"
@@ -236,9 +242,12 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
             if p in run.selected and not any(p in _nested_params(use) for use in calls)
         }
         if params:
-            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and (
+                module.scale_grad_by_freq or module.sparse
+            ):
                 raise ValueError(
-                    f"{run.call}: module {run.recorder._names[module]!r} (Embedding) has "
+                    f"{run.call}: module {run.recorder._names[module]!r} "
+                    f"({type(module).__name__}) has "
                     "scale_grad_by_freq=True or sparse=True: its gradient is scaled by "
                     "counts over the whole batch (or sparse), which per-example gradients "
                     "do not sum to. Build it without those options."
@@ -266,6 +275,22 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
     return list(blocks.values())
 
 
+def _zero_unread(blocks: list[list[_Layer]]) -> bool:
+    """Where G came out not finite: the Linear / convolution layers' rows whose output
+    gradient is all zeros (read by no loss) zeroed in their input from now on (G, the
+    norms and the update), as the ghost Gramian skips them, so that an inf or an overflow
+    there adds nothing on any path (torch's dense product gives NaN). Whether any layer
+    can."""
+    from ._rules import _Dense
+
+    found = False
+    for block in blocks:
+        for layer in block:
+            if isinstance(layer, _Dense):
+                layer.zero_unread, layer.kept, found = True, None, True
+    return found
+
+
 def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
     """G, (B, B); or, where the call reads only its diagonal, ``diag(G)`` as a (B, B)
     matrix (the cross-example blocks are never formed)."""
@@ -291,4 +316,9 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
                 found = found + _squares(g.to(run.dtype))
             else:
                 gram = gram + _gram(g.to(run.dtype))
-    return torch.diag(found) if gram is None else gram
+    if gram is None:
+        return torch.diag(found)
+    # exactly symmetric: the upper triangle mirrored (a rule's blocks, a ghost block's
+    # square computed in full, a matmul's rounding, may differ across the diagonal by ulps)
+    upper = gram.triu(1)
+    return upper + upper.T + torch.diag(gram.diagonal())
