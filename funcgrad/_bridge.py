@@ -134,7 +134,7 @@ def grads(
         # an input) must see the outputs' gradients, not unit directions.
         hooked = graph.hooked or any(x._backward_hooks for x in ins)
         k, n, m = len(outs), _coords.real_size(ins), _coords.real_size(lin.out)
-        plan = once_plan(k, n, m, chunk_size, _CALL, hooked=hooked)
+        plan = once_plan(k, n, m, chunk_size, _CALL, hooked=hooked, sparse=graph.sparse)
         # Where the cotangents themselves go through, that one batched pull is the last: it
         # frees the part below `through`, as torch.autograd.grad would.
         last = hooked or (not retain and plan.strategy == "vjp")

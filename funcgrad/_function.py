@@ -7,7 +7,6 @@ check on them is made here so that the user gets one clear message, not autograd
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,8 +35,8 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
 class _Draws(TorchFunctionMode):
     """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
     in every torch random op) the first time it is seen, with its state before that draw; and,
-    given ``flat``, whether f registered a tensor hook or called a module with a backward
-    hook (``flat.hooked``), ran an RNN
+    given ``flat``, whether f registered a tensor hook (``flat.hooked``; a module's backward
+    hook is found in the graph: :func:`module_hook_in_graph`), ran an RNN
     (``flat.rnn``) or a batch norm in training mode (``flat.norm``: torch.func refuses its
     running statistics' update)."""
 
@@ -47,28 +46,6 @@ class _Draws(TorchFunctionMode):
         super().__init__()
         self.seen = seen
         self.flat = flat
-
-    def __enter__(self) -> _Draws:
-        # A module's backward hook is no tensor hook: it sits on the module (or globally) and
-        # acts through its own autograd node, which no torch function names. A global forward
-        # pre-hook, for this thread and while f runs, sees each module f calls.
-        self._module_hook: Any = None
-        if self.flat is not None:
-            thread = threading.get_ident()
-            flat = self.flat
-
-            def see(module: torch.nn.Module, args: Any) -> None:
-                if thread == threading.get_ident() and _backward_hooked(module):
-                    flat.hooked = True
-
-            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(see)
-        super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)  # type: ignore[no-untyped-call]
-        if self._module_hook is not None:
-            self._module_hook.remove()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -87,16 +64,24 @@ class _Draws(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _backward_hooked(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` runs a backward hook (its own or a global one, full or
-    not, pre or post)."""
-    hooks = torch.nn.modules.module
-    return bool(
-        module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    )
+def module_hook_in_graph(outputs: Any) -> bool:
+    """Whether the autograd graph of ``outputs`` holds a module's backward hook (its own or a
+    global one, full or pre: torch puts a ``BackwardHookFunction`` node on the module's
+    inputs and outputs). No torch function names it, so the watch's mode cannot see it; a
+    walk of the graph f built, on a watched eager call, does. Under torch.func such a node
+    makes torch.func refuse f, and the call runs on eager autograd."""
+    leaves, _ = _tree.flatten(outputs)
+    todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "BackwardHookFunctionBackward":
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return False
 
 
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches
@@ -314,6 +299,7 @@ class FlatFunction:
             if watching:
                 with _Draws(self.generators, self), Random(self):
                     result = self.f(*args)
+                self.hooked = self.hooked or module_hook_in_graph(result)
             else:
                 result = self.f(*args)
         except Exception as error:

@@ -541,3 +541,20 @@ def test_hooks_below_through_see_the_outputs_gradients_where_k_exceeds_through(w
     got = funcgrad.grads(outputs, params, through=y)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("k", [2, 8], ids=["k<m", "k>m"])
+def test_grads_of_a_sparse_embedding_gradient(k):
+    """Review finding: where k > numel(through), grads combined through's unit directions
+    with a tensordot that sparse gradients do not support (a RuntimeError from torch); a
+    sparse gradient now loops over the cotangents, as backward does."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True).double()
+    y = emb(torch.tensor([1, 4, 4]))
+    outs = [(y * (i + 1)).sin().sum() for i in range(k)]
+    want = torch.stack(
+        [torch.autograd.grad(o, emb.weight, retain_graph=True)[0].to_dense() for o in outs]
+    )
+    (got,) = funcgrad.grads(outs, [emb.weight], through=y, retain_graph=True)
+    got = got.to_dense() if got.is_sparse else got
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
