@@ -31,3 +31,12 @@ def _seeded_float64():
     yield
     torch.set_default_dtype(torch.float64)
     funcgrad.set_check(previous)
+
+
+@pytest.fixture
+def float64_default():
+    """torch's default dtype float64 for the test, restored after."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)

@@ -10,14 +10,11 @@ import torch
 from torch import nn
 
 import funcgrad
+from tests.helpers import autograd_reference
 
 
 def _per_head_autograd(f, heads, x):
-    rows = []
-    for head in heads:
-        leaf = x.clone().requires_grad_()
-        rows.append(torch.autograd.grad(head(f(leaf)), leaf)[0])
-    return torch.stack(rows)
+    return torch.stack(autograd_reference(f, heads, (x,))[1])
 
 
 def _heads(k):

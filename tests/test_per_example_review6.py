@@ -11,13 +11,7 @@ from torch import nn
 import funcgrad
 from tests.helpers import per_example_jacobian
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _clipped(jac, max_norm):

@@ -18,12 +18,7 @@ from tests.helpers import per_example_jacobian
 ROUNDS = 20
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 class Scale(nn.Module):
