@@ -10,12 +10,17 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
+import threading
 import warnings
 
 import pytest
 import torch
 
 import funcgrad
+from funcgrad._plan import Request, decide, pullback_engine
+from funcgrad._record import Record
 
 STRATEGIES = ["auto", "vjp", "jacrev", "jacfwd", "loop"]
 CALLS = 4
@@ -226,3 +231,238 @@ def test_per_example_inside_f_refused_on_every_call(entry):
     for _ in range(CALLS):
         with pytest.raises(RuntimeError, match=r"inside a torch\.func transform or an f"):
             fn(torch.randn(3, 4))
+
+
+# ---------------------------------------------------------------- 2. threads inside f
+
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+
+
+def _in_thread(fn, *args):
+    return _POOL.submit(fn, *args).result()
+
+
+THREADED = {
+    # part of f from x (and a captured parameter) in a worker
+    "mixed": lambda x: _in_thread(lambda: torch.tanh(W @ x)) * torch.sin(x),
+    # from x alone (under torch.func: a plain tensor with no graph at all)
+    "x_only": lambda x: _in_thread(torch.tanh, x) + x**2,
+    # f's output itself from the worker
+    "output": lambda x: _in_thread(lambda: torch.tanh(W @ x) * x),
+    # from an intermediate the calling thread computed
+    "intermediate": lambda x: (lambda u: _in_thread(torch.sin, u) * u)(torch.cos(x)),
+    # threading.Thread, the result passed back in a list
+    "thread": lambda x: _by_thread(x) + x,
+}
+
+
+def _by_thread(x):
+    box = []
+    worker = threading.Thread(target=lambda: box.append(torch.tanh(W @ x) ** 2))
+    worker.start()
+    worker.join()
+    return box[0]
+
+
+def _expected(f, x, heads=HEADS):
+    xr = x.clone().requires_grad_()
+    y = f(xr)
+    return torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in heads])
+
+
+@pytest.mark.parametrize("case", list(THREADED))
+def test_threads_auto_is_autograds_on_every_call(case):
+    """auto's first call of a signature runs eager autograd (which follows threads) and sees
+    the worker's part; later calls stay there instead of trying torch.func, which took that
+    part for a constant (before: calls 2-4 were off by 0.1-1)."""
+    f, x = THREADED[case], torch.randn(4)
+    want = _expected(f, x)
+    fn = funcgrad.compose_heads(f, HEADS)
+    for call in range(CALLS):
+        torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+        assert fn.plan(x).engine == "autograd"
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_threads_combine_heads_is_autograds_on_every_call(level):
+    f, x = THREADED["mixed"], torch.randn(4)
+    want = _expected(f, x).sum(0)
+    fn = funcgrad.combine_heads(f, HEADS, lambda g: torch.ones(len(HEADS)), level=level)
+    for call in range(CALLS):
+        torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+
+
+def test_threads_pullback_is_autograds():
+    """pullback runs f once on eager autograd: right already (a guard, it passed before)."""
+    f, x = THREADED["mixed"], torch.randn(4)
+    cotangents = torch.randn(3, 4)
+    for _ in range(2):
+        _, pb = funcgrad.pullback(f, x)
+        xr = x.clone().requires_grad_()
+        y = f(xr)
+        want = torch.stack(
+            [torch.autograd.grad(y, xr, v, retain_graph=True)[0] for v in cotangents]
+        )
+        torch.testing.assert_close(pb.many(cotangents)[0], want)
+
+
+def test_decide_once_threads_are_known():
+    """With the thread known for a signature: auto plans eager autograd without a torch.func
+    trial or forward mode; a plan that would run f under torch.func (an explicit strategy,
+    forward mode, a graph of the results wanted) is refused before f runs, naming threads
+    and the fix."""
+    record = Record(m=4, threads=True, draws=False)
+    for request in (
+        Request("vjp", 3, 4, 4),
+        Request("jacrev", 3, 4, 4),
+        Request("jacfwd", 3, 4, 4),
+        Request("auto", 3, 4, 4, graph=True),
+        Request("auto", 3, 4, 4, weighted=True, eager=False),
+    ):
+        with pytest.raises(ValueError, match=r"another thread.*calling thread"):
+            decide(request, record)
+    for k in (3, 9):  # (k > 2n: forward mode would be cheaper)
+        plan = decide(Request("auto", k, 1, 4), record)
+        assert plan.engine == "autograd" and not plan.timed and plan.strategy != "jacfwd"
+    assert pullback_engine(True, dataclasses.replace(record, compiled=True)) == "autograd"
+
+
+def test_threads_explicit_strategy_that_runs_eagerly_is_autograds():
+    """An explicit strategy runs f on eager autograd where f draws random numbers: there the
+    thread is seen, and every call is autograd's (nothing to refuse)."""
+
+    def f(x):
+        return THREADED["mixed"](x) + 0 * torch.rand(())
+
+    x = torch.randn(4)
+    want = _expected(f, x)
+    fn = funcgrad.compose_heads(f, HEADS, strategy="vjp")
+    for call in range(CALLS):
+        torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+
+
+def _threads_seen(fn):
+    return fn._composition._records.facts.threads
+
+
+class _OldStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _NewStyle(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return x.view_as(x)  # (its own output is a view of the input)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _no_thread_cases():
+    """f's that run everything on the calling thread, with what could look foreign."""
+    lin, norm = torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4).eval()
+    before = torch.tanh(lin(torch.randn(4)))  # captured, with a graph, computed before
+    mha = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+    lstm = torch.nn.LSTM(4, 4, batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True)
+    hooked = torch.nn.Linear(4, 4)
+    hooked.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    previous = []
+
+    def remember(x):  # a tensor from the previous call of f, captured
+        y = torch.sin(x) + (previous[-1] if previous else 0)
+        previous.append(y)
+        return y
+
+    def seq(x):
+        return x.view(1, 2, 2)
+
+    return {
+        "captured_with_graph": lambda x: before * x,
+        "parameters_and_buffers": lambda x: norm(lin(x).view(1, 4)).view(4),
+        "previous_call": remember,
+        "layer_norm_gelu": lambda x: torch.nn.functional.gelu(
+            torch.nn.functional.layer_norm(x, (4,))
+        ),
+        "sdpa": lambda x: torch.nn.functional.scaled_dot_product_attention(
+            seq(x)[None], seq(x)[None], seq(x)[None]
+        ).flatten(),
+        "multi_head_attention": lambda x: mha(x.view(1, 1, 4), x.view(1, 1, 4), x.view(1, 1, 4))[
+            0
+        ].flatten(),
+        "lstm": lambda x: lstm(x.view(1, 1, 4))[0].flatten(),
+        "transformer_layer": lambda x: layer(x.view(1, 1, 4)).flatten(),
+        "multi_output": lambda x: (
+            torch.max(x.view(2, 2), dim=1).values.repeat(2) * torch.stack(x.unbind(0)[::-1]).flip(0)
+        ),
+        "properties": lambda x: x.view(2, 2).T.mT.flatten() + x[1:].sum(),
+        "module_hook": lambda x: hooked(x),
+        "tensor_hook": lambda x: (lambda t: (t.register_hook(lambda g: g * 1), t)[1])(x * 2),
+        "custom_functions": lambda x: _OldStyle.apply(_NewStyle.apply(x)) + 1,
+        "pass_counter": lambda x: funcgrad.PassCounter()(x) * 2,
+        "checkpoint": lambda x: torch.utils.checkpoint.checkpoint(
+            torch.sin, x * 2, use_reentrant=False
+        ),
+        "autograd_grad": lambda x: torch.autograd.grad(
+            torch.tanh(W @ x).sum(), x, create_graph=True
+        )[0],
+        "nested_grads": lambda x: _grads_h(x),
+        "nested_compose_heads": lambda x: _compose_h(x) + x,
+    }
+
+
+NO_THREAD = list(_no_thread_cases())
+
+
+@pytest.mark.parametrize("case", NO_THREAD)
+def test_no_thread_seen_where_f_stays_on_the_calling_thread(case):
+    """No false positive: captured tensors with a graph, parameters, buffers, a tensor from
+    an earlier call, composite ops (several autograd nodes an op), multi-output ops, hooks,
+    autograd.Functions (whose apply no mode sees), checkpointing, gradients taken inside f.
+    The answer is autograd's on every call either way."""
+    f, x = _no_thread_cases()[case], torch.randn(4)
+    fn = funcgrad.compose_heads(f, HEADS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        for _ in range(3):
+            fn(x)
+    assert not _threads_seen(fn)
+
+
+def test_no_thread_seen_for_a_compiled_module():
+    module = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
+    fn = funcgrad.compose_heads(lambda x: module(x) * x, HEADS)
+    fn(torch.randn(4))
+    assert not _threads_seen(fn)
+
+
+def test_no_thread_seen_when_several_threads_call_the_function():
+    """A compose_heads function called from several threads at once: each call runs f on
+    its own thread, watched there; no thread is taken for f's own."""
+    fn = funcgrad.compose_heads(lambda x: torch.tanh(W @ x) * x, HEADS)
+    xs = [torch.randn(4) for _ in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(fn, xs))
+    for x, (_, grads) in zip(xs, results):
+        torch.testing.assert_close(grads, _expected(lambda x: torch.tanh(W @ x) * x, x))
+    assert not _threads_seen(fn)
+
+
+@pytest.mark.parametrize("case", list(THREADED))
+def test_threads_seen_on_the_first_call(case):
+    fn = funcgrad.compose_heads(THREADED[case], HEADS)
+    fn(torch.randn(4))
+    assert _threads_seen(fn)
