@@ -137,6 +137,7 @@ def observed(
         rnn=flat.rnn,
         slow_path=log is not None and log.slow_path,
         forward_failed=forward_failed,
+        threads=flat.threads,
         final=plan.final,
         fit=fit,
     )

@@ -7,15 +7,19 @@ check on them is made here so that the user gets one clear message, not autograd
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _coords, _tree
 from ._errors import describe
+from ._graph import edge
 from ._types import Tensors
 from ._validate import check_primal_leaves, outside_transforms, values_readable
 
@@ -38,17 +42,55 @@ class _Draws(TorchFunctionMode):
     given ``flat``, whether f registered a tensor hook (``flat.hooked``; a module's backward
     hook is found in the graph: :func:`module_hook_in_graph`), ran an RNN
     (``flat.rnn``) or a batch norm in training mode (``flat.norm``: torch.func refuses its
-    running statistics' update)."""
+    running statistics' update).
+
+    Given ``threads`` (a :class:`Threads`, on eager autograd only), also the autograd node
+    of every tensor a torch function returns, and every tensor with a node that reaches a
+    torch function without one of them having returned it (see :func:`foreign`)."""
 
     def __init__(
-        self, seen: dict[torch.Generator, torch.Tensor], flat: FlatFunction | None = None
+        self,
+        seen: dict[torch.Generator, torch.Tensor],
+        flat: FlatFunction | None = None,
+        threads: Threads | None = None,
     ) -> None:
         super().__init__()
         self.seen = seen
         self.flat = flat
+        self.threads = threads
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        threads = self.threads
+        if threads is None or not threads.on:
+            return self._watched(func, types, args, kwargs)
+        # (Inlined: once per op of f on a watched call. The usual op takes tensors whose
+        # nodes an op returned, and returns one tensor.)
+        if _current_level() is not None:  # a transform inside f: see Threads
+            threads.off()
+            return self._watched(func, types, args, kwargs)
+        nodes = threads.nodes
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                node = value.grad_fn
+                if node is not None and node not in nodes:
+                    threads.unseen_tensor(value, node)
+            elif isinstance(value, (list, tuple)):
+                threads.check(value)
+        if kwargs:
+            threads.check(kwargs.values())
+        result = self._watched(func, types, args, kwargs)
+        if isinstance(result, torch.Tensor):
+            node = result.grad_fn
+            if node is not None:
+                nodes.add(node)
+            else:
+                threads.plain[id(result)] = weakref.ref(result)
+        else:
+            threads.made(result)
+        return result
+
+    def _watched(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         flat = self.flat
         if flat is not None:
             name = getattr(func, "__name__", "")
@@ -62,6 +104,99 @@ class _Draws(TorchFunctionMode):
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
         return func(*args, **kwargs)
+
+
+class Threads:
+    """What a watched run of f on eager autograd needs to tell whether part of f ran in
+    another thread: torch.func's transforms, like a TorchFunctionMode, hold for the calling
+    thread only, so a worker thread's ops on f's inputs are invisible to both, and under
+    torch.func its result is a constant (a silently wrong gradient). On eager autograd the
+    worker's ops are recorded as any others, so a tensor that reaches one of f's ops (or
+    f's output) on the calling thread with an autograd node that no torch function there
+    returned, and whose graph reaches this call's own differentiated leaves, was computed
+    during the call by code the mode did not see: another thread. Tensors f captures
+    (parameters, buffers, tensors computed before the call, in an earlier call included)
+    cannot reach this call's leaves (fresh leaves, or fresh views of the primals).
+
+    Off (``on`` False, no evidence) for the rest of the call once f runs a torch.func
+    transform itself (a nested funcgrad call, vmap): the tensors such a transform returns
+    are unwrapped outside any torch function, so they would look foreign."""
+
+    __slots__ = ("nodes", "on", "plain", "unseen")
+
+    def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
+        # (The nodes are held until the call ends: a node's Python object may otherwise be
+        # freed and another made for the same node, which would look unseen.)
+        self.nodes: set[Any] = {t.grad_fn for t in leaves if t.grad_fn is not None}
+        # The tensors returned without a node (weakly: id -> the tensor), for the output of
+        # an autograd.Function, whose apply no mode sees: its forward's own result (made
+        # without grad), given its node by apply afterwards.
+        self.plain: dict[int, weakref.ref[torch.Tensor]] = {}
+        self.unseen: list[torch.Tensor] = []
+        self.on = True
+
+    def off(self) -> None:
+        """No evidence from this call (a transform inside f: see the class)."""
+        self.on = False
+        self.unseen.clear()
+
+    def check(self, values: Any) -> None:
+        """Keep each tensor among ``values`` (and in a list or tuple among them) whose
+        autograd node no watched torch function returned."""
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                node = value.grad_fn
+                if node is not None and node not in self.nodes:
+                    self.unseen_tensor(value, node)
+            elif isinstance(value, (list, tuple)):
+                self.check(value)
+
+    def unseen_tensor(self, value: torch.Tensor, node: Any) -> None:
+        """``value``'s node, ``node``, was not returned by a watched torch function: kept,
+        unless ``value`` is an autograd.Function's output."""
+        if isinstance(node, BackwardCFunction):
+            ref = self.plain.get(id(value))
+            if ref is not None and ref() is value:
+                self.nodes.add(node)
+                return
+        self.unseen.append(value)
+        self.nodes.add(node)  # (kept once)
+
+    def made(self, result: Any) -> None:
+        """Record the autograd nodes of the tensors a torch function returned."""
+        if isinstance(result, torch.Tensor):
+            node = result.grad_fn
+            if node is not None:
+                self.nodes.add(node)
+            else:
+                self.plain[id(result)] = weakref.ref(result)
+        elif isinstance(result, (list, tuple)):
+            for value in result:
+                self.made(value)
+
+
+def foreign(threads: Threads, outputs: Sequence[Any], leaves: Sequence[torch.Tensor]) -> bool:
+    """Whether a tensor that no torch function on the calling thread returned reached one
+    (or is among f's ``outputs``) with a graph that reaches ``leaves``, this call's own
+    differentiated leaves: part of f ran in another thread (see :class:`Threads`). One
+    walk of the graph below those tensors, on a watched call only."""
+    if not threads.on:
+        return False
+    threads.check(outputs)
+    if not threads.unseen:
+        return False
+    targets = {edge(t)[0] for t in leaves if t.requires_grad}
+    todo = [t.grad_fn for t in threads.unseen]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        if node in targets:
+            return True
+        seen.add(node)
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def module_hook_in_graph(outputs: Any) -> bool:
@@ -87,6 +222,21 @@ def module_hook_in_graph(outputs: Any) -> bool:
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches
 # their backward badly).
 _RNN_FUNCTIONS = frozenset(["lstm", "gru", "rnn_tanh", "rnn_relu"])
+
+
+_current_level = torch._C._functorch.maybe_current_level
+
+
+def _threads_watch(leaves: Sequence[torch.Tensor]) -> Threads | None:
+    """A :class:`Threads` where f runs on eager autograd (no torch.func transform active, no
+    leaf a functorch wrapper, some leaf requiring grad, none fake), else None: under
+    torch.func a worker's result is a plain tensor like any captured one, so nothing can be
+    told there."""
+    if _current_level() is not None or not any(t.requires_grad for t in leaves):
+        return None
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) or is_fake(t) for t in leaves):
+        return None
+    return Threads(leaves)
 
 
 class Writes(Exception):
@@ -263,6 +413,9 @@ class FlatFunction:
         self.hooked = False
         self.rnn = False
         self.norm = False
+        # Part of f ran in another thread (seen on a watched run on eager autograd only):
+        # torch.func would take it for a constant (see Threads).
+        self.threads = False
 
     # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
     # 3.11, which dynamo cannot trace.)
@@ -297,9 +450,15 @@ class FlatFunction:
         watching = self.watch and not torch.compiler.is_compiling()
         try:
             if watching:
-                with _Draws(self.generators, self), Random(self):
+                threads = _threads_watch(leaves)
+                with _Draws(self.generators, self, threads), Random(self):
                     result = self.f(*args)
                 self.hooked = self.hooked or module_hook_in_graph(result)
+                if threads is not None:
+                    outputs = result[0] if self.has_aux and isinstance(result, tuple) else result
+                    self.threads = self.threads or foreign(
+                        threads, _tree.flatten(outputs)[0], leaves
+                    )
             else:
                 result = self.f(*args)
         except Exception as error:

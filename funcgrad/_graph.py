@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ._types import Tensors
+from ._validate import untracked
 
 Edge = tuple[Any, int]
 
@@ -41,7 +42,8 @@ def edge(t: torch.Tensor) -> Edge:
         and not torch.is_inference_mode_enabled()
     ):  # (a plain leaf, the usual input: its own node through a view, as torch finds it)
         view = t.view_as(t).grad_fn
-        assert view is not None
+        if view is None:  # (inside a torch.func transform that does not track t)
+            raise Untracked
         leaf: Edge = view.next_functions[0]
         return leaf
     with torch.inference_mode(False), torch._C.DisableTorchFunctionSubclass():
@@ -50,6 +52,23 @@ def edge(t: torch.Tensor) -> Edge:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Untracked(Exception):
+    """Internal: :func:`edge` of a leaf that requires grad but that the torch.func transform
+    the call runs inside does not track (captured from outside it): no backward at this
+    level reaches it. Callers name the tensor (:func:`funcgrad._validate.untracked`)."""
+
+
+def edges_of(tensors: Tensors, name: str, call: str) -> list[Edge]:
+    """:func:`edge` of each tensor, an untracked one named (``name[i]``) in a clear error."""
+    found = []
+    for i, t in enumerate(tensors):
+        try:
+            found.append(edge(t))
+        except Untracked:
+            raise untracked(f"`{name}`[{i}]", call) from None
+    return found
 
 
 def _parents(e: Edge) -> list[Edge]:
@@ -195,7 +214,7 @@ def check_paths(
     the inputs only through it, and ``through`` reaches every input (unless allow_unused).
     Returns the :class:`Graph` of ``torch.autograd.grad(outputs, inputs)``, from the same
     walk."""
-    edges = [edge(x) for x in inputs]
+    edges = edges_of(inputs, "inputs", call)
     input_edges: dict[Edge, int] = {}
     for i, e in enumerate(edges):
         input_edges.setdefault(e, i)  # a repeated input is answered like its first

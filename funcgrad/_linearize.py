@@ -27,7 +27,13 @@ from . import _graph
 from ._errors import FuncgradWarning, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
-from ._validate import differentiating, mismatch, outside_transforms, values_readable
+from ._validate import (
+    UNTRACKED,
+    differentiating,
+    mismatch,
+    outside_transforms,
+    values_readable,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,11 @@ TORCH_LIMITS: dict[str, TorchLimit] = {
     # f updates a captured tensor in place (BatchNorm's running statistics in training
     # mode): torch.func refuses it at the first in-place op, before anything is mutated.
     "mutates a captured tensor": TorchLimit("would mutate a captured Tensor", eager=True),
+    # A funcgrad call inside f that pulls back to a tensor the transform does not track.
+    "untracked": TorchLimit(UNTRACKED, eager=True),
+    # torch.autograd.grad inside f to a tensor the transform does not track (a captured
+    # parameter): eager autograd tracks it (or raises the same error, then the user's).
+    "unused": TorchLimit("appears to not have been used in the graph", eager=True),
     # Forward-mode AD that cannot differentiate an op that reverse mode can.
     "no forward AD formula": TorchLimit("forward AD"),
     "custom Function without jvp": TorchLimit("forward mode AD"),

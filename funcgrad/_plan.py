@@ -230,6 +230,7 @@ def decide(request: Request, record: Record) -> Plan:
         return _once(r, linear)
     if r.weighted:
         engine: Engine = "autograd" if r.eager and not r.graph else "torch.func"
+        _refuse_threads(r, record, engine, "strategy='auto'")
         return Plan(
             "weighted", k, m, n, r.chunk_size, r.requested, (("weighted", 1),),
             _FALLBACKS["weighted"], engine=engine, watch=_watch(r, record),
@@ -257,6 +258,7 @@ def decide(request: Request, record: Record) -> Plan:
         if choice.loop:  # the fewer of k pullbacks or m rows, one at a time
             strategy, chunk = ("jacrev", 1) if strategy == "jacrev" else ("loop", None)
     engine = "torch.func" if strategy == "jacfwd" else choice.engine
+    _refuse_threads(r, record, engine, f"strategy={r.requested!r}")
     directions = {"vjp": k, "loop": k, "jacrev": m, "jacfwd": n}[strategy]
     chunk = _chunk(r, chunk, strategy, directions)
     batches = strategy in ("vjp", "jacrev") and chunk != 1 and min(k, m, n) > 0
@@ -300,8 +302,29 @@ def _once(r: Request, linear: bool) -> Plan:
 def pullback_engine(eager: bool, record: Record) -> Engine:
     """`funcgrad.pullback`'s engine: eager autograd where f's graph can be recorded (eager,
     no inference tensor) and f's backward is not torch.compile'd (torch may run that wrongly
-    twice on one graph: it was seen on this signature), else torch.func."""
-    return "autograd" if eager and not record.compiled else "torch.func"
+    twice on one graph: it was seen on this signature; its second passes are checked), or
+    part of f runs in another thread (torch.func would not follow it), else torch.func."""
+    return "autograd" if eager and (record.threads or not record.compiled) else "torch.func"
+
+
+def _refuse_threads(r: Request, record: Record, engine: Engine, requested: str) -> None:
+    """Part of f ran in another thread on an earlier call of this signature (eager autograd
+    followed it), and this plan would run f under torch.func, which does not."""
+    if record.threads and engine == "torch.func":
+        raise ValueError(
+            f"{r.call}: f computes part of its output in another thread (a thread pool, "
+            "threading.Thread), seen on an earlier call of these shapes. torch.func's "
+            "transforms do not follow f into other threads, so that part would be taken "
+            f"for a constant, a wrong gradient; {requested} here runs f under torch.func "
+            + (
+                "(forward mode). "
+                if r.requested == "jacfwd"
+                else "(explicitly, or a graph of the results is wanted, or inside a transform). "
+            )
+            + "Keep f's differentiable work on the calling thread, or use strategy='auto' "
+            "without create_graph, outside transforms (eager autograd, which follows threads), "
+            "or funcgrad.pullback."
+        )
 
 
 def _refuse(r: Request, linear: bool) -> None:
@@ -341,7 +364,7 @@ def _forward_ok(r: Request, record: Record) -> bool:
     return (
         r.forward
         and r.m is not None
-        and not (record.random or record.hooked or record.forward_lost)
+        and not (record.random or record.hooked or record.forward_lost or record.threads)
     )
 
 
@@ -411,9 +434,9 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
         engine: Engine = "autograd" if record.random and eager_ok else "torch.func"
         return Choice(engine, forward=forward_wins and r.requested == "auto"), False, None
     knows = record.rnn or record.slow_path
-    if record.compiled:
+    if record.compiled and not record.threads:
         first = Choice("torch.func")
-    elif knows or record.random or record.mutates:
+    elif knows or record.random or record.mutates or record.threads:
         first = Choice("autograd")
     elif record.prior is not None:
         first = Choice(record.prior.engine)
@@ -425,7 +448,7 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     elif (
         record.prior is None
         and first.engine == "autograd"
-        and not (knows or record.random or record.mutates)
+        and not (knows or record.random or record.mutates or record.threads)
     ):
         candidates.append(Choice("torch.func"))
     tried = {(t.choice.engine, t.choice.forward): t for t in record.trials}
@@ -449,7 +472,7 @@ def _forward_possible(r: Request, record: Record) -> bool:
         r.m is None
         and _one_batch(r)
         and 0 < FORWARD_MODE_PENALTY * r.n < r.k
-        and not (record.random or record.hooked or record.forward_lost)
+        and not (record.random or record.hooked or record.forward_lost or record.threads)
     )
 
 

@@ -446,7 +446,9 @@ def pullback(
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
     if records is not None:
-        seen = Observations(watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled)
+        seen = Observations(
+            watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled, threads=flat.threads
+        )
         records.put(key, learn(record, seen))
     # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
     hooked = flat.hooked or record.hooked

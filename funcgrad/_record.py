@@ -90,6 +90,7 @@ class Record:
     rnn: bool = False  # f runs an RNN, whose backward vmap batches badly
     slow_path: bool = False  # vmap warned it has no batching rule for an op of f
     forward_lost: bool = False  # forward mode fell back, or lost its timed call
+    threads: bool = False  # part of f ran in another thread: eager autograd only
     trials: tuple[Trial, ...] = ()
     settled: Choice | None = None  # what decide settled on (the plan's choice, final)
     prior: Choice | None = None  # what another signature of this function settled on
@@ -113,6 +114,7 @@ class Observations:
     rnn: bool = False
     slow_path: bool = False
     forward_failed: bool = False
+    threads: bool = False
     final: bool = False  # the plan run was final: ``ran`` is what decide settled on
     fit: Any = None
     shape_tried: bool = False
@@ -137,6 +139,7 @@ def learn(record: Record, seen: Observations) -> Record:
         rnn=record.rnn or seen.rnn,
         slow_path=record.slow_path or seen.slow_path,
         forward_lost=forward_lost,
+        threads=record.threads or seen.threads,
         trials=trials,
         settled=seen.ran if seen.final and seen.ran is not None else record.settled,
         fit=seen.fit if seen.fit is not None else record.fit,
@@ -154,6 +157,7 @@ def function_facts(record: Record) -> Record:
         rnn=record.rnn,
         slow_path=record.slow_path,
         forward_lost=record.forward_lost,
+        threads=record.threads,
         # None: a new signature's first call is watched again (f may take another branch at
         # other shapes: a hook, a draw).
         draws=None,

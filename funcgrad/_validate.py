@@ -182,6 +182,8 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
         if not isinstance(item, torch.Tensor):
             raise TypeError(f"{call}: `{name}`[{index}] must be a tensor, got {describe(item)}.")
         if not item.requires_grad:
+            if not outside_transforms(items):  # (forward mode tracks no autograd graph)
+                raise untracked(f"`{name}`[{index}]", call)
             raise ValueError(
                 f"{call}: `{name}`[{index}] does not require grad, so it is in no graph. "
                 + (
@@ -191,6 +193,30 @@ def as_tensors(value: Any, name: str, call: str, *, rows: bool = False) -> Tenso
                 )
             )
     return tuple(items)
+
+
+# What a reverse-mode pass cannot reach inside a torch.func transform: the part of the message
+# of :func:`untracked` that ``_linearize.TORCH_LIMITS`` knows (f then runs on eager autograd).
+UNTRACKED = "is not tracked by the torch.func transform"
+
+
+def untracked(what: str, call: str) -> RuntimeError:
+    """The error of a funcgrad call that runs a backward (``grads``, ``backward``, the
+    per-example Gramian) inside a torch.func transform, on a tensor that transform does not
+    track: one captured from outside it (a module's parameter: ``torch.autograd.grad``
+    refuses it there too, "appears to not have been used in the graph"), or any tensor under
+    forward mode (``jvp``, ``jacfwd``), which records no graph. Where funcgrad itself runs f
+    under ``torch.func`` (``compose_heads``, ``combine_heads``, ``pullback``), it runs f on
+    eager autograd instead, where the answer is autograd's."""
+    return RuntimeError(
+        f"{call}: {what} {UNTRACKED} this call runs inside (vmap, grad, vjp, jacrev, jvp, "
+        "jacfwd, or an f that funcgrad differentiates with torch.func): a tensor captured from "
+        "outside the transform (a module's parameter), or any tensor under forward mode (jvp, "
+        "jacfwd), which records no graph to pull back through. torch.autograd.grad refuses it "
+        "there too. Differentiate it with a nested transform instead (funcgrad.compose_heads "
+        "or torch.func.grad with the tensor passed as a differentiated argument), or call "
+        "this outside the transform."
+    )
 
 
 def check_scalar_outputs(outputs: Tensors, call: str, names: Sequence[str] | None = None) -> None:

@@ -63,6 +63,14 @@ def _x():
     return torch.rand(3, dtype=torch.float64) + 1
 
 
+_CAPTURED = torch.ones(3, dtype=torch.float64, requires_grad=True)
+
+
+def _grads_to_captured(t):
+    y = _CAPTURED * t
+    return funcgrad.grads(y.sum(), _CAPTURED, through=y)[0].sum()
+
+
 TRIGGERS = {
     "function without setup_context": lambda: torch.func.vjp(_WithoutSetupContext.apply, _x()),
     "no storage": lambda: torch.func.vmap(lambda t: t.data_ptr())(torch.randn(3, 4)),
@@ -80,6 +88,11 @@ TRIGGERS = {
     ),
     "custom Function without jvp": lambda: torch.func.jvp(_WithoutJvp.apply, (_x(),), (_x(),)),
     "custom Function jvp": lambda: torch.func.jvp(_WithoutJvp.apply, (_x(),), (_x(),)),
+    # torch.autograd.grad, and funcgrad.grads, inside a transform to a captured tensor.
+    "unused": lambda: torch.func.grad(
+        lambda t: torch.autograd.grad((_CAPTURED * t).sum(), _CAPTURED)[0].sum()
+    )(_x()),
+    "untracked": lambda: torch.func.grad(_grads_to_captured)(_x()),
     # not_implemented(...) formulas: the same helper words forward and reverse formulas.
     "derivative not implemented": lambda: torch.func.vjp(
         lambda t: torch.special.zeta(t, _x()), _x()

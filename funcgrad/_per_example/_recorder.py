@@ -765,6 +765,12 @@ def _recorder_of(losses: Any, call: str) -> PerExample:
     if len(live) == 1:
         return live[0]
     if not live:
+        if isinstance(losses, torch.Tensor) and not outside_transforms([losses]):
+            raise RuntimeError(
+                f"{call} was called inside a torch.func transform or an f that funcgrad "
+                "differentiates, where per-example hooks record no forward. Call it outside "
+                "f, or use funcgrad.compose_heads (per-example losses as heads) inside f."
+            )
         if isinstance(losses, torch.Tensor) and losses.grad_fn is not None:
             for recorder in list(_RECORDERS):
                 _refuse_other_thread(recorder, losses, call)
