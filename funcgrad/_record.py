@@ -170,6 +170,7 @@ class Records:
         self.size = size
         self._records: collections.OrderedDict[Any, Record] = collections.OrderedDict()
         self.facts = Record()
+        self._last: Any = None  # the key last written (its record gave ``facts``)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -181,7 +182,12 @@ class Records:
         self._records.move_to_end(key)
         return record
 
+    def is_last(self, key: Any) -> bool:
+        """Whether ``key``'s record is held and was the last one written."""
+        return key == self._last and key in self._records
+
     def put(self, key: Any, record: Record) -> None:
+        self._last = key
         self._records[key] = record
         self._records.move_to_end(key)
         if len(self._records) > self.size:

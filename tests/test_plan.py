@@ -681,6 +681,51 @@ def test_function_facts_keep_what_f_does_and_what_it_settled_on():
     assert len(records) == 2 and records.get("a") == records.facts  # "a" dropped (LRU)
 
 
+def test_records_know_the_key_last_written():
+    records = Records(size=2)
+    assert not records.is_last("a")
+    records.put("a", Record(m=1))
+    assert records.is_last("a") and not records.is_last("b")
+    records.put("b", Record(m=2))
+    assert records.is_last("b") and not records.is_last("a")
+    records.get("a")  # a read writes nothing
+    assert records.is_last("b")
+    records.put("c", Record())
+    records.put("b", Record())
+    records.put("d", Record())  # (the least recently used dropped)
+    assert records.is_last("d") and len(records) == 2
+
+
+def test_a_pullback_call_that_adds_nothing_writes_no_record():
+    """After a signature's first (watched) call, a call that learns nothing new leaves its
+    record as it was (no learn, no put: a tiny call's fixed cost), and the function's facts
+    still come from the signature last written."""
+    from funcgrad import _pullback
+
+    w = torch.randn(3, 4, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(w @ x)
+
+    x = torch.randn(4, dtype=torch.float64)
+    _, pb = funcgrad.pullback(f, x)
+    records = _pullback._records_of(f)
+    assert records is not None and len(records) == 1
+    ((key, first),) = records._records.items()
+    assert first.draws is False
+    for _ in range(3):
+        _, pb = funcgrad.pullback(f, x)
+        assert records._records[key] is first and records.is_last(key)
+    funcgrad.pullback(f, torch.randn(5, 4, dtype=torch.float64).T)  # another shape
+    assert len(records) == 2 and not records.is_last(key)
+    _, pb = funcgrad.pullback(f, x)  # written again: its facts are the function's again
+    assert records.is_last(key) and records._records[key] == first
+    assert torch.allclose(
+        pb(torch.ones(3, dtype=torch.float64))[0],
+        torch.func.vjp(f, x)[1](torch.ones(3, dtype=torch.float64))[0],
+    )
+
+
 @pytest.mark.parametrize(
     ("batched_ms", "single_ms", "directions", "faster"),
     [
