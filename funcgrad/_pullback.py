@@ -17,7 +17,7 @@ from ._errors import ReleasedPullbackError, describe
 from ._function import FlatFunction, result_graph
 from ._linearize import Linearization
 from ._plan import pullback_engine
-from ._record import Observations, Record, Records, learn, signature_key
+from ._record import Observations, Record, Records, signature_key
 from ._types import ChunkSize, Tensors
 from ._validate import check_callable, check_chunk_size, check_flag, values_readable
 
@@ -451,15 +451,9 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    # (A call that adds nothing to the record it read, the last one written, writes none.)
-    if records is not None and (
-        flat.watch
-        or flat.hooked > record.hooked
-        or lin.compiled > record.compiled
-        or not records.is_last(key)
-    ):
+    if records is not None:
         seen = Observations(watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled)
-        records.put(key, learn(record, seen))
+        records.learn(key, record, seen)
     # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
     hooked = flat.hooked or record.hooked
     pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)

@@ -32,6 +32,7 @@ from funcgrad._record import (
     Records,
     Timing,
     Trial,
+    adds_nothing,
     function_facts,
     learn,
 )
@@ -667,6 +668,59 @@ def test_a_plan_is_final_by_the_third_call_whatever_the_times():
 )
 def test_learn(record, seen, expected):
     assert learn(record, seen) == expected
+
+
+_BOOLS = ("random", "hooked", "compiled", "mutates", "rnn", "slow_path")
+
+
+def _records_and_observations():
+    """Records and observations over the values that matter to learn, field by field."""
+    import itertools
+
+    records = [
+        Record(),
+        Record(m=6, draws=False, shape_tried=True),
+        Record(m=6, draws=True, hooked=True, random=True, settled=EAGER, fit=1),
+        Record(m=6, draws=False, trials=(Trial(EAGER, 1e-3),), forward_lost=True, fit=2),
+        Record(m=3, draws=False, **dict.fromkeys(_BOOLS, True), settled=FUNC),
+    ]
+    changes = [
+        {},
+        {"m": 6},
+        {"m": 3},
+        {"shape_tried": True},
+        {"watched": True},
+        {"watched": True, "generators": True},
+        {"ran": EAGER},
+        {"ran": EAGER, "seconds": 1e-3},
+        {"ran": EAGER, "final": True},
+        {"ran": FUNC, "final": True},
+        {"forward_failed": True},
+        {"fit": 1},
+        {"fit": 2},
+        *({name: True} for name in _BOOLS),
+    ]
+    for record, change in itertools.product(records, changes):
+        yield record, Observations(**change)
+
+
+def test_adds_nothing_is_learn_leaving_the_record_as_it_was():
+    cases = list(_records_and_observations())
+    for record, seen in cases:
+        assert adds_nothing(record, seen) == (learn(record, seen) == record), (record, seen)
+    assert sum(adds_nothing(r, s) for r, s in cases) > len(cases) // 4  # both answers met
+
+
+def test_records_learn_writes_only_what_changes():
+    records = Records()
+    first = records.learn("a", Record(), Observations(m=6, watched=True))
+    assert records.is_last("a") and first == Record(m=6, draws=False)
+    assert records.learn("a", first, Observations(m=6)) is first  # nothing new: not written
+    records.learn("b", Record(), Observations(watched=True, random=True))
+    assert records.facts.random
+    # "a" adds nothing, but is not the record last written: written again, its facts back
+    assert records.learn("a", first, Observations(m=6)) == first and records.is_last("a")
+    assert not records.facts.random
 
 
 def test_function_facts_keep_what_f_does_and_what_it_settled_on():
