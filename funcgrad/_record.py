@@ -24,6 +24,11 @@ from ._types import Engine
 # loops that matter by far (no batching rule, an RNN) are known before timing.
 LOOP_MARGIN = 0.5
 LOOP_MIN_SAVING_S = 2e-5
+# ... except for a batch of at most FEW_DIRECTIONS: vmap can then save at most one call's
+# fixed cost while it wraps every op, so the loop is chosen wherever it was faster a
+# direction (and saved LOOP_MIN_SAVING_S): a wrong choice costs one call's noise, not 2x.
+FEW_DIRECTIONS = 2
+FEW_LOOP_MARGIN = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,8 @@ class Timing:
     @property
     def unbatched_faster(self) -> bool:
         saving = (self.batched - self.single) * self.directions
-        return self.single < LOOP_MARGIN * self.batched and saving > LOOP_MIN_SAVING_S
+        margin = FEW_LOOP_MARGIN if self.directions <= FEW_DIRECTIONS else LOOP_MARGIN
+        return self.single < margin * self.batched and saving > LOOP_MIN_SAVING_S
 
     def why(self) -> str:
         return (

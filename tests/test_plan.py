@@ -468,6 +468,7 @@ EAGER, FUNC = Choice("autograd"), Choice("torch.func")
 FORWARD = Choice("torch.func", forward=True)
 VMAP_FASTER = Timing("f", batched=1e-3, single=1e-3, directions=3)
 LOOP_FASTER = Timing("f", batched=2e-3, single=0.5e-3, directions=3)
+FEW_LOOP = Timing("f", batched=0.76e-3, single=0.63e-3, directions=2)
 
 
 def _decided(request, record):
@@ -501,6 +502,12 @@ def _decided(request, record):
         (
             Record(m=6, trials=(Trial(EAGER, 8e-3, LOOP_FASTER), Trial(FUNC, 5e-3, VMAP_FASTER))),
             AUTO,
+            ("loop", "autograd", False, False),
+        ),
+        # two directions: a loop faster a direction by 1.2x is taken (convnet, k=2)
+        (
+            Record(m=6, trials=(Trial(EAGER, 1.5e-3, FEW_LOOP), Trial(FUNC, 1.4e-3, FEW_LOOP))),
+            dataclasses.replace(AUTO, k=2),
             ("loop", "autograd", False, False),
         ),
         # known before timing: vmap warned of its slow path, or f runs an RNN: the eager loop
@@ -788,6 +795,11 @@ def test_a_pullback_call_that_adds_nothing_writes_no_record():
         (0.5, 0.3, 100, False),  # twice as fast a direction, or vmap is kept
         (0.5, 0.2, 2, True),  # 0.6 ms of a 1 ms call: a tiny f's loop is chosen
         (3.0, 1.0, 1, True),
+        # at most 2 directions: any loop faster a direction (and 20 us over the batch) wins
+        (0.76, 0.63, 2, True),  # the convnet at k=2 (docs/benchmarks_planner.md)
+        (0.76, 0.63, 3, False),  # 3 directions: 2x a direction, as for any larger batch
+        (0.5, 0.55, 2, False),  # vmap faster
+        (0.03, 0.025, 2, False),  # 10 us over the batch: within the noise
     ],
 )
 def test_a_loop_must_save_20_us_over_the_timed_batch(batched_ms, single_ms, directions, faster):
