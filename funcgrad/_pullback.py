@@ -451,7 +451,14 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if records is not None:
+    # (Unwatched, the call adds to the record only a hook or a compiled backward first seen:
+    # adds_nothing's test for these observations, made before building them.)
+    if records is not None and (
+        flat.watch
+        or flat.hooked > record.hooked
+        or lin.compiled > record.compiled
+        or not records.is_last(key)
+    ):
         seen = Observations(watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled)
         records.learn(key, record, seen)
     # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
