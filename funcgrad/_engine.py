@@ -759,6 +759,10 @@ def weighted(lin: Linearization, weights: torch.Tensor, cotangents: Tensors) -> 
 DEFAULT_BASIS_BYTES = 64 * 2**20
 
 
+# Real dtypes that are their own work dtype (coordinates in them need no conversion).
+_PLAIN_WORK = (torch.float32, torch.float64)
+
+
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     # Rank detection needs SVD/QR, which have no half-precision CPU kernels: detect in float32.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -883,6 +887,8 @@ class Basis:
 
     @property
     def nbytes(self) -> int:
+        if self.q is None and self.held is None:
+            return 0
         parts = [] if self.q is None else [self.q, *self.images]
         if self.held is not None:
             parts += [self.held[0], *self.held[1]]
@@ -911,11 +917,16 @@ class Basis:
         basis."""
         p = cotangents[0].shape[0]
         assert self.held is None and p <= self.m - self.rank
-        coords = _coords.to_coords(tuple(c.detach() for c in cotangents), p)
-        work = _work_dtype(coords.dtype)
-        # (to_coords returns a view of the one leaf where it converts and concatenates nothing)
-        coords = _owned(coords) if len(cotangents) == 1 and coords.dtype == work else coords
-        self.held = coords.to(work), tuple(_owned(image.detach()) for image in images)
+        if len(cotangents) == 1 and cotangents[0].dtype in _PLAIN_WORK:  # (the usual case)
+            # to_coords would return a view of the one leaf: the basis's own copy of it
+            coords = _owned(cotangents[0].detach().reshape(p, -1))
+        else:
+            coords = _coords.to_coords(tuple(c.detach() for c in cotangents), p)
+            work = _work_dtype(coords.dtype)
+            # (a view of the one leaf where to_coords converts and concatenates nothing)
+            coords = _owned(coords) if len(cotangents) == 1 and coords.dtype == work else coords
+            coords = coords.to(work)
+        self.held = coords, tuple(_owned(image.detach()) for image in images)
 
     def extension(self, all_rows: bool = True) -> _Extension:
         """The held rows' orthonormal directions outside ``q`` and their pullbacks, derived
@@ -1105,7 +1116,7 @@ def by_linearity(
     """
     k, m = cotangents[0].shape[0], basis.m
     out_like, x_like = lin.out, lin.x_like
-    if nothing_to_pull(k, out_like, x_like):
+    if k == 0 or m == 0 or _coords.real_size(x_like) == 0:  # (nothing_to_pull; m is y's)
         return zeros(k, x_like), 0
     if not values_readable(cotangents):  # reuse reads values: eager mode only
         return pull(lin, cotangents, chunk_size, check, fit=fit), k

@@ -61,6 +61,24 @@ class StackedHeads:
             )
         self.head_fn, self.params = head_fn, tuple(leaves)
         self.k = sizes.pop()
+        # The vmapped grad_and_value of the heads, built once per tree of y (and call).
+        self._cotangent_fns: dict[tuple[Any, str], Callable[..., Any]] = {}
+
+    def cotangent_fn(self, out_def: Any, call: str) -> Callable[..., Any]:
+        """``(params leaves, y leaves) -> (grads w.r.t. y, values)``, for every head in one
+        vmap; y's one leaf bare where f returns a tensor."""
+        fn = self._cotangent_fns.get((out_def, call))
+        if fn is None:
+            head = _stacked_head(self, out_def, call)
+            if out_def == _tree.LEAF:
+                bare = torch.func.grad_and_value(lambda p, y: head(p, (y,)), argnums=1)
+                fn = torch.func.vmap(bare, in_dims=(0, None))
+            else:
+                fn = torch.func.vmap(torch.func.grad_and_value(head, argnums=1), in_dims=(0, None))
+            if len(self._cotangent_fns) >= 8:  # (bounded: a few trees of y at most)
+                self._cotangent_fns.clear()
+            self._cotangent_fns[(out_def, call)] = fn
+        return fn
 
     def __len__(self) -> int:
         return self.k
@@ -261,11 +279,12 @@ def _head_cotangents(
     """
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
-        stacked_head = _stacked_head(heads, out_def, call)
+        cotangents = heads.cotangent_fn(out_def, call)
         with _naming("stacked head_fn", call):
-            grads, values = torch.func.vmap(
-                torch.func.grad_and_value(stacked_head, argnums=1), in_dims=(0, None)
-            )(heads.params, out)
+            if out_def == _tree.LEAF:
+                grad, values = cotangents(heads.params, out[0])
+                return values, (grad,)
+            grads, values = cotangents(heads.params, out)
         return values, grads
 
     if not torch.is_grad_enabled() and values_readable(out):  # no graph of the results
@@ -337,10 +356,9 @@ class Composition:
         return key, self._records.get(key)
 
     def _learn(self, key: Any, record: Record, seen: Observations) -> Record:
-        record = learn(record, seen)
-        if key is not None:
-            self._records.put(key, record)
-        return record
+        if key is None:
+            return learn(record, seen)
+        return self._records.learn(key, record, seen)
 
     def _fit(self, flat: FlatFunction, record: Record) -> _engine.ChunkFit | None:
         """chunk_size="auto": a working copy of the signature's fit (what the call measures
@@ -397,10 +415,11 @@ class Composition:
         fit = self._fit(flat, record)
         request = self._request(flat, record, fit)
 
+        plan = decide(request, record)
+
         def replan(m: int, hooked: bool) -> Plan:  # y's size known: f ran (no forward mode)
             return decide(dataclasses.replace(request, m=m, forward=False, hooked=hooked), record)
 
-        plan = decide(request, record)
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)
         result = execute(plan, flat, replan, *heads, check, fit)

@@ -17,7 +17,7 @@ from ._errors import ReleasedPullbackError, describe
 from ._function import FlatFunction, result_graph
 from ._linearize import Linearization
 from ._plan import pullback_engine
-from ._record import Observations, Record, Records, learn, signature_key
+from ._record import Observations, Record, Records, signature_key
 from ._types import ChunkSize, Tensors
 from ._validate import check_callable, check_chunk_size, check_flag, values_readable
 
@@ -72,7 +72,8 @@ class Pullback:
         self._lin: Linearization | None = lin
         self._out_like = lin.out
         self._basis = _engine.Basis(_coords.real_size(lin.out), max_basis_bytes)
-        if not (reuse and values_readable(lin.out)):
+        readable = values_readable(lin.out) if reuse or lin.engine == "torch.func" else False
+        if not (reuse and readable):
             self._basis.clear(enabled=False)
         self.stats = PullbackStats()
         # The basis and the stats change on every call: one call at a time, whatever the
@@ -83,13 +84,13 @@ class Pullback:
         # place after pullback returns is refused (on eager autograd, autograd checks what
         # f's graph saved). Versions are Python ints: no host read.
         self._watched: tuple[Tensors, tuple[int, ...]] | None = None
-        if lin.engine == "torch.func" and values_readable(lin.out):
+        if lin.engine == "torch.func" and readable:
             watched = (*flat.leaves, *lin.out, *lin.aux)
             with contextlib.suppress(RuntimeError):  # (an inference tensor has no version)
                 self._watched = watched, tuple(t._version for t in watched)
-        # chunk_size="auto": what a direction through f costs here (measured once; the
-        # chunk follows the budget in force at each call).
-        self._fit = _engine.ChunkFit()
+        # chunk_size="auto": what a direction through f costs here (measured once, at the
+        # first such call; the chunk follows the budget in force at each call).
+        self._fit: _engine.ChunkFit | None = None
 
     @property
     def rank(self) -> int:
@@ -234,7 +235,11 @@ class Pullback:
             )
         self.stats.calls += 1
         self.stats.cotangents += cotangents[0].shape[0]
-        fit = self._fit if chunk_size == "auto" and values_readable(cotangents) else None
+        fit = None
+        if chunk_size == "auto" and values_readable(cotangents):
+            if self._fit is None:
+                self._fit = _engine.ChunkFit()
+            fit = self._fit
         with result_graph(create_graph, self._flat.leaves):
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 lin = self._lin
@@ -332,7 +337,8 @@ _records: weakref.WeakKeyDictionary[Any, Records] = weakref.WeakKeyDictionary()
 
 def _records_of(f: Any) -> Records | None:
     try:
-        return _records.setdefault(f, Records())
+        records = _records.get(f)
+        return records if records is not None else _records.setdefault(f, Records())
     except TypeError:
         return None
 
@@ -445,11 +451,19 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if records is not None:
+    # (Unwatched, the call adds to the record only a hook or a compiled backward first seen:
+    # adds_nothing's test for these observations, made before building them.)
+    if records is not None and (
+        flat.watch
+        or flat.hooked > record.hooked
+        or lin.compiled > record.compiled
+        or flat.threads > record.threads
+        or not records.is_last(key)
+    ):
         seen = Observations(
             watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled, threads=flat.threads
         )
-        records.put(key, learn(record, seen))
+        records.learn(key, record, seen)
     # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
     hooked = flat.hooked or record.hooked
     pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)

@@ -24,6 +24,11 @@ from ._types import Engine
 # loops that matter by far (no batching rule, an RNN) are known before timing.
 LOOP_MARGIN = 0.5
 LOOP_MIN_SAVING_S = 2e-5
+# ... except for a batch of at most FEW_DIRECTIONS: vmap can then save at most one call's
+# fixed cost while it wraps every op, so the loop is chosen wherever it was faster a
+# direction (and saved LOOP_MIN_SAVING_S): a wrong choice costs one call's noise, not 2x.
+FEW_DIRECTIONS = 2
+FEW_LOOP_MARGIN = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,8 @@ class Timing:
     @property
     def unbatched_faster(self) -> bool:
         saving = (self.batched - self.single) * self.directions
-        return self.single < LOOP_MARGIN * self.batched and saving > LOOP_MIN_SAVING_S
+        margin = FEW_LOOP_MARGIN if self.directions <= FEW_DIRECTIONS else LOOP_MARGIN
+        return self.single < margin * self.batched and saving > LOOP_MIN_SAVING_S
 
     def why(self) -> str:
         return (
@@ -146,6 +152,27 @@ def learn(record: Record, seen: Observations) -> Record:
     )
 
 
+def adds_nothing(record: Record, seen: Observations) -> bool:
+    """Whether ``learn(record, seen) == record``, found without building the new record:
+    a steady-state call, whose record need not be written again."""
+    return (
+        (seen.seconds is None or seen.ran is None)
+        and (seen.m is None or seen.m == record.m)
+        and (record.shape_tried or not seen.shape_tried)
+        and not (record.draws is None and seen.watched)
+        and (record.random or not seen.random)
+        and (record.hooked or not seen.hooked)
+        and (record.compiled or not seen.compiled)
+        and (record.mutates or not seen.mutates)
+        and (record.rnn or not seen.rnn)
+        and (record.slow_path or not seen.slow_path)
+        and (record.threads or not seen.threads)
+        and (record.forward_lost or not seen.forward_failed)
+        and (not seen.final or seen.ran is None or seen.ran == record.settled)
+        and (seen.fit is None or seen.fit == record.fit)
+    )
+
+
 def function_facts(record: Record) -> Record:
     """What a new signature of the function starts from: what f does, and what this one
     settled on (not y's size, the timings or the chunk fit, which depend on the shapes)."""
@@ -174,6 +201,7 @@ class Records:
         self.size = size
         self._records: collections.OrderedDict[Any, Record] = collections.OrderedDict()
         self.facts = Record()
+        self._last: Any = None  # the key last written (its record gave ``facts``)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -185,7 +213,21 @@ class Records:
         self._records.move_to_end(key)
         return record
 
+    def is_last(self, key: Any) -> bool:
+        """Whether ``key``'s record is held and was the last one written."""
+        return key == self._last and key in self._records
+
+    def learn(self, key: Any, record: Record, seen: Observations) -> Record:
+        """``key``'s next record (:func:`learn`), written, unless it is the record last
+        written and ``seen`` adds nothing to it (a steady-state call writes nothing)."""
+        if adds_nothing(record, seen) and self.is_last(key):
+            return record
+        record = learn(record, seen)
+        self.put(key, record)
+        return record
+
     def put(self, key: Any, record: Record) -> None:
+        self._last = key
         self._records[key] = record
         self._records.move_to_end(key)
         if len(self._records) > self.size:

@@ -32,6 +32,7 @@ from funcgrad._record import (
     Records,
     Timing,
     Trial,
+    adds_nothing,
     function_facts,
     learn,
 )
@@ -467,6 +468,7 @@ EAGER, FUNC = Choice("autograd"), Choice("torch.func")
 FORWARD = Choice("torch.func", forward=True)
 VMAP_FASTER = Timing("f", batched=1e-3, single=1e-3, directions=3)
 LOOP_FASTER = Timing("f", batched=2e-3, single=0.5e-3, directions=3)
+FEW_LOOP = Timing("f", batched=0.76e-3, single=0.63e-3, directions=2)
 
 
 def _decided(request, record):
@@ -500,6 +502,12 @@ def _decided(request, record):
         (
             Record(m=6, trials=(Trial(EAGER, 8e-3, LOOP_FASTER), Trial(FUNC, 5e-3, VMAP_FASTER))),
             AUTO,
+            ("loop", "autograd", False, False),
+        ),
+        # two directions: a loop faster a direction by 1.2x is taken (convnet, k=2)
+        (
+            Record(m=6, trials=(Trial(EAGER, 1.5e-3, FEW_LOOP), Trial(FUNC, 1.4e-3, FEW_LOOP))),
+            dataclasses.replace(AUTO, k=2),
             ("loop", "autograd", False, False),
         ),
         # known before timing: vmap warned of its slow path, or f runs an RNN: the eager loop
@@ -669,6 +677,59 @@ def test_learn(record, seen, expected):
     assert learn(record, seen) == expected
 
 
+_BOOLS = ("random", "hooked", "compiled", "mutates", "rnn", "slow_path", "threads")
+
+
+def _records_and_observations():
+    """Records and observations over the values that matter to learn, field by field."""
+    import itertools
+
+    records = [
+        Record(),
+        Record(m=6, draws=False, shape_tried=True),
+        Record(m=6, draws=True, hooked=True, random=True, settled=EAGER, fit=1),
+        Record(m=6, draws=False, trials=(Trial(EAGER, 1e-3),), forward_lost=True, fit=2),
+        Record(m=3, draws=False, **dict.fromkeys(_BOOLS, True), settled=FUNC),
+    ]
+    changes = [
+        {},
+        {"m": 6},
+        {"m": 3},
+        {"shape_tried": True},
+        {"watched": True},
+        {"watched": True, "generators": True},
+        {"ran": EAGER},
+        {"ran": EAGER, "seconds": 1e-3},
+        {"ran": EAGER, "final": True},
+        {"ran": FUNC, "final": True},
+        {"forward_failed": True},
+        {"fit": 1},
+        {"fit": 2},
+        *({name: True} for name in _BOOLS),
+    ]
+    for record, change in itertools.product(records, changes):
+        yield record, Observations(**change)
+
+
+def test_adds_nothing_is_learn_leaving_the_record_as_it_was():
+    cases = list(_records_and_observations())
+    for record, seen in cases:
+        assert adds_nothing(record, seen) == (learn(record, seen) == record), (record, seen)
+    assert sum(adds_nothing(r, s) for r, s in cases) > len(cases) // 4  # both answers met
+
+
+def test_records_learn_writes_only_what_changes():
+    records = Records()
+    first = records.learn("a", Record(), Observations(m=6, watched=True))
+    assert records.is_last("a") and first == Record(m=6, draws=False)
+    assert records.learn("a", first, Observations(m=6)) is first  # nothing new: not written
+    records.learn("b", Record(), Observations(watched=True, random=True))
+    assert records.facts.random
+    # "a" adds nothing, but is not the record last written: written again, its facts back
+    assert records.learn("a", first, Observations(m=6)) == first and records.is_last("a")
+    assert not records.facts.random
+
+
 def test_function_facts_keep_what_f_does_and_what_it_settled_on():
     record = Record(m=6, random=True, rnn=True, trials=(Trial(EAGER, 1.0),), settled=EAGER)
     assert function_facts(record) == Record(random=True, rnn=True, prior=EAGER)
@@ -681,6 +742,51 @@ def test_function_facts_keep_what_f_does_and_what_it_settled_on():
     assert len(records) == 2 and records.get("a") == records.facts  # "a" dropped (LRU)
 
 
+def test_records_know_the_key_last_written():
+    records = Records(size=2)
+    assert not records.is_last("a")
+    records.put("a", Record(m=1))
+    assert records.is_last("a") and not records.is_last("b")
+    records.put("b", Record(m=2))
+    assert records.is_last("b") and not records.is_last("a")
+    records.get("a")  # a read writes nothing
+    assert records.is_last("b")
+    records.put("c", Record())
+    records.put("b", Record())
+    records.put("d", Record())  # (the least recently used dropped)
+    assert records.is_last("d") and len(records) == 2
+
+
+def test_a_pullback_call_that_adds_nothing_writes_no_record():
+    """After a signature's first (watched) call, a call that learns nothing new leaves its
+    record as it was (no learn, no put: a tiny call's fixed cost), and the function's facts
+    still come from the signature last written."""
+    from funcgrad import _pullback
+
+    w = torch.randn(3, 4, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(w @ x)
+
+    x = torch.randn(4, dtype=torch.float64)
+    _, pb = funcgrad.pullback(f, x)
+    records = _pullback._records_of(f)
+    assert records is not None and len(records) == 1
+    ((key, first),) = records._records.items()
+    assert first.draws is False
+    for _ in range(3):
+        _, pb = funcgrad.pullback(f, x)
+        assert records._records[key] is first and records.is_last(key)
+    funcgrad.pullback(f, torch.randn(5, 4, dtype=torch.float64).T)  # another shape
+    assert len(records) == 2 and not records.is_last(key)
+    _, pb = funcgrad.pullback(f, x)  # written again: its facts are the function's again
+    assert records.is_last(key) and records._records[key] == first
+    assert torch.allclose(
+        pb(torch.ones(3, dtype=torch.float64))[0],
+        torch.func.vjp(f, x)[1](torch.ones(3, dtype=torch.float64))[0],
+    )
+
+
 @pytest.mark.parametrize(
     ("batched_ms", "single_ms", "directions", "faster"),
     [
@@ -689,6 +795,11 @@ def test_function_facts_keep_what_f_does_and_what_it_settled_on():
         (0.5, 0.3, 100, False),  # twice as fast a direction, or vmap is kept
         (0.5, 0.2, 2, True),  # 0.6 ms of a 1 ms call: a tiny f's loop is chosen
         (3.0, 1.0, 1, True),
+        # at most 2 directions: any loop faster a direction (and 20 us over the batch) wins
+        (0.76, 0.63, 2, True),  # the convnet at k=2 (docs/benchmarks_planner.md)
+        (0.76, 0.63, 3, False),  # 3 directions: 2x a direction, as for any larger batch
+        (0.5, 0.55, 2, False),  # vmap faster
+        (0.03, 0.025, 2, False),  # 10 us over the batch: within the noise
     ],
 )
 def test_a_loop_must_save_20_us_over_the_timed_batch(batched_ms, single_ms, directions, faster):
