@@ -12,7 +12,9 @@ on the current face, expansion steps (a feasible half step, then a projected gra
 length ``abar``) when a bound is hit, and proportioning steps that release the bounds whose
 multipliers are negative. It is monotone (each step lowers ``v^T G v``), converges for any
 positive definite G, and terminates finitely in exact arithmetic once the optimal face is
-found, so its answer is the exact one (within rounding), not an approximation.
+found, so its answer is the exact one (within rounding), not an approximation. For few tasks
+(m <= 6, `EXACT_MAX`) the iteration budgets would be a fixed cost of thousands of ops: all
+2^m faces are solved at once instead (`_enumerate`), an exact direct method.
 
 Assumptions, and how each is checked:
 
@@ -28,6 +30,7 @@ Assumptions, and how each is checked:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -63,6 +66,10 @@ _ADMM_SMALL = 8192
 # 200 random Gramians (m = 2..128, UPGrad's rows and rows of both signs) converged; ADMM
 # alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail).
 _FINISH_FLOAT32 = 64
+# Up to this m, `_enumerate` solves exactly, trying all 2^m faces at once (no iteration): as
+# fast as quadprog on the CPU up to m = 6 (0.1-0.17 ms); at m = 8 its 256 factors take 4x
+# quadprog's time (docs/benchmarks_projector.md).
+EXACT_MAX = 6
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -79,7 +86,8 @@ class DualConeProjector:
     For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
     is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
-    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md). Pass it
+    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); for
+    m <= 6 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -93,6 +101,7 @@ class DualConeProjector:
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
+            Unused for m <= 6 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
             inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
             the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
@@ -271,12 +280,24 @@ class DualConeProjector:
 _SOLVERS = ("UPGradWeighting", "DualProjWeighting", "UPGrad", "DualProj")
 
 
-def projector_advice(weighting: object) -> str | None:
+# On the CPU, quadprog (row by row, on the host: no sync to pay there) is faster than this
+# projector below about m = 64 tasks (docs/benchmarks_projector.md): no advice there.
+CPU_ADVICE_FROM = 64
+
+
+def projector_advice(
+    weighting: object, m: int | None = None, device: torch.device | None = None
+) -> str | None:
     """Where ``weighting`` is TorchJD's UPGrad or DualProj (weighting or aggregator) with
     its default ``QuadprogProjector``, how to pass this projector instead (`funcgrad.Plan`'s
-    ``advice``); else None. funcgrad never swaps a user's projector."""
+    ``advice``); else None. Also None for m < `CPU_ADVICE_FROM` tasks on the CPU, where
+    quadprog is the faster (on another device it copies G to the host: advised for any m).
+    funcgrad never swaps a user's projector."""
     name = type(weighting).__name__
     if name not in _SOLVERS:
+        return None
+    on_cpu = device is None or device.type == "cpu"
+    if m is not None and on_cpu and m < CPU_ADVICE_FROM:
         return None
     inner = getattr(weighting, "gramian_weighting", weighting)  # aggregators hold one
     projector = getattr(inner, "projector", getattr(inner, "_projector", None))
@@ -422,6 +443,8 @@ def _solve(
     A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
+    if m <= EXACT_MAX:  # every face at once: exact, about 15 ops (no iteration budget)
+        return _checked(A, low, _enumerate(A, low), s, tol)
     gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
     dtype = G.dtype
     if budget == 0:  # the ADMM answer, checked (below)
@@ -473,6 +496,44 @@ def _solve(
         P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
         stale = expand
     return _checked(A, low, gap, s, tol)
+
+
+@functools.lru_cache(maxsize=32)
+def _faces(
+    m: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 2^m faces: F (2^m, m), 1 on the free variables; F F^T; the identity off F."""
+    bits = torch.arange(m, device=device)
+    F = (torch.arange(1 << m, device=device)[:, None].bitwise_right_shift(bits) & 1).to(dtype)
+    return F, F[:, :, None] * F[:, None, :], torch.diag_embed(1 - F)
+
+
+def _enumerate(A: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``y - low >= 0`` for ``min y^T A y, y >= low`` on every row of ``low`` (r, m),
+    exactly, by trying every face at once: for each of the 2^m sets F of free variables (the
+    others on their bound), the stationary point of the face, ``A_FF y_F = -A_FB low_B`` (y =
+    low off F), from one batched Cholesky factor per face shared by the rows; each row keeps
+    the face whose point violates the KKT conditions (``y >= low``, ``(A y)_j >= 0`` off F)
+    the least. A is positive definite (regularised), so exactly one face holds the unique
+    solution (up to faces that give the same point, where a bound is weakly active), and its
+    violation is at rounding level. Cost: 2^m factors of size m and a (2^m, r, m)
+    intermediate, hence m <= `EXACT_MAX`; about 15 tensor ops, no iteration, no read.
+    """
+    F, FF, bounds = _faces(A.shape[0], A.dtype, A.device)
+    # A on F x F, the identity elsewhere: positive definite, so the factor needs no pivoting
+    K = torch.addcmul(bounds, FF, A)
+    L = torch.linalg.cholesky_ex(K)[0]
+    # y = low off F; on F, A_FF y_F = -(A_FB low_B): the right side is 0 where the bounds are
+    # 0, so that y is exact there (solving for x = y - low left 1e-12 where v = 0)
+    bound = low * (1 - F[:, None, :])  # (2^m, r, m)
+    y = torch.cholesky_solve(-(bound @ A * F[:, None, :]).transpose(1, 2), L).transpose(1, 2)
+    y = y + bound
+    x = y - low  # >= 0 on F for the solution's face; 0 off F
+    w = y @ A  # the gradient; 0 on F up to rounding
+    violation = torch.maximum((-x).amax(2), (-w * (1 - F[:, None, :])).amax(2))  # (2^m, r)
+    best = violation.argmin(0)  # NaN input: a NaN violation wins, and the check catches it
+    gap = x.gather(0, best[None, :, None].expand(1, *x.shape[1:]))[0]
+    return gap.clamp_min(0)  # exactly >= 0 (the kept face's x is >= 0 up to rounding)
 
 
 def _checked(
