@@ -607,3 +607,76 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
 
 
 _register_with_torchjd()  # where TorchJD is imported before funcgrad
+
+
+class MGDAWeighting:
+    """TorchJD's ``MGDAWeighting`` (the Frank-Wolfe solver of Sener and Koltun 2018,
+    Algorithm 2) without a host read: the same iterates, a fixed iteration count.
+
+    TorchJD's loop reads three device values an iteration (its two step-size branches and its
+    stop ``gamma < epsilon``): a host sync each on a GPU. This one runs all ``max_iters``
+    iterations on the device, the branches as ``torch.where`` and the stop as a device-side
+    mask: once a step is below ``epsilon`` the weights are frozen, as TorchJD's loop breaks
+    there. Every product is TorchJD's (``G @ alpha``, ``alpha @ (G @ e_t)``), so the answer
+    is TorchJD's to the last bits, not only to its tolerance; the cost is that of TorchJD's
+    loop at ``max_iters`` (about 20 small ops an iteration), where TorchJD's stops early. It
+    is a Gramian weighting: pass it as ``weighting=`` to `funcgrad.backward`,
+    `funcgrad.combine_heads` or ``per_example(...).backward``, or call it on a Gramian.
+
+    Args:
+        epsilon: the step ``gamma`` below which the iteration stops (TorchJD's ``epsilon``).
+        max_iters: the iteration count, all run (TorchJD's ``max_iters``, its upper bound).
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> G = torch.tensor([[1.0, -0.5], [-0.5, 4.0]], dtype=torch.float64)
+        >>> with funcgrad.HostReadCounter() as reads:
+        ...     w = funcgrad.MGDAWeighting()(G)
+        >>> reads.count, w.round(decimals=3)  # the min-norm point of the hull, to epsilon
+        (0, tensor([0.7500, 0.2500], dtype=torch.float64))
+
+    Notes:
+        Equal to ``torchjd.aggregation.MGDAWeighting(epsilon, max_iters)(G)`` to 1e-12
+        relative in float64 on the tests' Gramians (tests/test_projector.py); a NaN in G gives
+        NaN weights, as TorchJD's. Not differentiable (the weights are detached).
+    """
+
+    def __init__(self, epsilon: float = 0.001, max_iters: int = 100) -> None:
+        call = "funcgrad.MGDAWeighting(...)"
+        if not _is_number(epsilon) or not 0.0 < epsilon < math.inf:
+            raise ValueError(f"{call}: `epsilon` must be a finite number > 0, got {epsilon!r}.")
+        if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+            raise ValueError(f"{call}: `max_iters` must be an int >= 1, got {max_iters!r}.")
+        self.epsilon = float(epsilon)
+        self.max_iters = max_iters
+
+    def __repr__(self) -> str:
+        return f"MGDAWeighting(epsilon={self.epsilon}, max_iters={self.max_iters})"
+
+    def __call__(self, gramian: torch.Tensor) -> torch.Tensor:
+        """The weights (m,) on the Gramian (m, m), on its device and dtype."""
+        G = gramian
+        if not isinstance(G, torch.Tensor) or G.ndim != 2 or G.shape[0] != G.shape[1]:
+            got = f"shape {tuple(G.shape)}" if isinstance(G, torch.Tensor) else type(G).__name__
+            raise ValueError(f"funcgrad.MGDAWeighting(G): `G` must be (m, m), got {got}.")
+        if not G.is_floating_point():
+            raise TypeError(f"funcgrad.MGDAWeighting(G): `G` must be floating, got {G.dtype}.")
+        m = G.shape[0]
+        with torch.no_grad():
+            G = G.detach()
+            indices = torch.arange(m, device=G.device)
+            alpha = torch.ones(m, device=G.device, dtype=G.dtype) / m
+            running = torch.ones((), dtype=torch.bool, device=G.device)
+            one, zero = torch.ones_like(alpha[0]), torch.zeros_like(alpha[0])
+            for _ in range(self.max_iters):
+                t = torch.argmin(G @ alpha)
+                e_t = (indices == t).to(G.dtype)
+                a = alpha @ (G @ e_t)
+                b = alpha @ (G @ alpha)
+                c = e_t @ (G @ e_t)
+                gamma = torch.where(
+                    c <= a, one, torch.where(b <= a, zero, (b - a) / (b + c - 2 * a))
+                )
+                alpha = torch.where(running, (1 - gamma) * alpha + gamma * e_t, alpha)
+                running = running & ~(gamma < self.epsilon)  # TorchJD's break, on the device
+        return alpha

@@ -848,3 +848,88 @@ def test_funcgrad_backward_refuses_unconverged_weights() -> None:
     with pytest.raises(ValueError, match="non-finite weights"):
         funcgrad.backward(losses, through=features, weighting=weighting, level="params")
     assert encoder.weight.grad is None
+
+
+# --------------------------------------------------------------------------------------------
+# MGDA without host reads
+
+
+def _mgda_cases() -> list[Any]:
+    cases = [
+        pytest.param(random_gramian(i, m).double(), id=f"m{m}-kind{i % 6}")
+        for m, i in [(2, 0), (3, 1), (5, 2), (8, 3), (8, 4), (13, 5), (32, 6), (64, 7), (64, 9)]
+    ]
+    cases += [pytest.param(J @ J.T, id=name) for name, J in torchjd_matrices()[::5]]
+    return cases
+
+
+@pytest.mark.parametrize("G", _mgda_cases())
+@pytest.mark.parametrize(("epsilon", "max_iters"), [(1e-3, 100), (1e-6, 300), (0.05, 7)])
+def test_mgda_equals_torchjd(G: torch.Tensor, epsilon: float, max_iters: int) -> None:
+    """The same Frank-Wolfe iterates as TorchJD's MGDAWeighting, stop included: equal to
+    the last bits in float64, with no host read."""
+    tjd = _tjd()
+    G = G.double()
+    reference = tjd.MGDAWeighting(epsilon=epsilon, max_iters=max_iters)(G)
+    with funcgrad.HostReadCounter() as reads:
+        w = funcgrad.MGDAWeighting(epsilon=epsilon, max_iters=max_iters)(G)
+    assert reads.count == 0
+    torch.testing.assert_close(w, reference, rtol=1e-12, atol=1e-15)
+
+
+def test_mgda_stop_is_the_device_side_mask() -> None:
+    """TorchJD stops early (gamma < epsilon) on these Gramians: iterating on would give
+    other weights, so the equality above checks the frozen mask, not only the iteration."""
+    tjd = _tjd()
+    stopped = 0
+    for G in _mgda_cases():
+        G = G.values[0].double()
+        early = funcgrad.MGDAWeighting()(G)
+        on = funcgrad.MGDAWeighting(epsilon=1e-300)(G)  # never stops: all 100 iterations
+        torch.testing.assert_close(early, tjd.MGDAWeighting()(G), rtol=1e-12, atol=1e-15)
+        stopped += not torch.allclose(early, on, rtol=1e-9, atol=0)
+    assert stopped >= 2, stopped
+
+
+def test_mgda_float32_and_backward() -> None:
+    """float32 as TorchJD's (a tie in argmin could part them: not on these), and as
+    funcgrad.backward's weighting the same weights and .grad as TorchJD's."""
+    tjd = _tjd()
+    G = random_gramian(3, 16)
+    torch.testing.assert_close(funcgrad.MGDAWeighting()(G), tjd.MGDAWeighting()(G))
+    encoder = torch.nn.Linear(5, 8)
+    x = torch.randn(16, 5)
+    directions = torch.randn(4, 8)
+    grads = []
+    for weighting in (funcgrad.MGDAWeighting(), tjd.MGDAWeighting()):
+        encoder.zero_grad(set_to_none=True)
+        features = encoder(x)
+        losses = [(features @ c).mean() for c in directions]
+        funcgrad.backward(losses, through=features, weighting=weighting, level="params")
+        grads.append(encoder.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0"),
+        ({"epsilon": math.nan}, "`epsilon` must be"),
+        ({"max_iters": 0}, "`max_iters` must be an int >= 1"),
+        ({"max_iters": 2.0}, "`max_iters` must be"),
+    ],
+)
+def test_mgda_constructor_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        funcgrad.MGDAWeighting(**kwargs)
+
+
+def test_mgda_call_errors_and_nan() -> None:
+    with pytest.raises(ValueError, match="must be \\(m, m\\)"):
+        funcgrad.MGDAWeighting()(torch.ones(2, 3))
+    with pytest.raises(TypeError, match="must be floating"):
+        funcgrad.MGDAWeighting()(torch.ones(2, 2, dtype=torch.int64))
+    G = random_gramian(0, 4)
+    G[1, 2] = G[2, 1] = math.nan
+    assert bool(torch.isnan(funcgrad.MGDAWeighting()(G)).any())  # as TorchJD's
+    assert repr(funcgrad.MGDAWeighting()) == "MGDAWeighting(epsilon=0.001, max_iters=100)"
