@@ -13,7 +13,7 @@ length ``abar``) when a bound is hit, and proportioning steps that release the b
 multipliers are negative. It is monotone (each step lowers ``v^T G v``), converges for any
 positive definite G, and terminates finitely in exact arithmetic once the optimal face is
 found, so its answer is the exact one (within rounding), not an approximation. For few tasks
-(m <= 6, `EXACT_MAX`) the iteration budgets would be a fixed cost of thousands of ops: all
+(m <= 10, `EXACT_MAX`) the iteration budgets would be a fixed cost of thousands of ops: all
 2^m faces are solved at once instead (`_enumerate`), an exact direct method.
 
 Assumptions, and how each is checked:
@@ -67,9 +67,11 @@ _ADMM_SMALL = 8192
 # alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail).
 _FINISH_FLOAT32 = 64
 # Up to this m, `_enumerate` solves exactly, trying all 2^m faces at once (no iteration): as
-# fast as quadprog on the CPU up to m = 6 (0.1-0.17 ms); at m = 8 its 256 factors take 4x
-# quadprog's time (docs/benchmarks_projector.md).
-EXACT_MAX = 6
+# fast as quadprog on the CPU up to m = 6 (0.1-0.3 ms); at m = 8-10 its 256-1024 factors
+# take 0.7-3 ms, 3-10x quadprog's time but 4-15x less than the iterations below (12-14 ms
+# whatever m); at m = 12, 20-30 ms (docs/benchmarks_projector.md).
+EXACT_MAX = 10
+_EXACT_CHUNK = 1 << 22  # elements of the (2^m, rows, m) intermediate: rows in chunks
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -87,7 +89,7 @@ class DualConeProjector:
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
     is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
     with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); for
-    m <= 6 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops). Pass it
+    m <= 10 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -101,7 +103,7 @@ class DualConeProjector:
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
-            Unused for m <= 6 (``admm_iter`` too): those are solved without iterating.
+            Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
             inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
             the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
@@ -409,10 +411,12 @@ def solve(
     max_iter: int | None = None,
     admm_iter: int | None = None,
     tol: float | None = None,
+    exact_max: int = EXACT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W, converged): ADMM (``admm_iter`` iterations, None: `default_admm_budget`), then
-    MPRGP from its answer (``max_iter``, None: `default_budget`), on every row of U (r, m)
-    with the (regularised) G, no host read; unconverged rows are NaN.
+    """(W, converged): for m <= ``exact_max``, `_enumerate`; else ADMM (``admm_iter``
+    iterations, None: `default_admm_budget`), then MPRGP from its answer (``max_iter``, None:
+    `default_budget`), on every row of U (r, m) with the (regularised) G, no host read;
+    unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -422,7 +426,7 @@ def solve(
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
     m = G.shape[0]
     admm = default_admm_budget(m) if admm_iter is None else admm_iter
-    increment, converged = _solve(G, U / rmax, max_iter, tol, admm)
+    increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
@@ -432,6 +436,7 @@ def _solve(
     max_iter: int | None,
     tol: float | None,
     admm_iter: int = 0,
+    exact_max: int = EXACT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -443,7 +448,7 @@ def _solve(
     A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
-    if m <= EXACT_MAX:  # every face at once: exact, about 15 ops (no iteration budget)
+    if m <= exact_max:  # every face at once: exact, about 15 ops (no iteration budget)
         return _checked(A, low, _enumerate(A, low), s, tol)
     gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
     dtype = G.dtype
@@ -523,6 +528,15 @@ def _enumerate(A: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     # A on F x F, the identity elsewhere: positive definite, so the factor needs no pivoting
     K = torch.addcmul(bounds, FF, A)
     L = torch.linalg.cholesky_ex(K)[0]
+    rows = max(1, _EXACT_CHUNK // (F.shape[0] * F.shape[1]))  # bounded memory: row chunks
+    parts = [_best_face(A, F, L, part) for part in torch.split(low, rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _best_face(
+    A: torch.Tensor, F: torch.Tensor, L: torch.Tensor, low: torch.Tensor
+) -> torch.Tensor:
+    """`_enumerate` on some rows: the point of each face, and each row's least violating."""
     # y = low off F; on F, A_FF y_F = -(A_FB low_B): the right side is 0 where the bounds are
     # 0, so that y is exact there (solving for x = y - low left 1e-12 where v = 0)
     bound = low * (1 - F[:, None, :])  # (2^m, r, m)

@@ -181,6 +181,17 @@ def test_few_tasks_float32_within_conditioning(m: int, kind: int) -> None:
     assert _relative(W.double(), _quadprog(U, G)) <= 100 * 2**-23 * cond, (m, kind)
 
 
+def test_few_tasks_many_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many rows: the (2^m, rows, m) intermediate is bounded, the rows solved in chunks (a
+    chunk of 3 rows here), with the same answer."""
+    m = EXACT_MAX
+    G = random_gramian(5, m).double()
+    U = torch.randn(7, m, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    monkeypatch.setattr(funcgrad._projector, "_EXACT_CHUNK", 3 * 2**m * m)
+    W = funcgrad.DualConeProjector()(U, G)
+    assert _relative(W, _quadprog(U, G)) <= 1e-10
+
+
 class _OpCount(TorchDispatchMode):
     """Counts aten calls: the fixed cost of a solve on few tasks is the number of ops."""
 
@@ -508,7 +519,8 @@ def test_admm_keeps_converged_rows() -> None:
     row outside tol, depending on the rounding: measured on 1 thread.)"""
     for i in range(60):
         G = regularized(random_gramian(i, 8), 1e-4, 1e-4).float()
-        _, converged = solve(G, torch.eye(8, dtype=torch.float32) / 8, max_iter=0, admm_iter=384)
+        U = torch.eye(8, dtype=torch.float32) / 8
+        _, converged = solve(G, U, max_iter=0, admm_iter=384, exact_max=0)  # ADMM at m = 8
         assert bool(converged.all()), i
 
 
@@ -840,8 +852,8 @@ def test_funcgrad_backward_refuses_unconverged_weights() -> None:
     tjd = _tjd()
     encoder = torch.nn.Linear(5, 8)
     features = encoder(torch.randn(16, 5))
-    # conflicting tasks: one iteration does not solve them (m = 8 > EXACT_MAX: iterated)
-    directions = torch.randn(8, 8)
+    # conflicting tasks: one iteration does not solve them (m = 12 > EXACT_MAX: iterated)
+    directions = torch.randn(12, 8)
     losses = [(features @ c).mean() for c in directions]
     projector = funcgrad.DualConeProjector(max_iter=1, admm_iter=0, check=False)
     weighting = tjd.UPGradWeighting(projector=projector)
