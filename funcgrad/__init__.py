@@ -27,7 +27,7 @@ from ._per_example import (
     per_example_norms,
 )
 from ._plan import Plan
-from ._projector import DualConeProjector
+from ._projector import DualConeProjector, MGDAWeighting
 from ._pullback import Pullback, PullbackStats, pullback
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Strategy, Weighting
 
@@ -46,6 +46,7 @@ __all__ = [
     "backward",
     "combine_heads",
     "DualConeProjector",
+    "MGDAWeighting",
     # per-example heads
     "per_example",
     "per_example_gramian",

@@ -77,7 +77,9 @@ class CombinedHeads:
         flat = c.flat(args)
         with result_graph(self._create_graph, flat.leaves):
             plan = c.plan(flat, weighted=self._one_pullback(self.rule))
-        return dataclasses.replace(plan, advice=projector_advice(self._weighting))
+        device = flat.leaves[0].device if flat.leaves else None
+        advice = projector_advice(self._weighting, c.k, device)  # by m and device
+        return dataclasses.replace(plan, advice=advice)
 
     def __call__(self, *args: Any) -> Any:
         check_not_inference_mode(_CALL)

@@ -12,7 +12,9 @@ on the current face, expansion steps (a feasible half step, then a projected gra
 length ``abar``) when a bound is hit, and proportioning steps that release the bounds whose
 multipliers are negative. It is monotone (each step lowers ``v^T G v``), converges for any
 positive definite G, and terminates finitely in exact arithmetic once the optimal face is
-found, so its answer is the exact one (within rounding), not an approximation.
+found, so its answer is the exact one (within rounding), not an approximation. For few tasks
+(m <= 10, `EXACT_MAX`) the iteration budgets would be a fixed cost of thousands of ops: all
+2^m faces are solved at once instead (`_enumerate`), an exact direct method.
 
 Assumptions, and how each is checked:
 
@@ -28,6 +30,7 @@ Assumptions, and how each is checked:
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -63,6 +66,12 @@ _ADMM_SMALL = 8192
 # 200 random Gramians (m = 2..128, UPGrad's rows and rows of both signs) converged; ADMM
 # alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail).
 _FINISH_FLOAT32 = 64
+# Up to this m, `_enumerate` solves exactly, trying all 2^m faces at once (no iteration): as
+# fast as quadprog on the CPU up to m = 6 (0.1-0.3 ms); at m = 8-10 its 256-1024 factors
+# take 0.7-3 ms, 3-10x quadprog's time but 4-15x less than the iterations below (12-14 ms
+# whatever m); at m = 12, 20-30 ms (docs/benchmarks_projector.md).
+EXACT_MAX = 10
+_EXACT_CHUNK = 1 << 22  # elements of the (2^m, rows, m) intermediate: rows in chunks
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -79,7 +88,8 @@ class DualConeProjector:
     For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
     is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
-    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md). Pass it
+    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); for
+    m <= 10 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -93,6 +103,7 @@ class DualConeProjector:
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
+            Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
             inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
             the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
@@ -271,12 +282,24 @@ class DualConeProjector:
 _SOLVERS = ("UPGradWeighting", "DualProjWeighting", "UPGrad", "DualProj")
 
 
-def projector_advice(weighting: object) -> str | None:
+# On the CPU, quadprog (row by row, on the host: no sync to pay there) is faster than this
+# projector below about m = 64 tasks (docs/benchmarks_projector.md): no advice there.
+CPU_ADVICE_FROM = 64
+
+
+def projector_advice(
+    weighting: object, m: int | None = None, device: torch.device | None = None
+) -> str | None:
     """Where ``weighting`` is TorchJD's UPGrad or DualProj (weighting or aggregator) with
     its default ``QuadprogProjector``, how to pass this projector instead (`funcgrad.Plan`'s
-    ``advice``); else None. funcgrad never swaps a user's projector."""
+    ``advice``); else None. Also None for m < `CPU_ADVICE_FROM` tasks on the CPU, where
+    quadprog is the faster (on another device it copies G to the host: advised for any m).
+    funcgrad never swaps a user's projector."""
     name = type(weighting).__name__
     if name not in _SOLVERS:
+        return None
+    on_cpu = device is None or device.type == "cpu"
+    if m is not None and on_cpu and m < CPU_ADVICE_FROM:
         return None
     inner = getattr(weighting, "gramian_weighting", weighting)  # aggregators hold one
     projector = getattr(inner, "projector", getattr(inner, "_projector", None))
@@ -388,10 +411,12 @@ def solve(
     max_iter: int | None = None,
     admm_iter: int | None = None,
     tol: float | None = None,
+    exact_max: int = EXACT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W, converged): ADMM (``admm_iter`` iterations, None: `default_admm_budget`), then
-    MPRGP from its answer (``max_iter``, None: `default_budget`), on every row of U (r, m)
-    with the (regularised) G, no host read; unconverged rows are NaN.
+    """(W, converged): for m <= ``exact_max``, `_enumerate`; else ADMM (``admm_iter``
+    iterations, None: `default_admm_budget`), then MPRGP from its answer (``max_iter``, None:
+    `default_budget`), on every row of U (r, m) with the (regularised) G, no host read;
+    unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -401,7 +426,7 @@ def solve(
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
     m = G.shape[0]
     admm = default_admm_budget(m) if admm_iter is None else admm_iter
-    increment, converged = _solve(G, U / rmax, max_iter, tol, admm)
+    increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
@@ -411,6 +436,7 @@ def _solve(
     max_iter: int | None,
     tol: float | None,
     admm_iter: int = 0,
+    exact_max: int = EXACT_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -422,6 +448,8 @@ def _solve(
     A = G * (s * s)
     A = (A + A.T) / 2  # exactly symmetric (the products below assume it)
     low = U / s  # the bound on y
+    if m <= exact_max:  # every face at once: exact, about 15 ops (no iteration budget)
+        return _checked(A, low, _enumerate(A, low), s, tol)
     gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
     dtype = G.dtype
     if budget == 0:  # the ADMM answer, checked (below)
@@ -473,6 +501,53 @@ def _solve(
         P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
         stale = expand
     return _checked(A, low, gap, s, tol)
+
+
+@functools.lru_cache(maxsize=32)
+def _faces(
+    m: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 2^m faces: F (2^m, m), 1 on the free variables; F F^T; the identity off F."""
+    bits = torch.arange(m, device=device)
+    F = (torch.arange(1 << m, device=device)[:, None].bitwise_right_shift(bits) & 1).to(dtype)
+    return F, F[:, :, None] * F[:, None, :], torch.diag_embed(1 - F)
+
+
+def _enumerate(A: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``y - low >= 0`` for ``min y^T A y, y >= low`` on every row of ``low`` (r, m),
+    exactly, by trying every face at once: for each of the 2^m sets F of free variables (the
+    others on their bound), the stationary point of the face, ``A_FF y_F = -A_FB low_B`` (y =
+    low off F), from one batched Cholesky factor per face shared by the rows; each row keeps
+    the face whose point violates the KKT conditions (``y >= low``, ``(A y)_j >= 0`` off F)
+    the least. A is positive definite (regularised), so exactly one face holds the unique
+    solution (up to faces that give the same point, where a bound is weakly active), and its
+    violation is at rounding level. Cost: 2^m factors of size m and a (2^m, r, m)
+    intermediate, hence m <= `EXACT_MAX`; about 15 tensor ops, no iteration, no read.
+    """
+    F, FF, bounds = _faces(A.shape[0], A.dtype, A.device)
+    # A on F x F, the identity elsewhere: positive definite, so the factor needs no pivoting
+    K = torch.addcmul(bounds, FF, A)
+    L = torch.linalg.cholesky_ex(K)[0]
+    rows = max(1, _EXACT_CHUNK // (F.shape[0] * F.shape[1]))  # bounded memory: row chunks
+    parts = [_best_face(A, F, L, part) for part in torch.split(low, rows)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _best_face(
+    A: torch.Tensor, F: torch.Tensor, L: torch.Tensor, low: torch.Tensor
+) -> torch.Tensor:
+    """`_enumerate` on some rows: the point of each face, and each row's least violating."""
+    # y = low off F; on F, A_FF y_F = -(A_FB low_B): the right side is 0 where the bounds are
+    # 0, so that y is exact there (solving for x = y - low left 1e-12 where v = 0)
+    bound = low * (1 - F[:, None, :])  # (2^m, r, m)
+    y = torch.cholesky_solve(-(bound @ A * F[:, None, :]).transpose(1, 2), L).transpose(1, 2)
+    y = y + bound
+    x = y - low  # >= 0 on F for the solution's face; 0 off F
+    w = y @ A  # the gradient; 0 on F up to rounding
+    violation = torch.maximum((-x).amax(2), (-w * (1 - F[:, None, :])).amax(2))  # (2^m, r)
+    best = violation.argmin(0)  # NaN input: a NaN violation wins, and the check catches it
+    gap = x.gather(0, best[None, :, None].expand(1, *x.shape[1:]))[0]
+    return gap.clamp_min(0)  # exactly >= 0 (the kept face's x is >= 0 up to rounding)
 
 
 def _checked(
@@ -546,3 +621,76 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
 
 
 _register_with_torchjd()  # where TorchJD is imported before funcgrad
+
+
+class MGDAWeighting:
+    """TorchJD's ``MGDAWeighting`` (the Frank-Wolfe solver of Sener and Koltun 2018,
+    Algorithm 2) without a host read: the same iterates, a fixed iteration count.
+
+    TorchJD's loop reads three device values an iteration (its two step-size branches and its
+    stop ``gamma < epsilon``): a host sync each on a GPU. This one runs all ``max_iters``
+    iterations on the device, the branches as ``torch.where`` and the stop as a device-side
+    mask: once a step is below ``epsilon`` the weights are frozen, as TorchJD's loop breaks
+    there. Every product is TorchJD's (``G @ alpha``, ``alpha @ (G @ e_t)``), so the answer
+    is TorchJD's to the last bits, not only to its tolerance; the cost is that of TorchJD's
+    loop at ``max_iters`` (about 20 small ops an iteration), where TorchJD's stops early. It
+    is a Gramian weighting: pass it as ``weighting=`` to `funcgrad.backward`,
+    `funcgrad.combine_heads` or ``per_example(...).backward``, or call it on a Gramian.
+
+    Args:
+        epsilon: the step ``gamma`` below which the iteration stops (TorchJD's ``epsilon``).
+        max_iters: the iteration count, all run (TorchJD's ``max_iters``, its upper bound).
+
+    Examples:
+        >>> import torch, funcgrad
+        >>> G = torch.tensor([[1.0, -0.5], [-0.5, 4.0]], dtype=torch.float64)
+        >>> with funcgrad.HostReadCounter() as reads:
+        ...     w = funcgrad.MGDAWeighting()(G)
+        >>> reads.count, w.round(decimals=3)  # the min-norm point of the hull, to epsilon
+        (0, tensor([0.7500, 0.2500], dtype=torch.float64))
+
+    Notes:
+        Equal to ``torchjd.aggregation.MGDAWeighting(epsilon, max_iters)(G)`` to 1e-12
+        relative in float64 on the tests' Gramians (tests/test_projector.py); a NaN in G gives
+        NaN weights, as TorchJD's. Not differentiable (the weights are detached).
+    """
+
+    def __init__(self, epsilon: float = 0.001, max_iters: int = 100) -> None:
+        call = "funcgrad.MGDAWeighting(...)"
+        if not _is_number(epsilon) or not 0.0 < epsilon < math.inf:
+            raise ValueError(f"{call}: `epsilon` must be a finite number > 0, got {epsilon!r}.")
+        if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+            raise ValueError(f"{call}: `max_iters` must be an int >= 1, got {max_iters!r}.")
+        self.epsilon = float(epsilon)
+        self.max_iters = max_iters
+
+    def __repr__(self) -> str:
+        return f"MGDAWeighting(epsilon={self.epsilon}, max_iters={self.max_iters})"
+
+    def __call__(self, gramian: torch.Tensor) -> torch.Tensor:
+        """The weights (m,) on the Gramian (m, m), on its device and dtype."""
+        G = gramian
+        if not isinstance(G, torch.Tensor) or G.ndim != 2 or G.shape[0] != G.shape[1]:
+            got = f"shape {tuple(G.shape)}" if isinstance(G, torch.Tensor) else type(G).__name__
+            raise ValueError(f"funcgrad.MGDAWeighting(G): `G` must be (m, m), got {got}.")
+        if not G.is_floating_point():
+            raise TypeError(f"funcgrad.MGDAWeighting(G): `G` must be floating, got {G.dtype}.")
+        m = G.shape[0]
+        with torch.no_grad():
+            G = G.detach()
+            indices = torch.arange(m, device=G.device)
+            alpha = torch.ones(m, device=G.device, dtype=G.dtype) / m
+            running = torch.ones((), dtype=torch.bool, device=G.device)
+            one, zero = torch.ones_like(alpha[0]), torch.zeros_like(alpha[0])
+            for _ in range(self.max_iters):
+                t = torch.argmin(G @ alpha)
+                e_t = (indices == t).to(G.dtype)
+                a = alpha @ (G @ e_t)
+                b = alpha @ (G @ alpha)
+                c = e_t @ (G @ e_t)
+                gamma = torch.where(
+                    c <= a, one, torch.where(b <= a, zero, (b - a) / (b + c - 2 * a))
+                )
+                alpha = torch.where(running, (1 - gamma) * alpha + gamma * e_t, alpha)
+                running = running & ~(gamma < self.epsilon)  # TorchJD's break, on the device
+        return alpha

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad._projector import default_budget, regularized, solve
+from funcgrad._projector import EXACT_MAX, default_budget, regularized, solve
 
 # --------------------------------------------------------------------------------------------
 # Gramians
@@ -147,6 +148,72 @@ def test_random_gramians_fast(m: int) -> None:
     U = _rows(m, seed=i)
     W = funcgrad.DualConeProjector()(U, G)
     assert _relative(W, _quadprog(U, G)) <= 1e-8, (m, i % 6)
+
+
+# --------------------------------------------------------------------------------------------
+# Few tasks (m <= EXACT_MAX): every face at once, exact, no iteration
+
+
+@pytest.mark.parametrize("m", range(2, EXACT_MAX + 1))
+@pytest.mark.parametrize("kind", range(6))
+def test_few_tasks_exact_without_any_iteration(m: int, kind: int) -> None:
+    """Every kind of random Gramian, UPGrad's rows and rows of both signs: exact against
+    quadprog in float64 with no ADMM and no MPRGP iteration at all (before the enumeration,
+    a zero budget left the start ``max(u, 0)``: unconverged rows)."""
+    i = 6 * m + kind
+    G = random_gramian(i, m).double()
+    U = _rows(m, seed=i).double()
+    W, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=0)
+    assert bool(converged.all())
+    assert _relative(W, _quadprog(U, G)) <= 1e-10, (m, kind)
+
+
+@pytest.mark.parametrize("m", range(2, EXACT_MAX + 1))
+@pytest.mark.parametrize("kind", range(6))
+def test_few_tasks_float32_within_conditioning(m: int, kind: int) -> None:
+    i = 6 * m + kind
+    G = random_gramian(i, m).double()
+    U = _rows(m, seed=i).double()
+    Gr = regularized(G, 1e-4, 1e-4)
+    eigenvalues = torch.linalg.eigvalsh(Gr)
+    cond = float(eigenvalues[-1] / eigenvalues[0])
+    W = funcgrad.DualConeProjector()(U.float(), G.float())
+    assert _relative(W.double(), _quadprog(U, G)) <= 100 * 2**-23 * cond, (m, kind)
+
+
+def test_few_tasks_many_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many rows: the (2^m, rows, m) intermediate is bounded, the rows solved in chunks (a
+    chunk of 3 rows here), with the same answer."""
+    m = EXACT_MAX
+    G = random_gramian(5, m).double()
+    U = torch.randn(7, m, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    monkeypatch.setattr(funcgrad._projector, "_EXACT_CHUNK", 3 * 2**m * m)
+    W = funcgrad.DualConeProjector()(U, G)
+    assert _relative(W, _quadprog(U, G)) <= 1e-10
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts aten calls: the fixed cost of a solve on few tasks is the number of ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("m", [2, 4, EXACT_MAX])
+def test_few_tasks_cost_about_a_hundred_ops(m: int) -> None:
+    """The ADMM and MPRGP budgets ran about 3,000 tensor ops whatever m (12.8 ms at m = 8,
+    against quadprog's 0.25 ms); the enumeration runs about a hundred, the whole call
+    included."""
+    G = random_gramian(3, m)
+    project = funcgrad.DualConeProjector(check=False)
+    with _OpCount() as ops:
+        project(torch.eye(m) / m, G)
+    assert ops.count <= 150, ops.count  # 95 at m = 4, views included; 5,000+ before
 
 
 @pytest.mark.slow
@@ -452,7 +519,8 @@ def test_admm_keeps_converged_rows() -> None:
     row outside tol, depending on the rounding: measured on 1 thread.)"""
     for i in range(60):
         G = regularized(random_gramian(i, 8), 1e-4, 1e-4).float()
-        _, converged = solve(G, torch.eye(8, dtype=torch.float32) / 8, max_iter=0, admm_iter=384)
+        U = torch.eye(8, dtype=torch.float32) / 8
+        _, converged = solve(G, U, max_iter=0, admm_iter=384, exact_max=0)  # ADMM at m = 8
         assert bool(converged.all()), i
 
 
@@ -607,8 +675,9 @@ def test_plan_advises_the_fast_projector_never_swaps(name: str) -> None:
     TorchJD's default (quadprog), and nothing where it already uses another; the user's
     object is not changed."""
     tjd = _tjd()
-    f = torch.nn.Linear(3, 4)
-    heads = [lambda y, i=i: y[..., i].sum() for i in range(3)]
+    m = funcgrad._projector.CPU_ADVICE_FROM  # tasks: from here the projector is faster
+    f = torch.nn.Linear(3, m)
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(m)]
     default = getattr(tjd, name)()
     plan = funcgrad.combine_heads(f, heads, default).plan(torch.zeros(2, 3))
     assert plan.advice is not None
@@ -621,6 +690,18 @@ def test_plan_advises_the_fast_projector_never_swaps(name: str) -> None:
     mean = funcgrad.combine_heads(f, heads, tjd.MeanWeighting()).plan(torch.zeros(2, 3))
     assert mean.advice is None
     assert "advice" not in repr(mean)
+
+
+@pytest.mark.parametrize("m", [2, 8, 32])
+def test_plan_gives_no_advice_for_few_tasks_on_the_cpu(m: int) -> None:
+    """quadprog is faster on the CPU below CPU_ADVICE_FROM tasks (the bench): no advice."""
+    tjd = _tjd()
+    f = torch.nn.Linear(3, m)
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(m)]
+    plan = funcgrad.combine_heads(f, heads, tjd.UPGradWeighting()).plan(torch.zeros(2, 3))
+    assert plan.advice is None
+    advice = funcgrad._projector.projector_advice(tjd.UPGrad(), m, torch.device("meta"))
+    assert advice is not None  # another device: quadprog syncs, advised whatever m
 
 
 def test_batched_shapes_equal_rows() -> None:
@@ -648,7 +729,12 @@ def test_degenerate_gramians() -> None:
     W = funcgrad.DualConeProjector()(U, torch.zeros(3, 3))
     torch.testing.assert_close(W, U.clamp_min(0), rtol=0, atol=0)
     W = funcgrad.DualConeProjector()(U, torch.ones(3, 3))  # three identical tasks
-    torch.testing.assert_close(W, _quadprog(U, torch.ones(3, 3)), rtol=1e-10, atol=1e-12)
+    # float32: within its resolution (an exact 0 there before m <= EXACT_MAX was enumerated
+    # was luck: the enumeration's 1e-12 is far below float32's 6e-8 at 1)
+    torch.testing.assert_close(W, _quadprog(U, torch.ones(3, 3)), rtol=1e-6, atol=1e-7)
+    U64, ones = U.double(), torch.ones(3, 3, dtype=torch.float64)
+    W = funcgrad.DualConeProjector()(U64, ones)
+    torch.testing.assert_close(W, _quadprog(U64, ones), rtol=1e-10, atol=1e-12)
 
 
 def test_not_differentiable_and_detached() -> None:
@@ -766,10 +852,96 @@ def test_funcgrad_backward_refuses_unconverged_weights() -> None:
     tjd = _tjd()
     encoder = torch.nn.Linear(5, 8)
     features = encoder(torch.randn(16, 5))
-    directions = torch.randn(6, 8)  # conflicting tasks: one iteration does not solve them
+    # conflicting tasks: one iteration does not solve them (m = 12 > EXACT_MAX: iterated)
+    directions = torch.randn(12, 8)
     losses = [(features @ c).mean() for c in directions]
     projector = funcgrad.DualConeProjector(max_iter=1, admm_iter=0, check=False)
     weighting = tjd.UPGradWeighting(projector=projector)
     with pytest.raises(ValueError, match="non-finite weights"):
         funcgrad.backward(losses, through=features, weighting=weighting, level="params")
     assert encoder.weight.grad is None
+
+
+# --------------------------------------------------------------------------------------------
+# MGDA without host reads
+
+
+def _mgda_cases() -> list[Any]:
+    cases = [
+        pytest.param(random_gramian(i, m).double(), id=f"m{m}-kind{i % 6}")
+        for m, i in [(2, 0), (3, 1), (5, 2), (8, 3), (8, 4), (13, 5), (32, 6), (64, 7), (64, 9)]
+    ]
+    cases += [pytest.param(J @ J.T, id=name) for name, J in torchjd_matrices()[::5]]
+    return cases
+
+
+@pytest.mark.parametrize("G", _mgda_cases())
+@pytest.mark.parametrize(("epsilon", "max_iters"), [(1e-3, 100), (1e-6, 300), (0.05, 7)])
+def test_mgda_equals_torchjd(G: torch.Tensor, epsilon: float, max_iters: int) -> None:
+    """The same Frank-Wolfe iterates as TorchJD's MGDAWeighting, stop included: equal to
+    the last bits in float64, with no host read."""
+    tjd = _tjd()
+    G = G.double()
+    reference = tjd.MGDAWeighting(epsilon=epsilon, max_iters=max_iters)(G)
+    with funcgrad.HostReadCounter() as reads:
+        w = funcgrad.MGDAWeighting(epsilon=epsilon, max_iters=max_iters)(G)
+    assert reads.count == 0
+    torch.testing.assert_close(w, reference, rtol=1e-12, atol=1e-15)
+
+
+def test_mgda_stop_is_the_device_side_mask() -> None:
+    """TorchJD stops early (gamma < epsilon) on these Gramians: iterating on would give
+    other weights, so the equality above checks the frozen mask, not only the iteration."""
+    tjd = _tjd()
+    stopped = 0
+    for G in _mgda_cases():
+        G = G.values[0].double()
+        early = funcgrad.MGDAWeighting()(G)
+        on = funcgrad.MGDAWeighting(epsilon=1e-300)(G)  # never stops: all 100 iterations
+        torch.testing.assert_close(early, tjd.MGDAWeighting()(G), rtol=1e-12, atol=1e-15)
+        stopped += not torch.allclose(early, on, rtol=1e-9, atol=0)
+    assert stopped >= 2, stopped
+
+
+def test_mgda_float32_and_backward() -> None:
+    """float32 as TorchJD's (a tie in argmin could part them: not on these), and as
+    funcgrad.backward's weighting the same weights and .grad as TorchJD's."""
+    tjd = _tjd()
+    G = random_gramian(3, 16)
+    torch.testing.assert_close(funcgrad.MGDAWeighting()(G), tjd.MGDAWeighting()(G))
+    encoder = torch.nn.Linear(5, 8)
+    x = torch.randn(16, 5)
+    directions = torch.randn(4, 8)
+    grads = []
+    for weighting in (funcgrad.MGDAWeighting(), tjd.MGDAWeighting()):
+        encoder.zero_grad(set_to_none=True)
+        features = encoder(x)
+        losses = [(features @ c).mean() for c in directions]
+        funcgrad.backward(losses, through=features, weighting=weighting, level="params")
+        grads.append(encoder.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epsilon": 0.0}, "`epsilon` must be a finite number > 0"),
+        ({"epsilon": math.nan}, "`epsilon` must be"),
+        ({"max_iters": 0}, "`max_iters` must be an int >= 1"),
+        ({"max_iters": 2.0}, "`max_iters` must be"),
+    ],
+)
+def test_mgda_constructor_errors(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        funcgrad.MGDAWeighting(**kwargs)
+
+
+def test_mgda_call_errors_and_nan() -> None:
+    with pytest.raises(ValueError, match="must be \\(m, m\\)"):
+        funcgrad.MGDAWeighting()(torch.ones(2, 3))
+    with pytest.raises(TypeError, match="must be floating"):
+        funcgrad.MGDAWeighting()(torch.ones(2, 2, dtype=torch.int64))
+    G = random_gramian(0, 4)
+    G[1, 2] = G[2, 1] = math.nan
+    assert bool(torch.isnan(funcgrad.MGDAWeighting()(G)).any())  # as TorchJD's
+    assert repr(funcgrad.MGDAWeighting()) == "MGDAWeighting(epsilon=0.001, max_iters=100)"

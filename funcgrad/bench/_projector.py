@@ -23,7 +23,7 @@ import funcgrad
 from ._cases import Case, device
 from ._per_example import _model
 
-SIZES = (8, 32, 128, 512)
+SIZES = (2, 4, 8, 16, 32, 128, 512)
 CELLS = {
     "full": [(source, m) for source in ("random", "mlp") for m in SIZES] + [("iwrm-mlp", 128)],
     "quick": [("random", 8), ("mlp", 8), ("iwrm-mlp", 8)],
