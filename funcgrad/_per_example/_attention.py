@@ -109,7 +109,10 @@ class _Attention(_Layer):
         shapes = [(t.grad_fn is not None, t.ndim, tuple(t.shape[:2])) for t in heads_qkv]
         if any(shape != (True, 4, (batch, heads)) for shape in shapes):
             return  # (B, heads, T, d / heads) each
-        use.inner_edges = [get_gradient_edge(t) for t in heads_qkv]
+        edges = [get_gradient_edge(t) for t in heads_qkv]
+        if len({(e.node, e.output_nr) for e in edges}) != 3:
+            return  # one tensor as two of q, k, v: its edge would get their sum
+        use.inner_edges = edges
         # (T·B, d) rows, t-major: to (B, T, d)
         use.inner_input = attended.detach().view(length, batch, width).transpose(0, 1)
 
