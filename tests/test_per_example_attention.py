@@ -127,3 +127,60 @@ def test_the_recompute_without_identity_projections_equals_the_general_one(kind,
             grams.append(pe.gramian(losses_fn(model)))
     for gram in grams:
         torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+
+
+class _CountAttention(torch.overrides.TorchFunctionMode):
+    """Counts the attention passes (SDPA, or the general multi-head forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (
+            torch.nn.functional.scaled_dot_product_attention,
+            torch.nn.functional.multi_head_attention_forward,
+        ):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("cross", [False, True])
+def test_attention_takes_dq_dk_dv_from_the_one_backward(dtype, bias, cross):
+    """The calls that return no weights take Δq, Δk, Δv from the one backward (the
+    gradients at the heads that the forward's attention node saved), where each call ran
+    the attention again (one more batched forward and backward of it): no attention pass
+    in the call, G and the norms exact against the loop (float64), padding included."""
+    torch.manual_seed(8)
+    kv = dict(kdim=5, vdim=6) if cross else {}
+    attention = nn.MultiheadAttention(D, 2, batch_first=True, bias=bias, dtype=dtype, **kv)
+    head = nn.Linear(D, 1, dtype=dtype)
+    x = torch.randn(B, T, D, dtype=dtype)
+    memory = (torch.randn(B, S, 5, dtype=dtype), torch.randn(B, S, 6, dtype=dtype))
+    keys = S if cross else T
+    pad = torch.zeros(B, keys, dtype=torch.bool)
+    pad[0, 2:] = True
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.head = attention, head
+
+        def forward(self):
+            k, v = memory if cross else (x, x)
+            out, _ = self.attention(x, k, v, key_padding_mask=pad, need_weights=False)
+            return self.head(out).squeeze(-1).pow(2).sum(1)
+
+    model = Model()
+    jac = loop_jacobian(model, lambda m: m())
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    with funcgrad.per_example(model) as pe:
+        losses = model()
+        with _CountAttention() as counted:
+            gram = pe.gramian(losses)
+            norms = funcgrad.per_example_norms(model())
+        assert counted.count == 1  # the forward of the second call's losses; none in the calls
+    torch.testing.assert_close(gram, (jac @ jac.T).to(dtype), **tol)
+    torch.testing.assert_close(norms, jac.norm(dim=1).to(dtype), **tol)

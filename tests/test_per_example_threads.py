@@ -1,12 +1,15 @@
 """Threads sharing one `funcgrad.per_example(model)`: each thread's forwards and calls are its
 own (the records, the recording flag, the shared-index state), a generic-rule module's
-parameters are never seen swapped by another thread's forward, and `.grad` is written by one
-call at a time. Against the per-example autograd loop, in float64."""
+functional calls change nothing that another thread sees (its forward, its call, its reads of
+the model), and `.grad` is written by one call at a time. Against the per-example autograd
+loop, in float64."""
 
 from __future__ import annotations
 
 import copy
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -56,10 +59,7 @@ def _losses(model, x):
     return model(x).pow(2).squeeze(1)
 
 
-# Not with a generic-rule module (its parameters swapped for vmap during a call): with one
-# shared by two threads at once, a rare interleaving still gives a wrong G (1 run in 15-20
-# of these tests under a CPU load; docs/per_example.md, Threads). A known limit, not tested.
-@pytest.mark.parametrize("generic", [False])
+@pytest.mark.parametrize("generic", [False, True])
 def test_two_threads_with_different_batches_get_their_own_gramian(generic):
     """The recording flag and the records were the PerExample's: a call in one thread
     switched recording off during another thread's forward (a crash naming a parameter
@@ -111,6 +111,32 @@ def test_two_threads_accumulate_every_update_into_grad():
         _run_threads(work)
     found = torch.cat([p.grad.flatten() for p in params])
     torch.testing.assert_close(found, 2 * expected, rtol=1e-10, atol=1e-10)
+
+
+def test_calls_in_two_threads_never_interleave_a_generic_modules_parameter_swap():
+    """A call swapped a generic-rule module's parameters for its functional calls (vmap) and
+    put them back after; two calls at once interleaved the swaps, and one put the other's
+    transform tensors back as the parameters (every later G wrong: 0.43 off here). Without a
+    barrier, the threads' calls overlap at every phase."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 16), Scale(16), nn.Tanh(), nn.Linear(16, 1))
+    xs = [torch.randn(6, 5), torch.randn(9, 5)]
+    refs = []
+    for x in xs:
+        jac = per_example_jacobian(model, lambda m, x=x: _losses(m, x))
+        refs.append(jac @ jac.T)
+    found: list[list[torch.Tensor]] = [[], []]
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            for _ in range(3 * ROUNDS):
+                found[i].append(pe.gramian(_losses(model, xs[i]), check=False))
+
+        _run_threads(work)
+    for i in range(2):
+        for gram in found[i]:
+            torch.testing.assert_close(gram, refs[i], rtol=1e-10, atol=1e-12)
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
 
 
 def test_a_call_in_another_thread_than_the_forward_is_refused_clearly():
@@ -296,3 +322,151 @@ def test_the_hooks_of_a_deep_copy_record_nothing_and_a_call_on_its_losses_says_s
         for call in (funcgrad.per_example_gramian, funcgrad.per_example_norms):
             with pytest.raises(ValueError, match=r"a copy of a hooked model.*per_example\(copy\)"):
                 call(losses)
+
+
+@pytest.fixture
+def fine_switching():
+    """Python switches threads every microsecond for the test (5 ms by default), so that
+    two threads' calls interleave at many more points; restored after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(before)
+
+
+STRESS = 150  # calls per thread
+
+
+class _Waits(Scale):
+    """A generic-rule module whose forward lets other threads run a while (as one that
+    logs, or waits on I/O): the other thread often runs while a call's functional calls of
+    it are in progress."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        time.sleep(2e-4)
+        return super().forward(h)
+
+
+class _Gated(nn.Module):
+    """A generic-rule parent (a parameter of its own) with a Linear child: the child's
+    calls are recorded on their own, nested in the parent's."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.g = nn.Parameter(torch.randn(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.g) * self.inner(h).tanh() + h
+
+
+@pytest.mark.usefixtures("fine_switching")
+def test_two_threads_sharing_generic_rule_modules_get_exact_gramians_under_stress():
+    """A call swapped a generic-rule module's parameters in the shared model for its
+    functional calls (vmap, the independence check's float64 rerun): the other thread's
+    call, listing the model's parameters meanwhile, took the swapped tensors for them and
+    left that module out of G (or refused it as reading a foreign parameter). 0.4% to 130%
+    off, 1 run in 15-20 of the older two-thread tests; this one failed 10 runs in 10 on the
+    old code. Each thread its own batch, every G and every norm checked."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(5, 8), _Waits(8), nn.Tanh(), _Gated(8), nn.Linear(8, 1))
+    xs = [torch.randn(6, 5), torch.randn(9, 5)]
+    refs = []
+    for x in xs:
+        jac = per_example_jacobian(model, lambda m, x=x: _losses(m, x))
+        refs.append(jac @ jac.T)
+    wrong: list[tuple[int, int, float]] = []
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            barrier.wait()
+            for k in range(STRESS):
+                check = None if k % 10 == 0 else False  # the float64 rerun swaps too
+                if k % 3 == 2:
+                    found = funcgrad.per_example_norms(_losses(model, xs[i]))
+                    want = refs[i].diagonal().sqrt()
+                else:
+                    found = pe.gramian(_losses(model, xs[i]), check=check)
+                    want = refs[i]
+                if not torch.allclose(found, want, rtol=1e-10, atol=1e-12):
+                    wrong.append((i, k, float((found - want).abs().max() / want.abs().max())))
+
+        _run_threads(work)
+    assert wrong == []
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.usefixtures("fine_switching")
+def test_another_thread_reading_the_model_never_sees_a_generic_modules_parameters_swapped():
+    """While one thread takes per-example Gramians, another reads the model (a checkpoint's
+    named_parameters / state_dict, a plain forward and backward): that thread got the
+    swapped tensors for a generic-rule module's parameters whenever a call's functional
+    calls were in progress."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(5, 8), _Waits(8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(7, 5), torch.randn(4, 5)
+    jac = per_example_jacobian(model, lambda m: _losses(m, x))
+    originals = dict(model.named_parameters())
+    plain = torch.autograd.grad(model(y).sum(), list(originals.values()))
+    wrong: list[str] = []
+    done = threading.Event()
+    with funcgrad.per_example(model) as pe:
+
+        def work(i, barrier):
+            barrier.wait()
+            if i == 0:
+                try:
+                    for k in range(STRESS // 3):
+                        gram = pe.gramian(_losses(model, x), check=False)
+                        if not torch.allclose(gram, jac @ jac.T, rtol=1e-10, atol=1e-12):
+                            wrong.append(f"G at call {k}")
+                finally:
+                    done.set()
+                return
+            k = 0
+            while not done.is_set():
+                k += 1
+                named = dict(model.named_parameters())
+                if any(named[n] is not p for n, p in originals.items()):
+                    wrong.append(f"a swapped parameter seen at read {k}")
+                if k % 50 == 0:
+                    grads = torch.autograd.grad(model(y).sum(), list(originals.values()))
+                    if not all(
+                        torch.allclose(g, w, rtol=1e-10, atol=1e-12) for g, w in zip(grads, plain)
+                    ):
+                        wrong.append(f"plain gradients at read {k}")
+
+        _run_threads(work)
+    assert wrong == []
+
+
+class _Listed(nn.Module):
+    """A generic-rule module that reaches its child through a plain list too (not a
+    registered attribute), so a copy of its module tree still reads the child's own
+    parameter there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+        self.listed = [self.inner]
+        self.s = nn.Parameter(torch.randn(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # inner's weight read directly (not by a call of inner): the generic rule's
+        return h * self.s + h @ self.listed[0].weight.T
+
+
+def test_a_module_reaching_its_parameter_outside_its_attributes_is_still_exact():
+    """The generic rule's functional calls run on a private copy of the module's tree;
+    a forward that reaches a parameter through a plain list reads the original there, whose
+    use the copy's swap does not see (without a check: inner.weight's share left out of
+    G). Seen, and the rule takes its plain-autograd loop."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(3, 4), _Listed(), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(6, 3)
+    jac = per_example_jacobian(model, lambda m: _losses(m, x))
+    with funcgrad.per_example(model) as pe:
+        torch.testing.assert_close(pe.gramian(_losses(model, x)), jac @ jac.T)
+        assert any("loop" in layer.rule for layer in pe.plan.layers if layer.kind == "_Listed")
+        torch.testing.assert_close(funcgrad.per_example_norms(_losses(model, x)), jac.norm(dim=1))

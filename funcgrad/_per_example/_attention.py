@@ -14,12 +14,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from ._layer import _add, _Layer
 from ._record import _Use
 from ._rules import _Dense
 
 _PARTS = ("q", "k", "v")
+_VIEWS = ("TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0")
+
+
+def _through_views(node: Any) -> Any:
+    """The first node below ``node`` that is not a view (a transpose, view or permute with
+    one input)."""
+    while node is not None and type(node).__name__ in _VIEWS and len(node.next_functions) == 1:
+        node = node.next_functions[0][0]
+    return node
 
 
 def _native_attention(module: nn.Module) -> bool:
@@ -54,9 +64,84 @@ class _Attention(_Layer):
         )
         return weights, biases
 
+    def precheck(self) -> None:
+        super().precheck()
+        for use in self.uses:
+            self.inner(use)
+
+    def inner(self, use: _Use) -> None:
+        """Before the one backward: the gradient edges of the q, k, v heads that
+        ``F.scaled_dot_product_attention`` got in the forward's own graph (its node saves
+        them), and the out-projection's input (saved by its product), so that the one
+        backward gives Δq, Δk, Δv and no second pass through the attention is needed. Only
+        where the graph is the one ``F.multi_head_attention_forward`` builds for a call
+        that returns no weights (out-projection product, views, one attention node),
+        checked node by node with the shapes; else nothing (`recompute` then)."""
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        if len(use.outputs) != 1 or use.outputs[0][0] != 0 or not use.edges:
+            return
+        batch, length, width = use.outputs[0][1]
+        heads = m.num_heads
+        node = _through_views(use.edges[0].node)
+        name = type(node).__name__
+        if name == "AddmmBackward0":
+            attended, weight = node._saved_mat1, node._saved_mat2
+        elif name == "MmBackward0":
+            attended, weight = node._saved_self, node._saved_mat2
+        else:
+            return
+        if (
+            attended.shape != (length * batch, width)
+            or weight.shape != (width, width)
+            or weight.data_ptr() != m.out_proj.weight.data_ptr()
+            or attended.grad_fn is None
+        ):
+            return
+        sdpa = _through_views(attended.grad_fn)
+        if not type(sdpa).__name__.startswith("ScaledDotProduct") or not all(
+            hasattr(sdpa, f"_saved_{n}") for n in ("query", "key", "value")
+        ):
+            return
+        if getattr(sdpa, "_saved_dropout_p", 0.0) != 0.0:
+            return
+        heads_qkv = [getattr(sdpa, f"_saved_{n}") for n in ("query", "key", "value")]
+        shapes = [(t.grad_fn is not None, t.ndim, tuple(t.shape[:2])) for t in heads_qkv]
+        if any(shape != (True, 4, (batch, heads)) for shape in shapes):
+            return  # (B, heads, T, d / heads) each
+        edges = [get_gradient_edge(t) for t in heads_qkv]
+        if len({(e.node, e.output_nr) for e in edges}) != 3:
+            return  # one tensor as two of q, k, v: its edge would get their sum
+        use.inner_edges = edges
+        # (T·B, d) rows, t-major: to (B, T, d)
+        use.inner_input = attended.detach().view(length, batch, width).transpose(0, 1)
+
+    def from_graph(self, use: _Use) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """(A, Δ) for q, k, v and the out-projection from the one backward (`inner`)."""
+        if not use.inner_edges or use.inner_input is None:
+            return None
+        m = self.module
+        assert isinstance(m, nn.MultiheadAttention)
+        bound = inspect.signature(m.forward).bind(*use.args, **use.kwargs)
+        arg = bound.arguments
+        inputs = [arg["query"], arg["key"], arg["value"]]
+        found = []
+        for x, d in zip(inputs, use.inner_deltas):
+            self.check_batched(x, "has an input that")
+            if d is None:
+                d = x.new_zeros(x.shape[0], x.shape[1], m.embed_dim)
+            else:  # (B, heads, T, d / heads) -> (B, T, d)
+                d = d.transpose(1, 2).reshape(d.shape[0], d.shape[2], m.embed_dim)
+            found.append((x, d))
+        return [*found, (use.inner_input, self.delta(use, 0))]
+
     def recompute(self, use: _Use) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(A, Δ) for q, k, v and the out-projection, from one batched backward of the
-        attention alone along the recorded output gradients."""
+        attention alone along the recorded output gradients (where the one backward did not
+        give them: `inner`)."""
+        taken = self.from_graph(use)
+        if taken is not None:
+            return taken
         m = self.module
         assert isinstance(m, nn.MultiheadAttention)
         bound = inspect.signature(m.forward).bind(*use.args, **use.kwargs)

@@ -28,10 +28,7 @@ class _Generic(_Layer):
             return self.grads
         found: dict[str, torch.Tensor] = {}
         try:
-            # the module's parameters are swapped during its functional calls: no other
-            # thread runs its forward meanwhile (its hooks wait on the same lock)
-            swapping = self.run.recorder._swapping(self.module, self.params.values())
-            with swapping, _RefuseTensorHooks(self):
+            with _RefuseTensorHooks(self):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)
@@ -234,12 +231,70 @@ def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwar
     gradients what its forward hooks and backward hooks did. The pre-hooks run again for
     what they set from the parameters (torch.nn.utils.weight_norm computes ``weight``
     there); one that returns a new input is refused (its change, made again from the
-    recorded input, would count twice)."""
+    recorded input, would count twice).
+
+    ``params`` go into a private copy of the module's tree (`_private_tree`), never into
+    the module itself: another thread (its forward, its per-example call, its
+    ``model.parameters()``) never sees them. A forward that reaches one of the replaced
+    tensors other than through the copy's attributes (a module kept in a plain list, a
+    method bound to the module) raises `_ReadsOriginal`, as its use would be left out."""
     if params is None:
         return _forward_after_pre_hooks(module, args, kwargs)
+    private = _private_tree(module)
     # tie_weights as functional_call: a parameter under two names is replaced under both
-    with torch.nn.utils.stateless._reparametrize_module(module, params, tie_weights=True):
-        return _forward_after_pre_hooks(module, args, kwargs)
+    with (
+        torch.nn.utils.stateless._reparametrize_module(private, params, tie_weights=True),
+        _RefuseOriginals(module, params),
+    ):
+        return _forward_after_pre_hooks(private, args, kwargs)
+
+
+def _private_tree(module: nn.Module) -> nn.Module:
+    """``module`` and its submodules as new module objects with their own dicts of
+    parameters, buffers and submodules (the same tensors, attributes and hooks): what a
+    functional call swaps in them is seen by no one else. Shared submodules stay shared."""
+    made: dict[int, nn.Module] = {}
+
+    def copy(m: nn.Module) -> nn.Module:
+        if id(m) not in made:
+            new = made[id(m)] = object.__new__(type(m))
+            new.__dict__.update(m.__dict__)
+            new.__dict__["_parameters"] = m._parameters.copy()
+            new.__dict__["_buffers"] = m._buffers.copy()
+            new.__dict__["_modules"] = {
+                k: None if c is None else copy(c) for k, c in m._modules.items()
+            }
+        return made[id(m)]
+
+    return copy(module)
+
+
+class _ReadsOriginal(RuntimeError):
+    """A functional call's forward read a parameter of the module itself, not its copy's."""
+
+
+class _RefuseOriginals(torch.overrides.TorchFunctionMode):
+    """Around a functional call of `_private_tree`'s copy: an op on one of the module's own
+    tensors that the call replaced means that the forward reached it other than through the
+    copy's attributes, where the replacement is not seen (its use would be missing from
+    the per-example gradients): raised, so that the rule takes its plain-autograd loop."""
+
+    def __init__(self, module: nn.Module, params: dict[str, Any]) -> None:
+        super().__init__()
+        named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+        named.update(module.named_buffers(remove_duplicate=False))
+        self.originals = [named[k] for k in params if k in named]  # kept alive: ids stable
+        self.ids = {id(t) for t in self.originals}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for x in _pytree.tree_leaves((args, kwargs)):
+            if id(x) in self.ids and any(x is t for t in self.originals):
+                raise _ReadsOriginal(
+                    f"its forward reads a parameter ({tuple(x.shape)}) other than through "
+                    "its attributes"
+                )
+        return func(*args, **kwargs)
 
 
 def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:

@@ -41,6 +41,11 @@ class _Use:
     # weak references to the call's inputs and outputs that require grad: the check's extra
     # backward restores the .grad of those that retain it (Tensor.retain_grad)
     tensors: list[Any] = dataclasses.field(default_factory=list)
+    # more gradient edges inside the call whose output gradients the one backward also
+    # gives (attention's q, k, v heads: _attention._Attention.inner), and those gradients
+    inner_edges: list[Any] = dataclasses.field(default_factory=list)
+    inner_deltas: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
+    inner_input: torch.Tensor | None = None  # (attention: the out-projection's input)
 
     def walk(self) -> Iterator[_Use]:
         yield self

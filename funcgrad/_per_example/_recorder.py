@@ -3,10 +3,8 @@ user's forward, and the lookup of the recorder of a batch's losses."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,9 +15,6 @@ from torch.utils import _pytree
 from .._config import CheckMode
 from .._errors import describe
 from .._validate import outside_transforms
-from ._attention import _Attention
-from ._choose import _layer_class
-from ._generic import _Generic
 from ._layer import PerExamplePlan
 from ._record import (
     _BACKWARD,
@@ -150,23 +145,6 @@ class PerExample:
         # in it; a leaf module needs only its forward hook.
         self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
         self._shared = _SharedIndex(self)
-        # the modules whose rule may be the generic one (by their class at hooking, or
-        # attention's, which is generic in training with dropout): their forwards take its lock
-        self._swappable = {
-            m
-            for m, params in self._direct.items()
-            if params and _layer_class(m) in (_Generic, _Attention)
-        }
-        # One lock per such module, held while a call swaps its parameters for its
-        # functional calls, and by every thread's forward of it: the forward never sees them
-        # swapped. Per module, not one for all: a parent's forward (holding its own) may wait
-        # on worker threads that run its children (an ensemble in a thread pool).
-        self._order = {m: i for i, m in enumerate(self._direct)}
-        self._owners: dict[int, list[nn.Module]] = {}
-        for module, params in self._direct.items():
-            for p in params:
-                self._owners.setdefault(id(p), []).append(module)
-        self._locks = {m: threading.RLock() for m in self._swappable}
         for module, params in self._direct.items():
             if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
                 self._handles.append(
@@ -208,7 +186,7 @@ class PerExample:
 
     def __getstate__(self) -> dict[str, Any]:
         """For a copy (``copy.deepcopy`` of a hooked model copies its hooks): the threads'
-        records and the lock are not copied; the copy starts with none."""
+        records are not copied; the copy starts with none."""
         return {k: v for k, v in self.__dict__.items() if k not in _PER_THREAD}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -219,21 +197,6 @@ class PerExample:
         self._copied = True
         self._local = threading.local()
         self._threads = weakref.WeakSet()
-        self._locks = {m: threading.RLock() for m in self._swappable}
-
-    @contextlib.contextmanager
-    def _swapping(self, module: nn.Module, params: Iterable[torch.Tensor]) -> Iterator[None]:
-        """Held while a call swaps ``params`` (of the generic rule of ``module``): the locks of
-        ``module`` and of every module owning one of them (a forward of any of them waits),
-        taken in the order of ``model.modules()`` (two calls never wait on each other)."""
-        owners = {module} | {m for p in params for m in self._owners.get(id(p), ())}
-        locks = [
-            self._locks[m] for m in sorted(owners, key=self._order.__getitem__) if m in self._locks
-        ]
-        with contextlib.ExitStack() as stack:
-            for lock in locks:
-                stack.enter_context(lock)
-            yield
 
     @property
     def _state(self) -> _ThreadState:
@@ -308,23 +271,18 @@ class PerExample:
         state.roots = max(state.roots - 1, 0)
 
     def _pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if self._copied or not self._target().recording:
-            return
-        if module in self._swappable and _layer_class(module) is _Generic:
-            self._locks[module].acquire()  # released by _post (always called)
-            self._state.held.append(module)
+        if self._copied or module not in self._direct or not self._target().recording:
+            return  # (not in _direct: a generic rule's private copy, _generic._private_tree)
         if module in self._batchnorms and _batch_statistics(module):  # before its forward
             _refuse_batch_statistics(self._names[module], module, "funcgrad.per_example")
         if module in self._parents and self._direct[module]:
             self._frames.append((module, []))
 
     def _post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        held = self._state.held
-        if held and held[-1] is module:
-            held.pop()
-            self._locks[module].release()
         if self._copied:
             _mark_copy(module, output)
+            return
+        if module not in self._direct:  # a generic rule's private copy of one of its modules
             return
         target = self._target()
         if not target.recording:
@@ -489,7 +447,7 @@ def _mark_copy(module: nn.Module, output: Any) -> None:
             _mark(out.grad_fn, "copy")
 
 
-_PER_THREAD = ("_local", "_threads", "_locks")  # not copied with a PerExample
+_PER_THREAD = ("_local", "_threads")  # not copied with a PerExample
 
 
 class _ThreadState:
@@ -502,7 +460,6 @@ class _ThreadState:
         self.frames: list[tuple[nn.Module, list[_Use]]] = []
         self.recording = True
         self.plan: PerExamplePlan | None = None
-        self.held: list[nn.Module] = []  # the generic-rule modules whose forward holds its lock
         self.roots = 0  # calls of the hooked model in progress
 
     def __del__(self) -> None:

@@ -106,7 +106,7 @@ class _Run:
 
     def _collect(self, uses: list[_Use], retain_graph: bool) -> None:
         """The ONE backward: every recorded call's output gradients Δ (no weight products)."""
-        edges = [e for use in uses for e in use.edges]
+        edges = [e for use in uses for e in (*use.edges, *use.inner_edges)]
         self.recorder._recording = False
         try:
             deltas = _grads_after_hooks(self.losses, edges, retain_graph)
@@ -116,6 +116,8 @@ class _Run:
         for use in uses:
             use.deltas = list(deltas[start : start + len(use.edges)])
             start += len(use.edges)
+            use.inner_deltas = list(deltas[start : start + len(use.inner_edges)])
+            start += len(use.inner_edges)
 
     # Execute ---------------------------------------------------------------------------
 
