@@ -309,8 +309,10 @@ def pullback_engine(eager: bool, record: Record) -> Engine:
 
 def _refuse_threads(r: Request, record: Record, engine: Engine, requested: str) -> None:
     """Part of f ran in another thread on an earlier call of this signature (eager autograd
-    followed it), and this plan would run f under torch.func, which does not."""
-    if record.threads and engine == "torch.func":
+    followed it), and this plan would run f under torch.func, which does not. Not where
+    torch.func refused f before (``mutates``) and the call may fall back to eager autograd
+    (as the call that saw the thread did)."""
+    if record.threads and engine == "torch.func" and not (record.mutates and r.eager):
         raise ValueError(
             f"{r.call}: f computes part of its output in another thread (a thread pool, "
             "threading.Thread), seen on an earlier call of these shapes. torch.func's "

@@ -341,6 +341,27 @@ def test_threads_explicit_strategy_that_runs_eagerly_is_autograds():
         torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
 
 
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd"])
+@pytest.mark.parametrize("function", ["old_style", "mark_dirty"])
+def test_threads_explicit_strategy_that_falls_back_to_autograd(strategy, function):
+    """f that torch.func refuses (an old-style autograd.Function, ``mark_dirty``) runs on
+    eager autograd under an explicit strategy too, where the thread is seen: every call is
+    autograd's (before: calls 2+ were refused, although eager autograd is what runs)."""
+    custom = {"old_style": _OldStyle.apply, "mark_dirty": lambda x: _Dirty.apply(x * 1)}[function]
+
+    def f(x):
+        return THREADED["mixed"](x) * custom(x)
+
+    x = torch.randn(4)
+    want = _expected(f, x)
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        for call in range(CALLS):
+            torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+    assert _threads_seen(fn)
+
+
 def _threads_seen(fn):
     return fn._composition._records.facts.threads
 
@@ -369,6 +390,52 @@ class _NewStyle(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+class _Dirty(torch.autograd.Function):
+    """Writes into its input and marks it dirty: apply rebases the input's history."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def _setitem(x):
+    out = torch.zeros(4)
+    out[0] = x[0] * 2
+    out[1:] = x[1:] ** 2
+    return out * 1
+
+
+def _in_place_on_view(x):
+    h = x * 1
+    h[:2].mul_(3)
+    return h.sin()
+
+
+def _view_after_base(x):
+    h = x * 1
+    v = h[:2]
+    h.mul_(2)
+    return v.sin().sum() * x
+
+
+def _setitem_through_view(x):
+    h = torch.zeros(2, 2)
+    h.T[0] = x[:2]
+    return h.flatten() * x
+
+
+def _out_argument(x):
+    out = torch.empty(4)
+    out.copy_(x * 2)
+    return out.sin()
 
 
 def _no_thread_cases():
@@ -421,6 +488,13 @@ def _no_thread_cases():
         )[0],
         "nested_grads": lambda x: _grads_h(x),
         "nested_compose_heads": lambda x: _compose_h(x) + x,
+        # in place: the written tensor's (or its base's) node is not what the op returned
+        "setitem": _setitem,
+        "in_place_on_view": _in_place_on_view,
+        "view_after_base_changed": _view_after_base,
+        "setitem_through_view": _setitem_through_view,
+        "copy_into": _out_argument,
+        "mark_dirty": lambda x: _Dirty.apply(x * 1) * 1,
     }
 
 
