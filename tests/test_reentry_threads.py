@@ -362,6 +362,21 @@ def test_threads_explicit_strategy_that_falls_back_to_autograd(strategy, functio
     assert _threads_seen(fn)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_threads_seen_then_inside_a_transform_refused(transform):
+    """Once an eager call saw the thread, the function called inside a user's torch.func
+    transform (which cannot follow the thread either) is refused clearly (before: grad was
+    silently wrong, vmap failed with torch's internal error)."""
+    fn = funcgrad.compose_heads(THREADED["mixed"], HEADS)
+    x = torch.randn(4)
+    fn(x)
+    with pytest.raises(ValueError, match=r"another thread.*inside a transform"):
+        if transform == "grad":
+            torch.func.grad(lambda x: fn(x)[1].sum())(x)
+        else:
+            torch.func.vmap(fn)(x.expand(3, 4))
+
+
 def _threads_seen(fn):
     return fn._composition._records.facts.threads
 
