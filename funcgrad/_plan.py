@@ -433,7 +433,10 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     autograd for f that draws, where no graph is wanted)."""
     eager_ok = r.eager and not r.graph
     if r.requested != "auto" or not eager_ok:
-        engine: Engine = "autograd" if record.random and eager_ok else "torch.func"
+        # (torch.func refused f on an earlier call, ``mutates``: an explicit strategy goes
+        # to eager autograd at once, as that call fell back to, without running f twice)
+        eager = record.random or (record.mutates and r.requested != "auto")
+        engine: Engine = "autograd" if eager and eager_ok else "torch.func"
         return Choice(engine, forward=forward_wins and r.requested == "auto"), False, None
     knows = record.rnn or record.slow_path
     if record.compiled and not record.threads:

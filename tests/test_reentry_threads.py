@@ -157,6 +157,34 @@ def test_funcgrad_inside_f_is_autograds_on_every_call(inner, strategy):
         torch.testing.assert_close(grads, expected, msg=f"call {call + 1}")
 
 
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev"])
+def test_explicit_strategy_falls_back_once(strategy):
+    """torch.func refused f on the first call (``grads`` to a captured parameter inside f):
+    later calls of the signature run f once, on eager autograd (before: twice on every
+    call, torch.func's try and the fallback), with autograd's answer."""
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return _outer_f(_grads_w)(x)
+
+    x = torch.randn(4)
+    xr = x.clone().requires_grad_()
+    y = _outer_f(_grads_w_ref)(xr)
+    expected = torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in HEADS])
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    counts = []
+    for call in range(CALLS):
+        runs.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        counts.append(len(runs))
+        torch.testing.assert_close(grads, expected, msg=f"call {call + 1}")
+    assert counts == [2] + [1] * (CALLS - 1)
+    assert fn.plan(x).engine == "autograd"
+
+
 @pytest.mark.parametrize("inner", list(INNER))
 def test_funcgrad_inside_f_of_pullback(inner):
     """The same under an outer `pullback` (pb.many), two pullbacks in a row."""
