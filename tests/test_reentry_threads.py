@@ -405,6 +405,20 @@ def test_threads_seen_then_inside_a_transform_refused(transform):
             torch.func.vmap(fn)(x.expand(3, 4))
 
 
+def test_threads_seen_then_pullback_inside_a_transform_refused():
+    """pullback of f that an eager pullback saw run a thread, inside a user's transform:
+    refused clearly (before: torch.func.grad through it was silently wrong, 0.36 off)."""
+    f, x, v = THREADED["mixed"], torch.randn(4), torch.randn(4)
+    funcgrad.pullback(f, x)
+
+    def g(x):
+        _, pb = funcgrad.pullback(f, x)
+        return pb(v)[0].sum()
+
+    with pytest.raises(ValueError, match=r"another thread.*outside transforms"):
+        torch.func.grad(g)(x)
+
+
 def _threads_seen(fn):
     return fn._composition._records.facts.threads
 
