@@ -84,10 +84,21 @@ class _Draws(TorchFunctionMode):
             node = result.grad_fn
             if node is not None:
                 nodes.add(node)
+                if not torch.is_grad_enabled():  # (an autograd.Function's forward)
+                    threads.plain[id(result)] = weakref.ref(result)
             else:
                 threads.plain[id(result)] = weakref.ref(result)
         else:
             threads.made(result)
+        # In place (``__setitem__``, ``mul_``, ``out=``): the node of the tensor written
+        # into, and of its base where it is a view, is new, and no op returned it.
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                threads.written(value)
+        if kwargs:
+            out = kwargs.get("out")
+            if isinstance(out, torch.Tensor):
+                threads.written(out)
         return result
 
     def _watched(self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -151,14 +162,30 @@ class Threads:
             elif isinstance(value, (list, tuple)):
                 self.check(value)
 
+    def written(self, value: torch.Tensor) -> None:
+        """After a watched op: the nodes of ``value`` and of its base (an op may have
+        written into them in place), as seen."""
+        node = value.grad_fn
+        if node is not None:
+            self.nodes.add(node)
+        base = value._base
+        if base is not None and base.grad_fn is not None:
+            self.nodes.add(base.grad_fn)
+
     def unseen_tensor(self, value: torch.Tensor, node: Any) -> None:
         """``value``'s node, ``node``, was not returned by a watched torch function: kept,
-        unless ``value`` is an autograd.Function's output."""
+        unless ``value`` is an autograd.Function's output (its forward returned it, or
+        wrote into it: ``mark_dirty``), or a view whose base's node was seen (torch makes
+        a view's node anew once its base was written into in place)."""
         if isinstance(node, BackwardCFunction):
             ref = self.plain.get(id(value))
             if ref is not None and ref() is value:
                 self.nodes.add(node)
                 return
+        base = value._base
+        if base is not None and base.grad_fn is not None and base.grad_fn in self.nodes:
+            self.nodes.add(node)
+            return
         self.unseen.append(value)
         self.nodes.add(node)  # (kept once)
 

@@ -346,9 +346,10 @@ class Composition:
 
     def _record(self, flat: FlatFunction) -> tuple[Any, Record]:
         """This call's signature and its record; no key inside transforms and compiled
-        code, which plan from the shapes alone and learn nothing."""
+        code, which plan from the shapes alone and learn nothing (but for f's threads,
+        seen on an eager call: then refused)."""
         if not flat.readable:
-            return None, Record()
+            return None, Record(threads=self._records.facts.threads)
         others = [arg for a, arg in enumerate(flat.args) if a not in flat.argnums]
         key = signature_key(
             flat.argnums, flat.in_defs, flat.leaves, _tree.flatten(others) if others else ()

@@ -309,8 +309,10 @@ def pullback_engine(eager: bool, record: Record) -> Engine:
 
 def _refuse_threads(r: Request, record: Record, engine: Engine, requested: str) -> None:
     """Part of f ran in another thread on an earlier call of this signature (eager autograd
-    followed it), and this plan would run f under torch.func, which does not."""
-    if record.threads and engine == "torch.func":
+    followed it), and this plan would run f under torch.func, which does not. Not where
+    torch.func refused f before (``mutates``) and the call may fall back to eager autograd
+    (as the call that saw the thread did)."""
+    if record.threads and engine == "torch.func" and not (record.mutates and r.eager):
         raise ValueError(
             f"{r.call}: f computes part of its output in another thread (a thread pool, "
             "threading.Thread), seen on an earlier call of these shapes. torch.func's "
@@ -431,7 +433,10 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     autograd for f that draws, where no graph is wanted)."""
     eager_ok = r.eager and not r.graph
     if r.requested != "auto" or not eager_ok:
-        engine: Engine = "autograd" if record.random and eager_ok else "torch.func"
+        # (torch.func refused f on an earlier call, ``mutates``: an explicit strategy goes
+        # to eager autograd at once, as that call fell back to, without running f twice)
+        eager = record.random or (record.mutates and r.requested != "auto")
+        engine: Engine = "autograd" if eager and eager_ok else "torch.func"
         return Choice(engine, forward=forward_wins and r.requested == "auto"), False, None
     knows = record.rnn or record.slow_path
     if record.compiled and not record.threads:

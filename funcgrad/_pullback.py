@@ -335,6 +335,15 @@ def _cotangent_leaves(
 _records: weakref.WeakKeyDictionary[Any, Records] = weakref.WeakKeyDictionary()
 
 
+def _threads_of(f: Any) -> bool:
+    """Whether an earlier eager call saw part of f run in another thread (never adds f)."""
+    try:
+        records = _records.get(f)
+    except TypeError:
+        return False
+    return records is not None and records.facts.threads
+
+
 def _records_of(f: Any) -> Records | None:
     try:
         records = _records.get(f)
@@ -443,6 +452,14 @@ def pullback(
         records = _records_of(f)
     key = None if records is None else signature_key(flat.has_aux, flat.in_defs, flat.leaves)
     record = Record() if records is None else records.get(key)
+    if not flat.readable and _threads_of(f):
+        raise ValueError(
+            f"{call}: f computes part of its output in another thread (a thread pool, "
+            "threading.Thread), seen on an earlier call. torch.func's transforms (yours, "
+            "around this call) do not follow f into other threads, so that part would be "
+            "taken for a constant, a wrong gradient. Keep f's differentiable work on the "
+            "calling thread, or call funcgrad.pullback outside transforms."
+        )
     engine = pullback_engine(records is not None, record)
     # On eager autograd f runs once, never re-run (nothing to replay), without torch.func's
     # wrapping of every op; watched for hooks on the first call on this signature only.

@@ -157,6 +157,34 @@ def test_funcgrad_inside_f_is_autograds_on_every_call(inner, strategy):
         torch.testing.assert_close(grads, expected, msg=f"call {call + 1}")
 
 
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev"])
+def test_explicit_strategy_falls_back_once(strategy):
+    """torch.func refused f on the first call (``grads`` to a captured parameter inside f):
+    later calls of the signature run f once, on eager autograd (before: twice on every
+    call, torch.func's try and the fallback), with autograd's answer."""
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return _outer_f(_grads_w)(x)
+
+    x = torch.randn(4)
+    xr = x.clone().requires_grad_()
+    y = _outer_f(_grads_w_ref)(xr)
+    expected = torch.stack([torch.autograd.grad(h(y), xr, retain_graph=True)[0] for h in HEADS])
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    counts = []
+    for call in range(CALLS):
+        runs.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        counts.append(len(runs))
+        torch.testing.assert_close(grads, expected, msg=f"call {call + 1}")
+    assert counts == [2] + [1] * (CALLS - 1)
+    assert fn.plan(x).engine == "autograd"
+
+
 @pytest.mark.parametrize("inner", list(INNER))
 def test_funcgrad_inside_f_of_pullback(inner):
     """The same under an outer `pullback` (pb.many), two pullbacks in a row."""
@@ -341,6 +369,56 @@ def test_threads_explicit_strategy_that_runs_eagerly_is_autograds():
         torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
 
 
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd"])
+@pytest.mark.parametrize("function", ["old_style", "mark_dirty"])
+def test_threads_explicit_strategy_that_falls_back_to_autograd(strategy, function):
+    """f that torch.func refuses (an old-style autograd.Function, ``mark_dirty``) runs on
+    eager autograd under an explicit strategy too, where the thread is seen: every call is
+    autograd's (before: calls 2+ were refused, although eager autograd is what runs)."""
+    custom = {"old_style": _OldStyle.apply, "mark_dirty": lambda x: _Dirty.apply(x * 1)}[function]
+
+    def f(x):
+        return THREADED["mixed"](x) * custom(x)
+
+    x = torch.randn(4)
+    want = _expected(f, x)
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        for call in range(CALLS):
+            torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+    assert _threads_seen(fn)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_threads_seen_then_inside_a_transform_refused(transform):
+    """Once an eager call saw the thread, the function called inside a user's torch.func
+    transform (which cannot follow the thread either) is refused clearly (before: grad was
+    silently wrong, vmap failed with torch's internal error)."""
+    fn = funcgrad.compose_heads(THREADED["mixed"], HEADS)
+    x = torch.randn(4)
+    fn(x)
+    with pytest.raises(ValueError, match=r"another thread.*inside a transform"):
+        if transform == "grad":
+            torch.func.grad(lambda x: fn(x)[1].sum())(x)
+        else:
+            torch.func.vmap(fn)(x.expand(3, 4))
+
+
+def test_threads_seen_then_pullback_inside_a_transform_refused():
+    """pullback of f that an eager pullback saw run a thread, inside a user's transform:
+    refused clearly (before: torch.func.grad through it was silently wrong, 0.36 off)."""
+    f, x, v = THREADED["mixed"], torch.randn(4), torch.randn(4)
+    funcgrad.pullback(f, x)
+
+    def g(x):
+        _, pb = funcgrad.pullback(f, x)
+        return pb(v)[0].sum()
+
+    with pytest.raises(ValueError, match=r"another thread.*outside transforms"):
+        torch.func.grad(g)(x)
+
+
 def _threads_seen(fn):
     return fn._composition._records.facts.threads
 
@@ -369,6 +447,52 @@ class _NewStyle(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+class _Dirty(torch.autograd.Function):
+    """Writes into its input and marks it dirty: apply rebases the input's history."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def _setitem(x):
+    out = torch.zeros(4)
+    out[0] = x[0] * 2
+    out[1:] = x[1:] ** 2
+    return out * 1
+
+
+def _in_place_on_view(x):
+    h = x * 1
+    h[:2].mul_(3)
+    return h.sin()
+
+
+def _view_after_base(x):
+    h = x * 1
+    v = h[:2]
+    h.mul_(2)
+    return v.sin().sum() * x
+
+
+def _setitem_through_view(x):
+    h = torch.zeros(2, 2)
+    h.T[0] = x[:2]
+    return h.flatten() * x
+
+
+def _out_argument(x):
+    out = torch.empty(4)
+    out.copy_(x * 2)
+    return out.sin()
 
 
 def _no_thread_cases():
@@ -421,6 +545,13 @@ def _no_thread_cases():
         )[0],
         "nested_grads": lambda x: _grads_h(x),
         "nested_compose_heads": lambda x: _compose_h(x) + x,
+        # in place: the written tensor's (or its base's) node is not what the op returned
+        "setitem": _setitem,
+        "in_place_on_view": _in_place_on_view,
+        "view_after_base_changed": _view_after_base,
+        "setitem_through_view": _setitem_through_view,
+        "copy_into": _out_argument,
+        "mark_dirty": lambda x: _Dirty.apply(x * 1) * 1,
     }
 
 
