@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import importlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -53,6 +55,10 @@ def execute(
     autograd each head is pulled through the heads and f at once (``vjp``, ``loop``).
     ``fit``: ``chunk_size="auto"``'s working record (returned in the observations)."""
     flat.watch, timed, asked_forward = plan.watch, plan.timed, plan.strategy == "jacfwd"
+    if timed and "torch._dynamo" not in sys.modules:
+        # (the first use of a dispatch mode in a process imports it, about 2 s: a one-time
+        # cost that must not be timed against auto's other candidate; docs/planning.md)
+        importlib.import_module("torch._dynamo")
     with _gc_paused(timed):  # (a collection, 4 ms here, must not decide auto's plan)
         log = _engine.Log(watch=plan.watch or timed)
         start = time.perf_counter() if timed else 0.0
