@@ -114,8 +114,9 @@ class Plan:
     timed: bool = False
     final: bool = True
     watch: bool = dataclasses.field(default=True, repr=False)
-    # On eager autograd: each head's value pulled through the heads and f in one backward
-    # (the heads on f's graph), not its cotangent formed first and then pulled through f.
+    # On eager autograd: each head's value pulled through its head and f in one backward
+    # (the heads on f's graph), not its cotangent formed first and then pulled through f
+    # (a loop, or one head: see _through_heads).
     through_heads: bool = dataclasses.field(default=False, repr=False)
     choice: Choice | None = dataclasses.field(default=None, repr=False)
     advice: str | None = None
@@ -278,9 +279,20 @@ def decide(request: Request, record: Record) -> Plan:
         timed,
         not timed,
         _watch(r, record),
-        through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
+        through_heads=engine == "autograd" and not record.compiled and _through_heads(k, strategy),
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+def _through_heads(k: int, strategy: str) -> bool:
+    """Whether eager autograd pulls each head's value through its head and f in one
+    backward (the loop a user writes), rather than the heads' cotangents formed on y first,
+    then pulled through f: for a loop of unbatched pulls (or one head), which saves a
+    backward call a head and wastes nothing. Not for a vmapped batch: each of the k unit
+    directions on the stacked values would run every head's backward, k x k head rows
+    against k (a vocabulary-wide output layer per head: 6x the rows), and where the heads
+    are cheap the calls it saves did not pay either (docs/planning.md)."""
+    return strategy == "loop" or k == 1
 
 
 def _once(r: Request, linear: bool) -> Plan:
