@@ -486,7 +486,11 @@ def _settle(
 
 
 def _versus(won: Choice, won_t: Trial, lost: Choice, lost_t: Trial, record: Record) -> str:
+    """Why the plan changed, in the timed calls' own times: the signature's first calls,
+    which pay its one-time costs (call 1 the process's first use of the shapes too: seconds
+    where later calls take milliseconds), so not what a call costs from then on."""
     return (
-        f"{won.name} {1e3 * _cost(won_t, record):.3g} ms a call, {lost.name} "
-        f"{1e3 * _cost(lost_t, record):.3g} ms (one timed call each)"
+        f"{won.name} {1e3 * _cost(won_t, record):.3g} ms, {lost.name} "
+        f"{1e3 * _cost(lost_t, record):.3g} ms (one timed call each, on the first calls: "
+        "one-time costs included)"
     )

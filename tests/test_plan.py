@@ -864,6 +864,17 @@ def test_auto_runs_eager_autograd_then_torch_func_then_the_faster():
     assert len(set(engines[2:])) == 1 and plan.final and plan.measured is not None
 
 
+def test_measured_quotes_the_timed_first_calls_as_such():
+    """The times in ``Plan.measured`` are the signature's first calls (seconds where later
+    calls take milliseconds, reviewer's aside): the repr says so, in milliseconds."""
+    record = Record(m=6, trials=(Trial(EAGER, 2.06, VMAP_FASTER), Trial(FUNC, 0.335)))
+    measured = decide(AUTO, record).measured
+    assert measured == (
+        "reverse mode on torch.func 335 ms, reverse mode on eager autograd 2.06e+03 ms "
+        "(one timed call each, on the first calls: one-time costs included)"
+    )
+
+
 class SoftmaxBackwardRows(TorchDispatchMode):
     """Counts the rows of log_softmax's backward that are ``width`` wide, as they run
     (under vmap: every batched row)."""
