@@ -248,22 +248,6 @@ def _heads_eager(
     return torch.stack(values).detach(), grads
 
 
-def _stacked_eager(
-    heads: StackedHeads, out_def: Any, out: Tensors, call: str
-) -> tuple[torch.Tensor, Tensors]:
-    """The k stacked heads' values and gradients w.r.t. y on plain autograd, for a call that
-    builds no graph of its results: each head reads its own copy of y (one expanded leaf,
-    no copy made), so that one ``torch.autograd.grad`` of the values' sum gives all k
-    cotangents, each head's backward run once (less fixed cost than torch.func's vmapped
-    ``grad_and_value``: docs/planning.md)."""
-    k = heads.k
-    y = tuple(leaf.detach().expand(k, *leaf.shape).requires_grad_() for leaf in out)
-    with _naming("stacked head_fn", call), differentiating(), torch.enable_grad():
-        values = torch.func.vmap(_stacked_head(heads, out_def, call))(heads.params, y)
-        grads = torch.autograd.grad(values.sum(), y, allow_unused=True, materialize_grads=True)
-    return values.detach(), grads
-
-
 def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[..., torch.Tensor]:
     """One stacked head's value on y, from its parameter leaves (for vmap over the heads)."""
 
@@ -294,9 +278,6 @@ def _head_cotangents(
     with transforms and keeps the cotangents' dependence on x for ``create_graph``.
     """
     out_def = flat.out_def
-    eager = not torch.is_grad_enabled() and values_readable(out)  # no graph of the results
-    if isinstance(heads, StackedHeads) and eager:
-        return _stacked_eager(heads, out_def, out, call)
     if isinstance(heads, StackedHeads):
         cotangents = heads.cotangent_fn(out_def, call)
         with _naming("stacked head_fn", call):
@@ -306,7 +287,7 @@ def _head_cotangents(
             grads, values = cotangents(heads.params, out)
         return values, grads
 
-    if eager:
+    if not torch.is_grad_enabled() and values_readable(out):  # no graph of the results
         return _heads_eager(heads, keys, out_def, out, call)
     results = []
     for index, head in enumerate(heads):
