@@ -17,7 +17,6 @@ which builds the linearisation), for every public entry point:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -694,50 +693,18 @@ def _forward_columns(
     return None
 
 
-def through_heads(
-    lin: Linearization,
-    values_of: ValuesOf,
-    plan: Plan,
-    check: bool | str,
-    log: Log | None = None,
-    fit: ChunkFit | None = None,
-) -> tuple[torch.Tensor, Tensors]:
+def through_heads(lin: Linearization, values_of: ValuesOf) -> tuple[torch.Tensor, Tensors]:
     """(values (k,), per-head gradients) on eager autograd with the heads on f's graph: each
-    head's value pulled back through the heads and f in one backward, as the loop a user
-    writes (``torch.autograd.grad(value_i, inputs, retain_graph=True)``), k of them or one
-    vmapped over the k unit directions, by the plan. Half the backward calls of forming
-    the cotangents first, then pulling them through f."""
-    with torch.enable_grad():  # (the values, and the rows a loop pulls, on f's graph)
+    head's value pulled back through its head and f in one ``torch.autograd.grad``, as the
+    loop a user writes: one backward call a head where forming its cotangent first takes
+    two. For the plans that loop (or have one head): a vmapped batch forms the cotangents
+    first (``Plan.through_heads``)."""
+    with torch.enable_grad():  # (the values, and the rows pulled, on f's graph)
         outputs = values_of(lin.attached)
-        k, inputs = len(outputs), lin.inputs
-        looped = plan.strategy == "loop" or not lin.can_vmap or k == 1
-        if looped:  # (the values alone are stacked off the graph below: no node for them)
-            rows = outputs if isinstance(outputs, list) else list(outputs.unbind())
-        else:
-            values = outputs if isinstance(outputs, torch.Tensor) else torch.stack(outputs)
-    if looped:
-        with torch.no_grad():
-            values = outputs.detach() if isinstance(outputs, torch.Tensor) else torch.stack(rows)
-        return values, output_grads(rows, inputs)
-    if not values.requires_grad:  # no head reaches f's output
-        return values, zeros(k, lin.x_like)
-
-    def vjp(direction: Tensors) -> Tensors:
-        return _linearize.autograd_grad((values,), inputs, direction, retain_graph=True)
-
-    heads = Linearization((values.detach(),), lin.x_like, vjp, True, lin.what)
-    unit = (torch.eye(k, dtype=values.dtype, device=values.device),)
-    # The loop pulls each head's own value (through its head and f, not every head's with
-    # zero cotangents): that is the unbatched call to time against the vmap.
-    with torch.enable_grad():  # (a row of the stacked values, on the graph)
-        first = outputs[0] if isinstance(outputs, list) else values[0]
-    single = functools.partial(output_grads, [first], inputs)
-    grads = pull(heads, unit, plan.chunk_size, check, single=single, log=log, fit=fit)
-    if went_non_finite(grads, lin.out):  # (0 * inf, where another head's path is infinite)
-        with torch.enable_grad():
-            rows = outputs if isinstance(outputs, list) else list(values.unbind())
-        grads = output_grads(rows, inputs)
-    return values.detach(), grads
+        rows = outputs if isinstance(outputs, list) else list(outputs.unbind())
+    with torch.no_grad():  # (the values alone are stacked off the graph: no node for them)
+        values = outputs.detach() if isinstance(outputs, torch.Tensor) else torch.stack(rows)
+    return values, output_grads(rows, lin.inputs)
 
 
 def weighted_direction(weights: torch.Tensor, cotangents: Tensors, like: Tensors) -> Tensors:

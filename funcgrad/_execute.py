@@ -180,14 +180,14 @@ def _reverse(
     log: Log,
     fit: ChunkFit | None,
 ) -> tuple[torch.Tensor, Tensors]:
-    """Reverse mode by ``plan`` on ``lin``: on eager autograd with the heads on f's graph
-    (``vjp``, ``loop``), each head pulled through the heads and f at once; else the
-    heads' cotangents formed on f's output, then pulled back."""
+    """Reverse mode by ``plan`` on ``lin``: where the plan says ``through_heads`` (a loop, or
+    one head, on eager autograd), each head pulled through its head and f at once; else
+    the heads' cotangents formed on f's output, then pulled back."""
     # (f's graph at hand, and no compiled backward, which checks its second pass on lin's
     # own pulls)
     fused = plan.through_heads and values_of is not None and lin.attached and not lin.compiled
     if fused and not _engine.nothing_to_pull(plan.k, lin.out, lin.x_like):
         assert values_of is not None
-        return _engine.through_heads(lin, values_of, plan, check, log, fit)
+        return _engine.through_heads(lin, values_of)
     values, cotangents = cotangents_of(lin.out)
     return values, _engine.by_plan(plan, lin, cotangents, check, log, fit)

@@ -114,8 +114,9 @@ class Plan:
     timed: bool = False
     final: bool = True
     watch: bool = dataclasses.field(default=True, repr=False)
-    # On eager autograd: each head's value pulled through the heads and f in one backward
-    # (the heads on f's graph), not its cotangent formed first and then pulled through f.
+    # On eager autograd: each head's value pulled through its head and f in one backward
+    # (the heads on f's graph), not its cotangent formed first and then pulled through f
+    # (a loop, or one head: see _through_heads).
     through_heads: bool = dataclasses.field(default=False, repr=False)
     choice: Choice | None = dataclasses.field(default=None, repr=False)
     advice: str | None = None
@@ -280,9 +281,20 @@ def decide(request: Request, record: Record) -> Plan:
         timed,
         not timed,
         _watch(r, record),
-        through_heads=engine == "autograd" and strategy in ("vjp", "loop") and not record.compiled,
+        through_heads=engine == "autograd" and not record.compiled and _through_heads(k, strategy),
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+def _through_heads(k: int, strategy: str) -> bool:
+    """Whether eager autograd pulls each head's value through its head and f in one
+    backward (the loop a user writes), rather than the heads' cotangents formed on y first,
+    then pulled through f: for a loop of unbatched pulls (or one head), which saves a
+    backward call a head and wastes nothing. Not for a vmapped batch: each of the k unit
+    directions on the stacked values would run every head's backward, k x k head rows
+    against k (a vocabulary-wide output layer per head: 6x the rows), and where the heads
+    are cheap the calls it saves did not pay either (docs/planning.md)."""
+    return strategy == "loop" or k == 1
 
 
 def _once(r: Request, linear: bool) -> Plan:
@@ -502,7 +514,11 @@ def _settle(
 
 
 def _versus(won: Choice, won_t: Trial, lost: Choice, lost_t: Trial, record: Record) -> str:
+    """Why the plan changed, in the timed calls' own times: the signature's first calls,
+    which pay its one-time costs (call 1 the process's first use of the shapes too: seconds
+    where later calls take milliseconds), so not what a call costs from then on."""
     return (
-        f"{won.name} {1e3 * _cost(won_t, record):.3g} ms a call, {lost.name} "
-        f"{1e3 * _cost(lost_t, record):.3g} ms (one timed call each)"
+        f"{won.name} {1e3 * _cost(won_t, record):.3g} ms, {lost.name} "
+        f"{1e3 * _cost(lost_t, record):.3g} ms (one timed call each, on the first calls: "
+        "one-time costs included)"
     )
