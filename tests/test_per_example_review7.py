@@ -1,0 +1,49 @@
+"""Fixes from the review of the attention change (perex4): each against the per-example
+autograd loop (`tests.helpers.per_example_jacobian`) in float64, or a clear refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import funcgrad
+from tests.helpers import per_example_jacobian
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+
+def _check_all(model, losses_fn, max_norm=0.5):
+    """G, norms and the clipped sum of per_example against the loop."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    jac = per_example_jacobian(model, losses_fn, params)
+    norms = jac.norm(dim=1)
+    clipped = (max_norm / (norms + 1e-6)).clamp(max=1.0) @ jac
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(losses_fn(model))
+        found = funcgrad.per_example_norms(losses_fn(model))
+        for p in params:
+            p.grad = None
+        funcgrad.per_example_clip(losses_fn(model), max_norm, accumulate=False)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(found, norms, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(flat, clipped, rtol=1e-9, atol=1e-10)
+
+
+# -- 1: a frozen out-projection (its product saves no input) ---------------------------------
+
+
+@pytest.mark.parametrize("frozen", ["out_proj", "out_proj.weight", "no_bias"])
+def test_frozen_attention_out_projection_is_exact(frozen):
+    torch.manual_seed(1)
+    enc = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, bias=True)
+    if frozen == "no_bias":
+        enc.self_attn = nn.MultiheadAttention(8, 2, batch_first=True, bias=False)
+    out_proj = enc.self_attn.out_proj
+    if frozen == "out_proj.weight":
+        out_proj.weight.requires_grad_(False)
+    else:
+        out_proj.requires_grad_(False)
+    x = torch.randn(3, 4, 8)
+    _check_all(enc, lambda m: m(x).pow(2).sum((1, 2)))
