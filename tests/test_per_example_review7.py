@@ -47,3 +47,35 @@ def test_frozen_attention_out_projection_is_exact(frozen):
         out_proj.requires_grad_(False)
     x = torch.randn(3, 4, 8)
     _check_all(enc, lambda m: m(x).pow(2).sum((1, 2)))
+
+
+# -- 2: a tensor made from a parameter before the call (a cache, a view) ---------------------
+
+
+class _Cached(nn.Module):
+    """Its weight's transpose, made on the first forward (a lazy cache), at init (a view),
+    or kept in a list: the generic rule's functional call would read it as it is."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.how = how
+        self._wt = self.weight.t() if how == "view" else None
+        self._kept: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "list":
+            if not self._kept:
+                self._kept.append(self.weight.t().clone())
+            return torch.tanh(x @ self._kept[0])
+        if self._wt is None:
+            self._wt = self.weight.t()
+        return torch.tanh(x @ self._wt)
+
+
+@pytest.mark.parametrize("how", ["lazy", "view", "list"])
+def test_tensor_made_from_a_parameter_before_the_call_is_exact(how):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Cached(how), nn.Linear(3, 3))
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+    _check_all(model, lambda m: (m(x) - y).pow(2).sum(1))

@@ -283,7 +283,10 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         super().__init__()
         named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         named.update(module.named_buffers(remove_duplicate=False))
-        self.originals = [named[k] for k in params if k in named]  # kept alive: ids stable
+        originals = [named[k] for k in params if k in named]
+        # kept alive: ids stable; the originals, and the tensors made from them before the
+        # call that the module's tree holds in plain attributes (a cache, a view)
+        self.originals = originals + _made_from(module, originals)
         self.ids = {id(t) for t in self.originals}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -291,10 +294,66 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         for x in _pytree.tree_leaves((args, kwargs)):
             if id(x) in self.ids and any(x is t for t in self.originals):
                 raise _ReadsOriginal(
-                    f"its forward reads a parameter ({tuple(x.shape)}) other than through "
-                    "its attributes"
+                    f"its forward reads a parameter ({tuple(x.shape)}), or a tensor made from "
+                    "one before the call, other than through its attributes"
                 )
         return func(*args, **kwargs)
+
+
+# the dicts of nn.Module's own state: the parameters, buffers, submodules and hooks
+_MODULE_STATE = frozenset(
+    ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training")
+)
+_WALK_LIMIT = 10_000  # autograd nodes looked at per attribute; beyond: taken as made from one
+
+
+def _made_from(module: nn.Module, originals: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in plain attributes of ``module``'s tree (its modules' ``__dict__``,
+    through lists, tuples and dicts) that require grad and were made from one of
+    ``originals`` (a view of one, or a graph reaching one): a cache made by an earlier
+    forward (``self._wt = self.weight.t()``) or a view made at init. A functional call's
+    copy would read them as they are (the original parameter's values and graph, not the
+    call's), so its gradient through them would be missing."""
+    ids = {id(t) for t in originals}
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        for key, value in m.__dict__.items():
+            if key in _MODULE_STATE or key.endswith("hooks"):
+                continue
+            for x in _pytree.tree_leaves(value):
+                if (
+                    isinstance(x, torch.Tensor)
+                    and x.requires_grad
+                    and id(x) not in ids
+                    and id(x) not in seen
+                    and _reaches(x, ids)
+                ):
+                    seen.add(id(x))
+                    found.append(x)
+    return found
+
+
+def _reaches(x: torch.Tensor, ids: set[int]) -> bool:
+    """Whether ``x`` is a view of, or its graph reaches, a tensor whose id is in ``ids``
+    (True also where the graph is too large to walk: then taken as made from one)."""
+    base = x._base
+    if base is not None and id(base) in ids:
+        return True
+    stack = [x.grad_fn]
+    visited: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if len(visited) > _WALK_LIMIT:
+            return True
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in ids:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:
