@@ -79,3 +79,47 @@ def test_tensor_made_from_a_parameter_before_the_call_is_exact(how):
     model = nn.Sequential(nn.Linear(4, 4), _Cached(how), nn.Linear(3, 3))
     x, y = torch.randn(5, 4), torch.randn(5, 3)
     _check_all(model, lambda m: (m(x) - y).pow(2).sum(1))
+
+
+# -- 3: buffers updated in forward are not updated again by the rule's calls ------------------
+
+
+class _Stat(nn.Module):
+    """Running statistics (in place) and a counter (in place, or assigned anew)."""
+
+    def __init__(self, assign: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.assign = assign
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.T
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * y.mean(0))
+                if self.assign:
+                    self.count = self.count + 1
+                else:
+                    self.count += 1
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+@pytest.mark.parametrize("check", [True, False])
+def test_buffers_updated_in_forward_once_per_forward(assign, check):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Stat(assign), nn.Linear(3, 3))
+    twin = nn.Sequential(nn.Linear(4, 4), _Stat(assign), nn.Linear(3, 3))
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(5, 4)
+    with funcgrad.per_example(model):
+        for _ in range(2):
+            losses = model(x).pow(2).sum(1)
+            jac = per_example_jacobian(twin, lambda m: m(x).pow(2).sum(1))
+            gram = funcgrad.per_example_gramian(losses, check=check)
+            torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-9, atol=1e-10)
+    # each model ran forward twice: the same statistics
+    assert model[1].count.item() == twin[1].count.item() == 2
+    torch.testing.assert_close(model[1].mean, twin[1].mean, rtol=0, atol=0)

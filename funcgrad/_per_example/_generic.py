@@ -3,7 +3,9 @@ functional call of the module alone (vmap, or a loop); and the recurrent modules
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ class _Generic(_Layer):
             return self.grads
         found: dict[str, torch.Tensor] = {}
         try:
-            with _RefuseTensorHooks(self):
+            with _RefuseTensorHooks(self), _buffers_kept(self.module):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)
@@ -85,7 +87,10 @@ class _Generic(_Layer):
         return dict(grads)
 
     def loop(self, use: _Use) -> dict[str, torch.Tensor]:
-        rows = [self.eager(use, b) for b in range(self.batch)]
+        rows = []
+        for b in range(self.batch):
+            with _buffers_kept(self.module):  # each example's call sees the same buffers
+                rows.append(self.eager(use, b))
         return {k: torch.stack([r[k] for r in rows]) for k in self.params}
 
     def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
@@ -222,6 +227,28 @@ def _batch_counts(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
         for name, i in zip(("scale_grad_by_freq", "sparse"), where)
     ]
     return any(bool(x) for x in found)
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """The buffers of ``module``'s tree as they were before, after the block: a forward
+    that updates one (running statistics, a counter: in place, or by assigning a new
+    tensor) updates it in the user's own forward only, not once more per example in the
+    rule's calls of it (the loop calls the module itself)."""
+    saved = [
+        (m, name, b, b._version, b.detach().clone())
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, version, value in saved:
+                m._buffers[name] = b
+                if b._version != version:  # written: back (else untouched, its version too)
+                    b.copy_(value)
 
 
 def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
