@@ -123,3 +123,29 @@ def test_buffers_updated_in_forward_once_per_forward(assign, check):
     # each model ran forward twice: the same statistics
     assert model[1].count.item() == twin[1].count.item() == 2
     torch.testing.assert_close(model[1].mean, twin[1].mean, rtol=0, atol=0)
+
+
+# -- 4: attention whose own parameters are frozen, its out-projection trained ----------------
+
+
+class _FrozenIn(nn.Module):
+    def __init__(self, cross: bool) -> None:
+        super().__init__()
+        kv = dict(kdim=5, vdim=6) if cross else {}
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True, **kv)
+        for p in self.mha.parameters(recurse=False):  # all but the out-projection's
+            p.requires_grad_(False)
+        self.post = nn.Linear(8, 8)
+        self.cross = cross
+
+    def forward(self, x: torch.Tensor, memory: tuple[torch.Tensor, torch.Tensor]):
+        k, v = memory if self.cross else (x, x)
+        return self.post(self.mha(x, k, v, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_attention_with_frozen_in_projection_is_exact(cross):
+    torch.manual_seed(1)
+    model = _FrozenIn(cross)
+    x, memory = torch.randn(3, 4, 8), (torch.randn(3, 5, 5), torch.randn(3, 5, 6))
+    _check_all(model, lambda m: m(x, memory).pow(2).sum((1, 2)))
