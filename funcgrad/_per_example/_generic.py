@@ -264,7 +264,9 @@ def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwar
     the module itself: another thread (its forward, its per-example call, its
     ``model.parameters()``) never sees them. A forward that reaches one of the replaced
     tensors other than through the copy's attributes (a module kept in a plain list, a
-    method bound to the module) raises `_ReadsOriginal`, as its use would be left out."""
+    method bound to the module), or a tensor made from one before the call and kept in a
+    plain attribute of the tree (a cache, a view: `_made_from`), raises `_ReadsOriginal`,
+    as its use would be left out. One kept outside the tree (a global) is not seen."""
     if params is None:
         return _forward_after_pre_hooks(module, args, kwargs)
     private = _private_tree(module)
