@@ -149,3 +149,30 @@ def test_attention_with_frozen_in_projection_is_exact(cross):
     model = _FrozenIn(cross)
     x, memory = torch.randn(3, 4, 8), (torch.randn(3, 5, 5), torch.randn(3, 5, 6))
     _check_all(model, lambda m: m(x, memory).pow(2).sum((1, 2)))
+
+
+class _KeepsOutput(nn.Module):
+    """Keeps its output (made from its weight) in an attribute it never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = torch.tanh(x @ self.weight.T)
+        return self.last
+
+
+@pytest.mark.parametrize("module", ["cache", "kept"])
+def test_only_a_tensor_read_by_the_call_takes_the_loop(module):
+    """The cache, read by the call: the loop; an output kept but not read: vmap stays."""
+    torch.manual_seed(0)
+    layer = _Cached("lazy") if module == "cache" else _KeepsOutput()
+    model = nn.Sequential(nn.Linear(4, 4), layer, nn.Linear(3, 3))
+    x = torch.randn(5, 4)
+    with funcgrad.per_example(model) as hooked:
+        for _ in range(2):
+            funcgrad.per_example_gramian(model(x).pow(2).sum(1))
+        row = next(line for line in str(hooked.plan).splitlines() if type(layer).__name__ in line)
+    assert ("materialised, loop" if module == "cache" else "materialised, vmap") in row
