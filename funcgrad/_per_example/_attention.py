@@ -92,7 +92,9 @@ class _Attention(_Layer):
         else:
             return
         if (
-            attended.shape != (length * batch, width)
+            attended is None  # saved only where the other side needs grad: frozen weight
+            or weight is None
+            or attended.shape != (length * batch, width)
             or weight.shape != (width, width)
             or weight.data_ptr() != m.out_proj.weight.data_ptr()
             or attended.grad_fn is None

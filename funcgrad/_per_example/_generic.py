@@ -3,7 +3,9 @@ functional call of the module alone (vmap, or a loop); and the recurrent modules
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ class _Generic(_Layer):
             return self.grads
         found: dict[str, torch.Tensor] = {}
         try:
-            with _RefuseTensorHooks(self):
+            with _RefuseTensorHooks(self), _buffers_kept(self.module):
                 for use in self.uses:
                     for key, g in self.one_use(use).items():
                         _add(found, key, g)
@@ -85,7 +87,10 @@ class _Generic(_Layer):
         return dict(grads)
 
     def loop(self, use: _Use) -> dict[str, torch.Tensor]:
-        rows = [self.eager(use, b) for b in range(self.batch)]
+        rows = []
+        for b in range(self.batch):
+            with _buffers_kept(self.module):  # each example's call sees the same buffers
+                rows.append(self.eager(use, b))
         return {k: torch.stack([r[k] for r in rows]) for k in self.params}
 
     def eager(self, use: _Use, b: int) -> dict[str, torch.Tensor]:
@@ -224,6 +229,28 @@ def _batch_counts(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     return any(bool(x) for x in found)
 
 
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """The buffers of ``module``'s tree as they were before, after the block: a forward
+    that updates one (running statistics, a counter: in place, or by assigning a new
+    tensor) updates it in the user's own forward only, not once more per example in the
+    rule's calls of it (the loop calls the module itself)."""
+    saved = [
+        (m, name, b, b._version, b.detach().clone())
+        for m in module.modules()
+        for name, b in m._buffers.items()
+        if b is not None
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, version, value in saved:
+                m._buffers[name] = b
+                if b._version != version:  # written: back (else untouched, its version too)
+                    b.copy_(value)
+
+
 def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
     """``forward`` after the module's forward pre-hooks, with ``params`` (if any) in place
     of its parameters, as torch.func.functional_call, but not through ``module(...)``: the
@@ -237,7 +264,9 @@ def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwar
     the module itself: another thread (its forward, its per-example call, its
     ``model.parameters()``) never sees them. A forward that reaches one of the replaced
     tensors other than through the copy's attributes (a module kept in a plain list, a
-    method bound to the module) raises `_ReadsOriginal`, as its use would be left out."""
+    method bound to the module), or a tensor made from one before the call and kept in a
+    plain attribute of the tree (a cache, a view: `_made_from`), raises `_ReadsOriginal`,
+    as its use would be left out. One kept outside the tree (a global) is not seen."""
     if params is None:
         return _forward_after_pre_hooks(module, args, kwargs)
     private = _private_tree(module)
@@ -283,7 +312,10 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         super().__init__()
         named: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
         named.update(module.named_buffers(remove_duplicate=False))
-        self.originals = [named[k] for k in params if k in named]  # kept alive: ids stable
+        originals = [named[k] for k in params if k in named]
+        # kept alive: ids stable; the originals, and the tensors made from them before the
+        # call that the module's tree holds in plain attributes (a cache, a view)
+        self.originals = originals + _made_from(module, originals)
         self.ids = {id(t) for t in self.originals}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -291,10 +323,66 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         for x in _pytree.tree_leaves((args, kwargs)):
             if id(x) in self.ids and any(x is t for t in self.originals):
                 raise _ReadsOriginal(
-                    f"its forward reads a parameter ({tuple(x.shape)}) other than through "
-                    "its attributes"
+                    f"its forward reads a parameter ({tuple(x.shape)}), or a tensor made from "
+                    "one before the call, other than through its attributes"
                 )
         return func(*args, **kwargs)
+
+
+# the dicts of nn.Module's own state: the parameters, buffers, submodules and hooks
+_MODULE_STATE = frozenset(
+    ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training")
+)
+_WALK_LIMIT = 10_000  # autograd nodes looked at per attribute; beyond: taken as made from one
+
+
+def _made_from(module: nn.Module, originals: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in plain attributes of ``module``'s tree (its modules' ``__dict__``,
+    through lists, tuples and dicts) that require grad and were made from one of
+    ``originals`` (a view of one, or a graph reaching one): a cache made by an earlier
+    forward (``self._wt = self.weight.t()``) or a view made at init. A functional call's
+    copy would read them as they are (the original parameter's values and graph, not the
+    call's), so its gradient through them would be missing."""
+    ids = {id(t) for t in originals}
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        for key, value in m.__dict__.items():
+            if key in _MODULE_STATE or key.endswith("hooks"):
+                continue
+            for x in _pytree.tree_leaves(value):
+                if (
+                    isinstance(x, torch.Tensor)
+                    and x.requires_grad
+                    and id(x) not in ids
+                    and id(x) not in seen
+                    and _reaches(x, ids)
+                ):
+                    seen.add(id(x))
+                    found.append(x)
+    return found
+
+
+def _reaches(x: torch.Tensor, ids: set[int]) -> bool:
+    """Whether ``x`` is a view of, or its graph reaches, a tensor whose id is in ``ids``
+    (True also where the graph is too large to walk: then taken as made from one)."""
+    base = x._base
+    if base is not None and id(base) in ids:
+        return True
+    stack = [x.grad_fn]
+    visited: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        if len(visited) > _WALK_LIMIT:
+            return True
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in ids:
+            return True
+        stack.extend(n for n, _ in node.next_functions)
+    return False
 
 
 def _forward_after_pre_hooks(module: nn.Module, args: Any, kwargs: Any) -> Any:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree
 
-from ._generic import _bare_call, _Generic
+from ._generic import _bare_call, _buffers_kept, _Generic
 from ._layer import _Layer
 from ._record import _grads_after_hooks, _keys, _Use
 
@@ -323,21 +323,16 @@ def _rows_differ(
     # As the recorded call (grad enabled: no inference fast paths); its warnings were given
     # by the user's forward already. The re-runs leave the random generators and the
     # module's buffers as they were.
-    buffers = [(b, b.clone()) for b in module.buffers()]
     devices = [run.device] if run.device.type == "cuda" else []
     with (
         torch.enable_grad(),
         warnings.catch_warnings(),
         torch.random.fork_rng(devices=devices),
+        _buffers_kept(module),
     ):
         warnings.simplefilter("ignore")
-        try:
-            whole = call(values)
-            alone = [call([v.narrow(d, b, 1) for v, d in zip(values, narrow)]) for b in picked]
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+        whole = call(values)
+        alone = [call([v.narrow(d, b, 1) for v, d in zip(values, narrow)]) for b in picked]
     index = torch.tensor(picked, device=run.device)
     outs = [layer.out_dim(use, k) for k in range(len(positions))]
     rows = [torch.cat(parts, dim).movedim(dim, 0) for parts, dim in zip(zip(*alone), outs)]

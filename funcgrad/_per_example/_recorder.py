@@ -138,6 +138,12 @@ class PerExample:
         self._removed = False
         self._handles = []
         self._direct = {module: tuple(_direct(module)) for module in model.modules()}
+        # the parameters a module's call reads itself: its own, and for attention its
+        # out-projection's too (read by F.multi_head_attention_forward, not a call of it)
+        self._reads = {
+            module: (*params, *_functional_children(module))
+            for module, params in self._direct.items()
+        }
         self._batchnorms = {
             m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
         }
@@ -299,7 +305,7 @@ class PerExample:
             enclosing = self._frames[-1][1] if self._frames else self._uses
         # where this call is not recorded itself (its own parameters frozen), the calls
         # nested in it are kept, as calls of the enclosing frame
-        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._direct[module]):
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._reads[module]):
             enclosing.extend(nested)
             return
         flat = [output] if isinstance(output, torch.Tensor) else _pytree.tree_leaves(output)
@@ -758,3 +764,12 @@ def _refuse_other_thread(recorder: PerExample, losses: torch.Tensor, call: str) 
             "never see each other's calls): call gramian / backward / per_example_norms / "
             "per_example_clip in the thread that ran the forward."
         )
+
+
+def _functional_children(module: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The parameters of ``module``'s children that its forward reads without calling them:
+    nn.MultiheadAttention's out-projection (a weight and bias read by
+    F.multi_head_attention_forward); none for other modules."""
+    if isinstance(module, nn.MultiheadAttention):
+        return tuple(module.out_proj.parameters())
+    return ()
