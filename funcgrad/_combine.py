@@ -77,7 +77,10 @@ class CombinedHeads:
         flat = c.flat(args)
         with result_graph(self._create_graph, flat.leaves):
             plan = c.plan(flat, weighted=self._one_pullback(self.rule))
-        device = flat.leaves[0].device if flat.leaves else None
+        # The device where the work happens: any input off the CPU (a CPU scalar or index
+        # beside a model on an accelerator does not make the work the CPU's).
+        tensors = [t for t in _tree.flatten(list(args))[0] if isinstance(t, torch.Tensor)]
+        device = next((t.device for t in tensors if t.device.type != "cpu"), None)
         advice = projector_advice(self._weighting, c.k, device)  # by m and device
         return dataclasses.replace(plan, advice=advice)
 

@@ -51,6 +51,10 @@ _BUDGET_PER_ROW = 4
 _BUDGET_FLOOR = 64
 _BUDGET_REG_EPS = 1e-4
 _MIN_REG_EPS = 1e-8
+# float32 resolves reg_eps >= 1e-5 (refused below, at the call): the error of a solve is about
+# cond * eps = float32's 1.2e-7 / reg_eps, 1% at 1.2e-5 (measured against quadprog: 2% at
+# 1e-6, 50% at 1e-7, NaN rows at 1e-8).
+_MIN_REG_EPS_FLOAT32 = 1e-5
 _GAMMA = 1.0  # MPRGP's proportioning constant
 _STEP = 1.9  # expansion step abar = _STEP / lambda_max, in (0, 2 / lambda_max]
 _POWER_SEED = 0x5EED  # the power iteration's start: a fixed-seed Gaussian vector
@@ -99,7 +103,8 @@ class DualConeProjector:
         reg_eps: added to G's diagonal after normalisation (TorchJD's ``regularize``); it
             makes G definite, hence the solution unique, and sets the conditioning, hence
             the default budget. At least 1e-8 (below it, use TorchJD's
-            ``QuadprogProjector``).
+            ``QuadprogProjector``); with a float32 G at least 1e-5 (float32 cannot resolve
+            less: refused at the call; pass G and U in float64 there).
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
@@ -203,6 +208,16 @@ class DualConeProjector:
         _validate(U, G, call)
         _register_with_torchjd()  # (a dict lookup: TorchJD may have been imported since)
         mode = resolve_check(self.check, call)
+        if G.dtype == torch.float32 and self.reg_eps < _MIN_REG_EPS_FLOAT32:
+            raise ValueError(
+                f"{call}: `reg_eps` = {self.reg_eps:g} is below {_MIN_REG_EPS_FLOAT32:g}, "
+                "what float32 resolves: the regularised Gramian's conditioning (up to "
+                "1 / reg_eps) times float32's epsilon (1.2e-7) must stay below about 1%, or "
+                "the answer is wrong (singular in float32). Pass reg_eps >= "
+                f"{_MIN_REG_EPS_FLOAT32:g}, or G and U in float64 (G.double(), U.double())."
+            )
+        if G.shape[0] == 0:  # no task: the empty answer
+            return U.detach().to(device=G.device, dtype=G.dtype).clone()
         with torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
@@ -676,21 +691,31 @@ class MGDAWeighting:
         if not G.is_floating_point():
             raise TypeError(f"funcgrad.MGDAWeighting(G): `G` must be floating, got {G.dtype}.")
         m = G.shape[0]
+        if m == 0:  # no task: no weight (TorchJD's loop fails on the empty argmin)
+            return G.new_zeros(0).detach()
         with torch.no_grad():
             G = G.detach()
             indices = torch.arange(m, device=G.device)
             alpha = torch.ones(m, device=G.device, dtype=G.dtype) / m
             running = torch.ones((), dtype=torch.bool, device=G.device)
             one, zero = torch.ones_like(alpha[0]), torch.zeros_like(alpha[0])
+            # TorchJD's branch steps are the Python floats 1.0 and 0.0: its stop test
+            # compares them with epsilon in double, not in G's dtype (epsilon = 1.001 is 1.0
+            # in bfloat16): the same here, as Python booleans.
+            stop_at_one, stop_at_zero = self.epsilon > 1.0, self.epsilon > 0.0
             for _ in range(self.max_iters):
                 t = torch.argmin(G @ alpha)
                 e_t = (indices == t).to(G.dtype)
                 a = alpha @ (G @ e_t)
                 b = alpha @ (G @ alpha)
                 c = e_t @ (G @ e_t)
-                gamma = torch.where(
-                    c <= a, one, torch.where(b <= a, zero, (b - a) / (b + c - 2 * a))
+                step = (b - a) / (b + c - 2 * a)
+                gamma = torch.where(c <= a, one, torch.where(b <= a, zero, step))
+                stop = torch.where(
+                    c <= a,
+                    stop_at_one,
+                    torch.where(b <= a, stop_at_zero, step < self.epsilon),
                 )
                 alpha = torch.where(running, (1 - gamma) * alpha + gamma * e_t, alpha)
-                running = running & ~(gamma < self.epsilon)  # TorchJD's break, on the device
+                running = running & ~stop  # TorchJD's break, on the device
         return alpha

@@ -945,3 +945,124 @@ def test_mgda_call_errors_and_nan() -> None:
     G[1, 2] = G[2, 1] = math.nan
     assert bool(torch.isnan(funcgrad.MGDAWeighting()(G)).any())  # as TorchJD's
     assert repr(funcgrad.MGDAWeighting()) == "MGDAWeighting(epsilon=0.001, max_iters=100)"
+
+
+# --------------------------------------------------------------------------------------------
+# The review's findings (proj4 review)
+
+
+def _review_gramian() -> torch.Tensor:
+    return torch.tensor(
+        [
+            [2.31199, -0.16474, 0.74524],
+            [-0.16474, 0.23635, 0.80577],
+            [0.74524, 0.80577, 3.52438],
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "epsilon"),
+    [
+        (torch.bfloat16, 1.001),
+        (torch.float16, 1.0001),
+        (torch.float32, 1.0 + 1e-9),
+        (torch.float64, 1.0 + 1e-9),
+    ],
+)
+def test_mgda_stops_as_torchjd_with_epsilon_just_above_one(
+    dtype: torch.dtype, epsilon: float
+) -> None:
+    """TorchJD's full step is the Python float 1.0, compared with epsilon in double: with
+    epsilon just above 1 it stops after that step, even where epsilon rounds to 1.0 in G's
+    dtype (the review's repro: [0, 1, 0], not [0.14, 0.86, 0])."""
+    tjd = _tjd()
+    G = _review_gramian().to(dtype)
+    reference = tjd.MGDAWeighting(epsilon, 10)(G)
+    w = funcgrad.MGDAWeighting(epsilon, 10)(G)
+    torch.testing.assert_close(w, reference, rtol=0, atol=0)
+    assert w.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_mgda_float32_epsilon_above_one_random_gramians() -> None:
+    """float32, epsilon = 1 + 1e-9 (1.0 in float32): equal to TorchJD's on 300 random 3 x 3
+    Gramians (before the fix about 6% differed)."""
+    tjd = _tjd()
+    gen = torch.Generator().manual_seed(0)
+    epsilon = 1.0 + 1e-9
+    for _ in range(300):
+        J = torch.randn(3, 3, generator=gen, dtype=torch.float32)
+        G = J @ J.T
+        reference = tjd.MGDAWeighting(epsilon, 10)(G)
+        torch.testing.assert_close(funcgrad.MGDAWeighting(epsilon, 10)(G), reference)
+
+
+def test_no_task_gives_the_empty_answer() -> None:
+    """m = 0: no weight, no error (nothing to project)."""
+    G = torch.zeros(0, 0, dtype=torch.float64)
+    for U in (torch.zeros(0, 0, dtype=torch.float64), torch.zeros(3, 0), torch.zeros(2, 4, 0)):
+        with funcgrad.HostReadCounter() as reads:
+            W = funcgrad.DualConeProjector()(U, G)
+        assert W.shape == U.shape
+        assert W.dtype == torch.float64
+        assert reads.count == 0
+    w = funcgrad.MGDAWeighting()(G)
+    assert w.shape == (0,)
+    assert w.dtype == torch.float64
+
+
+@pytest.mark.parametrize("reg_eps", [1e-8, 1e-6, 9e-6])
+def test_float32_refuses_reg_eps_it_cannot_resolve(reg_eps: float) -> None:
+    """float32 cannot resolve reg_eps below 1e-5 (the review's repro: [-0.30, 3.15, -2.00]
+    where quadprog gives [-0.20, 1.00, -0.60]): refused, naming the argument and the fix;
+    float64 solves the same problem within quadprog's accuracy."""
+    v = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float32)
+    G = torch.outer(v, v)
+    U = torch.tensor([[-0.3, 1.0, -2.0]], dtype=torch.float32)
+    project = funcgrad.DualConeProjector(reg_eps=reg_eps)
+    with pytest.raises(ValueError, match=r"`reg_eps` = .* is below 1e-05.*float64"):
+        project(U, G)
+    W = project(U.double(), G.double())
+    linalg = pytest.importorskip("torchjd.linalg")
+    pytest.importorskip("quadprog")
+    reference = linalg.QuadprogProjector(reg_eps=reg_eps)(U.double(), G.double())
+    assert _relative(W, reference) <= max(1e-8, 1e-15 / reg_eps)
+
+
+def test_float32_at_the_smallest_reg_eps_is_near_quadprog() -> None:
+    """At reg_eps = 1e-5, float32 is within 1% of quadprog (float64) on rank-1 and rank-2
+    Gramians, the hardest for the conditioning."""
+    linalg = pytest.importorskip("torchjd.linalg")
+    pytest.importorskip("quadprog")
+    gen = torch.Generator().manual_seed(0)
+    project = funcgrad.DualConeProjector(reg_eps=1e-5)
+    reference = linalg.QuadprogProjector(reg_eps=1e-5)
+    v = torch.tensor([1.0, 2.0, 3.0])
+    cases = [(torch.tensor([[-0.3, 1.0, -2.0]]), torch.outer(v, v))]
+    for m in (3, 8, 11):
+        J = torch.randn(m, 2, generator=gen)
+        cases.append((torch.randn(4, m, generator=gen), J @ J.T))
+        r = torch.randn(m, generator=gen)
+        cases.append((torch.randn(4, m, generator=gen), torch.outer(r, r)))
+    for U, G in cases:
+        U, G = U.float(), G.float()
+        W = project(U, G).double()
+        assert _relative(W, reference(U.double(), G.double())) <= 1e-2
+
+
+def test_plan_advice_uses_the_device_of_the_work() -> None:
+    """A CPU scalar first (the review's repro) beside inputs on another device: advice as
+    for that device (quadprog would copy G to the host there), not as for the CPU."""
+    tjd = _tjd()
+    weight = torch.zeros(2, 3, device="meta")
+
+    def f(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight) * t
+
+    heads = [lambda y, i=i: y[..., i].sum() for i in range(2)]
+    combined = funcgrad.combine_heads(f, heads, tjd.UPGradWeighting())
+    plan = combined.plan(torch.tensor(2.0), torch.zeros(2, 3, device="meta"))
+    assert plan.advice is not None
+    assert "DualConeProjector()" in plan.advice
+    cpu = combined.plan(torch.tensor(2.0), torch.zeros(2, 3))  # all on the CPU, m = 2
+    assert cpu.advice is None
