@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _coords, _tree
 from ._errors import describe
-from ._graph import edge
+from ._graph import edge, nodes
 from ._types import Tensors
 from ._validate import check_primal_leaves, outside_transforms, values_readable
 
@@ -213,17 +213,7 @@ def foreign(threads: Threads, outputs: Sequence[Any], leaves: Sequence[torch.Ten
     if not threads.unseen:
         return False
     targets = {edge(t)[0] for t in leaves if t.requires_grad}
-    todo = [t.grad_fn for t in threads.unseen]
-    seen: set[Any] = set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        if node in targets:
-            return True
-        seen.add(node)
-        todo.extend(next_node for next_node, _ in node.next_functions)
-    return False
+    return any(node in targets for node in nodes(t.grad_fn for t in threads.unseen))
 
 
 def module_hook_in_graph(outputs: Any) -> bool:
@@ -233,17 +223,8 @@ def module_hook_in_graph(outputs: Any) -> bool:
     walk of the graph f built, on a watched eager call, does. Under torch.func such a node
     makes torch.func refuse f, and the call runs on eager autograd."""
     leaves, _ = _tree.flatten(outputs)
-    todo = [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen = set()
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__ == "BackwardHookFunctionBackward":
-            return True
-        todo.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
-    return False
+    starts = (t.grad_fn for t in leaves if isinstance(t, torch.Tensor))
+    return any(type(node).__name__ == "BackwardHookFunctionBackward" for node in nodes(starts))
 
 
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches

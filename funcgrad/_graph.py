@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +69,20 @@ def edges_of(tensors: Tensors, name: str, call: str) -> list[Edge]:
         except Untracked:
             raise untracked(f"`{name}`[{i}]", call) from None
     return found
+
+
+def nodes(starts: Iterable[Any]) -> Iterator[Any]:
+    """Each autograd node reached from ``starts`` (nodes, ``None`` skipped), once, depth
+    first: for the checks that look for one kind of node below some tensors."""
+    todo = list(starts)
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        todo.extend(parent for parent, _ in node.next_functions)
 
 
 def _parents(e: Edge) -> list[Edge]:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._errors import describe
+from .._graph import nodes
 from .._types import Tensors
 from ._layer import _add, _Layer
 from ._record import _hook_name, _Use
@@ -369,19 +370,12 @@ def _reaches(x: torch.Tensor, ids: set[int]) -> bool:
     base = x._base
     if base is not None and id(base) in ids:
         return True
-    stack = [x.grad_fn]
-    visited: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in visited:
-            continue
-        visited.add(node)
-        if len(visited) > _WALK_LIMIT:
+    for count, node in enumerate(nodes([x.grad_fn])):
+        if count >= _WALK_LIMIT:
             return True
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in ids:
             return True
-        stack.extend(n for n, _ in node.next_functions)
     return False
 
 

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
+from .._graph import nodes
+
 if TYPE_CHECKING:
     from ._recorder import PerExample
 
@@ -132,20 +134,13 @@ def _mark(node: Any, why: str) -> None:
 def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None) -> None:
     """Raise the reason that no record of the forward of ``losses`` is left, if known: our
     mark on one of its graph nodes, or a recorder whose hooks were removed."""
-    stack: list[Any] = [get_gradient_edge(losses).node]
-    seen: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in nodes([get_gradient_edge(losses).node]):
         metadata = getattr(node, "metadata", None)
         why = metadata.get(_SPENT) if isinstance(metadata, dict) else None
         if why in _WHY:
             raise ValueError(
                 f"{call}: no record of the forward of these losses is left: {_WHY[why]}."
             )
-        stack.extend(nxt for nxt, _ in node.next_functions)
     if recorder is not None and recorder._removed:
         raise ValueError(f"{call}: no record of the forward of these losses: {_WHY['removed']}.")
 
@@ -153,13 +148,7 @@ def _explain_spent(losses: torch.Tensor, call: str, recorder: PerExample | None)
 def _refuse_reentrant_checkpoint(losses: torch.Tensor, call: str) -> None:
     """Raise naming reentrant checkpointing where the graph of ``losses`` has one: it runs the
     checkpointed function without grad (the hooks record nothing there)."""
-    stack: list[Any] = [losses.grad_fn]
-    seen: set[Any] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
+    for node in nodes([losses.grad_fn]):
         if type(node).__name__ == "CheckpointFunctionBackward":
             raise ValueError(
                 f"{call}: the losses come from torch.utils.checkpoint with use_reentrant=True, "
@@ -168,7 +157,6 @@ def _refuse_reentrant_checkpoint(losses: torch.Tensor, call: str) -> None:
                 "backward. Pass use_reentrant=False (supported: its recomputation is "
                 "handled), or leave the checkpoint out under funcgrad.per_example."
             )
-        stack.extend(nxt for nxt, _ in node.next_functions)
 
 
 def _keys(use: _Use) -> list[tuple[Any, int]]:
