@@ -224,6 +224,31 @@ def test_the_lift_changes_nothing_f_can_see(case, strategy, monkeypatch):
             assert a == b
 
 
+def _drawing(x):
+    return THREADED["mixed"](x) + 0 * torch.rand(())
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "jacfwd", "loop"])
+def test_f_that_draws_runs_again_on_autograd_or_is_refused(strategy):
+    """f that draws random numbers and runs a thread: where the call runs f again on eager
+    autograd anyway (an explicit strategy, no graph wanted) every call is autograd's; with
+    create_graph=True the torch.func run is kept, so it is refused (before: silently wrong)."""
+    x = torch.randn(4)
+    want = _expected(_drawing, x)
+    fn = funcgrad.compose_heads(_drawing, HEADS, strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)
+        for call in range(3):
+            if strategy == "jacfwd" and call > 0:  # (forward mode: refused once seen, as main)
+                with pytest.raises(ValueError, match=THREAD_ERROR):
+                    fn(x)
+                continue
+            torch.testing.assert_close(fn(x)[1], want, msg=f"call {call + 1}")
+    graphed = funcgrad.compose_heads(_drawing, HEADS, strategy=strategy, create_graph=True)
+    with pytest.raises(ValueError, match=THREAD_ERROR):
+        graphed(x)
+
+
 def test_pullback_under_a_compiled_backward_is_unchanged():
     """pullback of a single-thread f with a compiled module: no refusal (guard)."""
     module = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()))
