@@ -126,3 +126,58 @@ def test_multihead_attention_under_cpu_autocast(dtype, tolerance):
         want = _reference_gramian(model, x, lambda out: out**2)
     assert G.dtype == torch.float32
     assert ((G - want).abs().max() / want.abs().max()).item() < tolerance
+
+
+class _Stateful(torch.nn.Module):
+    """A generic-rule module whose forward changes plain attributes (not what it computes)."""
+
+    def __init__(self, loop=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 4))
+        self.loop = loop
+        self.count, self.seen, self.stats, self.tags = 0, [], {"n": 0}, set()
+
+    def forward(self, x):
+        self.count += 1
+        self.seen.append(x.shape[0])
+        self.stats["n"] += 1
+        self.tags.add(self.count)
+        self.last = x.detach()  # (added by the first forward, rebound by later ones)
+        out = torch.tanh(x @ self.w)
+        if self.loop:  # a value read: vmap cannot run it, the loop does
+            out = out * (1 + 0 * float(x.sum() > 0))
+        return out
+
+
+def _state(module):
+    return (module.count, list(module.seen), dict(module.stats), set(module.tags), module.last)
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["vmap", "loop"])
+@pytest.mark.parametrize("entry", ["gramian", "backward", "norms"])
+def test_plain_attributes_as_after_one_forward(loop, entry):
+    """The generic rule calls the module again (once vmapped, or once per example, plus the
+    independence check's calls on the first call): a counter went 1 -> 7, a list got 7
+    more items. As Opacus and vmap(grad) leave them, the plain attributes are now those
+    of the user's forwards alone (rebound, added, and lists/dicts/sets changed in place
+    restored), and G is the per-example loop's (float64), on calls 1-3."""
+    inner = _Stateful(loop)
+    model = torch.nn.Sequential(inner, torch.nn.Linear(4, 1))
+    pe = funcgrad.per_example(model)
+    x = torch.randn(5, 3)
+    for call in range(3):
+        losses = _loss(model(x))
+        after_forward = _state(inner)
+        if entry == "gramian":
+            G = pe.gramian(losses)
+        elif entry == "backward":
+            pe.backward(losses, weighting=lambda g: torch.ones(5))
+        else:
+            funcgrad.per_example_norms(losses)
+        now = _state(inner)
+        assert now[:4] == after_forward[:4], f"call {call + 1}: {now[:4]} != {after_forward[:4]}"
+        assert now[4] is after_forward[4]
+        assert inner.count == call + 1
+    pe.remove()
+    if entry == "gramian":
+        torch.testing.assert_close(G, _reference_gramian(model, x, _loss))

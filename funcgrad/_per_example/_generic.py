@@ -235,13 +235,18 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
     """The buffers of ``module``'s tree as they were before, after the block: a forward
     that updates one (running statistics, a counter: in place, or by assigning a new
     tensor) updates it in the user's own forward only, not once more per example in the
-    rule's calls of it (the loop calls the module itself)."""
+    rule's calls of it (the loop calls the module itself). So are its modules' plain
+    attributes (a call counter, a cached tensor, a list it appends to: as after one
+    forward, as Opacus and ``vmap(grad)`` leave them): each rebound one is bound back, one
+    added is removed, and a list, dict or set changed in place gets its items back (not
+    what is changed deeper: an object's own attributes)."""
     saved = [
         (m, name, b, b._version, b.detach().clone())
         for m in module.modules()
         for name, b in m._buffers.items()
         if b is not None
     ]
+    plain = [(m, _plain_state(m)) for m in module.modules()]
     try:
         yield
     finally:
@@ -250,6 +255,49 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
                 m._buffers[name] = b
                 if b._version != version:  # written: back (else untouched, its version too)
                     b.copy_(value)
+        for m, state in plain:
+            _restore_plain(m, state)
+
+
+# nn.Module's own attributes (its dicts of parameters, buffers, submodules and hooks, its flags)
+_MODULE_OWN = frozenset(nn.Module().__dict__)
+
+
+def _plain_state(m: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """``m``'s plain attributes: name -> (value, a copy of its items where it is a list,
+    dict or set)."""
+    return {
+        k: (v, v.copy() if type(v) in (list, dict, set) else None)
+        for k, v in m.__dict__.items()
+        if k not in _MODULE_OWN
+    }
+
+
+def _restore_plain(m: nn.Module, state: dict[str, tuple[Any, Any]]) -> None:
+    """``m``'s plain attributes back to ``state`` (see :func:`_plain_state`)."""
+    attrs = m.__dict__
+    for k in [k for k in attrs if k not in _MODULE_OWN and k not in state]:
+        del attrs[k]
+    for k, (value, items) in state.items():
+        attrs[k] = value
+        if items is not None and _changed(value, items):
+            value.clear()
+            if type(value) is list:
+                value.extend(items)
+            else:
+                value.update(items)
+
+
+def _changed(now: Any, before: Any) -> bool:
+    """Whether a list, dict or set holds other items than its copy ``before``, by identity
+    (an item's ``==`` may be a tensor's)."""
+    if len(now) != len(before):
+        return True
+    if type(now) is list:
+        return any(a is not b for a, b in zip(now, before))
+    if type(now) is dict:
+        return any(k not in before or before[k] is not v for k, v in now.items())
+    return bool(now != before)  # (a set: by hash, then identity first)
 
 
 def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
