@@ -133,7 +133,7 @@ def _hooks_outside_compile(recorder: PerExample) -> None:
             hooks = ref()
             if hooks is not None and handle.id in hooks:
                 hook = hooks[handle.id]
-                eager = torch.compiler.disable(hook, recursive=True)
+                eager = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]
                 # (still told as the recorder's own bound method: _recorder._is_recorder_hook)
                 eager.__func__, eager.__self__ = hook.__func__, hook.__self__
                 hooks[handle.id] = eager
