@@ -144,7 +144,7 @@ class Threads:
     transform itself (a nested funcgrad call, vmap): the tensors such a transform returns
     are unwrapped outside any torch function, so they would look foreign."""
 
-    __slots__ = ("level", "nodes", "on", "plain", "unseen")
+    __slots__ = ("calling", "level", "nodes", "on", "plain", "unseen")
 
     def __init__(self, leaves: Sequence[torch.Tensor], level: int | None = None) -> None:
         # (The nodes are held until the call ends: a node's Python object may otherwise be
@@ -155,6 +155,10 @@ class Threads:
         # without grad), given its node by apply afterwards.
         self.plain: dict[int, weakref.ref[torch.Tensor]] = {}
         self.unseen: list[torch.Tensor] = []
+        # The tensors ATen ops on the calling thread returned (weakly: id -> the tensor, its
+        # version then), for ops run under torch._C.DisableTorchFunction(), which no
+        # TorchFunctionMode sees. (A write since, a worker's in place, changes the version.)
+        self.calling: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.on = True
         # The torch.func level f runs at (see :func:`lifted`), None on eager autograd.
         self.level = level
@@ -194,6 +198,10 @@ class Threads:
         unless ``value`` is an autograd.Function's output (its forward returned it, or
         wrote into it: ``mark_dirty``), or a view whose base's node was seen (torch makes
         a view's node anew once its base was written into in place)."""
+        made = self.calling.get(id(value))
+        if made is not None and made[0]() is value and made[1] == value._version:
+            self.nodes.add(node)  # (made on this thread, unseen by the mode, not written since)
+            return
         if isinstance(node, BackwardCFunction):
             ref = self.plain.get(id(value))
             if ref is not None and ref() is value:
@@ -205,6 +213,14 @@ class Threads:
             return
         self.unseen.append(value)
         self.nodes.add(node)  # (kept once)
+
+    def dispatched(self, result: Any) -> None:
+        """Record the tensors an ATen op on the calling thread returned (see ``calling``)."""
+        if isinstance(result, torch.Tensor):
+            self.calling[id(result)] = weakref.ref(result), result._version
+        elif isinstance(result, (list, tuple)):
+            for value in result:
+                self.dispatched(value)
 
     def made(self, result: Any) -> None:
         """Record the autograd nodes of the tensors a torch function returned."""
@@ -439,16 +455,25 @@ def _write_kind(name: str) -> int:
 class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records whether f ran an op that draws random numbers (ATen's ``nondeterministic_seeded``
     tag: dropout's bernoulli, rand*, normal, multinomial, ...), at the level torch.func
-    transforms dispatch to, so that it also sees them inside ``vjp``."""
+    transforms dispatch to, so that it also sees them inside ``vjp``.
 
-    def __init__(self, flat: FlatFunction) -> None:
+    Given ``threads`` (eager autograd: see :class:`Threads`), also the tensors each op
+    returns: ops that f runs under ``torch._C.DisableTorchFunction()`` escape a
+    TorchFunctionMode, as a worker thread's do, but not this mode, which holds for the
+    calling thread only too."""
+
+    def __init__(self, flat: FlatFunction, threads: Threads | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.flat = flat
+        self.threads = threads if threads is not None and threads.level is None else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.flat.drew = True
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if self.threads is not None:
+            self.threads.dispatched(result)
+        return result
 
 
 class FlatFunction:
@@ -564,7 +589,7 @@ class FlatFunction:
             args[a] = tree
         try:
             if watching:
-                with _Draws(self.generators, self, threads), Random(self):
+                with _Draws(self.generators, self, threads), Random(self, threads):
                     result = self.f(*args)
                 self.hooked = self.hooked or module_hook_in_graph(result)
             else:

@@ -289,3 +289,58 @@ def test_thread_started_after_the_first_call_is_not_seen():
     except ValueError:
         return
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------ 4. DisableTorchFunction on the calling thread
+
+
+def _disabled(x):
+    with torch._C.DisableTorchFunction():
+        h = torch.tanh(W @ x)
+        u = (W @ x).view(2, 2).flatten()
+        v = torch.nn.functional.linear(x[None], W)[0]
+    return h * torch.sin(x) + u * v
+
+
+def _disabled_in_place(x):  # an in-place write under the disable: still taken for a thread
+    with torch._C.DisableTorchFunction():
+        h = (W @ x).view(2, 2) * 1
+        h[0].mul_(2)
+    return h.flatten() * x
+
+
+def _disabled_linear_of_a_vector(x):  # F.linear's 1-D output never reaches a dispatch mode
+    with torch._C.DisableTorchFunction():
+        u = torch.nn.functional.linear(x, W)
+    return u * x
+
+
+def _worker_writes_in_place(x):  # a worker writes into a tensor the calling thread made
+    h = torch.zeros(4)
+    _in_thread(lambda: h.add_(torch.tanh(W @ x)))
+    return h * torch.sin(x)
+
+
+def _seen(f):
+    fn = funcgrad.compose_heads(f, HEADS)
+    x = torch.randn(4)
+    for call in range(3):
+        torch.testing.assert_close(fn(x)[1], _expected(f, x), msg=f"call {call + 1}")
+    return fn._composition._records.facts.threads
+
+
+def test_ops_under_disable_torch_function_are_the_calling_threads():
+    """Ops f runs under torch._C.DisableTorchFunction() escape the watch's TorchFunctionMode
+    as a worker's do (before: taken for a thread, auto kept eager autograd); a dispatch mode,
+    which holds for the calling thread too and which that context does not turn off, now
+    records the tensors they return. Answers are autograd's on calls 1-3 either way."""
+    assert not _seen(_disabled)
+
+
+def test_disable_torch_function_does_not_hide_a_worker():
+    """Not let through: a worker's in-place write into a tensor the calling thread made (its
+    version changed since). False positives kept (right, maybe slower): an in-place write
+    under the disable, and F.linear of a vector there (a tensor no dispatch mode sees)."""
+    assert _seen(_worker_writes_in_place)
+    assert _seen(_disabled_in_place)
+    assert _seen(_disabled_linear_of_a_vector)
