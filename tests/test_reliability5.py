@@ -344,3 +344,20 @@ def test_disable_torch_function_does_not_hide_a_worker():
     assert _seen(_worker_writes_in_place)
     assert _seen(_disabled_in_place)
     assert _seen(_disabled_linear_of_a_vector)
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacfwd"])
+def test_explicit_strategy_called_from_several_threads_at_once(strategy):
+    """A function of a single-thread f called from 4 threads at once, its first calls
+    included: each run of f is lifted and watched on its own thread, none is taken for a
+    thread, every answer is autograd's (against torch.autograd.grad per head)."""
+
+    def f(x):
+        return torch.tanh(W @ x) * x
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    xs = [torch.randn(4) for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(fn, xs))
+    for x, (_, grads) in zip(xs, results):
+        torch.testing.assert_close(grads, _expected(f, x))
