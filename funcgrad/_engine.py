@@ -677,7 +677,6 @@ def _forward_columns(
         why = f"forward mode cannot differentiate f ({first_line(error)})"
     else:
         if not (flat.drew and not torch.is_grad_enabled() and values_readable(primals)):
-            flat.refuse_unfollowed()  # (part of f ran in another thread: _function.lifted)
             n_out = flat.out_def.num_leaves  # known once f has run
             # Every output is batched (f's own as broadcast views): row 0 is f's output.
             out = tuple(s[0] for s in stacked[:n_out])

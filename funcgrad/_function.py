@@ -66,20 +66,9 @@ class _Draws(TorchFunctionMode):
             return self._watched(func, types, args, kwargs)
         # (Inlined: once per op of f on a watched call. The usual op takes tensors whose
         # nodes an op returned, and returns one tensor.)
-        level = _current_level()
-        if level != threads.level:
-            if threads.level is None or (level is not None and level > threads.level):
-                threads.off()  # a transform inside f: see Threads
-            # (else below f's level: torch.func runs an autograd.Function's forward there,
-            # on its inputs unwrapped)
+        if _current_level() is not None:  # a transform inside f: see Threads
+            threads.off()
             return self._watched(func, types, args, kwargs)
-        if level is not None:  # f under torch.func: see Threads.lifted
-            threads.check(args)
-            if kwargs:
-                threads.check(kwargs.values())
-            result = self._watched(func, types, args, kwargs)
-            threads.made(result)
-            return result
         nodes = threads.nodes
         for value in args:
             if isinstance(value, torch.Tensor):
@@ -144,9 +133,9 @@ class Threads:
     transform itself (a nested funcgrad call, vmap): the tensors such a transform returns
     are unwrapped outside any torch function, so they would look foreign."""
 
-    __slots__ = ("calling", "level", "nodes", "on", "plain", "unseen")
+    __slots__ = ("nodes", "on", "plain", "unseen")
 
-    def __init__(self, leaves: Sequence[torch.Tensor], level: int | None = None) -> None:
+    def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
         # (The nodes are held until the call ends: a node's Python object may otherwise be
         # freed and another made for the same node, which would look unseen.)
         self.nodes: set[Any] = {t.grad_fn for t in leaves if t.grad_fn is not None}
@@ -155,13 +144,7 @@ class Threads:
         # without grad), given its node by apply afterwards.
         self.plain: dict[int, weakref.ref[torch.Tensor]] = {}
         self.unseen: list[torch.Tensor] = []
-        # The tensors ATen ops on the calling thread returned (weakly: id -> the tensor, its
-        # version then), for ops run under torch._C.DisableTorchFunction(), which no
-        # TorchFunctionMode sees. (A write since, a worker's in place, changes the version.)
-        self.calling: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         self.on = True
-        # The torch.func level f runs at (see :func:`lifted`), None on eager autograd.
-        self.level = level
 
     def off(self) -> None:
         """No evidence from this call (a transform inside f: see the class)."""
@@ -174,11 +157,7 @@ class Threads:
         for value in values:
             if isinstance(value, torch.Tensor):
                 node = value.grad_fn
-                if (
-                    node is not None
-                    and node not in self.nodes
-                    and (self.level is None or not _is_wrapped(value))
-                ):  # (under torch.func, f's own tensors are wrapped: see lifted)
+                if node is not None and node not in self.nodes:
                     self.unseen_tensor(value, node)
             elif isinstance(value, (list, tuple)):
                 self.check(value)
@@ -198,10 +177,6 @@ class Threads:
         unless ``value`` is an autograd.Function's output (its forward returned it, or
         wrote into it: ``mark_dirty``), or a view whose base's node was seen (torch makes
         a view's node anew once its base was written into in place)."""
-        made = self.calling.get(id(value))
-        if made is not None and made[0]() is value and made[1] == value._version:
-            self.nodes.add(node)  # (made on this thread, unseen by the mode, not written since)
-            return
         if isinstance(node, BackwardCFunction):
             ref = self.plain.get(id(value))
             if ref is not None and ref() is value:
@@ -213,14 +188,6 @@ class Threads:
             return
         self.unseen.append(value)
         self.nodes.add(node)  # (kept once)
-
-    def dispatched(self, result: Any) -> None:
-        """Record the tensors an ATen op on the calling thread returned (see ``calling``)."""
-        if isinstance(result, torch.Tensor):
-            self.calling[id(result)] = weakref.ref(result), result._version
-        elif isinstance(result, (list, tuple)):
-            for value in result:
-                self.dispatched(value)
 
     def made(self, result: Any) -> None:
         """Record the autograd nodes of the tensors a torch function returned."""
@@ -245,11 +212,7 @@ def foreign(threads: Threads, outputs: Sequence[Any], leaves: Sequence[torch.Ten
     threads.check(outputs)
     if not threads.unseen:
         return False
-    if threads.level is None:
-        targets = {edge(t)[0] for t in leaves if t.requires_grad}
-    else:  # (the private leaves' nodes, found outside the transform: see lifted)
-        with torch._C._DisableFuncTorch():
-            targets = {torch.autograd.graph.get_gradient_edge(t).node for t in leaves}
+    targets = {edge(t)[0] for t in leaves if t.requires_grad}
     return any(node in targets for node in nodes(t.grad_fn for t in threads.unseen))
 
 
@@ -274,81 +237,14 @@ _current_level = torch._C._functorch.maybe_current_level
 
 def _threads_watch(leaves: Sequence[torch.Tensor]) -> Threads | None:
     """A :class:`Threads` where f runs on eager autograd (no torch.func transform active, no
-    leaf a functorch wrapper, some leaf requiring grad, none fake), else None (under
-    torch.func: see :func:`lifted`)."""
+    leaf a functorch wrapper, some leaf requiring grad, none fake), else None: under
+    torch.func a worker's result is a plain tensor like any captured one, so nothing can be
+    told there."""
     if _current_level() is not None or not any(t.requires_grad for t in leaves):
         return None
-    if any(_is_wrapped(t) or is_fake(t) for t in leaves):
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) or is_fake(t) for t in leaves):
         return None
     return Threads(leaves)
-
-
-def lifted(
-    leaves: Sequence[torch.Tensor],
-) -> tuple[Threads, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
-    """Under torch.func (every leaf wrapped at the current level, the call's own transform):
-    (a :class:`Threads` for that level, the leaves lifted, the private leaves they reach),
-    else None. Under torch.func a worker thread's ops unwrap f's tensors (the transform's
-    levels hold for the calling thread only) and give a plain tensor: taken for a constant,
-    like a captured one, and with no graph where the primals have none. So each leaf is
-    given to f as ``leaf - zero``, ``zero`` a fresh 0-dim leaf that requires grad: exactly
-    the leaf at every level (``x - 0`` keeps -0.0, inf and NaN; the transform's gradient
-    passes through unchanged), whose innermost value, the one a worker's op computes from,
-    has a plain autograd graph to ``zero``. A tensor reaching f's ops at f's level that is
-    not wrapped there and whose graph reaches a ``zero`` was computed from f's inputs
-    during the call, outside the transform: in another thread. On the calling thread only
-    an unwrapping does that: a transform inside f (the watch is then off) or torch.func
-    running an autograd.Function's forward (below f's level: not looked at). Where the
-    innermost values get no graph (autograd off below the transform), or a leaf is not a
-    plain dense tensor, None: nothing can be told."""
-    level = _current_level()
-    if level is None or not leaves or torch.compiler.is_compiling():
-        return None
-    bases = []
-    for t in leaves:
-        if not _is_wrapped(t) or torch._C._functorch.maybe_get_level(t) != level:
-            return None
-        base = _innermost(t)
-        if type(base) is not torch.Tensor or base.layout != torch.strided or is_fake(base):
-            return None
-        bases.append(base)
-    with torch._C._DisableFuncTorch():  # (plain leaves: made inside, they would be wrapped)
-        zeros = tuple(
-            torch.zeros((), dtype=t.dtype, device=t.device, requires_grad=True) for t in bases
-        )
-    with torch.enable_grad():  # (forward mode: the innermost values' graph all the same)
-        lifted = tuple(t - zero for t, zero in zip(leaves, zeros))
-    if any(_innermost(t).grad_fn is None for t in lifted):
-        return None
-    return Threads(lifted, level), lifted, zeros
-
-
-def _innermost(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor inside a functorch wrapper (through every level)."""
-    while _is_wrapped(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
-
-
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-
-# torch's error for an op on a BatchedTensor outside its vmap level (another thread's op).
-_ESCAPED = "escaped from inside a function being vmapped"
-
-
-def unfollowed(call: str) -> ValueError:
-    """The refusal of a call that ran f under torch.func where part of f ran in another
-    thread (see :func:`lifted`)."""
-    return ValueError(
-        f"{call}: f computes part of its output in another thread (a thread pool, "
-        "threading.Thread): a tensor computed from f's inputs reached f's ops on the "
-        "calling thread without passing through them. This call runs f under torch.func "
-        "(an explicit strategy, a graph of the results wanted, or inside a transform), "
-        "whose transforms do not follow f into other threads, so that part would be taken "
-        "for a constant, a wrong gradient. Keep f's differentiable work on the calling "
-        "thread, or use strategy='auto' without create_graph, outside transforms (eager "
-        "autograd, which follows threads), or funcgrad.pullback."
-    )
 
 
 class Writes(Exception):
@@ -455,25 +351,16 @@ def _write_kind(name: str) -> int:
 class Random(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records whether f ran an op that draws random numbers (ATen's ``nondeterministic_seeded``
     tag: dropout's bernoulli, rand*, normal, multinomial, ...), at the level torch.func
-    transforms dispatch to, so that it also sees them inside ``vjp``.
+    transforms dispatch to, so that it also sees them inside ``vjp``."""
 
-    Given ``threads`` (eager autograd: see :class:`Threads`), also the tensors each op
-    returns: ops that f runs under ``torch._C.DisableTorchFunction()`` escape a
-    TorchFunctionMode, as a worker thread's do, but not this mode, which holds for the
-    calling thread only too."""
-
-    def __init__(self, flat: FlatFunction, threads: Threads | None = None) -> None:
+    def __init__(self, flat: FlatFunction) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.flat = flat
-        self.threads = threads if threads is not None and threads.level is None else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.flat.drew = True
-        result = func(*args, **(kwargs or {}))
-        if self.threads is not None:
-            self.threads.dispatched(result)
-        return result
+        return func(*args, **(kwargs or {}))
 
 
 class FlatFunction:
@@ -537,9 +424,6 @@ class FlatFunction:
         # Part of f ran in another thread (seen on a watched run on eager autograd only):
         # torch.func would take it for a constant (see Threads).
         self.threads = False
-        # Seen so on this run under torch.func, where f drew random numbers: the caller
-        # runs f again on eager autograd, or refuses (see refuse_unfollowed).
-        self.unfollowed = False
 
     # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
     # 3.11, which dynamo cannot trace.)
@@ -557,13 +441,6 @@ class FlatFunction:
             self._readable = values_readable(self.leaves)
         return self._readable
 
-    def refuse_unfollowed(self) -> None:
-        """For a caller that keeps f's run under torch.func: refused where part of f ran in
-        another thread (see :func:`lifted`; f drew random numbers, so the run did not
-        refuse itself, in case the caller ran f again on eager autograd)."""
-        if self.unfollowed:
-            raise unfollowed(self.call)
-
     def split_inputs(self, leaves: Sequence[Any]) -> list[Any]:
         """Flat input leaves (or gradients of them) back into one tree per argnum."""
         if self._bare:
@@ -575,34 +452,25 @@ class FlatFunction:
         return trees
 
     def __call__(self, *leaves: torch.Tensor) -> Any:
-        watching = self.watch and not torch.compiler.is_compiling()
-        self.unfollowed = False
-        threads, targets, given, versions = None, leaves, leaves, []
-        if watching:
-            threads = _threads_watch(leaves)
-            watch = None if threads is not None else lifted(leaves)
-            if watch is not None:  # under torch.func: see lifted
-                threads, leaves, targets = watch
-                versions = [t._version for t in leaves]
         args = list(self.args)
         for a, tree in zip(self.argnums, self.split_inputs(leaves)):
             args[a] = tree
+        watching = self.watch and not torch.compiler.is_compiling()
         try:
             if watching:
-                with _Draws(self.generators, self, threads), Random(self, threads):
+                threads = _threads_watch(leaves)
+                with _Draws(self.generators, self, threads), Random(self):
                     result = self.f(*args)
                 self.hooked = self.hooked or module_hook_in_graph(result)
+                if threads is not None:
+                    outputs = result[0] if self.has_aux and isinstance(result, tuple) else result
+                    self.threads = self.threads or foreign(
+                        threads, _tree.flatten(outputs)[0], leaves
+                    )
             else:
                 result = self.f(*args)
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")
-            if _ESCAPED in str(error) and _current_level() is not None:
-                error.add_note(
-                    f"{self.call}: a tensor of f's used outside vmap's level is also what a "
-                    "thread started by f (a thread pool, threading.Thread) gives: torch.func's "
-                    "transforms do not follow f into other threads. Keep f's differentiable "
-                    "work on the calling thread."
-                )
             if isinstance(self.f, torch.nn.Module) and isinstance(error, TypeError):
                 error.add_note(
                     "f is an nn.Module: it takes its inputs, not its parameters. To "
@@ -611,23 +479,6 @@ class FlatFunction:
                     "params=dict(module.named_parameters())."
                 )
             raise
-        if threads is not None and threads.level is not None:
-            # f wrote into its input: into the lifted leaf, so into the one given as well,
-            # as without the lift (where torch refuses it, it refuses here)
-            for leaf, lift, version in zip(given, leaves, versions):
-                if lift._version != version:
-                    leaf.copy_(lift)
-        if threads is not None:
-            outputs = result[0] if self.has_aux and isinstance(result, tuple) else result
-            if foreign(threads, _tree.flatten(outputs)[0], targets):
-                self.threads = True
-                if threads.level is not None:
-                    # (f drew random numbers: a caller outside transforms without a graph
-                    # wanted runs f again on eager autograd, which follows threads; else it
-                    # refuses: see refuse_unfollowed)
-                    if not (self.drew and self.readable):
-                        raise unfollowed(self.call)
-                    self.unfollowed = True
         if self.has_aux:
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise TypeError(

@@ -620,7 +620,6 @@ def of_function(
     if drawing and flat.drew:  # found out in this run: again on eager autograd, same draws
         rng.restore()
         return _eager(flat, what)
-    flat.refuse_unfollowed()  # (part of f ran in another thread: see _function.lifted)
     out, vjp, aux = result if flat.has_aux else (*result, ())
     # (Inside a transform the results stay on it, grad mode or not: a forward-mode level
     # around the call, jvp or jacfwd, differentiates through them even under no_grad.)
