@@ -75,14 +75,16 @@ DYNAMO_TRACES_HOOKS = "ignore::UserWarning"
         ),
     ],
 )
-def test_compiled_module_in_the_model_is_exact(how):
+@pytest.mark.parametrize("make", ["per_example", "PerExample"])
+def test_compiled_module_in_the_model_is_exact(how, make):
     """torch.compile(custom_module) in the model (the OptimizedModule wrapper) ended in
     dynamo's internal error (it traced the recorder's hooks). The recorder's hooks now run
     outside the compiled region (torch.compiler.disable: a graph break) where the model
     holds a compiled module: G and the update as the per-example loop, in float64, calls
-    1-2."""
+    1-2; the same through the exported class ``funcgrad.PerExample(model)`` (before: only
+    per_example() moved the hooks out)."""
     model, after = _model(how)
-    pe = funcgrad.per_example(model)
+    pe = getattr(funcgrad, make)(model)
     if after is not None:
         after()
     x = torch.randn(5, 3)

@@ -108,35 +108,7 @@ def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
         reads a counted parameter not its own in its forward (``h + F.linear(h,
         self.lin.weight)`` after ``self.lin(h)``) is refused on every call.
     """
-    recorder = PerExample(model, batch_dim=batch_dim)
-    if any(_compiled(module) for module in model.modules()):
-        _hooks_outside_compile(recorder)
-    return recorder
-
-
-def _compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is compiled: ``torch.compile(module)``'s wrapper (OptimizedModule),
-    or ``module.compile()`` in place."""
-    return type(module).__name__ == "OptimizedModule" or (
-        getattr(module, "_compiled_call_impl", None) is not None
-    )
-
-
-def _hooks_outside_compile(recorder: PerExample) -> None:
-    """The recorder's module hooks, each run outside torch.compile (``torch.compiler.disable``:
-    a graph break around it): inside a compiled module's forward, dynamo would trace them
-    (its internal error on ``torch.compile(custom_module)``'s wrapper). Only for a model that
-    holds a compiled module: the wrapper costs about 2 µs a hook call."""
-    for handle in recorder._handles:
-        refs = handle.hooks_dict_ref
-        for ref in refs if isinstance(refs, tuple) else (refs,):
-            hooks = ref()
-            if hooks is not None and handle.id in hooks:
-                hook = hooks[handle.id]
-                eager = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]
-                # (still told as the recorder's own bound method: _recorder._is_recorder_hook)
-                eager.__func__, eager.__self__ = hook.__func__, hook.__self__
-                hooks[handle.id] = eager
+    return PerExample(model, batch_dim=batch_dim)
 
 
 def per_example_gramian(

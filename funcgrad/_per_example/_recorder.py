@@ -186,6 +186,8 @@ class PerExample:
                 self._handles.append(
                     module.register_forward_pre_hook(self._shared.expand, with_kwargs=True)
                 )
+        if any(_compiled(module) for module in model.modules()):
+            _hooks_outside_compile(self)
         _RECORDERS.add(self)
 
     # Per-thread state ------------------------------------------------------------------
@@ -773,3 +775,28 @@ def _functional_children(module: nn.Module) -> tuple[nn.Parameter, ...]:
     if isinstance(module, nn.MultiheadAttention):
         return tuple(module.out_proj.parameters())
     return ()
+
+
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is compiled: ``torch.compile(module)``'s wrapper (OptimizedModule),
+    or ``module.compile()`` in place."""
+    return type(module).__name__ == "OptimizedModule" or (
+        getattr(module, "_compiled_call_impl", None) is not None
+    )
+
+
+def _hooks_outside_compile(recorder: PerExample) -> None:
+    """The recorder's module hooks, each run outside torch.compile (``torch.compiler.disable``:
+    a graph break around it): inside a compiled module's forward, dynamo would trace them
+    (its internal error on ``torch.compile(custom_module)``'s wrapper). Only for a model that
+    holds a compiled module: the wrapper costs about 2 µs a hook call."""
+    for handle in recorder._handles:
+        refs = handle.hooks_dict_ref
+        for ref in refs if isinstance(refs, tuple) else (refs,):
+            hooks = ref()
+            if hooks is not None and handle.id in hooks:
+                hook = hooks[handle.id]
+                eager = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]
+                # (still told as the recorder's own bound method: _recorder._is_recorder_hook)
+                eager.__func__, eager.__self__ = hook.__func__, hook.__self__
+                hooks[handle.id] = eager
