@@ -183,3 +183,31 @@ def test_plain_attributes_as_after_one_forward(loop, entry):
     pe.remove()
     if entry == "gramian":
         torch.testing.assert_close(G, _reference_gramian(model, x, _loss))
+
+
+def test_deepcopy_of_a_model_holding_a_compiled_module():
+    """copy.deepcopy of a model hooked while it holds a compiled module (an EMA, a teacher):
+    the copy's hooks belong to the copy's recorder, as without compile (before: their
+    ``__self__`` stayed the original recorder, so a call on the copy's losses got "no hooks
+    recorded" instead of the copy's message). The original's G stays the loop's."""
+    import copy
+
+    inner = _Custom()
+    inner.compile()
+    model = torch.nn.Sequential(inner, torch.nn.Linear(4, 1))
+    pe = funcgrad.PerExample(model)
+    ema = copy.deepcopy(model)
+    copied = [
+        hook.__self__
+        for module in ema.modules()
+        for hook in module._forward_hooks.values()
+        if hasattr(hook, "__self__")
+    ]
+    assert copied and all(owner is not pe for owner in copied)
+    x = torch.randn(5, 3)
+    losses = _loss(model(x))
+    _loss(ema(x)).sum()
+    torch.testing.assert_close(pe.gramian(losses), _reference_gramian(model, x, _loss))
+    with pytest.raises(ValueError, match="copy of a hooked model"):
+        funcgrad.per_example_gramian(_loss(ema(x)))
+    pe.remove()

@@ -795,8 +795,19 @@ def _hooks_outside_compile(recorder: PerExample) -> None:
         for ref in refs if isinstance(refs, tuple) else (refs,):
             hooks = ref()
             if hooks is not None and handle.id in hooks:
-                hook = hooks[handle.id]
-                eager = torch.compiler.disable(hook, recursive=True)  # type: ignore[no-untyped-call]
-                # (still told as the recorder's own bound method: _recorder._is_recorder_hook)
-                eager.__func__, eager.__self__ = hook.__func__, hook.__self__
-                hooks[handle.id] = eager
+                hooks[handle.id] = _OutsideCompile(hooks[handle.id])
+
+
+class _OutsideCompile:
+    """A recorder's hook (a bound method) run outside torch.compile. Told as that method (its
+    ``__func__`` and ``__self__``: `_is_recorder_hook`), and copied as it is by
+    ``copy.deepcopy`` of the hooked model: the copy's hooks then belong to the copy's
+    recorder (which records nothing, and names the copy in its message), not the original's
+    (a function wrapper is not copied, so its ``__self__`` stayed the original recorder)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.__func__, self.__self__ = hook.__func__, hook.__self__
+
+    @torch.compiler.disable(recursive=True)  # type: ignore[no-untyped-call, untyped-decorator]
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
