@@ -4,6 +4,8 @@ torch.autograd.grad (float64, or in the autocast dtype with a stated tolerance).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -138,12 +140,20 @@ class _Stateful(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.randn(3, 4))
         self.loop = loop
         self.count, self.seen, self.stats, self.tags = 0, [], {"n": 0}, set()
+        self.history = collections.deque(maxlen=100)
+        self.order = collections.OrderedDict(a=1, b=2)
+        self.by_size = collections.defaultdict(int)
+        self.counter = collections.Counter()
 
     def forward(self, x):
         self.count += 1
         self.seen.append(x.shape[0])
         self.stats["n"] += 1
         self.tags.add(self.count)
+        self.history.append(x.shape[0])
+        self.order.move_to_end(next(iter(self.order)))  # (rotated: its order changes)
+        self.by_size[x.shape[0]] += 1
+        self.counter["calls"] += 1
         self.last = x.detach()  # (added by the first forward, rebound by later ones)
         out = torch.tanh(x @ self.w)
         if self.loop:  # a value read: vmap cannot run it, the loop does
@@ -152,7 +162,17 @@ class _Stateful(torch.nn.Module):
 
 
 def _state(module):
-    return (module.count, list(module.seen), dict(module.stats), set(module.tags), module.last)
+    return (
+        module.count,
+        list(module.seen),
+        dict(module.stats),
+        set(module.tags),
+        list(module.history),
+        list(module.order.items()),
+        dict(module.by_size),
+        dict(module.counter),
+        module.last,
+    )
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["vmap", "loop"])
@@ -162,7 +182,8 @@ def test_plain_attributes_as_after_one_forward(loop, entry):
     independence check's calls on the first call): a counter went 1 -> 7, a list got 7
     more items. As Opacus and vmap(grad) leave them, the plain attributes are now those
     of the user's forwards alone (rebound, added, and lists/dicts/sets changed in place
-    restored), and G is the per-example loop's (float64), on calls 1-3."""
+    restored, and their subclasses: deque, OrderedDict with its order, defaultdict,
+    Counter), and G is the per-example loop's (float64), on calls 1-3."""
     inner = _Stateful(loop)
     model = torch.nn.Sequential(inner, torch.nn.Linear(4, 1))
     pe = funcgrad.per_example(model)
@@ -177,8 +198,8 @@ def test_plain_attributes_as_after_one_forward(loop, entry):
         else:
             funcgrad.per_example_norms(losses)
         now = _state(inner)
-        assert now[:4] == after_forward[:4], f"call {call + 1}: {now[:4]} != {after_forward[:4]}"
-        assert now[4] is after_forward[4]
+        assert now[:-1] == after_forward[:-1], f"call {call + 1}: {now} != {after_forward}"
+        assert now[-1] is after_forward[-1]
         assert inner.count == call + 1
     pe.remove()
     if entry == "gramian":

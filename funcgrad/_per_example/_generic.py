@@ -3,6 +3,7 @@ functional call of the module alone (vmap, or a loop); and the recurrent modules
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from collections.abc import Iterator
@@ -238,8 +239,11 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
     rule's calls of it (the loop calls the module itself). So are its modules' plain
     attributes (a call counter, a cached tensor, a list it appends to: as after one
     forward, as Opacus and ``vmap(grad)`` leave them): each rebound one is bound back, one
-    added is removed, and a list, dict or set changed in place gets its items back (not
-    what is changed deeper: an object's own attributes)."""
+    added is removed, and a list, dict, set or deque (or a subclass: OrderedDict,
+    defaultdict, Counter) changed in place gets its items back, in order. Not restored:
+    a plain tensor attribute (not a buffer) written in place (``self.acc += 1``), what is
+    changed deeper (an object's own attributes, a list inside a dict), ``__slots__``,
+    class-level and global state (a property writing to the class, a module-level list)."""
     saved = [
         (m, name, b, b._version, b.detach().clone())
         for m in module.modules()
@@ -263,14 +267,23 @@ def _buffers_kept(module: nn.Module) -> Iterator[None]:
 _MODULE_OWN = frozenset(nn.Module().__dict__)
 
 
+# containers refilled in place: list, dict, set, deque and their subclasses (OrderedDict,
+# defaultdict, Counter: through their own clear and extend/update, which refill exactly)
+_REFILLED = (list, dict, set, collections.deque)
+
+
 def _plain_state(m: nn.Module) -> dict[str, tuple[Any, Any]]:
-    """``m``'s plain attributes: name -> (value, a copy of its items where it is a list,
-    dict or set)."""
-    return {
-        k: (v, v.copy() if type(v) in (list, dict, set) else None)
-        for k, v in m.__dict__.items()
-        if k not in _MODULE_OWN
-    }
+    """``m``'s plain attributes: name -> (value, its items where it is a list, dict, set or
+    deque, or a subclass of one: a list, the dict's (key, value) pairs in order, a set)."""
+    return {k: (v, _items(v)) for k, v in m.__dict__.items() if k not in _MODULE_OWN}
+
+
+def _items(v: Any) -> Any:
+    if not isinstance(v, _REFILLED):
+        return None
+    if isinstance(v, dict):
+        return list(v.items())
+    return set(v) if isinstance(v, set) else list(v)
 
 
 def _restore_plain(m: nn.Module, state: dict[str, tuple[Any, Any]]) -> None:
@@ -282,22 +295,23 @@ def _restore_plain(m: nn.Module, state: dict[str, tuple[Any, Any]]) -> None:
         attrs[k] = value
         if items is not None and _changed(value, items):
             value.clear()
-            if type(value) is list:
+            if isinstance(value, (list, collections.deque)):
                 value.extend(items)
-            else:
-                value.update(items)
+            else:  # (a mapping: Counter.update of (key, value) pairs would count the pairs)
+                value.update(dict(items) if isinstance(value, dict) else items)
 
 
 def _changed(now: Any, before: Any) -> bool:
-    """Whether a list, dict or set holds other items than its copy ``before``, by identity
-    (an item's ``==`` may be a tensor's)."""
+    """Whether a list, dict, set or deque holds other items than ``before`` (see
+    :func:`_items`), by identity (an item's ``==`` may be a tensor's), in order but for a
+    set."""
     if len(now) != len(before):
         return True
-    if type(now) is list:
-        return any(a is not b for a, b in zip(now, before))
-    if type(now) is dict:
-        return any(k not in before or before[k] is not v for k, v in now.items())
-    return bool(now != before)  # (a set: by hash, then identity first)
+    if isinstance(now, dict):
+        return any(k is not k0 or v is not v0 for (k, v), (k0, v0) in zip(now.items(), before))
+    if isinstance(now, set):
+        return bool(now != before)  # (by hash, then identity first)
+    return any(a is not b for a, b in zip(now, before))
 
 
 def _bare_call(module: nn.Module, params: dict[str, Any] | None, args: Any, kwargs: Any) -> Any:
