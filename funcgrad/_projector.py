@@ -589,7 +589,8 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     iterations of ``_ADAPT`` by OSQP's rule, ``rho * sqrt(primal / dual residual)`` (the
     residuals summed over the rows), on the device. Every ``_CHECK_EVERY`` iterations and at
     the end, a row within tol of the KKT conditions keeps that iterate (float32 iterates
-    wander at rounding level once converged).
+    wander at rounding level once converged); a row that never did returns its last iterate
+    (MPRGP's start).
     """
     m = A.shape[0]
     eye = torch.eye(m, dtype=A.dtype, device=A.device)
@@ -632,6 +633,9 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
             now = (residual <= tol / 2 * (z * dh).abs().amax(1, keepdim=True) + bound) * (1 - done)
             best = torch.lerp(best, z, now)
             done = done + now
+    # A row that never met the check leaves with its last iterate, not the start: MPRGP's
+    # warm start is ADMM's progress on exactly the rows that need it.
+    best = torch.lerp(best, z, 1 - done)
     return (best - lowt) * dh  # exactly 0 on the bounds (best >= lowt: a clamp)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad._projector import EXACT_MAX, default_budget, regularized, solve
+from funcgrad._projector import EXACT_MAX, _admm, default_budget, default_tol, regularized, solve
 
 # --------------------------------------------------------------------------------------------
 # Gramians
@@ -522,6 +522,26 @@ def test_admm_keeps_converged_rows() -> None:
         U = torch.eye(8, dtype=torch.float32) / 8
         _, converged = solve(G, U, max_iter=0, admm_iter=384, exact_max=0)  # ADMM at m = 8
         assert bool(converged.all()), i
+
+
+def test_admm_unconverged_rows_leave_with_their_last_iterate() -> None:
+    """A row that ADMM did not finish hands MPRGP its progress, not ADMM's start point
+    (which it did until session 5: MPRGP then restarted the hardest rows from scratch)."""
+    m = 36
+    G = regularized(random_gramian(7, m), 1e-4, 1e-4)  # random rank: ADMM's slow tail
+    A = G / G.diagonal().mean()
+    low = _rows(m, seed=7).double() * G.diagonal().mean().sqrt()
+    tol = default_tol(m, torch.float64)
+
+    def residual(gap: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(gap, (low + gap) @ A).abs().amax(1)
+
+    start = low.clamp_min(0) - low
+    gap = _admm(A, low, 48, tol)
+    assert bool((gap >= 0).all())
+    unfinished = residual(gap) > tol * ((low + gap).abs().amax(1) + low.abs().amax(1))
+    assert bool(unfinished.any())
+    assert bool((residual(gap)[unfinished] < 0.1 * residual(start)[unfinished]).all())
 
 
 def test_mprgp_finishes_admm_tail() -> None:
