@@ -238,6 +238,43 @@ def test_large_gramians_kkt(m: int) -> None:
         assert max(_kkt(W, U, G)) <= 1e-10
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [128, 256, 512])
+def test_float32_default_budget_on_the_review_families_at_large_m(m: int) -> None:
+    """The float32 budget (ADMM, then 32 MPRGP iterations) is set by these: the clusters at
+    m = 256 and 512 need more than 16 MPRGP iterations after ADMM's budget, and converge
+    within 32. Every row converges (no NaN), with the KKT conditions in float32."""
+    families = [
+        spread_low_rank(m, rank, spread, seed)
+        for seed in (0, 1)
+        for rank, spread in ((1, 2.0), (2, 2.0), (1, 3.0), (3, 3.0))
+    ]
+    families += [make(m, seed) for seed in (0, 1) for make in (rank_one_noise, clusters)]
+    for J in families:
+        G = (J @ J.T).float()
+        U = _rows(m, seed=3).float()
+        W = funcgrad.DualConeProjector(check=False)(U, G)
+        assert bool(torch.isfinite(W).all())
+        dual, primal, slack = _kkt(W.double(), U.double(), G.double())
+        assert dual == 0.0
+        assert max(primal, slack) <= 1e-5
+
+
+@pytest.mark.slow
+def test_float32_finisher_budget_is_needed() -> None:
+    """Half the float32 MPRGP budget leaves a row of the hardest family unconverged (24
+    iterations are needed): clusters at m = 256, after the default ADMM budget."""
+    J = clusters(256, 1)
+    G = regularized(J @ J.T, 1e-4, 1e-4).float()  # (regularised in float32: 16 suffice)
+    gen = torch.Generator().manual_seed(3)  # `_rows`, drawn in float32
+    U = torch.cat([torch.eye(256) / 256, torch.randn(3, 256, generator=gen, dtype=G.dtype)])
+    U = U.float()
+    _, converged = solve(G, U, max_iter=16)
+    assert not bool(converged.all())
+    _, converged = solve(G, U, max_iter=32)
+    assert bool(converged.all())
+
+
 # --------------------------------------------------------------------------------------------
 # The review's families (review 4): low-rank J with task scales spread by 1e2-1e3, rank 1 plus
 # noise, clusters of aligned tasks. A Jacobi scaling of the problem left NaN rows on them with
