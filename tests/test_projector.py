@@ -761,6 +761,46 @@ def test_plan_gives_no_advice_for_few_tasks_on_the_cpu(m: int) -> None:
     assert advice is not None  # another device: quadprog syncs, advised whatever m
 
 
+def test_one_projector_reused_across_shapes_dtypes_threads_and_mutation() -> None:
+    """The user's side: one projector object for several shapes and dtypes, from two threads
+    at once, with the returned weights and the inputs mutated between calls; every answer
+    equals a fresh projector's on fresh copies (no state kept, no aliasing)."""
+    import threading
+
+    project = funcgrad.DualConeProjector(check=False)
+    problems = [(_rows(m, seed=m), random_gramian(m, m)) for m in (4, 16, 24, 40)]
+    expected = [funcgrad.DualConeProjector(check=False)(U.clone(), G.clone()) for U, G in problems]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def work(slot: int) -> None:
+        for _ in range(2):
+            for U, G in problems[slot::2] + problems[1 - slot :: 2]:
+                W = project(U, G)
+                results[slot].append(W.clone())
+                W.fill_(7.0)  # mutating the answer must not reach the next call
+
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    order = {0: [0, 2, 1, 3] * 2, 1: [1, 3, 0, 2] * 2}
+    for slot in (0, 1):
+        for W, k in zip(results[slot], order[slot], strict=True):
+            torch.testing.assert_close(W, expected[k], rtol=1e-12, atol=1e-15)
+    for (U, G), reference in zip(problems, expected, strict=True):
+        W32 = project(U.float(), G.float())  # the same object, float32 next
+        assert W32.dtype == torch.float32
+        assert _relative(W32.double(), reference) <= 1e-2
+        U_before, G_before = U.clone(), G.clone()
+        W = project(U, G)
+        assert W.data_ptr() not in (U.data_ptr(), G.data_ptr())
+        torch.testing.assert_close(U, U_before, rtol=0, atol=0)  # inputs untouched
+        torch.testing.assert_close(G, G_before, rtol=0, atol=0)
+        U.mul_(2.0)  # the caller mutates its input: the next call sees the new rows
+        torch.testing.assert_close(project(U, G), 2 * reference, rtol=1e-9, atol=1e-15)
+
+
 def test_batched_shapes_equal_rows() -> None:
     G = random_gramian(0, 7)
     U = torch.randn(2, 3, 7)
