@@ -64,17 +64,16 @@ _RELAX = 1.6  # ADMM's over-relaxation
 _RHO = 1.0  # ADMM's first penalty (A Jacobi-scaled: a unit diagonal, mean eigenvalue 1)
 _ADAPT = (8, 16, 32, 64, 128)  # ADMM iterations after which the penalty is rebalanced
 _ADAPT_LIMIT = 1e4  # at most this factor per rebalance
-_ADMM_BUDGET = 128  # default ADMM iterations: 128 + min(128, 8192 // m) (docs/projector.md)
-_ADMM_SMALL = 8192
-# float32: 128 + min(32, 8192 // m) ADMM iterations (160 up to m = 256, 144 at m = 512),
-# then 32 MPRGP iterations (float64: `default_budget`). Measured since ADMM hands its
-# unfinished rows their last iterate (docs/benchmarks_projector.md, session 5): the most
-# MPRGP iterations any Gramian needed after those ADMM iterations was 16 on the 500 random
-# Gramians of the tests and the review's families at m = 16-128 (spread low rank, rank one
-# plus noise, clusters), and 32 on the clusters at m = 256 and 512 (ADMM alone needs 340 to
-# over 600 there). Each MPRGP iteration costs 4-5 ADMM ones at m = 128.
-_ADMM_EXTRA_FLOAT32 = 32
-_FINISH_FLOAT32 = 32
+# Default ADMM iterations, whatever m (docs/projector.md). Session 4's 128 + min(128, 8192 //
+# m) (192 at m = 128, 160 at m = 256, 144 at m = 512) left NaN rows in float32 on review 5's
+# families: aligned tasks with rows of both signs at m = 256 (3 of 90 Gramians) and clusters
+# at m = 512 (17 of 42, and 1 of 10 of the tests' `clusters`); with 256, none of them.
+_ADMM_BUDGET = 256
+# MPRGP's default budget after ADMM in float32 (float64: `default_budget`): with it, 200 of
+# 200 random Gramians (m = 2..128, UPGrad's rows and rows of both signs) converged; ADMM
+# alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail). Half of it
+# (session 5's cut) left NaN rows on 13 of review 5's 90 aligned-task Gramians.
+_FINISH_FLOAT32 = 64
 # Up to this m, `_enumerate` solves exactly, trying all 2^m faces at once (no iteration): as
 # fast as quadprog on the CPU up to m = 6 (0.1-0.3 ms); at m = 8-10 its 256-1024 factors
 # take 0.7-3 ms, 3-10x quadprog's time but 4-15x less than the iterations below (12-14 ms
@@ -111,14 +110,14 @@ class DualConeProjector:
             ``QuadprogProjector``); with a float32 G at least 1e-5 (float32 cannot resolve
             less: refused at the call; pass G and U in float64 there).
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
-            ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 32 in float32,
+            ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
             Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
-            inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` in
-            float64, ``(128 + min(32, 8192 // m))`` in float32, times the same factor. 0
-            skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations are faster, and
-            rows that do not converge come back as NaN (or re-solved, see ``check``).
+            inverse and 4 elementwise passes); None: 256 times the same factor.
+            0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
+            are faster, and rows that do not converge come back as NaN (or re-solved, see
+            ``check``).
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
             (on the problem scaled to a mean diagonal of 1 and u to max |u| = 1) is at most
             ``tol * (max |v| + max |u|)``; None: ``16 * eps * sqrt(m)`` for G's dtype.
@@ -235,10 +234,7 @@ class DualConeProjector:
 
     def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int]:
         """(MPRGP iterations, ADMM iterations) for a Gramian of size m."""
-        if self.admm_iter is None:
-            admm = default_admm_budget(m, self.reg_eps, dtype)
-        else:
-            admm = self.admm_iter
+        admm = default_admm_budget(m, self.reg_eps) if self.admm_iter is None else self.admm_iter
         if self.max_iter is not None:
             return self.max_iter, admm
         if dtype == torch.float64:
@@ -385,15 +381,10 @@ def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
     return math.ceil((_BUDGET_PER_ROW * m + _BUDGET_FLOOR) * factor)
 
 
-def default_admm_budget(
-    m: int, reg_eps: float = _BUDGET_REG_EPS, dtype: torch.dtype = torch.float64
-) -> int:
-    """``(128 + min(128, 8192 // m)) * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations;
-    in float32 ``min(32, 8192 // m)`` in place of ``min(128, 8192 // m)`` (MPRGP finishes,
-    see `_FINISH_FLOAT32`)."""
+def default_admm_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
+    """``256 * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations (m: kept for the callers)."""
     factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
-    extra = _ADMM_BUDGET if dtype == torch.float64 else _ADMM_EXTRA_FLOAT32
-    return math.ceil((_ADMM_BUDGET + min(extra, _ADMM_SMALL // m)) * factor)
+    return math.ceil(_ADMM_BUDGET * factor)
 
 
 def default_tol(m: int, dtype: torch.dtype) -> float:
@@ -453,7 +444,7 @@ def solve(
     rmax = U.abs().amax(1, keepdim=True)
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
     m = G.shape[0]
-    admm = default_admm_budget(m, dtype=G.dtype) if admm_iter is None else admm_iter
+    admm = default_admm_budget(m) if admm_iter is None else admm_iter
     increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
