@@ -64,11 +64,15 @@ _RELAX = 1.6  # ADMM's over-relaxation
 _RHO = 1.0  # ADMM's first penalty (A Jacobi-scaled: a unit diagonal, mean eigenvalue 1)
 _ADAPT = (8, 16, 32, 64, 128)  # ADMM iterations after which the penalty is rebalanced
 _ADAPT_LIMIT = 1e4  # at most this factor per rebalance
-_ADMM_BUDGET = 128  # default ADMM iterations: 128 + min(128, 8192 // m) (docs/projector.md)
-_ADMM_SMALL = 8192
+# Default ADMM iterations, whatever m (docs/projector.md). Session 4's 128 + min(128, 8192 //
+# m) (192 at m = 128, 160 at m = 256, 144 at m = 512) left NaN rows in float32 on review 5's
+# families: aligned tasks with rows of both signs at m = 256 (3 of 90 Gramians) and clusters
+# at m = 512 (17 of 42, and 1 of 10 of the tests' `clusters`); with 256, none of them.
+_ADMM_BUDGET = 256
 # MPRGP's default budget after ADMM in float32 (float64: `default_budget`): with it, 200 of
 # 200 random Gramians (m = 2..128, UPGrad's rows and rows of both signs) converged; ADMM
-# alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail).
+# alone left 6 of 100 with unconverged rows (duplicate tasks: ADMM's slow tail). Half of it
+# (session 5's cut) left NaN rows on 13 of review 5's 90 aligned-task Gramians.
 _FINISH_FLOAT32 = 64
 # Up to this m, `_enumerate` solves exactly, trying all 2^m faces at once (no iteration): as
 # fast as quadprog on the CPU up to m = 6 (0.1-0.3 ms); at m = 8-10 its 256-1024 factors
@@ -110,8 +114,8 @@ class DualConeProjector:
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
             Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
-            inverse and 4 elementwise passes); None: ``(128 + min(128, 8192 // m))`` times
-            the same factor. 0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
+            inverse and 4 elementwise passes); None: 256 times the same factor.
+            0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
             are faster, and rows that do not converge come back as NaN (or re-solved, see
             ``check``).
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
@@ -378,9 +382,9 @@ def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
 
 
 def default_admm_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
-    """``(128 + min(128, 8192 // m)) * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations."""
+    """``256 * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations (m: kept for the callers)."""
     factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
-    return math.ceil((_ADMM_BUDGET + min(_ADMM_BUDGET, _ADMM_SMALL // m)) * factor)
+    return math.ceil(_ADMM_BUDGET * factor)
 
 
 def default_tol(m: int, dtype: torch.dtype) -> float:
@@ -589,7 +593,8 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     iterations of ``_ADAPT`` by OSQP's rule, ``rho * sqrt(primal / dual residual)`` (the
     residuals summed over the rows), on the device. Every ``_CHECK_EVERY`` iterations and at
     the end, a row within tol of the KKT conditions keeps that iterate (float32 iterates
-    wander at rounding level once converged).
+    wander at rounding level once converged); a row that never did returns its last iterate
+    (MPRGP's start).
     """
     m = A.shape[0]
     eye = torch.eye(m, dtype=A.dtype, device=A.device)
@@ -632,6 +637,9 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
             now = (residual <= tol / 2 * (z * dh).abs().amax(1, keepdim=True) + bound) * (1 - done)
             best = torch.lerp(best, z, now)
             done = done + now
+    # A row that never met the check leaves with its last iterate, not the start: MPRGP's
+    # warm start is ADMM's progress on exactly the rows that need it.
+    best = torch.lerp(best, z, 1 - done)
     return (best - lowt) * dh  # exactly 0 on the bounds (best >= lowt: a clamp)
 
 

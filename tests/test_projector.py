@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad._projector import EXACT_MAX, default_budget, regularized, solve
+from funcgrad._projector import EXACT_MAX, _admm, default_budget, default_tol, regularized, solve
 
 # --------------------------------------------------------------------------------------------
 # Gramians
@@ -323,6 +323,93 @@ def test_upgrad_on_a_review_family_is_finite() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Review 5's families, float32 with the default budgets: aligned tasks (one direction plus
+# noise) with rows of both signs, and clusters at m = 256 and 512. The float32 budget cut of
+# session 5 (160 ADMM + 32 MPRGP iterations) left NaN rows on the first (13 of 90), session
+# 4's budget (144 ADMM at m = 512 + 64 MPRGP) on the second (17 of 42 at m = 512).
+
+
+def aligned(m: int, noise: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, G) in float32: J is one direction plus noise, U 16 rows of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(1, 20, generator=gen, dtype=torch.float64)
+    J = J + noise * torch.randn(m, 20, generator=gen, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(100 + seed)
+    U = torch.randn(16, m, generator=gen, dtype=torch.float32)  # drawn in float32
+    return U, (J @ J.T).float()
+
+
+def centred_clusters(m: int, k: int, noise: float, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(k, 20, generator=gen, dtype=torch.float64)
+    which = torch.randint(0, k, (m,), generator=gen)
+    return centres[which] + noise * torch.randn(m, 20, generator=gen, dtype=torch.float64)
+
+
+def _assert_float32_kkt(
+    W: torch.Tensor, U: torch.Tensor, G: torch.Tensor, name: str, slack_max: float = 1e-5
+) -> None:
+    assert bool(torch.isfinite(W).all()), (name, W.isnan().any(1).nonzero().flatten().tolist())
+    dual, primal, slack = _kkt(W.double(), U.double(), G.double())
+    assert dual == 0.0, name
+    assert primal <= 1e-5, name
+    assert slack <= slack_max, name
+
+
+@pytest.mark.parametrize(("m", "noise", "seed"), [(64, 1e-3, 3), (96, 1e-2, 5), (256, 1e-2, 1)])
+def test_float32_aligned_tasks_rows_of_both_signs(m: int, noise: float, seed: int) -> None:
+    """The review's repros: NaN rows (row 4, row 9) with the cut budget; row 15 at m = 256
+    also with session 4's budget (160 ADMM + 64 MPRGP iterations there)."""
+    U, G = aligned(m, noise, seed)
+    W = funcgrad.DualConeProjector(check=False)(U, G)
+    _assert_float32_kkt(W, U, G, f"m={m}")
+
+
+@pytest.mark.slow
+def test_float32_aligned_tasks_family() -> None:
+    """The review's whole family (hunt4.py): 90 Gramians, m = 64..256, noise 1e-2..1e-4."""
+    for m in (64, 96, 128, 200, 256):
+        for noise in (1e-2, 1e-3, 1e-4):
+            for seed in range(6):
+                U, G = aligned(m, noise, seed)
+                W = funcgrad.DualConeProjector(check=False)(U, G)
+                # the slack sums m products: 1.6e-5 at m = 256 (noise 1e-3, seed 5)
+                _assert_float32_kkt(W, U, G, f"m={m} noise={noise} seed={seed}", 1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [256, 512])
+def test_float32_clusters_at_large_m(m: int) -> None:
+    """Clusters at m = 256 and 512, with UPGrad's rows: the tests' `clusters` on seeds 0-9
+    (testclusters.py) and centres plus noise (hunt5.py), the cases that failed with a budget
+    and more; every row converges."""
+    cases = [(f"clusters-s{seed}", clusters(m, seed)) for seed in range(10)]
+    for noise, k, seed in ((0.03, 3, 1), (0.03, 4, 3), (0.03, 6, 1), (0.01, 3, 2), (0.01, 4, 1)):
+        cases.append((f"centred-{noise}-{k}-s{seed}", centred_clusters(m, k, noise, seed)))
+    for name, J in cases:
+        G = (J @ J.T).float()
+        gen = torch.Generator().manual_seed(3)  # `_rows`, drawn in float32 as the review's
+        U = torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen, dtype=G.dtype)])
+        U = U.float()
+        W = funcgrad.DualConeProjector(check=False)(U, G)
+        _assert_float32_kkt(W, U, G, name)
+
+
+def test_convergence_of_a_row_depends_on_the_others() -> None:
+    """ADMM's penalty is shared by the rows (docs/projector.md): with fixed budgets, row 15
+    converges alone and not in its batch; the rows that converge in both agree."""
+    U, G = aligned(256, 1e-2, 1)
+    projector = funcgrad.DualConeProjector(check=False, admm_iter=160, max_iter=64)
+    W = projector(U, G)
+    alone = torch.cat([projector(U[i : i + 1], G) for i in range(16)])
+    assert W[15].isnan().all()
+    assert bool(torch.isfinite(alone).all())
+    both = torch.isfinite(W).all(1)
+    assert int(both.sum()) == 15
+    assert _relative(W[both].double(), alone[both].double()) <= 1e-4
+
+
+# --------------------------------------------------------------------------------------------
 # reg_eps below the default: the budget grows as sqrt(1e-4 / reg_eps); below 1e-8, refused
 
 
@@ -524,6 +611,26 @@ def test_admm_keeps_converged_rows() -> None:
         assert bool(converged.all()), i
 
 
+def test_admm_unconverged_rows_leave_with_their_last_iterate() -> None:
+    """A row that ADMM did not finish hands MPRGP its progress, not ADMM's start point
+    (which it did until session 5: MPRGP then restarted the hardest rows from scratch)."""
+    m = 36
+    G = regularized(random_gramian(7, m), 1e-4, 1e-4)  # random rank: ADMM's slow tail
+    A = G / G.diagonal().mean()
+    low = _rows(m, seed=7).double() * G.diagonal().mean().sqrt()
+    tol = default_tol(m, torch.float64)
+
+    def residual(gap: torch.Tensor) -> torch.Tensor:
+        return torch.minimum(gap, (low + gap) @ A).abs().amax(1)
+
+    start = low.clamp_min(0) - low
+    gap = _admm(A, low, 48, tol)
+    assert bool((gap >= 0).all())
+    unfinished = residual(gap) > tol * ((low + gap).abs().amax(1) + low.abs().amax(1))
+    assert bool(unfinished.any())
+    assert bool((residual(gap)[unfinished] < 0.1 * residual(start)[unfinished]).all())
+
+
 def test_mprgp_finishes_admm_tail() -> None:
     """Duplicate tasks, UPGrad's rows and rows of both signs: ADMM's slow tail (3 rows
     unconverged after 256 iterations); MPRGP from ADMM's answer finishes it (the float32
@@ -702,6 +809,46 @@ def test_plan_gives_no_advice_for_few_tasks_on_the_cpu(m: int) -> None:
     assert plan.advice is None
     advice = funcgrad._projector.projector_advice(tjd.UPGrad(), m, torch.device("meta"))
     assert advice is not None  # another device: quadprog syncs, advised whatever m
+
+
+def test_one_projector_reused_across_shapes_dtypes_threads_and_mutation() -> None:
+    """The user's side: one projector object for several shapes and dtypes, from two threads
+    at once, with the returned weights and the inputs mutated between calls; every answer
+    equals a fresh projector's on fresh copies (no state kept, no aliasing)."""
+    import threading
+
+    project = funcgrad.DualConeProjector(check=False)
+    problems = [(_rows(m, seed=m), random_gramian(m, m)) for m in (4, 16, 24, 40)]
+    expected = [funcgrad.DualConeProjector(check=False)(U.clone(), G.clone()) for U, G in problems]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def work(slot: int) -> None:
+        for _ in range(2):
+            for U, G in problems[slot::2] + problems[1 - slot :: 2]:
+                W = project(U, G)
+                results[slot].append(W.clone())
+                W.fill_(7.0)  # mutating the answer must not reach the next call
+
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    order = {0: [0, 2, 1, 3] * 2, 1: [1, 3, 0, 2] * 2}
+    for slot in (0, 1):
+        for W, k in zip(results[slot], order[slot], strict=True):
+            torch.testing.assert_close(W, expected[k], rtol=1e-12, atol=1e-15)
+    for (U, G), reference in zip(problems, expected, strict=True):
+        W32 = project(U.float(), G.float())  # the same object, float32 next
+        assert W32.dtype == torch.float32
+        assert _relative(W32.double(), reference) <= 1e-2
+        U_before, G_before = U.clone(), G.clone()
+        W = project(U, G)
+        assert W.data_ptr() not in (U.data_ptr(), G.data_ptr())
+        torch.testing.assert_close(U, U_before, rtol=0, atol=0)  # inputs untouched
+        torch.testing.assert_close(G, G_before, rtol=0, atol=0)
+        U.mul_(2.0)  # the caller mutates its input: the next call sees the new rows
+        torch.testing.assert_close(project(U, G), 2 * reference, rtol=1e-9, atol=1e-15)
 
 
 def test_batched_shapes_equal_rows() -> None:
