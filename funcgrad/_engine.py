@@ -378,7 +378,8 @@ def batched(
     ``fn`` takes one slice of each arg and returns a flat tuple of tensors; every output
     gets the leading batch dim. With ``may_loop=False`` (forward mode, where each call runs
     f's forward and would draw new random numbers) the map is one vmap with
-    ``randomness="same"`` or nothing: where that fails, :class:`CannotBatch` is raised.
+    ``randomness="same"`` or nothing: where vmap fails, :class:`CannotBatch` is raised (a
+    limit of forward mode itself propagates).
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
     call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
@@ -439,8 +440,11 @@ def batched(
             assert log is not None
             result = _vmap_measured(fn, args, chunk_size, what, log, single)
     except (RuntimeError, NotImplementedError) as error:
-        # Not a batching problem: a loop would fail the same way.
-        if _linearize.is_torch_func_limit(error):
+        # Not a batching problem: a loop would fail the same way (forward mode: nor one
+        # where forward mode itself cannot differentiate f; the caller says so).
+        if _linearize.is_torch_func_limit(error) or (
+            not may_loop and _linearize.is_forward_mode_limit(error)
+        ):
             raise
         if not may_loop:
             raise CannotBatch(first_line(error)) from error

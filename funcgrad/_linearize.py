@@ -81,6 +81,9 @@ TORCH_LIMITS: dict[str, TorchLimit] = {
     "custom Function jvp": TorchLimit("jvp function for custom autograd.Function"),
     "C++ custom Function jvp": TorchLimit("jvp is not implemented"),
     "derivative not implemented": TorchLimit("the derivative for"),
+    # torch.autograd.grad inside f under forward mode (jvp, jacfwd): no tensor f made there
+    # has a grad_fn; reverse mode runs it (else the same error, then the user's own).
+    "no grad_fn": TorchLimit("does not require grad and does not have a grad_fn"),
     # A torch.compile'd backward that donates its buffers runs once (not a torch.func limit).
     "donated buffers": TorchLimit("donated buffers", reverse=False),
 }

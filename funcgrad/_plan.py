@@ -36,7 +36,14 @@ CHALLENGER_MARGIN = 0.9
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
-_FORWARD = "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode"
+_FORWARD = (
+    "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode "
+    "(this call and the later ones)"
+)
+_FORWARD_LOST = (
+    "forward mode fell back on an earlier call of f (one warning then) -> reverse mode, "
+    "the k cotangents pulled back"
+)
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "vjp": (_TORCH_FUNC, _VMAP),
     "loop": (_TORCH_FUNC,),
@@ -250,6 +257,11 @@ def decide(request: Request, record: Record) -> Plan:
     chunk = r.chunk_size
     if r.requested == "jacfwd" and not n:
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
+    elif r.requested == "jacfwd" and (record.forward_lost or not r.forward):
+        # Forward mode fell back (this call, or an earlier one of f, with its one warning):
+        # reverse mode, as that fallback ran, without trying forward mode again.
+        strategy = "vjp"
+        why = _FORWARD_LOST if r.forward else why
     elif r.requested != "auto":
         strategy = r.requested
     elif choice.forward:

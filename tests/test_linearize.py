@@ -93,6 +93,10 @@ TRIGGERS = {
         lambda t: torch.autograd.grad((_CAPTURED * t).sum(), _CAPTURED)[0].sum()
     )(_x()),
     "untracked": lambda: torch.func.grad(_grads_to_captured)(_x()),
+    # torch.autograd.grad inside f under forward mode.
+    "no grad_fn": lambda: torch.func.jvp(
+        lambda t: torch.autograd.grad((_CAPTURED * t).sum(), _CAPTURED)[0].sum(), (_x(),), (_x(),)
+    ),
     # not_implemented(...) formulas: the same helper words forward and reverse formulas.
     "derivative not implemented": lambda: torch.func.vjp(
         lambda t: torch.special.zeta(t, _x()), _x()
@@ -177,6 +181,79 @@ def test_torch_func_failure_falls_back_to_eager_autograd(strategy):
     # pullback runs f on eager autograd from the start (outside transforms): no fallback.
     _, pb = funcgrad.pullback(f, x)
     torch.testing.assert_close(pb(torch.ones(3))[0], 2 * torch.cos(x))
+
+
+class _VmappableWithoutJvp(_WithoutJvp):
+    generate_vmap_rule = True  # (vmap can batch it; forward mode has no formula)
+
+
+_W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # captured by f
+
+
+def _autograd_to_captured(x):  # torch.autograd.grad inside f, to a captured parameter
+    y = torch.tanh(_W @ torch.sin(x))
+    (g,) = torch.autograd.grad((y**2).sum(), _W, create_graph=True)
+    return g.sum(0) * y + torch.cos(x)
+
+
+def _grads_to_captured_w(x):  # funcgrad.grads inside f, to a captured parameter
+    y = torch.tanh(_W @ torch.sin(x))
+    (g,) = funcgrad.grads((y**2).sum(), _W, through=y, create_graph=True)
+    return g[0].sum(0) * y + torch.cos(x)  # (one output: g is (1, 3, 3))
+
+
+_FALLBACK_CASES = {
+    # forward mode cannot differentiate f; reverse mode on torch.func can
+    "custom Function without jvp": (lambda x: _VmappableWithoutJvp.apply(x).sin(), 2, 1),
+    # forward mode and torch.func both refuse f (a backward inside f to a captured
+    # tensor): eager autograd
+    "torch.autograd.grad inside f": (_autograd_to_captured, 3, 2),
+    "funcgrad.grads inside f": (_grads_to_captured_w, 3, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(_FALLBACK_CASES))
+def test_jacfwd_remembers_its_fallback(case):
+    """strategy="jacfwd" on f that forward mode cannot run: the first call of the signature
+    falls back (f's runs and warnings as listed), and every later call goes the same way at
+    once: f runs once, no warning, the answer autograd's, and plan() says so (before: forward
+    mode was tried again on every call, f ran up to three times, with the warnings)."""
+    f, first_runs, first_warnings = _FALLBACK_CASES[case]
+    runs = []
+
+    def counted(x):
+        runs.append(1)
+        return f(x)
+
+    x = _x()
+    want = torch.stack(autograd_reference(f, HEADS, (x,))[1])
+    fn = funcgrad.compose_heads(counted, HEADS, strategy="jacfwd")
+    for call in range(4):
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+        torch.testing.assert_close(grads, want, msg=f"call {call + 1}")
+        if call == 0:
+            assert (len(runs), len(ours)) == (first_runs, first_warnings)
+            # forward mode itself failed, not vmap's batching of it
+            assert not any("vmap cannot batch" in str(w.message) for w in ours)
+        else:
+            assert (len(runs), len(ours)) == (1, 0), f"call {call + 1}"
+    plan = fn.plan(x)
+    assert plan.strategy == "vjp" and plan.measured.startswith("forward mode fell back")
+    assert plan.engine == ("torch.func" if first_runs == 2 else "autograd")
+
+
+def test_forward_mode_limit_is_named_as_such():
+    """An op without a forward-mode formula under jacfwd: the warning says forward mode
+    cannot differentiate f (before: "vmap cannot batch its JVPs", which was not the cause)."""
+    fn = funcgrad.compose_heads(
+        lambda x: _VmappableWithoutJvp.apply(x).sin(), HEADS, strategy="jacfwd"
+    )
+    with pytest.warns(funcgrad.FuncgradWarning, match="forward mode cannot differentiate f"):
+        fn(_x())
 
 
 def test_chunked_linear_cross_entropy_falls_back_to_autograd():

@@ -572,6 +572,25 @@ def _decided(request, record):
             dataclasses.replace(AUTO, requested="vjp"),
             ("vjp", "autograd", False, False),
         ),
+        # an explicit jacfwd: forward mode, until it fell back on a call of f; then reverse
+        # mode at once (the k cotangents), on eager autograd where torch.func refused f too
+        (Record(), Request("jacfwd", 30, 2, m=40), ("jacfwd", "torch.func", False, False)),
+        (
+            Record(m=40, forward_lost=True),
+            Request("jacfwd", 30, 2, m=40),
+            ("vjp", "torch.func", False, False),
+        ),
+        (
+            Record(m=40, forward_lost=True, mutates=True),
+            Request("jacfwd", 30, 2, m=40),
+            ("vjp", "autograd", False, False),
+        ),
+        # ... and within the call that fell back (f ran: no forward mode)
+        (
+            Record(),
+            Request("jacfwd", 30, 2, m=40, forward=False),
+            ("vjp", "torch.func", False, False),
+        ),
         # one pullback of w @ V: eager autograd without a graph of the results
         (
             Record(),
