@@ -535,20 +535,26 @@ def test_batchnorm_train_mode_matches_autograd_and_updates_statistics_once(strat
     assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == 1
 
 
-def test_batchnorm_fallback_still_batches_with_vmap(monkeypatch):
-    """The eager path is vmap over torch.autograd.grad, as TorchJD batches: no loop."""
-    from funcgrad import _engine
-
-    loops = []
-    original = _engine._loop
-    monkeypatch.setattr(_engine, "_loop", lambda fn, args: loops.append(1) or original(fn, args))
+@pytest.mark.parametrize(("strategy", "passes"), [("vjp", 1), ("loop", 3)])
+def test_batchnorm_fallback_still_batches_with_vmap(strategy, passes):
+    """The eager path is vmap over torch.autograd.grad, as TorchJD batches: the 3 heads'
+    cotangents go through f in one backward pass (counted at f's output); a loop, asked
+    for, takes one a head."""
     encoder, tasks = _backbone()
     params = {name: p.detach() for name, p in encoder.named_parameters()}
     heads = [lambda y, t=t: t(y).pow(2).mean() for t in tasks]
-    features = lambda p, x: torch.func.functional_call(encoder, p, (x,))  # noqa: E731
+    counter = funcgrad.PassCounter()
+
+    def features(p, x):
+        return counter(torch.func.functional_call(encoder, p, (x,)))
+
+    fn = funcgrad.compose_heads(features, heads, strategy=strategy)
+    batch = torch.randn(8, 3)
     with pytest.warns(funcgrad.FuncgradWarning, match="BatchNorm"):
-        funcgrad.compose_heads(features, heads, strategy="vjp")(params, torch.randn(8, 3))
-    assert not loops
+        fn(params, batch)
+    assert counter.backward == passes
+    plan = fn.plan(params, batch)
+    assert (plan.engine, plan.passes) == ("autograd", passes)
 
 
 def test_batchnorm_eval_mode_needs_no_fallback():

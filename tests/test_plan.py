@@ -1081,30 +1081,30 @@ def test_an_rnn_loops_on_eager_autograd_from_the_second_call():
     torch.testing.assert_close(grads, torch.stack(want))
 
 
-def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
+def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward():
     # A Python loop past the shape-only run's budget: plan() takes y's size from one real
     # forward, which watches only the generators f draws from (to restore them), not every
-    # op (a dispatch mode on each op cost 4x f's forward on the ODE simulator).
-    from funcgrad import _function
+    # op (a dispatch mode on each op cost 4x f's forward on the ODE simulator). f itself
+    # counts its steps that run under a dispatch mode: the shape-only run's (on fake
+    # tensors, at most FAKE_RUN_OPS ops) alone, none of the real forward's 200.
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-    seen, dispatch = [], _function.Random.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return dispatch(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(_function.Random, "__torch_dispatch__", counting)
+    under_a_mode, steps = [], []
     gen = torch.Generator().manual_seed(0)
 
     def f(x):
         for _ in range(200):
+            steps.append(1)
+            under_a_mode.append(is_in_torch_dispatch_mode())
             x = torch.sin(x) + 0.1
         return x + torch.rand(x.shape, generator=gen)
 
     fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
     state = gen.get_state()
     assert fn.plan(torch.zeros(3)).m == 3
-    assert len(seen) <= _shape.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
+    assert len(steps) > 200  # (the shape-only run stopped, then the real forward ran)
+    assert sum(under_a_mode) <= _shape.FAKE_RUN_OPS + 1  # the shape-only run's steps alone
+    assert not any(under_a_mode[-200:])  # the real forward's
     assert torch.equal(gen.get_state(), state)  # the real forward's draw restored
 
 
