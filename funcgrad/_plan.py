@@ -11,7 +11,10 @@ only after f runs, the call decides again with it (the k > m rule is here too).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import torch
 
 from ._record import Choice, Record, Trial
 from ._types import ChunkSize, Engine, Executed, Strategy
@@ -223,13 +226,23 @@ class Request:
 
 def decide(request: Request, record: Record) -> Plan:
     """The plan for ``request`` given what ``record`` knows: pure (no clock, no tensor, no
-    global state).
+    global state), so its answers are memoised (a steady-state call asks the same
+    question every time: about 30 µs a question saved on a tiny problem), except for a
+    record holding a chunk fit, which is not hashable.
 
     The strategy is the fewest directions: ``vjp`` k pullbacks, ``jacrev`` m (plus a
     product), ``jacfwd`` n JVPs counted ``FORWARD_MODE_PENALTY`` times (only where y's size
     is known before f runs and all n fit one batch). Under ``"auto"``, eager and without a
     graph of the results, the engine and a loop are chosen by :func:`_choose`.
     """
+    # (a ChunkFit is mutable, so not hashable; dynamo traces through the cache, and warns)
+    if record.fit is not None or torch.compiler.is_compiling():
+        return _decide(request, record)
+    return _memoised(request, record)
+
+
+def _decide(request: Request, record: Record) -> Plan:
+    """:func:`decide`, not memoised."""
     r, k, n = request, request.k, request.n
     m = r.m if r.m is not None else 0
     linear = not (r.hooked or record.hooked)
@@ -296,6 +309,11 @@ def decide(request: Request, record: Record) -> Plan:
         through_heads=engine == "autograd" and not record.compiled and _through_heads(k, strategy),
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+# (Requests and records are frozen and hold no tensor: the cache keeps nothing alive but
+# them; a refusal, raised, is not cached and is raised again.)
+_memoised = functools.lru_cache(maxsize=1024)(_decide)
 
 
 def _through_heads(k: int, strategy: str) -> bool:

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad import _shape
+from funcgrad import _plan, _shape
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._plan import Request, decide
 from funcgrad._record import (
@@ -608,6 +608,20 @@ def test_decide(record, request_, expected):
     assert _decided(request_, record) == expected
     # pure: the same inputs, the same plan, and nothing changed
     assert decide(request_, record) == decide(request_, record)
+    # memoised: the answer is the unmemoised one, for equal (not identical) inputs too
+    again = dataclasses.replace(request_), dataclasses.replace(record)
+    assert decide(*again) == _plan._decide(request_, record)
+
+
+def test_decide_memo_raises_a_refusal_every_time_and_skips_a_chunk_fit():
+    from funcgrad._engine import ChunkFit
+
+    refused = Request("jacfwd", 3, 4, chunk_size=2)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="jacfwd"):
+            decide(refused, Record())
+    with_fit = Record(fit=ChunkFit())  # (mutable, unhashable: decided afresh)
+    assert decide(AUTO, with_fit) == _plan._decide(AUTO, with_fit)
 
 
 @pytest.mark.parametrize(
