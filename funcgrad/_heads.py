@@ -566,7 +566,8 @@ class ComposedHeads(Generic[R]):
         composition = self._composition
         flat = composition.flat(args)
         with result_graph(self._create_graph, flat.leaves):
-            return composition.plan(flat)
+            # (a copy: the plans decide memoises are shared with the calls)
+            return dataclasses.replace(composition.plan(flat))
 
     def __call__(self, *args: Any) -> R:
         c = self._composition

@@ -613,6 +613,29 @@ def test_decide(record, request_, expected):
     assert decide(*again) == _plan._decide(request_, record)
 
 
+def test_a_plan_changed_by_its_user_changes_no_call():
+    """plan() returns a copy: a Plan forced open (frozen, but object.__setattr__ writes it)
+    changes neither the next plan() nor what the call runs."""
+    runs = []
+    counter = funcgrad.PassCounter()
+
+    def f(x):
+        runs.append(1)
+        return torch.sin(counter(x))
+
+    heads = [lambda y, i=i: y[i] for i in range(3)]
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp")
+    x = torch.zeros(3)
+    plan = fn.plan(x)
+    object.__setattr__(plan, "strategy", "loop")
+    object.__setattr__(plan, "engine", "autograd")
+    again = fn.plan(x)
+    assert (again.strategy, again.engine) == ("vjp", "torch.func")
+    runs.clear()
+    fn(x)
+    assert counter.backward == 1 and len(runs) == 1  # one vmapped pass, not a loop of 3
+
+
 def test_decide_memo_raises_a_refusal_every_time_and_skips_a_chunk_fit():
     from funcgrad._engine import ChunkFit
 
