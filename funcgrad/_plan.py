@@ -238,7 +238,10 @@ def decide(request: Request, record: Record) -> Plan:
     # (a ChunkFit is mutable, so not hashable; dynamo traces through the cache, and warns)
     if record.fit is not None or torch.compiler.is_compiling():
         return _decide(request, record)
-    return _memoised(request, record)
+    try:
+        return _memoised(request, record)
+    except TypeError:  # (a field that does not hash: a symbolic size under tracing)
+        return _decide(request, record)
 
 
 def _decide(request: Request, record: Record) -> Plan:

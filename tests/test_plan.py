@@ -645,6 +645,8 @@ def test_decide_memo_raises_a_refusal_every_time_and_skips_a_chunk_fit():
             decide(refused, Record())
     with_fit = Record(fit=ChunkFit())  # (mutable, unhashable: decided afresh)
     assert decide(AUTO, with_fit) == _plan._decide(AUTO, with_fit)
+    unhashable = dataclasses.replace(AUTO, call=["a field that does not hash"])
+    assert decide(unhashable, Record()) == _plan._decide(unhashable, Record())
 
 
 @pytest.mark.parametrize(
