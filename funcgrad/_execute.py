@@ -159,6 +159,9 @@ def _forward(
     columns = _engine.forward_columns(flat, check, rng)
     if columns is None:
         return None
+    if flat.hooked:  # f called a module with a backward hook, which forward mode never runs:
+        rng.restore()  # reverse mode's plan (an explicit strategy='jacfwd' is refused there)
+        return None
     out, aux, tangents = columns
     m = _coords.real_size(out)
     values, cotangents = cotangents_of(out)
