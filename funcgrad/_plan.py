@@ -44,8 +44,7 @@ _FORWARD = (
     "(this call and the later ones)"
 )
 _FORWARD_LOST = (
-    "forward mode fell back on an earlier call of f (one warning then) -> reverse mode, "
-    "the k cotangents pulled back"
+    "forward mode fell back on an earlier call of f -> reverse mode, the k cotangents pulled back"
 )
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "vjp": (_TORCH_FUNC, _VMAP),

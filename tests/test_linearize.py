@@ -246,6 +246,107 @@ def test_jacfwd_remembers_its_fallback(case):
     assert plan.engine == ("torch.func" if first_runs == 2 else "autograd")
 
 
+class _NoJvpNoVmap(torch.autograd.Function):
+    """No jvp and no vmap rule: forward mode cannot batch it."""
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+@pytest.mark.parametrize(
+    "order", [(5, 5, 2, 2, 7, 3), (2, 5, 2, 3, 7)], ids=["lost first", "worked first"]
+)
+def test_jacfwd_fallback_is_remembered_for_every_signature(order):
+    """Found by review (core5 F2): the function's facts, which seed a new signature, were the
+    last-written signature's, so whether a new shape tried forward mode again (a warning, f
+    twice) flipped with the order the shapes came in. Once forward mode fell back on one
+    signature, every signature runs reverse mode from the next call: f once, no warning."""
+
+    def f(x):  # forward mode cannot run it where x has more than 3 entries
+        runs.append(1)
+        return (_NoJvpNoVmap.apply(x) if x.shape[0] > 3 else x.sin()) * 2
+
+    runs: list[int] = []
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    lost = False
+    for n in order:
+        x = torch.randn(n, dtype=torch.float64)
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        ran = len(runs)
+        torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+        fell_back = not lost and n > 3
+        assert (ran, len(seen)) == ((2, 1) if fell_back else (1, 0)), n
+        lost = lost or fell_back
+        assert fn.plan(x).strategy == ("vjp" if lost else "jacfwd"), n
+
+
+def test_jacfwd_fallback_inside_a_transform_is_remembered():
+    """Found by review (core5 F4): inside a user's vmap no record is kept, and the fallback
+    was not carried either: forward mode was tried again on every call (f twice, a
+    warning). It is remembered for the function, inside the transform and out."""
+    runs: list[int] = []
+
+    def f(x):
+        runs.append(1)
+        return _VmappableWithoutJvp.apply(x).sin()
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    xs = torch.randn(2, 3, dtype=torch.float64)
+    for call in range(3):
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            grads = torch.func.vmap(lambda x: fn(x)[1])(xs)
+        ran = len(runs)
+        ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+        for row, x in zip(grads, xs):
+            torch.testing.assert_close(row, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+        assert (ran, len(ours)) == ((2, 1) if call == 0 else (1, 0)), f"call {call + 1}"
+    x = xs[0]
+    runs.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", funcgrad.FuncgradWarning)
+        fn(x)
+    assert len(runs) == 1 and fn.plan(x).strategy == "vjp"
+
+
+def test_a_quiet_jacfwd_fallback_claims_no_warning():
+    """Found by review (core5 F3): where forward mode fell back without a warning (f turns
+    on its own input's grad to take a gradient inside: torch.func's limit, run on eager
+    autograd), plan() said "(one warning then)". It claims no warning now."""
+
+    def f(x):  # a force field: minus the gradient of an energy, taken inside f
+        with torch.enable_grad():
+            if not x.requires_grad:
+                x = x.requires_grad_()
+            energy = (x.sin() ** 2).sum() + (x[:-1] * x[1:]).sum()
+            return -torch.autograd.grad(energy, x, create_graph=True)[0]
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    x = _x()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        _, grads = fn(x)
+    assert not [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+    plan = fn.plan(x)
+    assert plan.strategy == "vjp" and plan.measured.startswith("forward mode fell back")
+    assert "warning" not in plan.measured
+
+
 def test_forward_mode_limit_is_named_as_such():
     """An op without a forward-mode formula under jacfwd: the warning says forward mode
     cannot differentiate f (before: "vmap cannot batch its JVPs", which was not the cause)."""
