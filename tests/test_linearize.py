@@ -141,6 +141,9 @@ def test_every_limit_has_a_trigger():
 def test_the_users_own_errors_are_no_limit():
     assert _linearize.torch_limit(RuntimeError("shapes cannot be multiplied")) is None
     assert _linearize.torch_limit(ValueError("forward AD")) is None
+    # (review core5 F5: the patterns were pieces a user's own message may hold)
+    assert _linearize.torch_limit(RuntimeError("my library: forward AD is off")) is None
+    assert _linearize.torch_limit(RuntimeError("no forward mode AD here")) is None
 
 
 # -- torch.func cannot differentiate f: one eager autograd graph ------------------------------
@@ -345,6 +348,52 @@ def test_a_quiet_jacfwd_fallback_claims_no_warning():
     plan = fn.plan(x)
     assert plan.strategy == "vjp" and plan.measured.startswith("forward mode fell back")
     assert "warning" not in plan.measured
+
+
+def _raises_its_own(x):
+    raise RuntimeError("config error: forward AD is disabled in my library")
+
+
+def _misuses_autograd(x):
+    constant = torch.ones(3, dtype=torch.float64)
+    torch.autograd.grad(constant.sum(), constant)  # the user's bug: raises under any mode
+    return x.sin()
+
+
+@pytest.mark.parametrize("f", [_raises_its_own, _misuses_autograd], ids=["own", "misuse"])
+def test_a_users_own_error_under_jacfwd_is_not_called_a_forward_mode_limit(f):
+    """Found by review (core5 F5): f's own RuntimeError under jacfwd came with a warning
+    "forward mode cannot differentiate f" (its message held a limit's pattern, or read as
+    one), then the same error from reverse mode. An error that reverse mode raises too is
+    f's own: it propagates, with no warning about forward mode."""
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            with pytest.raises(RuntimeError, match=r"config error|does not require grad"):
+                fn(_x())
+        assert not [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+
+
+def test_a_vmap_only_limit_under_jacfwd_says_vmap():
+    """Found by review (core5 F8): a limit of vmap alone (f reads a data pointer, which a
+    batched tensor has not) under jacfwd was called "forward mode cannot differentiate f".
+    It says vmap cannot batch the JVPs; the warning points at the user's call."""
+
+    def f(x):
+        x.data_ptr()
+        return x.sin() * 2
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    x = _x()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        _, grads = fn(x)
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+    ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+    forward = [w for w in ours if "JVP" in str(w.message) or "forward mode" in str(w.message)]
+    assert len(forward) == 1 and "vmap cannot batch its JVPs" in str(forward[0].message)
+    assert forward[0].filename == __file__
 
 
 def test_forward_mode_limit_is_named_as_such():
