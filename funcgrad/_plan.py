@@ -226,8 +226,8 @@ class Request:
 def decide(request: Request, record: Record) -> Plan:
     """The plan for ``request`` given what ``record`` knows: pure (no clock, no tensor, no
     global state), so its answers are memoised (a steady-state call asks the same
-    question every time: about 30 µs a question saved on a tiny problem), except for a
-    record holding a chunk fit or a field that does not hash, and under torch.compile.
+    question every time; what that saves is measured in docs/benchmarks.md), except for
+    a record holding a chunk fit or a field that does not hash, and under torch.compile.
 
     The strategy is the fewest directions: ``vjp`` k pullbacks, ``jacrev`` m (plus a
     product), ``jacfwd`` n JVPs counted ``FORWARD_MODE_PENALTY`` times (only where y's size
