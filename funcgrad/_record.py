@@ -245,7 +245,7 @@ class Records:
         """Forward mode fell back on one call of the function (any signature, or inside a
         transform, where no record is kept): every signature of the function, held or new,
         runs reverse mode from now on, whatever order the shapes come in."""
-        for key, held in self._records.items():
+        for key, held in list(self._records.items()):  # (a copy: another thread may put)
             self._records[key] = dataclasses.replace(held, forward_lost=True)
         self.facts = dataclasses.replace(self.facts, forward_lost=True)
 
