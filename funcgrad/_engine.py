@@ -278,12 +278,12 @@ class ChunkFit:
                 f"budget of {budget / 2**20:.3g} MiB; running one direction at a time. Raise "
                 "the budget (funcgrad.memory_budget, FUNCGRAD_MEMORY_BUDGET) or free memory.",
                 FuncgradWarning,
-                stacklevel=_outside_funcgrad(),
+                stacklevel=outside_funcgrad(),
             )
         return 1
 
 
-def _outside_funcgrad() -> int:
+def outside_funcgrad() -> int:
     """The ``stacklevel`` that points its caller's warning at the first frame outside
     funcgrad (the user's call), whichever entry point led there."""
     frame: types.FrameType | None = sys._getframe(2)
@@ -378,7 +378,8 @@ def batched(
     ``fn`` takes one slice of each arg and returns a flat tuple of tensors; every output
     gets the leading batch dim. With ``may_loop=False`` (forward mode, where each call runs
     f's forward and would draw new random numbers) the map is one vmap with
-    ``randomness="same"`` or nothing: where that fails, :class:`CannotBatch` is raised.
+    ``randomness="same"`` or nothing: where vmap fails, :class:`CannotBatch` is raised (a
+    limit of forward mode itself propagates).
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
     call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
@@ -439,8 +440,11 @@ def batched(
             assert log is not None
             result = _vmap_measured(fn, args, chunk_size, what, log, single)
     except (RuntimeError, NotImplementedError) as error:
-        # Not a batching problem: a loop would fail the same way.
-        if _linearize.is_torch_func_limit(error):
+        # Not a batching problem: a loop would fail the same way (forward mode: nor one
+        # where forward mode itself cannot differentiate f; the caller says so).
+        if _linearize.is_torch_func_limit(error) or (
+            not may_loop and _linearize.is_forward_mode_limit(error)
+        ):
             raise
         if not may_loop:
             raise CannotBatch(first_line(error)) from error
@@ -629,16 +633,19 @@ def by_columns(
 
 def forward_columns(
     flat: FlatFunction, check: bool | str, rng: RandomState
-) -> tuple[Tensors, Tensors, Tensors] | None:
+) -> tuple[Tensors, Tensors, Tensors] | str | None:
     """J's n columns by forward mode: f's JVP along every real unit direction of the inputs,
     in one vmap with ``randomness="same"``, so f's forward runs once. ``check``'s unbatched
     calls replay that forward's random draws (dropout masks), so they compare like with like
     and leave the generators where one forward of f leaves them.
 
-    Returns (f's output, aux tensors, tangents with a leading n), or None, with one warning,
-    where forward mode cannot do it (no batching rule, an op without a forward derivative,
-    ``check`` found a wrong batching rule); the generators are then restored, and the caller
-    uses reverse mode, which covers strictly more of PyTorch.
+    Returns (f's output, aux tensors, tangents with a leading n), or where forward mode
+    cannot do it (no batching rule, an op without a forward derivative, ``check`` found a
+    wrong batching rule) why, for the caller's one warning once reverse mode (which covers
+    strictly more of PyTorch) gave the answer: an error that reverse mode raises too is
+    f's own, and no limit of forward mode. None where torch.func itself cannot
+    differentiate f (the reverse-mode fallback's warning says so). The generators are
+    restored in both cases.
     """
     if torch.compiler.is_compiling():  # (dynamo cannot enter a lock; compiled code is traced)
         return _forward_columns(flat, check, rng)
@@ -654,7 +661,7 @@ _FORWARD_AD = threading.RLock()
 
 def _forward_columns(
     flat: FlatFunction, check: bool | str, rng: RandomState
-) -> tuple[Tensors, Tensors, Tensors] | None:
+) -> tuple[Tensors, Tensors, Tensors] | str | None:
     primals = flat.leaves
     jvp = _linearize.jvp_of(flat)
     try:
@@ -669,11 +676,11 @@ def _forward_columns(
     except CannotBatch as error:
         why = f"vmap cannot batch its JVPs in one call ({error})"
     except (RuntimeError, NotImplementedError) as error:
+        if _linearize.is_torch_func_limit(error):  # of_function's fallback reports this one
+            rng.restore()
+            return None
         if isinstance(error, BatchingMismatchError) or not _linearize.is_forward_mode_limit(error):
             raise
-        rng.restore()
-        if _linearize.is_torch_func_limit(error):  # of_function's fallback reports this one
-            return None
         why = f"forward mode cannot differentiate f ({first_line(error)})"
     else:
         if not (flat.drew and not torch.is_grad_enabled() and values_readable(primals)):
@@ -684,13 +691,7 @@ def _forward_columns(
         # f drew random numbers, which the batched JVP draws otherwise than one eager forward.
         why = "f draws random numbers, and its batched JVP draws other ones than eager"
     rng.restore()
-    warnings.warn(
-        f"{flat.call}: {why}; used reverse mode instead (f's forward runs once more, with the "
-        "same random draws).",
-        FuncgradWarning,
-        stacklevel=5,
-    )
-    return None
+    return why
 
 
 def through_heads(lin: Linearization, values_of: ValuesOf) -> tuple[torch.Tensor, Tensors]:

@@ -14,12 +14,14 @@ import gc
 import importlib
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
 
 from . import _coords, _engine, _linearize
 from ._engine import ChunkFit, CotangentsOf, Log, ValuesOf
+from ._errors import FuncgradWarning
 from ._function import FlatFunction
 from ._linearize import RandomState
 from ._plan import Plan
@@ -63,11 +65,12 @@ def execute(
         log = _engine.Log(watch=plan.watch or timed)
         start = time.perf_counter() if timed else 0.0
         forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None
-        compiled = False
-        if forward is not None:
+        compiled, why = False, None
+        if isinstance(forward, tuple):
             values, grads, aux, m = forward
             ran, engine = plan, plan.engine
         else:
+            why, forward = forward, None
             if asked_forward:  # forward mode could not run: the reverse-mode plan
                 plan = replan(plan.m, flat.hooked)
             rng = None if plan.engine == "autograd" else RandomState(flat)
@@ -80,6 +83,13 @@ def execute(
             values, grads = _reverse(ran, lin, cotangents_of, values_of, check, log, fit)
             aux, engine, compiled = lin.aux, lin.engine, lin.compiled
         end = time.perf_counter() if timed else 0.0
+    if why is not None:  # (reverse mode gave the answer: forward mode's own limit it was)
+        warnings.warn(
+            f"{flat.call}: {why}; used reverse mode instead (f's forward ran once more, with "
+            "the same random draws).",
+            FuncgradWarning,
+            stacklevel=_engine.outside_funcgrad(),
+        )
     seconds = None
     if timed:
         measuring = log.timing.single if log.timing is not None else 0.0
@@ -151,13 +161,17 @@ def observed(
 
 def _forward(
     plan: Plan, flat: FlatFunction, cotangents_of: CotangentsOf, check: bool | str
-) -> tuple[torch.Tensor, Tensors, Tensors, int] | None:
+) -> tuple[torch.Tensor, Tensors, Tensors, int] | str | None:
     """Forward mode: J's n columns in one batched JVP (f runs once), then ``V @ J``; where
     that went non-finite, f again in reverse mode (same draws) for the cotangents
-    themselves. None where forward mode could not run (the generators restored)."""
+    themselves. Where forward mode could not run (the generators restored): why, to warn
+    of once reverse mode gave the answer, or None (nothing to warn of)."""
     rng = RandomState(flat)
     columns = _engine.forward_columns(flat, check, rng)
-    if columns is None:
+    if columns is None or isinstance(columns, str):
+        return columns
+    if flat.hooked:  # f called a module with a backward hook, which forward mode never runs:
+        rng.restore()  # reverse mode's plan (an explicit strategy='jacfwd' is refused there)
         return None
     out, aux, tangents = columns
     m = _coords.real_size(out)

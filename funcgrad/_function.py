@@ -7,8 +7,9 @@ check on them is made here so that the user gets one clear message, not autograd
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -214,6 +215,49 @@ def foreign(threads: Threads, outputs: Sequence[Any], leaves: Sequence[torch.Ten
         return False
     targets = {edge(t)[0] for t in leaves if t.requires_grad}
     return any(node in targets for node in nodes(t.grad_fn for t in threads.unseen))
+
+
+@contextlib.contextmanager
+def _module_hooks_watched(flat: FlatFunction, transformed: bool) -> Iterator[None]:
+    """For a watched call under a torch.func transform (``transformed``: forward mode above
+    all, where nothing requires grad, so no hook node enters any graph and
+    :func:`module_hook_in_graph` cannot see it), a global module forward pre-hook, for the
+    calling thread only, that sets ``flat.hooked`` where f calls a module with a backward
+    hook (its own or a global one; full, pre or old-style) on a differentiated positional
+    input (one that requires grad or is a torch.func wrapper). Not on eager autograd, where
+    the graph shows the hook: a global module hook makes each call of a
+    ``torch.compile(module)`` warn."""
+    if not transformed:
+        yield
+        return
+    caller = threading.get_ident()
+
+    def seen(module: torch.nn.Module, args: Any) -> None:
+        if flat.hooked or threading.get_ident() != caller or not _has_backward_hooks(module):
+            return
+        if any(
+            isinstance(t, torch.Tensor)
+            and (t.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(t))
+            for t in _tree.flatten(args)[0]
+        ):
+            flat.hooked = True
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(seen)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _has_backward_hooks(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs a backward hook: its own or a global one."""
+    hooks = torch.nn.modules.module
+    return bool(
+        module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
 
 
 def module_hook_in_graph(outputs: Any) -> bool:
@@ -459,7 +503,11 @@ class FlatFunction:
         try:
             if watching:
                 threads = _threads_watch(leaves)
-                with _Draws(self.generators, self, threads), Random(self):
+                with (
+                    _Draws(self.generators, self, threads),
+                    Random(self),
+                    _module_hooks_watched(self, _current_level() is not None),
+                ):
                     result = self.f(*args)
                 self.hooked = self.hooked or module_hook_in_graph(result)
                 if threads is not None:

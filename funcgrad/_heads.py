@@ -347,9 +347,11 @@ class Composition:
     def _record(self, flat: FlatFunction) -> tuple[Any, Record]:
         """This call's signature and its record; no key inside transforms and compiled
         code, which plan from the shapes alone and learn nothing (but for f's threads,
-        seen on an eager call: then refused)."""
+        seen on an eager call: then refused; and where forward mode fell back, on any
+        call: then reverse mode)."""
         if not flat.readable:
-            return None, Record(threads=self._records.facts.threads)
+            facts = self._records.facts
+            return None, Record(threads=facts.threads, forward_lost=facts.forward_lost)
         others = [arg for a, arg in enumerate(flat.args) if a not in flat.argnums]
         key = signature_key(
             flat.argnums, flat.in_defs, flat.leaves, _tree.flatten(others) if others else ()
@@ -358,6 +360,8 @@ class Composition:
 
     def _learn(self, key: Any, record: Record, seen: Observations) -> Record:
         if key is None:
+            if seen.forward_failed:  # (remembered for the function: see _record)
+                self._records.lose_forward()
             return learn(record, seen)
         return self._records.learn(key, record, seen)
 
@@ -566,7 +570,8 @@ class ComposedHeads(Generic[R]):
         composition = self._composition
         flat = composition.flat(args)
         with result_graph(self._create_graph, flat.leaves):
-            return composition.plan(flat)
+            # (a copy: the plans decide memoises are shared with the calls)
+            return dataclasses.replace(composition.plan(flat))
 
     def __call__(self, *args: Any) -> R:
         c = self._composition

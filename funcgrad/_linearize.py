@@ -48,7 +48,7 @@ class TorchLimit:
     pattern: str
     eager: bool = False  # plain autograd differentiates f (of_function's fallback)
     loop: bool = False  # only vmap failed: an unbatched call works
-    reverse: bool = True  # only forward mode failed: reverse mode may work
+    forward: bool = False  # only forward mode failed: reverse mode may work
 
 
 TORCH_LIMITS: dict[str, TorchLimit] = {
@@ -76,13 +76,17 @@ TORCH_LIMITS: dict[str, TorchLimit] = {
     # parameter): eager autograd tracks it (or raises the same error, then the user's).
     "unused": TorchLimit("appears to not have been used in the graph", eager=True),
     # Forward-mode AD that cannot differentiate an op that reverse mode can.
-    "no forward AD formula": TorchLimit("forward AD"),
-    "custom Function without jvp": TorchLimit("forward mode AD"),
-    "custom Function jvp": TorchLimit("jvp function for custom autograd.Function"),
-    "C++ custom Function jvp": TorchLimit("jvp is not implemented"),
-    "derivative not implemented": TorchLimit("the derivative for"),
+    "no forward AD formula": TorchLimit("Trying to use forward AD with", forward=True),
+    "custom Function without jvp": TorchLimit("to use it with forward mode AD", forward=True),
+    "custom Function jvp": TorchLimit("jvp function for custom autograd.Function", forward=True),
+    "C++ custom Function jvp": TorchLimit("jvp is not implemented", forward=True),
+    "derivative not implemented": TorchLimit("the derivative for", forward=True),
+    # torch.autograd.grad inside f under forward mode (jvp, jacfwd): no tensor f made there
+    # has a grad_fn; reverse mode runs it (else the same error, then the user's own).
+    # (The user's own misuse of autograd.grad reads the same: reverse mode then raises it.)
+    "no grad_fn": TorchLimit("does not require grad and does not have a grad_fn", forward=True),
     # A torch.compile'd backward that donates its buffers runs once (not a torch.func limit).
-    "donated buffers": TorchLimit("donated buffers", reverse=False),
+    "donated buffers": TorchLimit("donated buffers"),
 }
 
 
@@ -100,9 +104,10 @@ def torch_limit(error: BaseException) -> str | None:
 
 
 def is_forward_mode_limit(error: BaseException) -> bool:
-    """Whether forward mode (not the user's code) failed, so that reverse mode may succeed."""
+    """Whether forward mode itself (not vmap, torch.func as a whole or the user's code)
+    failed, so that reverse mode may succeed."""
     name = torch_limit(error)
-    return name is not None and TORCH_LIMITS[name].reverse
+    return name is not None and TORCH_LIMITS[name].forward
 
 
 def is_torch_func_limit(error: BaseException) -> bool:

@@ -11,7 +11,10 @@ only after f runs, the call decides again with it (the k > m rule is here too).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import torch
 
 from ._record import Choice, Record, Trial
 from ._types import ChunkSize, Engine, Executed, Strategy
@@ -36,7 +39,13 @@ CHALLENGER_MARGIN = 0.9
 _TORCH_FUNC = "torch.func cannot differentiate f (or f updates a buffer in place) -> eager autograd"
 _VMAP = "vmap cannot batch the pullback, or check finds it wrong -> a loop of unbatched pullbacks"
 _NON_FINITE = "V @ J not finite -> the cotangents themselves are pulled back, as autograd does"
-_FORWARD = "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode"
+_FORWARD = (
+    "forward mode cannot differentiate f, or vmap cannot batch its JVPs -> reverse mode "
+    "(this call and the later ones)"
+)
+_FORWARD_LOST = (
+    "forward mode fell back on an earlier call of f -> reverse mode, the k cotangents pulled back"
+)
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "vjp": (_TORCH_FUNC, _VMAP),
     "loop": (_TORCH_FUNC,),
@@ -216,13 +225,26 @@ class Request:
 
 def decide(request: Request, record: Record) -> Plan:
     """The plan for ``request`` given what ``record`` knows: pure (no clock, no tensor, no
-    global state).
+    global state), so its answers are memoised (a steady-state call asks the same
+    question every time; what that saves is measured in docs/benchmarks.md), except for
+    a record holding a chunk fit or a field that does not hash, and under torch.compile.
 
     The strategy is the fewest directions: ``vjp`` k pullbacks, ``jacrev`` m (plus a
     product), ``jacfwd`` n JVPs counted ``FORWARD_MODE_PENALTY`` times (only where y's size
     is known before f runs and all n fit one batch). Under ``"auto"``, eager and without a
     graph of the results, the engine and a loop are chosen by :func:`_choose`.
     """
+    # (a ChunkFit is mutable, so not hashable; dynamo traces through the cache, and warns)
+    if record.fit is not None or torch.compiler.is_compiling():
+        return _decide(request, record)
+    try:
+        return _memoised(request, record)
+    except TypeError:  # (a field that does not hash: a symbolic size under tracing)
+        return _decide(request, record)
+
+
+def _decide(request: Request, record: Record) -> Plan:
+    """:func:`decide`, not memoised."""
     r, k, n = request, request.k, request.n
     m = r.m if r.m is not None else 0
     linear = not (r.hooked or record.hooked)
@@ -250,6 +272,11 @@ def decide(request: Request, record: Record) -> Plan:
     chunk = r.chunk_size
     if r.requested == "jacfwd" and not n:
         strategy = "vjp"  # no input coordinate: every answer is zeros, no pass needed
+    elif r.requested == "jacfwd" and (record.forward_lost or not r.forward):
+        # Forward mode fell back (this call, or an earlier one of f, with its one warning):
+        # reverse mode, as that fallback ran, without trying forward mode again.
+        strategy = "vjp"
+        why = _FORWARD_LOST if r.forward else why
     elif r.requested != "auto":
         strategy = r.requested
     elif choice.forward:
@@ -284,6 +311,11 @@ def decide(request: Request, record: Record) -> Plan:
         through_heads=engine == "autograd" and not record.compiled and _through_heads(k, strategy),
         choice=dataclasses.replace(choice, engine=engine, forward=forward),
     )
+
+
+# (Requests and records are frozen and hold no tensor: the cache keeps nothing alive but
+# them; a refusal, raised, is not cached and is raised again.)
+_memoised = functools.lru_cache(maxsize=1024)(_decide)
 
 
 def _through_heads(k: int, strategy: str) -> bool:

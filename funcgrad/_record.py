@@ -227,6 +227,10 @@ class Records:
         return record
 
     def put(self, key: Any, record: Record) -> None:
+        if record.forward_lost and not self.facts.forward_lost:
+            self.lose_forward()
+        elif self.facts.forward_lost and not record.forward_lost:
+            record = dataclasses.replace(record, forward_lost=True)
         self._last = key
         self._records[key] = record
         self._records.move_to_end(key)
@@ -236,6 +240,14 @@ class Records:
         if facts.prior is None:  # (a signature still learning keeps another's choice)
             facts = dataclasses.replace(facts, prior=self.facts.prior)
         self.facts = facts
+
+    def lose_forward(self) -> None:
+        """Forward mode fell back on one call of the function (any signature, or inside a
+        transform, where no record is kept): every signature of the function, held or new,
+        runs reverse mode from now on, whatever order the shapes come in."""
+        for key, held in list(self._records.items()):  # (a copy: another thread may put)
+            self._records[key] = dataclasses.replace(held, forward_lost=True)
+        self.facts = dataclasses.replace(self.facts, forward_lost=True)
 
 
 def signature_key(argnums: Any, in_defs: Any, leaves: Any, others: Any = ()) -> Any:

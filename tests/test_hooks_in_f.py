@@ -105,7 +105,7 @@ def test_a_hook_that_f_runs_only_at_new_shapes_is_seen_there():
 
 def test_the_watch_sets_no_global_module_hook():
     """A global module hook would make every torch.compile'd module warn ("global hooks on
-    modules ... fire an extra time"): the watch reads the graph instead."""
+    modules ... fire an extra time"): on eager autograd the watch reads the graph instead."""
     seen = []
 
     def f(x):
@@ -114,3 +114,51 @@ def test_the_watch_sets_no_global_module_hook():
 
     funcgrad.compose_heads(f, _heads(3))(torch.randn(4, dtype=torch.float64))
     assert seen and not any(seen)
+
+
+@pytest.mark.parametrize(
+    "register",
+    [
+        lambda m: m.register_full_backward_hook(_double),
+        lambda m: m.register_full_backward_pre_hook(_double_pre),
+        lambda m: nn.modules.module.register_module_full_backward_hook(_double),
+    ],
+    ids=["full", "pre-hook", "global"],
+)
+def test_jacfwd_is_refused_for_an_f_that_calls_a_hooked_module(register):
+    """Found by review (core5 F1): forward mode builds no graph, so the hook's node that the
+    watch reads was never there: an explicit strategy='jacfwd' ran no hook, silently, on
+    every call (1.37 off). The watch of a call under torch.func now sees the module called."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 6).double()
+    handle = register(module)
+    try:
+        fn = funcgrad.compose_heads(lambda x: torch.tanh(module(x)), _heads(4), strategy="jacfwd")
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"module with a backward hook.*'jacfwd'"):
+                fn(torch.randn(4, dtype=torch.float64))
+        auto = funcgrad.compose_heads(lambda x: torch.tanh(module(x)), _heads(4))
+        x = torch.randn(4, dtype=torch.float64)
+        reference = _per_head_autograd(lambda x: torch.tanh(module(x)), _heads(4), x)
+        torch.testing.assert_close(auto(x)[1], reference)
+    finally:
+        handle.remove()
+
+
+def test_jacfwd_runs_where_the_hooked_module_takes_no_differentiated_input():
+    """The forward-mode watch flags only a hooked module called on what is differentiated:
+    one applied to a constant runs no hook on x's gradient, and jacfwd gives autograd's
+    answer."""
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4).double()
+    module.register_full_backward_hook(_double)
+    const = torch.randn(4, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(x * module(const))
+
+    heads = _heads(3)
+    fn = funcgrad.compose_heads(f, heads, strategy="jacfwd")
+    x = torch.randn(4, dtype=torch.float64)
+    torch.testing.assert_close(fn(x)[1], _per_head_autograd(f, heads, x))
+    assert fn.plan(x).strategy == "jacfwd"

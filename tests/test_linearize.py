@@ -93,6 +93,10 @@ TRIGGERS = {
         lambda t: torch.autograd.grad((_CAPTURED * t).sum(), _CAPTURED)[0].sum()
     )(_x()),
     "untracked": lambda: torch.func.grad(_grads_to_captured)(_x()),
+    # torch.autograd.grad inside f under forward mode.
+    "no grad_fn": lambda: torch.func.jvp(
+        lambda t: torch.autograd.grad((_CAPTURED * t).sum(), _CAPTURED)[0].sum(), (_x(),), (_x(),)
+    ),
     # not_implemented(...) formulas: the same helper words forward and reverse formulas.
     "derivative not implemented": lambda: torch.func.vjp(
         lambda t: torch.special.zeta(t, _x()), _x()
@@ -137,6 +141,9 @@ def test_every_limit_has_a_trigger():
 def test_the_users_own_errors_are_no_limit():
     assert _linearize.torch_limit(RuntimeError("shapes cannot be multiplied")) is None
     assert _linearize.torch_limit(ValueError("forward AD")) is None
+    # (review core5 F5: the patterns were pieces a user's own message may hold)
+    assert _linearize.torch_limit(RuntimeError("my library: forward AD is off")) is None
+    assert _linearize.torch_limit(RuntimeError("no forward mode AD here")) is None
 
 
 # -- torch.func cannot differentiate f: one eager autograd graph ------------------------------
@@ -177,6 +184,226 @@ def test_torch_func_failure_falls_back_to_eager_autograd(strategy):
     # pullback runs f on eager autograd from the start (outside transforms): no fallback.
     _, pb = funcgrad.pullback(f, x)
     torch.testing.assert_close(pb(torch.ones(3))[0], 2 * torch.cos(x))
+
+
+class _VmappableWithoutJvp(_WithoutJvp):
+    generate_vmap_rule = True  # (vmap can batch it; forward mode has no formula)
+
+
+_W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # captured by f
+
+
+def _autograd_to_captured(x):  # torch.autograd.grad inside f, to a captured parameter
+    y = torch.tanh(_W @ torch.sin(x))
+    (g,) = torch.autograd.grad((y**2).sum(), _W, create_graph=True)
+    return g.sum(0) * y + torch.cos(x)
+
+
+def _grads_to_captured_w(x):  # funcgrad.grads inside f, to a captured parameter
+    y = torch.tanh(_W @ torch.sin(x))
+    (g,) = funcgrad.grads((y**2).sum(), _W, through=y, create_graph=True)
+    return g[0].sum(0) * y + torch.cos(x)  # (one output: g is (1, 3, 3))
+
+
+_FALLBACK_CASES = {
+    # forward mode cannot differentiate f; reverse mode on torch.func can
+    "custom Function without jvp": (lambda x: _VmappableWithoutJvp.apply(x).sin(), 2, 1),
+    # forward mode and torch.func both refuse f (a backward inside f to a captured
+    # tensor): eager autograd
+    "torch.autograd.grad inside f": (_autograd_to_captured, 3, 2),
+    "funcgrad.grads inside f": (_grads_to_captured_w, 3, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(_FALLBACK_CASES))
+def test_jacfwd_remembers_its_fallback(case):
+    """strategy="jacfwd" on f that forward mode cannot run: the first call of the signature
+    falls back (f's runs and warnings as listed), and every later call goes the same way at
+    once: f runs once, no warning, the answer autograd's, and plan() says so (before: forward
+    mode was tried again on every call, f ran up to three times, with the warnings)."""
+    f, first_runs, first_warnings = _FALLBACK_CASES[case]
+    runs = []
+
+    def counted(x):
+        runs.append(1)
+        return f(x)
+
+    x = _x()
+    want = torch.stack(autograd_reference(f, HEADS, (x,))[1])
+    fn = funcgrad.compose_heads(counted, HEADS, strategy="jacfwd")
+    for call in range(4):
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+        torch.testing.assert_close(grads, want, msg=f"call {call + 1}")
+        if call == 0:
+            assert (len(runs), len(ours)) == (first_runs, first_warnings)
+            # forward mode itself failed, not vmap's batching of it
+            assert not any("vmap cannot batch" in str(w.message) for w in ours)
+        else:
+            assert (len(runs), len(ours)) == (1, 0), f"call {call + 1}"
+    plan = fn.plan(x)
+    assert plan.strategy == "vjp" and plan.measured.startswith("forward mode fell back")
+    assert plan.engine == ("torch.func" if first_runs == 2 else "autograd")
+
+
+class _NoJvpNoVmap(torch.autograd.Function):
+    """No jvp and no vmap rule: forward mode cannot batch it."""
+
+    @staticmethod
+    def forward(x):
+        return x.sin()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * x.cos()
+
+
+@pytest.mark.parametrize(
+    "order", [(5, 5, 2, 2, 7, 3), (2, 5, 2, 3, 7)], ids=["lost first", "worked first"]
+)
+def test_jacfwd_fallback_is_remembered_for_every_signature(order):
+    """Found by review (core5 F2): the function's facts, which seed a new signature, were the
+    last-written signature's, so whether a new shape tried forward mode again (a warning, f
+    twice) flipped with the order the shapes came in. Once forward mode fell back on one
+    signature, every signature runs reverse mode from the next call: f once, no warning."""
+
+    def f(x):  # forward mode cannot run it where x has more than 3 entries
+        runs.append(1)
+        return (_NoJvpNoVmap.apply(x) if x.shape[0] > 3 else x.sin()) * 2
+
+    runs: list[int] = []
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    lost = False
+    for n in order:
+        x = torch.randn(n, dtype=torch.float64)
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            _, grads = fn(x)
+        ran = len(runs)
+        torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+        fell_back = not lost and n > 3
+        assert (ran, len(seen)) == ((2, 1) if fell_back else (1, 0)), n
+        lost = lost or fell_back
+        assert fn.plan(x).strategy == ("vjp" if lost else "jacfwd"), n
+
+
+def test_jacfwd_fallback_inside_a_transform_is_remembered():
+    """Found by review (core5 F4): inside a user's vmap no record is kept, and the fallback
+    was not carried either: forward mode was tried again on every call (f twice, a
+    warning). It is remembered for the function, inside the transform and out."""
+    runs: list[int] = []
+
+    def f(x):
+        runs.append(1)
+        return _VmappableWithoutJvp.apply(x).sin()
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    xs = torch.randn(2, 3, dtype=torch.float64)
+    for call in range(3):
+        runs.clear()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            grads = torch.func.vmap(lambda x: fn(x)[1])(xs)
+        ran = len(runs)
+        ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+        for row, x in zip(grads, xs):
+            torch.testing.assert_close(row, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+        assert (ran, len(ours)) == ((2, 1) if call == 0 else (1, 0)), f"call {call + 1}"
+    x = xs[0]
+    runs.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", funcgrad.FuncgradWarning)
+        fn(x)
+    assert len(runs) == 1 and fn.plan(x).strategy == "vjp"
+
+
+def test_a_quiet_jacfwd_fallback_claims_no_warning():
+    """Found by review (core5 F3): where forward mode fell back without a warning (f turns
+    on its own input's grad to take a gradient inside: torch.func's limit, run on eager
+    autograd), plan() said "(one warning then)". It claims no warning now."""
+
+    def f(x):  # a force field: minus the gradient of an energy, taken inside f
+        with torch.enable_grad():
+            if not x.requires_grad:
+                x = x.requires_grad_()
+            energy = (x.sin() ** 2).sum() + (x[:-1] * x[1:]).sum()
+            return -torch.autograd.grad(energy, x, create_graph=True)[0]
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    x = _x()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        _, grads = fn(x)
+    assert not [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+    plan = fn.plan(x)
+    assert plan.strategy == "vjp" and plan.measured.startswith("forward mode fell back")
+    assert "warning" not in plan.measured
+
+
+def _raises_its_own(x):
+    raise RuntimeError("config error: forward AD is disabled in my library")
+
+
+def _misuses_autograd(x):
+    constant = torch.ones(3, dtype=torch.float64)
+    torch.autograd.grad(constant.sum(), constant)  # the user's bug: raises under any mode
+    return x.sin()
+
+
+@pytest.mark.parametrize("f", [_raises_its_own, _misuses_autograd], ids=["own", "misuse"])
+def test_a_users_own_error_under_jacfwd_is_not_called_a_forward_mode_limit(f):
+    """Found by review (core5 F5): f's own RuntimeError under jacfwd came with a warning
+    "forward mode cannot differentiate f" (its message held a limit's pattern, or read as
+    one), then the same error from reverse mode. An error that reverse mode raises too is
+    f's own: it propagates, with no warning about forward mode."""
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always", funcgrad.FuncgradWarning)
+            with pytest.raises(RuntimeError, match=r"config error|does not require grad"):
+                fn(_x())
+        assert not [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+
+
+def test_a_vmap_only_limit_under_jacfwd_says_vmap():
+    """Found by review (core5 F8): a limit of vmap alone (f reads a data pointer, which a
+    batched tensor has not) under jacfwd was called "forward mode cannot differentiate f".
+    It says vmap cannot batch the JVPs; the warning points at the user's call."""
+
+    def f(x):
+        x.data_ptr()
+        return x.sin() * 2
+
+    fn = funcgrad.compose_heads(f, HEADS, strategy="jacfwd")
+    x = _x()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        _, grads = fn(x)
+    torch.testing.assert_close(grads, torch.stack(autograd_reference(f, HEADS, (x,))[1]))
+    ours = [w for w in seen if issubclass(w.category, funcgrad.FuncgradWarning)]
+    forward = [w for w in ours if "JVP" in str(w.message) or "forward mode" in str(w.message)]
+    assert len(forward) == 1 and "vmap cannot batch its JVPs" in str(forward[0].message)
+    assert forward[0].filename == __file__
+
+
+def test_forward_mode_limit_is_named_as_such():
+    """An op without a forward-mode formula under jacfwd: the warning says forward mode
+    cannot differentiate f (before: "vmap cannot batch its JVPs", which was not the cause)."""
+    fn = funcgrad.compose_heads(
+        lambda x: _VmappableWithoutJvp.apply(x).sin(), HEADS, strategy="jacfwd"
+    )
+    with pytest.warns(funcgrad.FuncgradWarning, match="forward mode cannot differentiate f"):
+        fn(_x())
 
 
 def test_chunked_linear_cross_entropy_falls_back_to_autograd():
@@ -458,20 +685,26 @@ def test_batchnorm_train_mode_matches_autograd_and_updates_statistics_once(strat
     assert bn.num_batches_tracked.item() == bn_ref.num_batches_tracked.item() == 1
 
 
-def test_batchnorm_fallback_still_batches_with_vmap(monkeypatch):
-    """The eager path is vmap over torch.autograd.grad, as TorchJD batches: no loop."""
-    from funcgrad import _engine
-
-    loops = []
-    original = _engine._loop
-    monkeypatch.setattr(_engine, "_loop", lambda fn, args: loops.append(1) or original(fn, args))
+@pytest.mark.parametrize(("strategy", "passes"), [("vjp", 1), ("loop", 3)])
+def test_batchnorm_fallback_still_batches_with_vmap(strategy, passes):
+    """The eager path is vmap over torch.autograd.grad, as TorchJD batches: the 3 heads'
+    cotangents go through f in one backward pass (counted at f's output); a loop, asked
+    for, takes one a head."""
     encoder, tasks = _backbone()
     params = {name: p.detach() for name, p in encoder.named_parameters()}
     heads = [lambda y, t=t: t(y).pow(2).mean() for t in tasks]
-    features = lambda p, x: torch.func.functional_call(encoder, p, (x,))  # noqa: E731
+    counter = funcgrad.PassCounter()
+
+    def features(p, x):
+        return counter(torch.func.functional_call(encoder, p, (x,)))
+
+    fn = funcgrad.compose_heads(features, heads, strategy=strategy)
+    batch = torch.randn(8, 3)
     with pytest.warns(funcgrad.FuncgradWarning, match="BatchNorm"):
-        funcgrad.compose_heads(features, heads, strategy="vjp")(params, torch.randn(8, 3))
-    assert not loops
+        fn(params, batch)
+    assert counter.backward == passes
+    plan = fn.plan(params, batch)
+    assert (plan.engine, plan.passes) == ("autograd", passes)
 
 
 def test_batchnorm_eval_mode_needs_no_fallback():

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad import _shape
+from funcgrad import _plan, _shape
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._plan import Request, decide
 from funcgrad._record import (
@@ -572,6 +572,25 @@ def _decided(request, record):
             dataclasses.replace(AUTO, requested="vjp"),
             ("vjp", "autograd", False, False),
         ),
+        # an explicit jacfwd: forward mode, until it fell back on a call of f; then reverse
+        # mode at once (the k cotangents), on eager autograd where torch.func refused f too
+        (Record(), Request("jacfwd", 30, 2, m=40), ("jacfwd", "torch.func", False, False)),
+        (
+            Record(m=40, forward_lost=True),
+            Request("jacfwd", 30, 2, m=40),
+            ("vjp", "torch.func", False, False),
+        ),
+        (
+            Record(m=40, forward_lost=True, mutates=True),
+            Request("jacfwd", 30, 2, m=40),
+            ("vjp", "autograd", False, False),
+        ),
+        # ... and within the call that fell back (f ran: no forward mode)
+        (
+            Record(),
+            Request("jacfwd", 30, 2, m=40, forward=False),
+            ("vjp", "torch.func", False, False),
+        ),
         # one pullback of w @ V: eager autograd without a graph of the results
         (
             Record(),
@@ -589,6 +608,45 @@ def test_decide(record, request_, expected):
     assert _decided(request_, record) == expected
     # pure: the same inputs, the same plan, and nothing changed
     assert decide(request_, record) == decide(request_, record)
+    # memoised: the answer is the unmemoised one, for equal (not identical) inputs too
+    again = dataclasses.replace(request_), dataclasses.replace(record)
+    assert decide(*again) == _plan._decide(request_, record)
+
+
+def test_a_plan_changed_by_its_user_changes_no_call():
+    """plan() returns a copy: a Plan forced open (frozen, but object.__setattr__ writes it)
+    changes neither the next plan() nor what the call runs."""
+    runs = []
+    counter = funcgrad.PassCounter()
+
+    def f(x):
+        runs.append(1)
+        return torch.sin(counter(x))
+
+    heads = [lambda y, i=i: y[i] for i in range(3)]
+    fn = funcgrad.compose_heads(f, heads, strategy="vjp")
+    x = torch.zeros(3)
+    plan = fn.plan(x)
+    object.__setattr__(plan, "strategy", "loop")
+    object.__setattr__(plan, "engine", "autograd")
+    again = fn.plan(x)
+    assert (again.strategy, again.engine) == ("vjp", "torch.func")
+    runs.clear()
+    fn(x)
+    assert counter.backward == 1 and len(runs) == 1  # one vmapped pass, not a loop of 3
+
+
+def test_decide_memo_raises_a_refusal_every_time_and_skips_a_chunk_fit():
+    from funcgrad._engine import ChunkFit
+
+    refused = Request("jacfwd", 3, 4, chunk_size=2)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="jacfwd"):
+            decide(refused, Record())
+    with_fit = Record(fit=ChunkFit())  # (mutable, unhashable: decided afresh)
+    assert decide(AUTO, with_fit) == _plan._decide(AUTO, with_fit)
+    unhashable = dataclasses.replace(AUTO, call=["a field that does not hash"])
+    assert decide(unhashable, Record()) == _plan._decide(unhashable, Record())
 
 
 @pytest.mark.parametrize(
@@ -1062,30 +1120,30 @@ def test_an_rnn_loops_on_eager_autograd_from_the_second_call():
     torch.testing.assert_close(grads, torch.stack(want))
 
 
-def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward(monkeypatch):
+def test_plan_runs_no_dispatch_mode_on_the_ops_of_its_real_forward():
     # A Python loop past the shape-only run's budget: plan() takes y's size from one real
     # forward, which watches only the generators f draws from (to restore them), not every
-    # op (a dispatch mode on each op cost 4x f's forward on the ODE simulator).
-    from funcgrad import _function
+    # op (a dispatch mode on each op cost 4x f's forward on the ODE simulator). f itself
+    # counts its steps that run under a dispatch mode: the shape-only run's (on fake
+    # tensors, at most FAKE_RUN_OPS ops) alone, none of the real forward's 200.
+    from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-    seen, dispatch = [], _function.Random.__torch_dispatch__
-
-    def counting(self, func, types, args=(), kwargs=None):
-        seen.append(func)
-        return dispatch(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(_function.Random, "__torch_dispatch__", counting)
+    under_a_mode, steps = [], []
     gen = torch.Generator().manual_seed(0)
 
     def f(x):
         for _ in range(200):
+            steps.append(1)
+            under_a_mode.append(is_in_torch_dispatch_mode())
             x = torch.sin(x) + 0.1
         return x + torch.rand(x.shape, generator=gen)
 
     fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0]])
     state = gen.get_state()
     assert fn.plan(torch.zeros(3)).m == 3
-    assert len(seen) <= _shape.FAKE_RUN_OPS + 1  # the shape-only run's ops alone
+    assert len(steps) > 200  # (the shape-only run stopped, then the real forward ran)
+    assert sum(under_a_mode) <= _shape.FAKE_RUN_OPS + 1  # the shape-only run's steps alone
+    assert not any(under_a_mode[-200:])  # the real forward's
     assert torch.equal(gen.get_state(), state)  # the real forward's draw restored
 
 
