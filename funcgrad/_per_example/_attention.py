@@ -277,6 +277,10 @@ class _Attention(_Layer):
         self.rule = self.summary()
         return found
 
+    def release(self) -> None:
+        super().release()
+        self._parts = None  # its four Linear layers' rows
+
     def summary(self) -> str:
         return "; ".join(f"{part}: {layer.rule}" for part, layer in self.parts())
 

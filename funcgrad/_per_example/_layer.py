@@ -157,6 +157,21 @@ class _Layer:
         self.rule = ""
         self.ghost_flops: float | None = None
         self.materialised_flops: float | None = None
+        # formed during the one backward (`_run._Stream`): this layer's block of G, or its
+        # share of G's diagonal; and its plan, kept when its rows were let go
+        self.streamed: torch.Tensor | None = None
+        self.planned: _LayerPlan | None = None
+
+    def release(self) -> None:
+        """Its share formed during the backward (`_run._Stream`): the plan kept, the rows
+        (inputs A, output gradients Δ) let go, so that their memory is freed as the backward
+        goes. Nothing reads them after this."""
+        self.planned = self.plan()
+        for use in self.uses:
+            use.args, use.kwargs, use.versions = (), {}, []
+            use.deltas = [None] * len(use.deltas)
+            use.inner_deltas = [None] * len(use.inner_deltas)
+            use.inner_input = None
 
     def fail(self, what: str, got: Any) -> None:
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -231,6 +231,71 @@ def _grads_after_hooks(
         for handle in handles:
             handle.remove()
     return tuple(seen[e.node][e.output_nr] if e.node in seen else d for e, d in zip(edges, deltas))
+
+
+def _streamed_grads(
+    losses: torch.Tensor,
+    edges: list[Any],
+    retain_graph: bool,
+    arrived: Callable[[int, torch.Tensor | None], None],
+) -> None:
+    """The gradients of ``losses.sum()`` at ``edges`` (as `_grads_after_hooks` gives them:
+    after the tensor hooks and the nodes' pre-hooks), each handed to ``arrived(i, grad)``
+    as soon as the backward reaches edge i, and held by nothing of the engine's after that.
+
+    ``torch.autograd.grad(losses, edges)`` holds every captured gradient until the backward
+    ends (all the layers' Δ at once). So only the edges with no other edge below them (the
+    lowest layers') are passed to it; each other edge's node lies above one of those, so the
+    engine runs it, and a pre-hook on it (registered last) reads what it receives. An edge
+    whose node the backward never reaches is handed nothing (its gradient stays None)."""
+    nodes = {e.node: None for e in edges}
+    lower = _above_another(nodes)
+    by_node: dict[Any, list[int]] = {}
+    for i, e in enumerate(edges):
+        by_node.setdefault(e.node, []).append(i)
+    handles = []
+    for node in nodes:
+        if not lower[node]:
+            continue
+
+        def read(grads: Any, node: Any = node) -> None:
+            for i in by_node[node]:
+                arrived(i, grads[edges[i].output_nr])
+
+        handles.append(node.register_prehook(read))
+    bottom = [i for i, e in enumerate(edges) if not lower[e.node]]
+    try:
+        found = torch.autograd.grad(
+            losses,
+            [edges[i] for i in bottom],
+            grad_outputs=torch.ones_like(losses),
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, grad in zip(bottom, found):
+        arrived(i, grad)
+
+
+def _above_another(targets: dict[Any, None]) -> dict[Any, bool]:
+    """For each node of ``targets``: whether another one of them lies below it (reachable
+    along ``next_functions``), by one walk of the graph below them."""
+    below: dict[Any, bool] = {}  # node -> a target lies strictly below it
+    for root in targets:
+        stack: list[tuple[Any, bool]] = [(root, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if node in below:
+                continue
+            children = [c for c, _ in node.next_functions if c is not None]
+            if expanded:
+                below[node] = any(c in targets or below[c] for c in children)
+            else:
+                stack.append((node, True))
+                stack.extend((c, False) for c in children if c not in below)
+    return {node: below[node] for node in targets}
 
 
 # -- layers: one rule each -------------------------------------------------------------------

@@ -4,6 +4,7 @@ norms' affine parameters."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -105,10 +106,7 @@ class _Dense(_Layer):
             g = _ghost(a, d)
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
-            grads = self.weight_per_example()
-            if self.keeps(grads, rows, width, out):
-                self.kept = grads
-            g = _gram(grads.to(dtype))
+            g = self.materialised(lambda grads: _gram(grads.to(dtype)), rows, width, out)
         return g if bias is None else g + bias @ bias.T
 
     def diagonal(self) -> torch.Tensor:
@@ -135,17 +133,51 @@ class _Dense(_Layer):
             self.rule = f"ghost <A_b A_bᵀ, Δ_b Δ_bᵀ> T={rows}"
             return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
         self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
-        grads = self.weight_per_example()
-        if self.keeps(grads, rows, width, out):
-            self.kept = grads
-        return found + _squares(grads.to(dtype))
+        return found + self.materialised(lambda grads: _squares(grads.to(dtype)), rows, width, out)
+
+    def materialised(
+        self, reduce: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int, out: int
+    ) -> torch.Tensor:
+        """The sum of ``reduce`` (the Gram, or the squared norms) over the per-example weight
+        gradients ``A_bᵀ Δ_b``. Kept whole for the update where `keeps` says so; else formed
+        in blocks of output features (a Linear: (B, p_block, d) at a time, as many elements
+        as a quarter of the rows A and Δ), so that the transient memory stays below that of
+        the rows (exact: the Gram is a sum over the weight's entries)."""
+        if isinstance(self, _Conv) or self.writes_whole(rows, width, out):
+            grads = self.weight_per_example()
+            if self.keeps(grads, rows, width, out):
+                self.kept = grads
+            return reduce(grads)
+        a, d = self.rows()
+        a = a.to(d.dtype)
+        batch = a.shape[0]
+        step = max(1, (batch * rows * (width + out)) // (4 * max(1, batch * width)))
+        found = [
+            reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
+        ]
+        return sum(found[1:], found[0])
+
+    def writes_whole(self, rows: int, width: int, out: int) -> bool:
+        """Whether the whole (B, p, d) per-example gradients are formed at once: where they
+        are kept for the update (`keeps`), or small (a block would hold all of them)."""
+        whole = self.batch * width * out
+        kept = self.run.writes and 2 * whole <= self.batch * rows * (width + out)
+        return kept or 4 * whole <= self.batch * rows * (width + out)
+
+    def release(self) -> None:
+        super().release()
+        self.kept = None
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
         than ``Aᵀ (w ⊙ Δ)`` (B·T·d·p): where they take at most half the memory of the rows A
         and Δ held already (a convolution's many positions), so that keeping them does not
         raise the peak."""
-        return 2 * grads.numel() <= self.batch * rows * (width + out) and grads.numel() <= _BLOCK
+        return (
+            self.run.writes
+            and 2 * grads.numel() <= self.batch * rows * (width + out)
+            and grads.numel() <= _BLOCK
+        )
 
     def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
         """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
@@ -413,7 +445,8 @@ class _Embedding(_Layer):
         self.materialised_flops = float(pairs * width)
         self.rule = f"pairs of rows with one index ({pairs} pairs, {rows} rows)"
         gram = self.zero()
-        step = max(1, _BLOCK // max(1, width))  # pairs per block: bounded transient memory
+        # pairs per block: a transient of about half the rows' size (3 such tensors a block)
+        step = max(1, max(sums.numel() // 2, 1 << 16) // max(1, width))
         ends = torch.cumsum(size, 0)
         first = 0
         while first < rows:  # blocks of left rows whose pairs fit in a block

@@ -1,0 +1,242 @@
+"""Each layer processed as its Δ arrives in the one backward (`_run._Stream`), so that the
+layers' output gradients are not all held at once: the Δ of a layer is freed before the
+backward reaches the layers below it (calls that write nothing: every native layer; calls
+that write: the norms), with the results exact in float64 against a per-example loop, also
+with user hooks, failed calls, reuse across shapes and the paths that cannot stream."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from helpers import per_example_jacobian
+from torch import nn
+
+import funcgrad
+
+B, T, V, D = 5, 6, 20, 8
+
+
+class Encoder(nn.Module):
+    """Embedding, a TransformerEncoderLayer (attention with a padding mask, LayerNorms, the
+    feed-forward Linears), a Linear head: every native rule. ``spy`` sees the output
+    gradient at the layer's output (a tensor hook on it) and, at the input of the encoder
+    layer, records whether the head's and the last norm's output gradients are still alive
+    (weak references)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D, padding_idx=0)
+        self.layer = nn.TransformerEncoderLayer(D, 2, 2 * D, dropout=0.0, batch_first=True).double()
+        self.head = nn.Linear(D, 3).double()
+        self.embed.double()
+        self.watch: dict[str, weakref.ref[torch.Tensor]] = {}
+        self.alive_below: dict[str, bool] | None = None
+        self.spy = False
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pad = tokens == 0
+        h = self.embed(tokens)
+        if self.spy:
+            h.register_hook(self._below)
+        h = self.layer(h, src_key_padding_mask=pad)
+        out = self.head(h)
+        if self.spy:
+            out.register_hook(lambda g: self._keep("head", g))
+        return out.pow(2).sum((1, 2))
+
+    def _keep(self, name: str, grad: torch.Tensor) -> None:
+        self.watch[name] = weakref.ref(grad)
+
+    def _below(self, grad: torch.Tensor) -> None:
+        gc.collect()
+        self.alive_below = {name: ref() is not None for name, ref in self.watch.items()}
+
+
+def tokens(batch: int = B) -> torch.Tensor:
+    found = torch.randint(1, V, (batch, T))
+    found[1, 4:] = 0  # padded
+    return found
+
+
+def norm_spy(model: Encoder) -> None:
+    """The output gradient of the encoder's last LayerNorm, watched."""
+
+    def watch(module, args, out):
+        out.register_hook(lambda g: model._keep("norm2", g))
+
+    model.layer.norm2.register_forward_hook(watch)
+
+
+@pytest.mark.parametrize("call", ["gramian", "norms"])
+def test_a_call_that_writes_nothing_frees_each_delta_before_the_layers_below(call):
+    torch.manual_seed(0)
+    model = Encoder().eval()
+    norm_spy(model)
+    x = tokens()
+    jac = per_example_jacobian(model, lambda m: m(x))
+    with funcgrad.per_example(model) as pe:
+        pe.gramian(model(x))  # the first call of a signature checks independence: no stream
+        model.spy = True
+        if call == "gramian":
+            got = pe.gramian(model(x))
+            torch.testing.assert_close(got, jac @ jac.T, rtol=1e-10, atol=1e-12)
+        else:
+            got = funcgrad.per_example_norms(model(x))
+            torch.testing.assert_close(got, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+    # at the embedding's output gradient, the head's and the norm's Δ were already freed
+    assert model.alive_below == {"head": False, "norm2": False}
+
+
+def test_a_call_that_writes_frees_the_norms_delta_and_keeps_what_the_update_needs():
+    torch.manual_seed(1)
+    model = Encoder().eval()
+    norm_spy(model)
+    x = tokens()
+    jac = per_example_jacobian(model, lambda m: m(x))
+    weights = torch.rand(B, dtype=torch.float64)
+    with funcgrad.per_example(model) as pe:
+        pe.gramian(model(x))  # the first call of a signature checks independence: no stream
+        model.spy = True
+        pe.backward(model(x), weighting=lambda g: weights)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+    # the head's Δ is held for Aᵀ(w ⊙ Δ) (w needs all of G); the norm's was freed
+    assert model.alive_below == {"head": True, "norm2": False}
+
+
+def test_clip_is_exact_with_the_norms_streamed():
+    torch.manual_seed(2)
+    model = Encoder().eval()
+    x = tokens()
+    jac = per_example_jacobian(model, lambda m: m(x))
+    norms = jac.norm(dim=1)
+    clip = float(norms.median())
+    with funcgrad.per_example(model):
+        funcgrad.per_example_clip(model(x), clip)
+    expected = (clip / (norms + 1e-6)).clamp(max=1) @ jac
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_user_hooks_on_the_streamed_layers_are_honoured():
+    """A tensor hook rescaling a layer's output gradient, a full backward hook on a norm,
+    a post-accumulate-grad hook: as in one backward of the losses, each once."""
+    torch.manual_seed(3)
+    model = Encoder().eval()
+    x = tokens()
+    calls = {"full": 0, "post": 0}
+
+    def full(module, grad_in, grad_out):
+        calls["full"] += 1
+
+    model.layer.norm1.register_full_backward_hook(full)
+    model.head.bias.register_post_accumulate_grad_hook(
+        lambda p: calls.__setitem__("post", calls["post"] + 1)
+    )
+
+    def rescale(module, args, out):
+        out.register_hook(lambda g: g * 3.0)
+
+    model.layer.linear1.register_forward_hook(rescale)
+
+    jac = per_example_jacobian(model, lambda m: m(x))
+    calls.update(full=0, post=0)
+    with funcgrad.per_example(model) as pe:
+        got = pe.gramian(model(x))
+        torch.testing.assert_close(got, jac @ jac.T, rtol=1e-10, atol=1e-12)
+        assert calls == {"full": 1, "post": 0}
+        pe.backward(model(x))  # the plain sum
+    assert calls == {"full": 2, "post": 1}
+    got = model.head.bias.grad
+    torch.testing.assert_close(got, jac[:, -3:].sum(0), rtol=1e-10, atol=1e-12)
+
+
+def test_reuse_across_shapes_after_a_failure_in_the_backward_and_after_retain_graph():
+    torch.manual_seed(4)
+    model = Encoder().eval()
+    pe = funcgrad.per_example(model)
+    for batch in (B, 3, 7):
+        x = tokens(batch)
+        jac = per_example_jacobian(model, lambda m, x=x: m(x))
+        torch.testing.assert_close(pe.gramian(model(x)), jac @ jac.T, rtol=1e-10, atol=1e-12)
+    # a user hook that raises in the middle of the backward (after the head streamed)
+    x = tokens()
+    boom = model.layer.norm1.register_full_backward_pre_hook(
+        lambda m, g: (_ for _ in ()).throw(RuntimeError("user hook failed"))
+    )
+    with pytest.raises(RuntimeError, match="user hook failed"):
+        pe.gramian(model(x))
+    boom.remove()
+    assert all(p.grad is None for p in model.parameters())
+    jac = per_example_jacobian(model, lambda m: m(x))
+    # retain_graph keeps the rows (nothing streamed), then the second call streams
+    losses = model(x)
+    first = pe.gramian(losses, retain_graph=True)
+    second = funcgrad.per_example_norms(losses)
+    torch.testing.assert_close(first, jac @ jac.T, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(second, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+    pe.remove()
+
+
+def test_mutating_what_was_returned_changes_nothing_later():
+    torch.manual_seed(5)
+    model = Encoder().eval()
+    x = tokens()
+    jac = per_example_jacobian(model, lambda m: m(x))
+    with funcgrad.per_example(model) as pe:
+        got = pe.gramian(model(x))
+        got.fill_(7.0)
+        norms = funcgrad.per_example_norms(model(x))
+        norms.fill_(7.0)
+        again = pe.gramian(model(x))
+    torch.testing.assert_close(again, jac @ jac.T, rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_that_mixes_examples_is_still_refused():
+    torch.manual_seed(6)
+
+    class Mixing(Encoder):
+        def forward(self, tokens):
+            h = self.embed(tokens)
+            h = self.layer(h)
+            h = h - h.mean(0)  # mixes the examples after a hooked layer
+            return self.head(h).pow(2).sum((1, 2))
+
+    model = Mixing().eval()
+    with funcgrad.per_example(model) as pe, pytest.raises(ValueError, match="example"):
+        pe.gramian(model(tokens()))
+
+
+def test_mixed_rules_shared_parameters_and_generic_layers_stay_exact():
+    """A block of layers sharing a parameter (a Linear called twice) and a generic module
+    (a GRU) beside streamed layers: those are formed at the end, the others streamed."""
+    torch.manual_seed(7)
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, D)
+            self.shared = nn.Linear(D, D)
+            self.gru = nn.GRU(D, D, batch_first=True)
+            self.norm = nn.LayerNorm(D)
+            self.head = nn.Linear(D, 2)
+
+        def forward(self, x):
+            h = self.shared(torch.tanh(self.shared(self.inp(x))))
+            h, _ = self.gru(h)
+            return self.head(self.norm(h)).pow(2).sum((1, 2))
+
+    model = Mixed().double()
+    x = torch.randn(B, T, 4, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x))
+    with funcgrad.per_example(model) as pe:
+        torch.testing.assert_close(pe.gramian(model(x)), jac @ jac.T, rtol=1e-10, atol=1e-12)
+        norms = funcgrad.per_example_norms(model(x))
+        torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+        weights = torch.rand(B, dtype=torch.float64)
+        pe.backward(model(x), weighting=lambda g: weights)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
