@@ -240,3 +240,65 @@ def test_mixed_rules_shared_parameters_and_generic_layers_stay_exact():
         pe.backward(model(x), weighting=lambda g: weights)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+
+
+class SelfAttend(nn.Module):
+    """Self-attention whose q, k, v come from one input (the packed in-projection: one
+    Linear of 3·d outputs), or from two copies of it (``apart``: three Linear layers)."""
+
+    def __init__(self, apart: bool = False, bias: bool = True) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(D, 2, batch_first=True, bias=bias).double()
+        self.head = nn.Linear(D, 2).double()
+        self.apart = apart
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = x.clone() if self.apart else x
+        pad = torch.zeros(x.shape[:2], dtype=torch.bool)
+        pad[0, 3:] = True
+        out, _ = self.attention(x, kv, kv, key_padding_mask=pad, need_weights=False)
+        return self.head(torch.tanh(out)).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("apart", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_self_attention_takes_q_k_v_as_one_linear_exactly(apart, bias):
+    torch.manual_seed(8)
+    model = SelfAttend(apart, bias)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x))
+    weights = torch.rand(B, dtype=torch.float64)
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):  # the first call checks independence, the second streams
+            torch.testing.assert_close(pe.gramian(model(x)), jac @ jac.T, rtol=1e-10, atol=1e-12)
+            rule = pe.plan.layers[0].rule
+            assert rule.startswith("q: " if apart else "qkv: ") and "out: " in rule, rule
+            norms = funcgrad.per_example_norms(model(x))
+            torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+        pe.backward(model(x), weighting=lambda g: weights)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+        # the packed weight alone (inputs=): its rows q, k, v in place
+        weight = model.attention.in_proj_weight
+        columns = slice(0, weight.numel())
+        gram = pe.gramian(model(x), inputs=[weight])
+        part = jac[:, columns]
+        torch.testing.assert_close(gram, part @ part.T, rtol=1e-10, atol=1e-12)
+
+
+def test_the_live_rows_are_counted_where_the_first_output_feature_is_never_read():
+    """The rule's lower bound on the live rows (those whose first output feature is not 0)
+    decides alone only where it already rules the ghost products out; here it is 0 (the
+    loss never reads feature 0), and the exact count decides and is shown."""
+    torch.manual_seed(9)
+    layer = nn.Linear(3, 4).double()
+    x = torch.randn(B, T, 3, dtype=torch.float64)
+
+    def losses(m):
+        out = m(x)
+        return out[:, :2, 1:].pow(2).sum((1, 2))  # 2 rows live an example, feature 0 unread
+
+    jac = per_example_jacobian(layer, losses)
+    with funcgrad.per_example(layer) as pe:
+        torch.testing.assert_close(pe.gramian(losses(layer)), jac @ jac.T, rtol=1e-10, atol=1e-12)
+    assert f"T={T}, {2 * B} rows live" in pe.plan.layers[0].rule, str(pe.plan)

@@ -90,13 +90,20 @@ class _Dense(_Layer):
         rows, width, out = self.dims()
         # the ghost products on the rows whose Δ is not zero (padding skipped), upper
         # triangle: about N²/2·(d+p) for N such rows (one host read, where T > 1)
-        live = batch * rows
-        if rows > 1 and not isinstance(self, _Conv):
-            live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
-        self.ghost_flops = float(live * (live + batch * rows // max(1, batch)) // 2) * (
-            width + out + 1
-        )
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
+
+        def ghost(live: int) -> float:
+            return float(live * (live + rows) // 2) * (width + out + 1)
+
+        live = batch * rows
+        if rows > 1 and out > 0 and not isinstance(self, _Conv):
+            # a lower bound first, the rows whose first output feature is not 0 (a pass over
+            # B·T numbers, not B·T·p): where even it makes the ghost products dearer, the
+            # exact count (a pass over Δ) is not needed, and the plan shows that bound
+            live = sum(int((self.delta(use)[..., 0] != 0).sum()) for use in self.uses)
+            if ghost(live) <= self.materialised_flops:
+                live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
+        self.ghost_flops = ghost(live)
         if self.ghost_flops <= self.materialised_flops:
             a, d = self.rows()
             a, d = a.to(dtype), d.to(dtype)
