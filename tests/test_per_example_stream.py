@@ -302,3 +302,35 @@ def test_the_live_rows_are_counted_where_the_first_output_feature_is_never_read(
     with funcgrad.per_example(layer) as pe:
         torch.testing.assert_close(pe.gramian(losses(layer)), jac @ jac.T, rtol=1e-10, atol=1e-12)
     assert f"T={T}, {2 * B} rows live" in pe.plan.layers[0].rule, str(pe.plan)
+
+
+def test_a_layer_whose_work_fails_in_the_backward_is_formed_at_the_end(monkeypatch):
+    """The work inside the backward never raises there: a layer that fails is left whole
+    (its rows kept) and formed after the backward, as without streaming."""
+    from funcgrad._per_example import _attention, _rules
+
+    torch.manual_seed(10)
+    model = Encoder().eval()
+    x = tokens()
+    jac = per_example_jacobian(model, lambda m: m(x))
+    failed = []
+
+    def flaky(original):
+        def run(*args, **kwargs):
+            if torch._C._current_graph_task_id() != -1:  # inside the backward
+                failed.append(original)
+                raise RuntimeError("flaky")
+            return original(*args, **kwargs)
+
+        return run
+
+    with funcgrad.per_example(model) as pe:
+        pe.gramian(model(x))  # the first call of a signature: no stream
+        monkeypatch.setattr(_rules._Dense, "gramian", flaky(_rules._Dense.gramian))
+        # attention's parts fail half-way: after its Δq, Δk, Δv were read
+        monkeypatch.setattr(_attention, "_Use", flaky(_attention._Use))
+        got = pe.gramian(model(x))
+        assert failed  # the head, the feed-forward Linears and the attention failed there
+        torch.testing.assert_close(got, jac @ jac.T, rtol=1e-10, atol=1e-12)
+        norms = funcgrad.per_example_norms(model(x))
+        torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)

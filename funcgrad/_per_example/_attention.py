@@ -244,8 +244,6 @@ class _Attention(_Layer):
         m = self.module
         assert isinstance(m, nn.MultiheadAttention)
         rows = [self.recompute(use) for use in self.uses]
-        for use in self.uses:  # the (B, heads, T, d / heads) Δ, read into `rows` now
-            use.inner_deltas = [None] * len(use.inner_deltas)
         weights, biases = self.weights()
         out = m.out_proj
         shared = m._qkv_same_embed_dim
@@ -258,7 +256,7 @@ class _Attention(_Layer):
             for i, part in enumerate(_PARTS):
                 params.append((part, weights[i], biases[i], [r[i] for r in rows]))
         params.append(("out", out.weight, out.bias, [r[3] for r in rows]))
-        self._parts = []
+        parts = []
         for part, weight, bias, found in params:
             weight_name, bias_name = self.names(part)
             uses = [_Use(m, (a,), {}, [], [(0, d.shape, d.dtype)], [], [], [d]) for a, d in found]
@@ -270,8 +268,11 @@ class _Attention(_Layer):
             if selected:
                 layer = _Dense(self.run, m, uses, selected)
                 layer.name = f"{self.name}.{part}"
-                self._parts.append((part, layer))
-        return self._parts
+                parts.append((part, layer))
+        self._parts = parts
+        for use in self.uses:  # the (B, heads, T, d / heads) Δ: read into the parts now
+            use.inner_deltas = [None] * len(use.inner_deltas)
+        return parts
 
     def names(self, part: str) -> tuple[str, str]:
         """The module's parameter names of a part's weight and bias."""
