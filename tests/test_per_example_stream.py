@@ -334,3 +334,38 @@ def test_a_layer_whose_work_fails_in_the_backward_is_formed_at_the_end(monkeypat
         torch.testing.assert_close(got, jac @ jac.T, rtol=1e-10, atol=1e-12)
         norms = funcgrad.per_example_norms(model(x))
         torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
+def test_which_recorded_outputs_have_another_below_them_matches_a_full_walk():
+    """`_above_another` (the walk that stops at the first target) against a full walk,
+    on a graph with shared sub-graphs (diamonds), a target below two others, and targets
+    with nothing below."""
+    from funcgrad._per_example._record import _above_another
+
+    torch.manual_seed(11)
+    x = torch.randn(3, requires_grad=True)
+    nodes = []
+    h = x * 2
+    for i in range(8):
+        a, b = h.sin(), h.cos()  # a diamond
+        h = a * b + (h if i % 3 else 0)
+        nodes.append(h)
+    side = x.exp()  # nothing recorded below
+    nodes.append(side)
+    out = h.sum() + side.sum()
+    del out  # (the nodes hold the graph)
+    for pick in ([0, 3, 7, 8], [7], [2, 5], list(range(9))):
+        targets = {nodes[i].grad_fn: None for i in pick}
+
+        def below(node, targets=targets):
+            stack, seen = [c for c, _ in node.next_functions if c is not None], set()
+            while stack:
+                n = stack.pop()
+                if n in targets:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    stack.extend(c for c, _ in n.next_functions if c is not None)
+            return False
+
+        assert _above_another(targets) == {n: below(n) for n in targets}

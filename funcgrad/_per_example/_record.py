@@ -281,21 +281,34 @@ def _streamed_grads(
 
 def _above_another(targets: dict[Any, None]) -> dict[Any, bool]:
     """For each node of ``targets``: whether another one of them lies below it (reachable
-    along ``next_functions``), by one walk of the graph below them."""
-    below: dict[Any, bool] = {}  # node -> a target lies strictly below it
+    along ``next_functions``). From each target, a walk down that stops at the first target
+    it meets (the next hooked layer, a few nodes down); the nodes found to have none below
+    are remembered across the walks, so that all of them together visit each node of the
+    graph below at most once more than the paths they stop on."""
+    clear: set[Any] = set()  # nodes with no target at or below them
+    found: dict[Any, bool] = {}
     for root in targets:
-        stack: list[tuple[Any, bool]] = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in below:
+        hit = False
+        # (node, its children not yet walked); a node whose children are all clear is clear
+        stack: list[tuple[Any, list[Any]]] = [(root, _children(root, clear))]
+        while stack and not hit:
+            node, todo = stack[-1]
+            if not todo:
+                stack.pop()
+                if node is not root:
+                    clear.add(node)
                 continue
-            children = [c for c, _ in node.next_functions if c is not None]
-            if expanded:
-                below[node] = any(c in targets or below[c] for c in children)
+            child = todo.pop()
+            if child in targets:
+                hit = True
             else:
-                stack.append((node, True))
-                stack.extend((c, False) for c in children if c not in below)
-    return {node: below[node] for node in targets}
+                stack.append((child, _children(child, clear)))
+        found[root] = hit
+    return found
+
+
+def _children(node: Any, clear: set[Any]) -> list[Any]:
+    return [c for c, _ in node.next_functions if c is not None and c not in clear]
 
 
 # -- layers: one rule each -------------------------------------------------------------------
