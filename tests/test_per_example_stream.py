@@ -287,9 +287,9 @@ def test_self_attention_takes_q_k_v_as_one_linear_exactly(apart, bias):
 
 
 def test_the_live_rows_are_counted_where_the_first_output_feature_is_never_read():
-    """The rule's lower bound on the live rows (those whose first output feature is not 0)
-    decides alone only where it already rules the ghost products out; here it is 0 (the
-    loss never reads feature 0), and the exact count decides and is shown."""
+    """The live rows are those whose output gradient has any feature not 0, not only the
+    first (which the loss never reads here: a count of the rows whose first feature is not
+    0 would be 0); the exact count decides and is shown."""
     torch.manual_seed(9)
     layer = nn.Linear(3, 4).double()
     x = torch.randn(B, T, 3, dtype=torch.float64)
@@ -369,3 +369,142 @@ def test_which_recorded_outputs_have_another_below_them_matches_a_full_walk():
             return False
 
         assert _above_another(targets) == {n: below(n) for n in targets}
+
+
+def _reads_per_call(model, losses_of, call) -> list[int]:
+    """Host reads of ``call`` on calls 1, 2, 3 (from the second, the layers stream)."""
+    counts = []
+    with funcgrad.per_example(model):
+        for _ in range(3):
+            losses = losses_of()
+            with funcgrad.HostReadCounter() as reads:
+                call(losses)
+            assert not any(" in process" in str(r) for r in reads.reads), reads.reads
+            counts.append(reads.count)
+    return counts
+
+
+CALLS = {
+    "gramian": funcgrad.per_example_gramian,
+    "norms": funcgrad.per_example_norms,
+    "backward": lambda losses: funcgrad.backward(losses, batch_dim=0),
+    "clip": lambda losses: funcgrad.per_example_clip(losses, 1.0),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_streamed_layer_costs_no_host_read(call):
+    """Streaming reads nothing per layer: on 2-D inputs (ghost (A Aᵀ)∘(Δ Δᵀ), no live count)
+    a call reads as many values whatever the depth, the end-of-call check that G (or its
+    diagonal) is finite and, for the clip, its factors' check (main's counts: 1, 1, 0, 2)."""
+    torch.manual_seed(11)
+    x, y = torch.randn(6, 5), torch.randint(3, (6,))
+    found = []
+    for depth in (1, 4):
+        hidden = [m for _ in range(depth) for m in (nn.Linear(16, 16), nn.Tanh())]
+        model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), *hidden, nn.Linear(16, 3))
+
+        def losses(model=model):
+            return nn.functional.cross_entropy(model(x), y, reduction="none")
+
+        found.append(_reads_per_call(model, losses, CALLS[call]))
+    expected = {"gramian": 1, "norms": 1, "backward": 0, "clip": 2}[call]
+    assert found == [[expected] * 3] * 2, found
+
+
+class _Tagger(nn.Module):
+    """Embedding, Linear, LayerNorm, Linear, head on padded tokens, one loss per position
+    read (the padding positions are read by no loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16, padding_idx=0)
+        self.first, self.norm = nn.Linear(16, 32), nn.LayerNorm(32)
+        self.second, self.head = nn.Linear(32, 32), nn.Linear(32, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.relu(self.first(self.embed(ids))))
+        return self.head(torch.relu(self.second(h)))
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_a_streamed_sequence_model_reads_no_more_than_before_streaming(call):
+    """On (B, T, d) rows each ghost layer counts its live rows with the one read its ghost
+    products take (`nonzero`), the Embedding its own; nothing more per layer. Main (before
+    streaming) read 14, 5, 0 and 6 values per call here."""
+    torch.manual_seed(12)
+    model = _Tagger()
+    ids = torch.randint(1, 50, (8, 6))
+    ids[:, 4:] = 0
+    y, mask = torch.randint(3, (8, 6)), (ids != 0).float()
+
+    def losses():
+        out = model(ids).transpose(1, 2)
+        return (nn.functional.cross_entropy(out, y, reduction="none") * mask).sum(1)
+
+    counts = _reads_per_call(model, losses, CALLS[call])
+    bound = {"gramian": 14, "norms": 5, "backward": 0, "clip": 6}[call]
+    assert max(counts) <= bound, counts
+
+
+def test_inf_in_a_row_no_loss_reads_adds_nothing_on_the_streamed_path():
+    """An inf in the input at padding positions (read by no loss): the streamed layers'
+    rows there are zeroed on the device, so G, the norms, the update and the clipped sum
+    equal a per-example loop on the input with those rows set to 0 (the same losses); the
+    layers take the materialised rule (A_bᵀ Δ_b, where torch's product gives NaN)."""
+    torch.manual_seed(13)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    x = torch.randn(B, T, 3, dtype=torch.float64)
+    length = torch.tensor([T, 4, 2, 5, 3])
+    read = torch.arange(T) < length[:, None]  # (B, T): the positions the losses read
+    x_inf = x.masked_fill(~read[..., None], float("inf"))
+    x_zero = x.masked_fill(~read[..., None], 0.0)
+
+    def losses(m, inputs):
+        return torch.where(read[..., None], m(inputs), 0.0).pow(2).sum((1, 2))
+
+    jac = per_example_jacobian(model, lambda m: losses(m, x_zero))
+    assert torch.isfinite(jac).all()
+    weights = torch.rand(B, dtype=torch.float64)
+    with funcgrad.per_example(model) as pe:
+        for _ in range(3):  # the first call checks independence, the others stream
+            gram = pe.gramian(losses(model, x_inf))
+            torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+            assert all("materialised" in layer.rule for layer in pe.plan.layers), pe.plan
+            norms = funcgrad.per_example_norms(losses(model, x_inf))
+            torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+            assert all("materialised" in layer.rule for layer in pe.plan.layers), pe.plan
+        for p in model.parameters():
+            p.grad = None
+        pe.backward(losses(model, x_inf), weighting=lambda g: weights)
+        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+        torch.testing.assert_close(got, weights @ jac, rtol=1e-10, atol=1e-12)
+        for p in model.parameters():
+            p.grad = None
+        clip = float(jac.norm(dim=1).median())
+        funcgrad.per_example_clip(losses(model, x_inf), clip)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    factors = (clip / (jac.norm(dim=1) + 1e-6)).clamp(max=1)
+    torch.testing.assert_close(got, factors @ jac, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "shape", [(0, 3, 4), (3, 0, 4), (3, 5, 0), (1, 1, 1), (7, 300, 50), (2000, 30, 5)]
+)
+def test_the_unread_rows_are_those_whose_output_gradient_is_all_zeros(shape):
+    """`_all_zero` (the rows zeroed in A, and skipped by the ghost products) is
+    ``(d == 0).all(-1)``: NaN, inf and the smallest subnormal are not zero, -0.0 is; also
+    in several blocks of examples and on a transposed Δ."""
+    from funcgrad._per_example._layer import _all_zero, _live_index
+
+    torch.manual_seed(14)
+    d = torch.randn(shape)
+    if d.numel():
+        d[torch.rand(shape[:-1]) < 0.5] = 0
+        d.view(-1)[: min(4, d.numel())] = torch.tensor([-0.0, float("nan"), -float("inf"), 1e-45])[
+            : min(4, d.numel())
+        ]
+    for found in (d, d.transpose(0, 1).contiguous().transpose(0, 1)):
+        expected = (found == 0).all(-1)
+        assert torch.equal(_all_zero(found), expected)
+        assert torch.equal(_live_index(found), (~expected).flatten().nonzero().squeeze(1))

@@ -11,7 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import describe
-from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
+from ._layer import (
+    _BLOCK,
+    _add,
+    _all_zero,
+    _cat_rows,
+    _ghost,
+    _ghost_diagonal,
+    _gram,
+    _Layer,
+    _squares,
+)
 from ._record import _shared_use, _Use
 
 
@@ -21,18 +31,24 @@ class _Dense(_Layer):
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
-    # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh)
+    # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh),
+    # and always for a layer formed during the backward (`_run._Stream`)
     zero_unread = False
+    unread: torch.Tensor | None = None  # (B, T): `_all_zero` of Δ, where the count formed it
 
     def oriented(self, grad: torch.Tensor) -> torch.Tensor:
         """A weight gradient computed as (..., p, d), in the layout of the weight."""
         return grad.transpose(-1, -2) if self.transposed else grad
 
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, zeroed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (B, T, d) and Δ (B, T, p), the calls' rows concatenated; where `zero_unread`
+        (and ``zeroed``), A's rows that no loss reads set to 0."""
         a_parts, d_parts = [], []
         for use in self.uses:
             a, d = self.unfold(use)
-            a_parts.append(_unread_rows_zeroed(a, d) if self.zero_unread else a)
+            if self.zero_unread and zeroed:  # one call: its mask, if the count formed it
+                a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
+            a_parts.append(a)
             d_parts.append(d)
         return _cat_rows(a_parts), _cat_rows(d_parts)
 
@@ -89,28 +105,30 @@ class _Dense(_Layer):
         batch = self.batch
         rows, width, out = self.dims()
         # the ghost products on the rows whose Δ is not zero (padding skipped), upper
-        # triangle: about N²/2·(d+p) for N such rows (one host read, where T > 1)
+        # triangle: about N²/2·(d+p) for N such rows
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
 
         def ghost(live: int) -> float:
             return float(live * (live + rows) // 2) * (width + out + 1)
 
-        live = batch * rows
+        live, index = batch * rows, None
         if rows > 1 and out > 0 and not isinstance(self, _Conv):
-            # a lower bound first, the rows whose first output feature is not 0 (a pass over
-            # B·T numbers, not B·T·p): where even it makes the ghost products dearer, the
-            # exact count (a pass over Δ) is not needed, and the plan shows that bound
-            live = sum(int((self.delta(use)[..., 0] != 0).sum()) for use in self.uses)
-            if ghost(live) <= self.materialised_flops:
-                live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
+            # the live rows' indices (a pass over Δ and ONE host read, `nonzero`): their
+            # count decides, and the ghost products take them as they are (no second read)
+            self.unread = _all_zero(
+                _cat_rows([_by_example(self.delta(use), batch) for use in self.uses])
+            )
+            index = (~self.unread).reshape(-1).nonzero().squeeze(1)
+            live = int(index.shape[0])
         self.ghost_flops = ghost(live)
         if self.ghost_flops <= self.materialised_flops:
-            a, d = self.rows()
+            # the rows no loss reads are skipped by the ghost products: never zeroed here
+            a, d = self.rows(zeroed=False)
             a, d = a.to(dtype), d.to(dtype)
             if rows == 1:
                 return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
             self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}, {live} rows live"
-            g = _ghost(a, d)
+            g = _ghost(a, d, live=index)
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
             g = self.materialised(lambda grads: _gram(grads.to(dtype)), rows, width, out)
@@ -173,7 +191,7 @@ class _Dense(_Layer):
 
     def release(self) -> None:
         super().release()
-        self.kept = None
+        self.kept = self.unread = None
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
@@ -259,16 +277,19 @@ class _Dense(_Layer):
         return found
 
 
-def _unread_rows_zeroed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _unread_rows_zeroed(
+    a: torch.Tensor, d: torch.Tensor, unread: torch.Tensor | None = None
+) -> torch.Tensor:
     """A (B, T, d) with the rows whose output gradient Δ_bt is all zeros set to 0: such a
     row adds nothing, even where it holds inf or NaN (torch's dense Δᵀ A gives NaN there),
     so that G, its diagonal (the norms) and the update agree with the ghost products, which
-    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it. Only
-    where G (or its diagonal) came out not finite without it (a pass over A: 1.5 ms per
-    (32, 64, 256) layer, most of a matmul's time)."""
+    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it. A
+    pass over Δ and one over A, on the device (no host read): for a layer formed during the
+    backward always (its rows are let go there), else only where G (or its diagonal) came
+    out not finite without it. ``unread``: `_all_zero` of d, where it is formed already."""
     if a.shape[1] <= 1 or a.shape[:2] != d.shape[:2]:
         return a
-    return a.masked_fill((d == 0).all(-1, keepdim=True), 0)
+    return a.masked_fill((_all_zero(d) if unread is None else unread).unsqueeze(-1), 0)
 
 
 def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:

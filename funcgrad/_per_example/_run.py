@@ -366,12 +366,13 @@ class _Stream:
         if self.write:  # a norm: its (B, C) per-example gradients, kept for G and the update
             layer.per_example()
             return
-        block = layer.diagonal() if self.run.diagonal else layer.gramian()
-        if isinstance(layer, _Dense) and not bool(torch.isfinite(block).all()):
-            # as `_zero_unread` does for G at the end (one host read a layer here)
-            layer.zero_unread, layer.kept = True, None
-            block = layer.diagonal() if self.run.diagonal else layer.gramian()
-        layer.streamed = block
+        if isinstance(layer, _Dense):
+            # its rows are let go once its block is formed, so the end's recompute (see
+            # `_zero_unread`) cannot reach it: the rows no loss reads are zeroed in its input
+            # always (a device-side pass, no host read), which adds exactly 0 where they are
+            # finite and makes an inf or NaN there add nothing
+            layer.zero_unread = True
+        layer.streamed = layer.diagonal() if self.run.diagonal else layer.gramian()
 
 
 def _zero_unread(blocks: list[list[_Layer]]) -> bool:
@@ -379,13 +380,13 @@ def _zero_unread(blocks: list[list[_Layer]]) -> bool:
     gradient is all zeros (read by no loss) zeroed in their input from now on (G, the
     norms and the update), as the ghost Gramian skips them, so that an inf or an overflow
     there adds nothing on any path (torch's dense product gives NaN). Whether any layer
-    can."""
+    changed (a layer formed during the backward had them zeroed already: `_Stream`)."""
     from ._rules import _Dense
 
     found = False
     for block in blocks:
         for layer in block:
-            if isinstance(layer, _Dense):
+            if isinstance(layer, _Dense) and not layer.zero_unread:
                 layer.zero_unread, layer.kept, found = True, None, True
     return found
 
