@@ -105,18 +105,25 @@ def _ghost(
     return gram
 
 
-def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _ghost_diagonal(
+    a: torch.Tensor, d: torch.Tensor, unread: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sum_{t,s} <a_bt, a_bs> <d_bt, d_bs>`` = ``‖A_bᵀ Δ_b‖²`` for each example b (G's
-    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks."""
+    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks.
+    ``unread`` (B, T), `_all_zero` of d: the kernel's entries of those rows set to 0, as
+    if they were zeroed in A (the same values; B·T² elements where A has B·T·d, and this
+    rule is taken where T ≤ dp/(d+p) < d), so that an inf or NaN there adds nothing."""
     batch, rows = a.shape[:2]
     step = max(1, _BLOCK // max(1, rows * rows))
-    parts = [
-        (
-            torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
-            * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))
-        ).sum((1, 2))
-        for s in range(0, batch, step)
-    ]
+    parts = []
+    for s in range(0, batch, step):
+        kernel = torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
+        if unread is not None:
+            part = unread[s : s + step]
+            kernel = kernel.masked_fill(part.unsqueeze(2) | part.unsqueeze(1), 0)
+        parts.append(
+            (kernel * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))).sum((1, 2))
+        )
     return torch.cat(parts) if parts else a.new_zeros(0)
 
 

@@ -129,6 +129,10 @@ class _Dense(_Layer):
                 return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
             self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}, {live} rows live"
             g = _ghost(a, d, live=index)
+            if live < batch * rows:
+                # G skipped those rows (finite even where they hold inf or NaN): the update
+                # and the norms zero them too (the count is known: no host read)
+                self.zero_unread = True
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
             g = self.materialised(lambda grads: _gram(grads.to(dtype)), rows, width, out)
@@ -154,9 +158,11 @@ class _Dense(_Layer):
         self.ghost_flops = float(batch * rows * rows * (width + out))
         self.materialised_flops = float(batch * rows * width * out)
         if self.ghost_flops <= self.materialised_flops:
-            a, d = self.rows()
+            # the rows no loss reads masked in the (B, T, T) kernel, not zeroed in A
+            a, d = self.rows(zeroed=False)
+            unread = _all_zero(d) if self.zero_unread and rows > 1 else None
             self.rule = f"ghost <A_b A_bᵀ, Δ_b Δ_bᵀ> T={rows}"
-            return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
+            return found + _ghost_diagonal(a.to(dtype), d.to(dtype), unread)
         self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
         return found + self.materialised(lambda grads: _squares(grads.to(dtype)), rows, width, out)
 
@@ -262,7 +268,7 @@ class _Dense(_Layer):
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
         if self.zero_unread:
-            a = _unread_rows_zeroed(a, d)
+            a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
         # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
         w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
