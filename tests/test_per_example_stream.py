@@ -512,3 +512,67 @@ def test_the_unread_rows_are_those_whose_output_gradient_is_all_zeros(shape):
         expected = (found == 0).all(-1)
         assert torch.equal(_all_zero(found), expected)
         assert torch.equal(_live_index(found), (~expected).flatten().nonzero().squeeze(1))
+
+
+class _Probed(nn.Module):
+    """Linear, (LayerNorm or Linear), Linear; a read-only user hook on the output that runs
+    its own ``torch.autograd.grad`` through the middle layer's node during funcgrad's
+    backward (that node's pre-hooks fire in that nested backward too)."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6).double()
+        self.b = (nn.LayerNorm(6) if norm else nn.Linear(6, 6)).double()
+        self.c = nn.Linear(6, 2).double()
+        self.probed = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        u = self.b(torch.tanh(h))
+        y = self.c(torch.tanh(u))
+
+        def probe(grad: torch.Tensor) -> None:  # logs a norm: changes no gradient
+            with torch.enable_grad():
+                torch.autograd.grad(u.pow(2).sum(), h, retain_graph=True)
+            self.probed += 1
+
+        if torch.is_grad_enabled():
+            y.register_hook(probe)
+        return y.pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_user_hook_running_its_own_backward_through_a_layer_is_not_taken_for_its_delta(norm):
+    """The nested backward's gradient at a layer's node is not that layer's Δ: each call of
+    a sequence (first and streamed) exact against a per-example loop."""
+    torch.manual_seed(11)
+    model = _Probed(norm)
+    x = torch.randn(4, 5, 6, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x))
+    norms = jac.norm(dim=1)
+    clip = float(norms.median())
+
+    def weigh(gram: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.solve(gram + torch.eye(4, dtype=gram.dtype), torch.ones(4).double())
+
+    params = list(model.parameters())
+    with funcgrad.per_example(model) as pe:
+        for call in "GGNCBGNB":
+            for p in params:
+                p.grad = None
+            model.probed = 0
+            losses = model(x)
+            if call == "G":
+                got, want = pe.gramian(losses), jac @ jac.T
+            elif call == "N":
+                got, want = funcgrad.per_example_norms(losses), norms
+            else:
+                if call == "C":
+                    funcgrad.per_example_clip(losses, clip)
+                    want = (clip / (norms + 1e-6)).clamp(max=1) @ jac
+                else:
+                    pe.backward(losses, weighting=weigh)
+                    want = weigh(jac @ jac.T) @ jac
+                got = torch.cat([p.grad.flatten() for p in params])
+            assert model.probed == 1, call
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=call)

@@ -197,6 +197,31 @@ def _nested_params(use: _Use) -> set[torch.Tensor]:
     return {p for n in use.nested for p in n.module.parameters()}
 
 
+def _own_task(losses: torch.Tensor) -> tuple[list[Any], Callable[[int], bool]]:
+    """Which graph task is the backward from ``losses`` about to run: a pre-hook on
+    ``losses.grad_fn`` (the root: it runs first in that backward) records the engine's
+    graph task id the first time it fires, and ``ours(task_id)`` says whether a firing of a
+    node's pre-hook belongs to it. A node's pre-hooks fire for EVERY backward that runs it:
+    a user hook that calls ``torch.autograd.grad`` itself during ours (nested, same thread),
+    or another thread's backward through the same graph, runs our pre-hooks too, with
+    gradients that are not the ones our backward gives that node; those firings are ignored.
+    The root's first firing is ours: a backward that reached ``losses.grad_fn`` before ours
+    would have to start from a hook on the losses themselves (which fires again in it: no
+    end) or run in another thread through the same graph at the same moment (a race that
+    funcgrad does not support: the other thread's firings would then be the ones kept).
+    Returns the handles to remove with the others, and ``ours``."""
+    task: list[int] = []
+    root = losses.grad_fn
+    if root is None:  # (no backward to run: autograd.grad refuses it)
+        return [], lambda _: True
+
+    def first(grads: Any) -> None:
+        if not task:
+            task.append(torch._C._current_graph_task_id())
+
+    return [root.register_prehook(first)], lambda t: bool(task) and t == task[0]
+
+
 def _grads_after_hooks(
     losses: torch.Tensor,
     edges: list[Any],
@@ -212,11 +237,12 @@ def _grads_after_hooks(
     of ours on each node, registered last, sees what the node itself receives; it only
     reads, so each user hook fires once, as in one backward of ``losses.sum()``."""
     seen: dict[Any, tuple[torch.Tensor | None, ...]] = {}
-    handles = []
+    handles, ours = _own_task(losses)
     for node in {e.node: None for e in edges}:
 
         def read(grads: Any, node: Any = node) -> None:
-            seen[node] = tuple(grads)
+            if ours(torch._C._current_graph_task_id()):
+                seen[node] = tuple(grads)
 
         handles.append(node.register_prehook(read))
     try:
@@ -253,12 +279,14 @@ def _streamed_grads(
     by_node: dict[Any, list[int]] = {}
     for i, e in enumerate(edges):
         by_node.setdefault(e.node, []).append(i)
-    handles = []
+    handles, ours = _own_task(losses)
     for node in nodes:
         if not lower[node]:
             continue
 
         def read(grads: Any, node: Any = node) -> None:
+            if not ours(torch._C._current_graph_task_id()):
+                return  # another backward through this node (a user hook's own grad)
             for i in by_node[node]:
                 arrived(i, grads[edges[i].output_nr])
 
