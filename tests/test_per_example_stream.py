@@ -576,3 +576,34 @@ def test_a_user_hook_running_its_own_backward_through_a_layer_is_not_taken_for_i
                 got = torch.cat([p.grad.flatten() for p in params])
             assert model.probed == 1, call
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=call)
+
+
+@pytest.mark.parametrize("call", ["gramian", "norms"])
+def test_a_tiny_linear_forms_its_per_example_gradients_in_one_product(call, monkeypatch):
+    """A Linear whose (B, p, d) per-example gradients are tiny (materialised: T·d·p below
+    T²·(d + p)) is not split into blocks of output features (one product per feature on a
+    4-wide layer): one bmm per call, exact."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x).pow(2).sum((1, 2)))
+    products = [0]
+    bmm = torch.bmm
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:
+        products[0] += 1
+        return bmm(*args)
+
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):  # the first call and a streamed one
+            losses = model(x).pow(2).sum((1, 2))
+            products[0] = 0
+            monkeypatch.setattr(torch, "bmm", counted)
+            if call == "gramian":
+                got, want = pe.gramian(losses), jac @ jac.T
+            else:
+                got, want = funcgrad.per_example_norms(losses), jac.norm(dim=1)
+            monkeypatch.setattr(torch, "bmm", bmm)
+            assert "materialised" in str(pe.plan)
+            assert products[0] == 2  # one per layer
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

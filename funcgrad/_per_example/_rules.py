@@ -24,6 +24,9 @@ from ._layer import (
 )
 from ._record import _shared_use, _Use
 
+_WHOLE = 1 << 18  # elements (2 MiB in float64): a per-example weight gradient this
+# small is formed in one product, never in blocks of output features
+
 
 class _Dense(_Layer):
     """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
@@ -190,10 +193,12 @@ class _Dense(_Layer):
 
     def writes_whole(self, rows: int, width: int, out: int) -> bool:
         """Whether the whole (B, p, d) per-example gradients are formed at once: where they
-        are kept for the update (`keeps`), or small (a block would hold all of them)."""
+        are kept for the update (`keeps`), small next to the rows (a block would hold all of
+        them), or small outright (at most `_WHOLE` elements: one product, where blocks of a
+        tiny layer would cost one product per output feature for no memory saved)."""
         whole = self.batch * width * out
         kept = self.run.writes and 2 * whole <= self.batch * rows * (width + out)
-        return kept or 4 * whole <= self.batch * rows * (width + out)
+        return kept or whole <= _WHOLE or 4 * whole <= self.batch * rows * (width + out)
 
     def release(self) -> None:
         super().release()
