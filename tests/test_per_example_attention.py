@@ -63,7 +63,9 @@ def test_attention_takes_the_linear_rules_and_is_exact(case):
         gram = funcgrad.per_example_gramian(model())
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
     rule = next(layer.rule for layer in pe.plan.layers if layer.name == "attention")
-    assert rule.startswith("q: ") and "out: " in rule and "vmap" not in rule, rule
+    # self-attention with the packed in-projection: q, k, v as one Linear of 3·d outputs
+    first = "q: " if case == "cross" else "qkv: "
+    assert rule.startswith(first) and "out: " in rule and "vmap" not in rule, rule
     with funcgrad.per_example(model):
         norms = funcgrad.per_example_norms(model())
     torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)

@@ -32,6 +32,18 @@ def _through_views(node: Any) -> Any:
     return node
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two recorded inputs are one tensor (each recorded detached on its own): the
+    same memory, seen the same way."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
 def _native_attention(module: nn.Module) -> bool:
     """The nn.MultiheadAttention calls this rule covers: batch_first, no bias_k / bias_v, no
     zero attention row, no dropout drawn (eval, or p = 0); others take the generic rule."""
@@ -222,7 +234,11 @@ class _Attention(_Layer):
         return out.transpose(1, 2).reshape(batch, length, width), None
 
     def parts(self) -> list[tuple[str, _Dense]]:
-        """The four Linear layers, each over every call of the module, as (part, layer)."""
+        """The Linear layers, each over every call of the module, as (part, layer): q, k, v
+        and the out-projection; or, for self-attention with the packed in-projection (q, k
+        and v from one input, ``in_proj_weight``), one "qkv" layer of 3·d outputs, whose
+        Δ is [Δq, Δk, Δv] (its per-example gradient is the packed weight's: the ghost
+        products share the input's kernel ``A_b A_bᵀ`` across q, k and v)."""
         if self._parts is not None:
             return self._parts
         m = self.module
@@ -231,22 +247,19 @@ class _Attention(_Layer):
         weights, biases = self.weights()
         out = m.out_proj
         shared = m._qkv_same_embed_dim
-        params = [
-            (
-                weights[i],
-                biases[i],
-                "in_proj_weight" if shared else f"{_PARTS[i]}_proj_weight",
-                "in_proj_bias",
-            )
-            for i in range(3)
-        ]
-        params.append((out.weight, out.bias, "out_proj.weight", "out_proj.bias"))
-        self._parts = []
-        for i, (weight, bias, weight_name, bias_name) in enumerate(params):
-            uses = [
-                _Use(m, (r[i][0],), {}, [], [(0, r[i][1].shape, r[i][1].dtype)], [], [], [r[i][1]])
-                for r in rows
-            ]
+        merged = shared and all(_same(r[0][0], r[1][0]) and _same(r[0][0], r[2][0]) for r in rows)
+        params: list[tuple[str, torch.Tensor, torch.Tensor | None, list[Any]]] = []
+        if merged:
+            qkv = [(r[0][0], torch.cat([r[0][1], r[1][1], r[2][1]], -1)) for r in rows]
+            params.append(("qkv", m.in_proj_weight, m.in_proj_bias, qkv))
+        else:
+            for i, part in enumerate(_PARTS):
+                params.append((part, weights[i], biases[i], [r[i] for r in rows]))
+        params.append(("out", out.weight, out.bias, [r[3] for r in rows]))
+        parts = []
+        for part, weight, bias, found in params:
+            weight_name, bias_name = self.names(part)
+            uses = [_Use(m, (a,), {}, [], [(0, d.shape, d.dtype)], [], [], [d]) for a, d in found]
             selected = {}
             if weight_name in self.params:
                 selected["weight"] = weight
@@ -254,9 +267,12 @@ class _Attention(_Layer):
                 selected["bias"] = bias
             if selected:
                 layer = _Dense(self.run, m, uses, selected)
-                layer.name = f"{self.name}.{'out' if i == 3 else _PARTS[i]}"
-                self._parts.append(("out" if i == 3 else _PARTS[i], layer))
-        return self._parts
+                layer.name = f"{self.name}.{part}"
+                parts.append((part, layer))
+        self._parts = parts
+        for use in self.uses:  # the (B, heads, T, d / heads) Δ: read into the parts now
+            use.inner_deltas = [None] * len(use.inner_deltas)
+        return parts
 
     def names(self, part: str) -> tuple[str, str]:
         """The module's parameter names of a part's weight and bias."""
@@ -265,6 +281,8 @@ class _Attention(_Layer):
         m = self.module
         assert isinstance(m, nn.MultiheadAttention)
         weight = "in_proj_weight" if m._qkv_same_embed_dim else f"{part}_proj_weight"
+        if part == "qkv":
+            return "in_proj_weight", "in_proj_bias"
         return weight, "in_proj_bias"
 
     def gramian(self) -> torch.Tensor:
@@ -276,6 +294,10 @@ class _Attention(_Layer):
         found = sum((layer.diagonal() for _, layer in self.parts()), self.zero_diagonal())
         self.rule = self.summary()
         return found
+
+    def release(self) -> None:
+        super().release()
+        self._parts = None  # its four Linear layers' rows
 
     def summary(self) -> str:
         return "; ".join(f"{part}: {layer.rule}" for part, layer in self.parts())

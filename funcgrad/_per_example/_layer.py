@@ -26,14 +26,37 @@ def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _live_rows(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _all_zero(d: torch.Tensor) -> torch.Tensor:
+    """Whether each row ``d[b, t, :]`` of d (B, T, p) is all zeros (B, T) (NaN is not), as
+    ``(d == 0).all(-1)`` but from the rows' largest ``|d|``, a float reduction: 4-10x
+    faster on a CPU than torch's bool reduction along the last dim (see
+    docs/benchmarks_per_example.md); ``|d|`` formed in blocks of examples, a quarter of d's
+    size each. No host read."""
+    if d.shape[-1] == 0 or d.numel() == 0:
+        return d.new_ones(d.shape[:-1], dtype=torch.bool)
+    step = max(1, max(d.numel() // 4, 1 << 16) // d[0].numel())
+    parts = [d[s : s + step].abs().amax(-1) == 0 for s in range(0, d.shape[0], step)]
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
+
+
+def _live_index(d: torch.Tensor) -> torch.Tensor:
+    """The flat indices b·T + t of the rows of d (B, T, p) whose output gradient Δ_bt is not
+    all zeros (NaN counts as not zero), in order: one host read (``nonzero``)."""
+    return (~_all_zero(d)).reshape(-1).nonzero().squeeze(1)
+
+
+def _live_rows(
+    a: torch.Tensor, d: torch.Tensor, live: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows (b, t) whose output gradient Δ_bt is not all zeros, packed in example order:
     A (N, d), Δ (N, p) and each row's example (N,). A row with Δ_bt = 0 (a padding
     position that the losses do not read, and that no other position reads: a masked key)
-    adds exactly 0 to every ghost product it is in, so it is skipped (one host read)."""
+    adds exactly 0 to every ghost product it is in, so it is skipped (one host read, none
+    where ``live``, `_live_index` of d, is given)."""
     batch, rows = a.shape[:2]
     flat_a, flat_d = a.reshape(batch * rows, -1), d.reshape(batch * rows, -1)
-    live = (flat_d != 0).any(1).nonzero().squeeze(1)
+    if live is None:
+        live = _live_index(d)
     if live.shape[0] < batch * rows:
         flat_a, flat_d = flat_a.index_select(0, live), flat_d.index_select(0, live)
         examples = live // max(1, rows)
@@ -42,16 +65,19 @@ def _live_rows(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return flat_a, flat_d, examples
 
 
-def _ghost(a: torch.Tensor, d: torch.Tensor, block: int = 0) -> torch.Tensor:
+def _ghost(
+    a: torch.Tensor, d: torch.Tensor, block: int = 0, live: torch.Tensor | None = None
+) -> torch.Tensor:
     """``G[b, c] = sum_{t,s} <a_bt, a_cs> <d_bt, d_cs>`` for a (B, T, ·) and d (B, T, p):
     the rows with Δ_bt = 0 skipped (`_live_rows`), the upper triangle alone (c ≥ b, then
     mirrored), in blocks of examples whose (n_rows, N_rows) kernel holds at most ``block``
     elements (default: as many as the layer's own rows, A and Δ: the (BT)² kernel is never
-    formed, and the transient memory stays about that of the rows)."""
+    formed, and the transient memory stays about that of the rows). ``live``: the live
+    rows' `_live_index`, where the caller has it already."""
     batch, rows = a.shape[:2]
     if rows == 1:
         return (a[:, 0] @ a[:, 0].T) * (d[:, 0] @ d[:, 0].T)
-    flat_a, flat_d, examples = _live_rows(a, d)
+    flat_a, flat_d, examples = _live_rows(a, d, live)
     count = flat_a.shape[0]
     gram = d.new_zeros(batch, batch)
     if count == 0:
@@ -79,18 +105,25 @@ def _ghost(a: torch.Tensor, d: torch.Tensor, block: int = 0) -> torch.Tensor:
     return gram
 
 
-def _ghost_diagonal(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _ghost_diagonal(
+    a: torch.Tensor, d: torch.Tensor, unread: torch.Tensor | None = None
+) -> torch.Tensor:
     """``sum_{t,s} <a_bt, a_bs> <d_bt, d_bs>`` = ``‖A_bᵀ Δ_b‖²`` for each example b (G's
-    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks."""
+    diagonal alone: B T² products, not B² T²), for a (B, T, d) and d (B, T, p), in blocks.
+    ``unread`` (B, T), `_all_zero` of d: the kernel's entries of those rows set to 0, as
+    if they were zeroed in A (the same values; B·T² elements where A has B·T·d, and this
+    rule is taken where T ≤ dp/(d+p) < d), so that an inf or NaN there adds nothing."""
     batch, rows = a.shape[:2]
     step = max(1, _BLOCK // max(1, rows * rows))
-    parts = [
-        (
-            torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
-            * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))
-        ).sum((1, 2))
-        for s in range(0, batch, step)
-    ]
+    parts = []
+    for s in range(0, batch, step):
+        kernel = torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
+        if unread is not None:
+            part = unread[s : s + step]
+            kernel = kernel.masked_fill(part.unsqueeze(2) | part.unsqueeze(1), 0)
+        parts.append(
+            (kernel * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))).sum((1, 2))
+        )
     return torch.cat(parts) if parts else a.new_zeros(0)
 
 
@@ -157,6 +190,21 @@ class _Layer:
         self.rule = ""
         self.ghost_flops: float | None = None
         self.materialised_flops: float | None = None
+        # formed during the one backward (`_run._Stream`): this layer's block of G, or its
+        # share of G's diagonal; and its plan, kept when its rows were let go
+        self.streamed: torch.Tensor | None = None
+        self.planned: _LayerPlan | None = None
+
+    def release(self) -> None:
+        """Its share formed during the backward (`_run._Stream`): the plan kept, the rows
+        (inputs A, output gradients Δ) let go, so that their memory is freed as the backward
+        goes. Nothing reads them after this."""
+        self.planned = self.plan()
+        for use in self.uses:
+            use.args, use.kwargs, use.versions = (), {}, []
+            use.deltas = [None] * len(use.deltas)
+            use.inner_deltas = [None] * len(use.inner_deltas)
+            use.inner_input = None
 
     def fail(self, what: str, got: Any) -> None:
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -197,6 +197,31 @@ def _nested_params(use: _Use) -> set[torch.Tensor]:
     return {p for n in use.nested for p in n.module.parameters()}
 
 
+def _own_task(losses: torch.Tensor) -> tuple[list[Any], Callable[[int], bool]]:
+    """Which graph task is the backward from ``losses`` about to run: a pre-hook on
+    ``losses.grad_fn`` (the root: it runs first in that backward) records the engine's
+    graph task id the first time it fires, and ``ours(task_id)`` says whether a firing of a
+    node's pre-hook belongs to it. A node's pre-hooks fire for EVERY backward that runs it:
+    a user hook that calls ``torch.autograd.grad`` itself during ours (nested, same thread),
+    or another thread's backward through the same graph, runs our pre-hooks too, with
+    gradients that are not the ones our backward gives that node; those firings are ignored.
+    The root's first firing is ours: a backward that reached ``losses.grad_fn`` before ours
+    would have to start from a hook on the losses themselves (which fires again in it: no
+    end) or run in another thread through the same graph at the same moment (a race that
+    funcgrad does not support: the other thread's firings would then be the ones kept).
+    Returns the handles to remove with the others, and ``ours``."""
+    task: list[int] = []
+    root = losses.grad_fn
+    if root is None:  # (no backward to run: autograd.grad refuses it)
+        return [], lambda _: True
+
+    def first(grads: Any) -> None:
+        if not task:
+            task.append(torch._C._current_graph_task_id())
+
+    return [root.register_prehook(first)], lambda t: bool(task) and t == task[0]
+
+
 def _grads_after_hooks(
     losses: torch.Tensor,
     edges: list[Any],
@@ -212,11 +237,12 @@ def _grads_after_hooks(
     of ours on each node, registered last, sees what the node itself receives; it only
     reads, so each user hook fires once, as in one backward of ``losses.sum()``."""
     seen: dict[Any, tuple[torch.Tensor | None, ...]] = {}
-    handles = []
+    handles, ours = _own_task(losses)
     for node in {e.node: None for e in edges}:
 
         def read(grads: Any, node: Any = node) -> None:
-            seen[node] = tuple(grads)
+            if ours(torch._C._current_graph_task_id()):
+                seen[node] = tuple(grads)
 
         handles.append(node.register_prehook(read))
     try:
@@ -231,6 +257,86 @@ def _grads_after_hooks(
         for handle in handles:
             handle.remove()
     return tuple(seen[e.node][e.output_nr] if e.node in seen else d for e, d in zip(edges, deltas))
+
+
+def _streamed_grads(
+    losses: torch.Tensor,
+    edges: list[Any],
+    retain_graph: bool,
+    arrived: Callable[[int, torch.Tensor | None], None],
+) -> None:
+    """The gradients of ``losses.sum()`` at ``edges`` (as `_grads_after_hooks` gives them:
+    after the tensor hooks and the nodes' pre-hooks), each handed to ``arrived(i, grad)``
+    as soon as the backward reaches edge i, and held by nothing of the engine's after that.
+
+    ``torch.autograd.grad(losses, edges)`` holds every captured gradient until the backward
+    ends (all the layers' Δ at once). So only the edges with no other edge below them (the
+    lowest layers') are passed to it; each other edge's node lies above one of those, so the
+    engine runs it, and a pre-hook on it (registered last) reads what it receives. An edge
+    whose node the backward never reaches is handed nothing (its gradient stays None)."""
+    nodes = {e.node: None for e in edges}
+    lower = _above_another(nodes)
+    by_node: dict[Any, list[int]] = {}
+    for i, e in enumerate(edges):
+        by_node.setdefault(e.node, []).append(i)
+    handles, ours = _own_task(losses)
+    for node in nodes:
+        if not lower[node]:
+            continue
+
+        def read(grads: Any, node: Any = node) -> None:
+            if not ours(torch._C._current_graph_task_id()):
+                return  # another backward through this node (a user hook's own grad)
+            for i in by_node[node]:
+                arrived(i, grads[edges[i].output_nr])
+
+        handles.append(node.register_prehook(read))
+    bottom = [i for i, e in enumerate(edges) if not lower[e.node]]
+    try:
+        found = torch.autograd.grad(
+            losses,
+            [edges[i] for i in bottom],
+            grad_outputs=torch.ones_like(losses),
+            retain_graph=retain_graph,
+            allow_unused=True,
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    for i, grad in zip(bottom, found):
+        arrived(i, grad)
+
+
+def _above_another(targets: dict[Any, None]) -> dict[Any, bool]:
+    """For each node of ``targets``: whether another one of them lies below it (reachable
+    along ``next_functions``). From each target, a walk down that stops at the first target
+    it meets (the next hooked layer, a few nodes down); the nodes found to have none below
+    are remembered across the walks, so that all of them together visit each node of the
+    graph below at most once more than the paths they stop on."""
+    clear: set[Any] = set()  # nodes with no target at or below them
+    found: dict[Any, bool] = {}
+    for root in targets:
+        hit = False
+        # (node, its children not yet walked); a node whose children are all clear is clear
+        stack: list[tuple[Any, list[Any]]] = [(root, _children(root, clear))]
+        while stack and not hit:
+            node, todo = stack[-1]
+            if not todo:
+                stack.pop()
+                if node is not root:
+                    clear.add(node)
+                continue
+            child = todo.pop()
+            if child in targets:
+                hit = True
+            else:
+                stack.append((child, _children(child, clear)))
+        found[root] = hit
+    return found
+
+
+def _children(node: Any, clear: set[Any]) -> list[Any]:
+    return [c for c, _ in node.next_functions if c is not None and c not in clear]
 
 
 # -- layers: one rule each -------------------------------------------------------------------

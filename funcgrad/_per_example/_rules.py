@@ -4,14 +4,28 @@ norms' affine parameters."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._errors import describe
-from ._layer import _BLOCK, _add, _cat_rows, _ghost, _ghost_diagonal, _gram, _Layer, _squares
+from ._layer import (
+    _BLOCK,
+    _add,
+    _all_zero,
+    _cat_rows,
+    _ghost,
+    _ghost_diagonal,
+    _gram,
+    _Layer,
+    _squares,
+)
 from ._record import _shared_use, _Use
+
+_WHOLE = 1 << 18  # elements (2 MiB in float64): a per-example weight gradient this
+# small is formed in one product, never in blocks of output features
 
 
 class _Dense(_Layer):
@@ -20,18 +34,24 @@ class _Dense(_Layer):
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
-    # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh)
+    # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh),
+    # and always for a layer formed during the backward (`_run._Stream`)
     zero_unread = False
+    unread: torch.Tensor | None = None  # (B, T): `_all_zero` of Δ, where the count formed it
 
     def oriented(self, grad: torch.Tensor) -> torch.Tensor:
         """A weight gradient computed as (..., p, d), in the layout of the weight."""
         return grad.transpose(-1, -2) if self.transposed else grad
 
-    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, zeroed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (B, T, d) and Δ (B, T, p), the calls' rows concatenated; where `zero_unread`
+        (and ``zeroed``), A's rows that no loss reads set to 0."""
         a_parts, d_parts = [], []
         for use in self.uses:
             a, d = self.unfold(use)
-            a_parts.append(_unread_rows_zeroed(a, d) if self.zero_unread else a)
+            if self.zero_unread and zeroed:  # one call: its mask, if the count formed it
+                a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
+            a_parts.append(a)
             d_parts.append(d)
         return _cat_rows(a_parts), _cat_rows(d_parts)
 
@@ -88,27 +108,37 @@ class _Dense(_Layer):
         batch = self.batch
         rows, width, out = self.dims()
         # the ghost products on the rows whose Δ is not zero (padding skipped), upper
-        # triangle: about N²/2·(d+p) for N such rows (one host read, where T > 1)
-        live = batch * rows
-        if rows > 1 and not isinstance(self, _Conv):
-            live = sum(int((self.delta(use) != 0).any(-1).sum()) for use in self.uses)
-        self.ghost_flops = float(live * (live + batch * rows // max(1, batch)) // 2) * (
-            width + out + 1
-        )
+        # triangle: about N²/2·(d+p) for N such rows
         self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
+
+        def ghost(live: int) -> float:
+            return float(live * (live + rows) // 2) * (width + out + 1)
+
+        live, index = batch * rows, None
+        if rows > 1 and out > 0 and not isinstance(self, _Conv):
+            # the live rows' indices (a pass over Δ and ONE host read, `nonzero`): their
+            # count decides, and the ghost products take them as they are (no second read)
+            self.unread = _all_zero(
+                _cat_rows([_by_example(self.delta(use), batch) for use in self.uses])
+            )
+            index = (~self.unread).reshape(-1).nonzero().squeeze(1)
+            live = int(index.shape[0])
+        self.ghost_flops = ghost(live)
         if self.ghost_flops <= self.materialised_flops:
-            a, d = self.rows()
+            # the rows no loss reads are skipped by the ghost products: never zeroed here
+            a, d = self.rows(zeroed=False)
             a, d = a.to(dtype), d.to(dtype)
             if rows == 1:
                 return self.ghost_flat(a[:, 0], d[:, 0], bias is not None)
             self.rule = f"ghost <A_b A_b'ᵀ, Δ_b Δ_b'ᵀ> T={rows}, {live} rows live"
-            g = _ghost(a, d)
+            g = _ghost(a, d, live=index)
+            if live < batch * rows:
+                # G skipped those rows (finite even where they hold inf or NaN): the update
+                # and the norms zero them too (the count is known: no host read)
+                self.zero_unread = True
         else:
             self.rule = f"materialised A_bᵀ Δ_b T={rows}"
-            grads = self.weight_per_example()
-            if self.keeps(grads, rows, width, out):
-                self.kept = grads
-            g = _gram(grads.to(dtype))
+            g = self.materialised(lambda grads: _gram(grads.to(dtype)), rows, width, out)
         return g if bias is None else g + bias @ bias.T
 
     def diagonal(self) -> torch.Tensor:
@@ -131,21 +161,59 @@ class _Dense(_Layer):
         self.ghost_flops = float(batch * rows * rows * (width + out))
         self.materialised_flops = float(batch * rows * width * out)
         if self.ghost_flops <= self.materialised_flops:
-            a, d = self.rows()
+            # the rows no loss reads masked in the (B, T, T) kernel, not zeroed in A
+            a, d = self.rows(zeroed=False)
+            unread = _all_zero(d) if self.zero_unread and rows > 1 else None
             self.rule = f"ghost <A_b A_bᵀ, Δ_b Δ_bᵀ> T={rows}"
-            return found + _ghost_diagonal(a.to(dtype), d.to(dtype))
+            return found + _ghost_diagonal(a.to(dtype), d.to(dtype), unread)
         self.rule = f"materialised ‖A_bᵀ Δ_b‖² T={rows}"
-        grads = self.weight_per_example()
-        if self.keeps(grads, rows, width, out):
-            self.kept = grads
-        return found + _squares(grads.to(dtype))
+        return found + self.materialised(lambda grads: _squares(grads.to(dtype)), rows, width, out)
+
+    def materialised(
+        self, reduce: Callable[[torch.Tensor], torch.Tensor], rows: int, width: int, out: int
+    ) -> torch.Tensor:
+        """The sum of ``reduce`` (the Gram, or the squared norms) over the per-example weight
+        gradients ``A_bᵀ Δ_b``. Kept whole for the update where `keeps` says so; else formed
+        in blocks of output features (a Linear: (B, p_block, d) at a time, as many elements
+        as a quarter of the rows A and Δ), so that the transient memory stays below that of
+        the rows (exact: the Gram is a sum over the weight's entries)."""
+        if isinstance(self, _Conv) or self.writes_whole(rows, width, out):
+            grads = self.weight_per_example()
+            if self.keeps(grads, rows, width, out):
+                self.kept = grads
+            return reduce(grads)
+        a, d = self.rows()
+        a = a.to(d.dtype)
+        batch = a.shape[0]
+        step = max(1, (batch * rows * (width + out)) // (4 * max(1, batch * width)))
+        found = [
+            reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
+        ]
+        return sum(found[1:], found[0])
+
+    def writes_whole(self, rows: int, width: int, out: int) -> bool:
+        """Whether the whole (B, p, d) per-example gradients are formed at once: where they
+        are kept for the update (`keeps`), small next to the rows (a block would hold all of
+        them), or small outright (at most `_WHOLE` elements: one product, where blocks of a
+        tiny layer would cost one product per output feature for no memory saved)."""
+        whole = self.batch * width * out
+        kept = self.run.writes and 2 * whole <= self.batch * rows * (width + out)
+        return kept or whole <= _WHOLE or 4 * whole <= self.batch * rows * (width + out)
+
+    def release(self) -> None:
+        super().release()
+        self.kept = self.unread = None
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
         than ``Aᵀ (w ⊙ Δ)`` (B·T·d·p): where they take at most half the memory of the rows A
         and Δ held already (a convolution's many positions), so that keeping them does not
         raise the peak."""
-        return 2 * grads.numel() <= self.batch * rows * (width + out) and grads.numel() <= _BLOCK
+        return (
+            self.run.writes
+            and 2 * grads.numel() <= self.batch * rows * (width + out)
+            and grads.numel() <= _BLOCK
+        )
 
     def ghost_flat(self, a: torch.Tensor, d: torch.Tensor, bias: bool) -> torch.Tensor:
         """``(A Aᵀ)∘(Δ Δᵀ)`` for one row per example, (A Aᵀ + 1)∘(Δ Δᵀ) with the bias (whose
@@ -205,7 +273,7 @@ class _Dense(_Layer):
         """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
         a, d = self.unfold(use)
         if self.zero_unread:
-            a = _unread_rows_zeroed(a, d)
+            a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
         # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
         w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
         a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
@@ -220,16 +288,19 @@ class _Dense(_Layer):
         return found
 
 
-def _unread_rows_zeroed(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _unread_rows_zeroed(
+    a: torch.Tensor, d: torch.Tensor, unread: torch.Tensor | None = None
+) -> torch.Tensor:
     """A (B, T, d) with the rows whose output gradient Δ_bt is all zeros set to 0: such a
     row adds nothing, even where it holds inf or NaN (torch's dense Δᵀ A gives NaN there),
     so that G, its diagonal (the norms) and the update agree with the ghost products, which
-    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it. Only
-    where G (or its diagonal) came out not finite without it (a pass over A: 1.5 ms per
-    (32, 64, 256) layer, most of a matmul's time)."""
+    skip it (`_live_rows`). T = 1 (one row per example) is left as torch computes it. A
+    pass over Δ and one over A, on the device (no host read): for a layer formed during the
+    backward always (its rows are let go there), else only where G (or its diagonal) came
+    out not finite without it. ``unread``: `_all_zero` of d, where it is formed already."""
     if a.shape[1] <= 1 or a.shape[:2] != d.shape[:2]:
         return a
-    return a.masked_fill((d == 0).all(-1, keepdim=True), 0)
+    return a.masked_fill((_all_zero(d) if unread is None else unread).unsqueeze(-1), 0)
 
 
 def _by_example(x: torch.Tensor, batch: int) -> torch.Tensor:
@@ -413,7 +484,8 @@ class _Embedding(_Layer):
         self.materialised_flops = float(pairs * width)
         self.rule = f"pairs of rows with one index ({pairs} pairs, {rows} rows)"
         gram = self.zero()
-        step = max(1, _BLOCK // max(1, width))  # pairs per block: bounded transient memory
+        # pairs per block: a transient of about half the rows' size (3 such tensors a block)
+        step = max(1, max(sums.numel() // 2, 1 << 16) // max(1, width))
         ends = torch.cumsum(size, 0)
         first = 0
         while first < rows:  # blocks of left rows whose pairs fit in a block

@@ -5,6 +5,7 @@ apply (``.grad`` written in one place, at the end)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,7 +28,13 @@ from ._choose import _layer_class
 from ._generic import _Generic
 from ._independence import _probe, _verify_independence, _verify_materialised
 from ._layer import PerExamplePlan, _gram, _Layer, _LayerPlan, _squares
-from ._record import _explain_spent, _grads_after_hooks, _nested_params, _Use
+from ._record import (
+    _explain_spent,
+    _grads_after_hooks,
+    _nested_params,
+    _streamed_grads,
+    _Use,
+)
 
 if TYPE_CHECKING:
     from ._recorder import PerExample
@@ -56,6 +63,7 @@ class _Run:
         # G's diagonal alone: for the norms, or a weighting that declares it reads no more
         self.diagonal = diagonal or getattr(weighting, "reads_diagonal", False) is True
         self.replace = replace  # .grad = the update, where it is added to by default
+        self.writes = False  # whether this call writes an update (set by `execute`)
         self.check = resolve_check(check, call)
         self.rule = _weighting.resolve(weighting, "params", call)
         if self.rule.needs_jacobian:
@@ -104,25 +112,47 @@ class _Run:
             selected[x] = names[x]
         return selected
 
-    def _collect(self, uses: list[_Use], retain_graph: bool) -> None:
-        """The ONE backward: every recorded call's output gradients Δ (no weight products)."""
+    def _collect(
+        self,
+        uses: list[_Use],
+        retain_graph: bool,
+        ready: Callable[[_Use], None] | None = None,
+    ) -> None:
+        """The ONE backward: every recorded call's output gradients Δ (no weight products).
+        With ``ready``: each call handed to it as soon as its last Δ arrives, during the
+        backward (`_Stream`), and no Δ held by the engine to the end."""
         edges = [e for use in uses for e in (*use.edges, *use.inner_edges)]
+        slots: list[tuple[_Use, bool, int]] = []
+        for use in uses:
+            use.deltas = [None] * len(use.edges)
+            use.inner_deltas = [None] * len(use.inner_edges)
+            slots.extend((use, False, k) for k in range(len(use.edges)))
+            slots.extend((use, True, k) for k in range(len(use.inner_edges)))
+        left = {id(use): len(use.edges) + len(use.inner_edges) for use in uses}
+
+        def arrived(i: int, grad: torch.Tensor | None) -> None:
+            use, inner, k = slots[i]
+            (use.inner_deltas if inner else use.deltas)[k] = grad
+            left[id(use)] -= 1
+            if not left[id(use)] and ready is not None:
+                ready(use)
+
         self.recorder._recording = False
         try:
-            deltas = _grads_after_hooks(self.losses, edges, retain_graph)
+            if ready is None:
+                deltas = _grads_after_hooks(self.losses, edges, retain_graph)
+                for i, grad in enumerate(deltas):
+                    arrived(i, grad)
+            else:
+                _streamed_grads(self.losses, edges, retain_graph, arrived)
         finally:
             self.recorder._recording = True
-        start = 0
-        for use in uses:
-            use.deltas = list(deltas[start : start + len(use.edges)])
-            start += len(use.edges)
-            use.inner_deltas = list(deltas[start : start + len(use.inner_edges)])
-            start += len(use.inner_edges)
 
     # Execute ---------------------------------------------------------------------------
 
     def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = self.recorder
+        self.writes = write
         done: list[_Use] | None = None
         if write:  # every .grad to be written is checked before anything runs
             _sync.check_presets([(name, p) for p, name in self.selected.items()], self.call)
@@ -145,7 +175,8 @@ class _Run:
                     layer.precheck()
             due = _package._independence_due(self, blocks)  # see __init__
             probe = None if due is None else _probe(self, blocks)
-            self._collect(uses, retain_graph)
+            stream = None if due is not None or retain_graph else _Stream(self, blocks, write)
+            self._collect(uses, retain_graph, None if stream is None else stream.ready)
             if probe is not None:
                 _verify_independence(self, blocks, probe)
             recorder._recording = False  # functional calls of modules record nothing
@@ -190,7 +221,7 @@ class _Run:
                 gram = _gramian(self, blocks)
                 finite = bool(torch.isfinite(gram).all())
         for block in blocks:
-            plans.extend(layer.plan() for layer in block)
+            plans.extend(layer.planned or layer.plan() for layer in block)
         self.recorder.plan = PerExamplePlan(self.batch, plans)
         if not finite:
             bad = (~torch.isfinite(gram.diagonal())).nonzero().flatten().tolist()
@@ -277,18 +308,85 @@ def _blocks(run: _Run, uses: list[_Use]) -> list[list[_Layer]]:
     return list(blocks.values())
 
 
+class _Stream:
+    """Each layer processed as its last Δ arrives in the one backward, and its rows then let
+    go, so that the layers' Δ and inputs are not all held at once (peak memory):
+
+    - a call that writes nothing (``gramian``, ``per_example_norms``): the layer's block of
+      G (or its share of G's diagonal) is formed there, then its inputs A and its Δ are
+      dropped;
+    - a call that writes: the norms' (B, C) per-example gradients are formed there (the
+      update reads those), then their A and Δ are dropped; the other layers' A and Δ stay
+      for the update ``Aᵀ (w ⊙ Δ)``, whose weights w need all of G first.
+
+    Only single-layer blocks of the native rules whose rows all come from the one backward:
+    not the generic rule (functional calls of its module), nor attention where its Δq, Δk,
+    Δv need the recompute. A layer whose processing raises is left to the end, where the
+    same rule runs again as it would have (and raises there, if it does)."""
+
+    def __init__(self, run: _Run, blocks: list[list[_Layer]], write: bool) -> None:
+        self.run, self.write = run, write
+        self.waiting: dict[int, _Layer] = {}  # id(use) -> its layer
+        self.left: dict[int, int] = {}  # id(layer) -> its calls whose Δ are still to come
+        for block in blocks:
+            layer = block[0]
+            if len(block) != 1 or not self.eligible(layer):
+                continue
+            self.left[id(layer)] = len(layer.uses)
+            for use in layer.uses:
+                self.waiting[id(use)] = layer
+
+    def eligible(self, layer: _Layer) -> bool:
+        from ._rules import _Dense, _Embedding, _Norm
+
+        if self.write:
+            return type(layer) is _Norm
+        if isinstance(layer, _Attention):
+            return all(use.inner_edges for use in layer.uses)
+        return isinstance(layer, (_Dense, _Embedding, _Norm))
+
+    def ready(self, use: _Use) -> None:
+        """A call's last Δ arrived (in the backward: never raises)."""
+        layer = self.waiting.pop(id(use), None)
+        if layer is None:
+            return
+        self.left[id(layer)] -= 1
+        if self.left[id(layer)]:
+            return
+        try:
+            self.process(layer)
+        except Exception:  # left to the end: the rule runs again there
+            layer.streamed = None
+            return
+        layer.release()
+
+    def process(self, layer: _Layer) -> None:
+        from ._rules import _Dense
+
+        if self.write:  # a norm: its (B, C) per-example gradients, kept for G and the update
+            layer.per_example()
+            return
+        if isinstance(layer, _Dense):
+            # its rows are let go once its block is formed, so the end's recompute (see
+            # `_zero_unread`) cannot reach it: the rows no loss reads are zeroed in its input
+            # always (a device-side pass, no host read), which adds exactly 0 where they are
+            # finite and makes an inf or NaN there add nothing
+            layer.zero_unread = True
+        layer.streamed = layer.diagonal() if self.run.diagonal else layer.gramian()
+
+
 def _zero_unread(blocks: list[list[_Layer]]) -> bool:
     """Where G came out not finite: the Linear / convolution layers' rows whose output
     gradient is all zeros (read by no loss) zeroed in their input from now on (G, the
     norms and the update), as the ghost Gramian skips them, so that an inf or an overflow
     there adds nothing on any path (torch's dense product gives NaN). Whether any layer
-    can."""
+    changed (a layer formed during the backward had them zeroed already: `_Stream`)."""
     from ._rules import _Dense
 
     found = False
     for block in blocks:
         for layer in block:
-            if isinstance(layer, _Dense):
+            if isinstance(layer, _Dense) and not layer.zero_unread:
                 layer.zero_unread, layer.kept, found = True, None, True
     return found
 
@@ -299,6 +397,12 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
     found = torch.zeros(run.batch, dtype=run.dtype, device=run.device)
     gram = None if run.diagonal else found.new_zeros(run.batch, run.batch)
     for block in blocks:
+        if len(block) == 1 and block[0].streamed is not None:  # formed during the backward
+            if gram is None:
+                found = found + block[0].streamed
+            else:
+                gram = gram + block[0].streamed
+            continue
         if len(block) == 1:
             if gram is None:
                 found = found + block[0].diagonal()
