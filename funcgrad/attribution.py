@@ -102,8 +102,10 @@ class AttributionPlan:
         heads_read: where the heads (of the largest group, see ``forwards``) split from
             the model: the input of its output layer
             (``get_output_embeddings()``; head i applies the layer to its own position and
-            the cotangents are d wide), or the logits (no output layer, or one whose output
-            the model changes before returning it: the cotangents are a vocabulary wide).
+            the cotangents are d wide), or the logits (no output layer, one that is not a
+            plain ``torch.nn.Linear`` without hooks, which may mix the positions, or one
+            whose output the model changes before returning it: the cotangents are a
+            vocabulary wide).
         chunk_size: the most cotangents pulled back together (`funcgrad.compose_heads`'
             argument): None in forward mode; 1 for integrated gradients on the CPU under
             ``"auto"`` (a loop: each pull is already a batch of ``n_steps`` sequences).
@@ -402,6 +404,9 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
         return None, "the logits (no get_output_embeddings() returning a module)"
     if args.model in _LOGITS_ONLY:
         return None, f"the logits ({_LOGITS_ONLY[args.model]})"
+    mixes = _not_row_wise(layer)
+    if mixes is not None:
+        return None, f"the logits ({mixes})"
     weight = next(args.embedding.parameters(), None)
     width = int(getattr(layer, "in_features", 0) or getattr(args.embedding, "embedding_dim", 1))
     itemsize = weight.element_size() if weight is not None else 4
@@ -414,6 +419,46 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
             f"{nbytes / 2**20:.3g} MiB, exceed half the memory budget, {budget / 2**20:.3g} MiB)"
         )
     return layer, f"the input of the output layer ({type(layer).__name__})"
+
+
+def _not_row_wise(layer: torch.nn.Module) -> str | None:
+    """Why head i may not apply the output layer to its own row alone, or None where it may.
+    The model calls the layer once on all T rows, the heads once per row: the two agree for a
+    layer that maps each row on its own, which only a plain ``torch.nn.Linear`` guarantees
+    (``F.linear`` on the last dimension): its own ``forward`` and ``__call__``, plain weights,
+    no hook on it and no global module hook (a hook, or any other module, may mix the rows,
+    a running sum over the positions, say, and the per-row heads would be silently wrong).
+    Checked on every call: a hook registered later counts."""
+    kind = type(layer)
+    if not (
+        isinstance(layer, torch.nn.Linear)
+        and kind.forward is torch.nn.Linear.forward
+        and kind.__call__ is torch.nn.Module.__call__
+        and all(
+            t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
+            for t in (layer.weight, layer.bias)
+        )
+    ):
+        return (
+            f"the output layer, {kind.__name__}, is not a plain torch.nn.Linear: it may mix "
+            "the positions, so it is not applied to each target's row alone"
+        )
+    hooks = torch.nn.modules.module
+    if (
+        layer._forward_hooks
+        or layer._forward_pre_hooks
+        or layer._backward_hooks
+        or layer._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    ):
+        return (
+            "the output layer has a hook, or a global module hook is registered: it may mix "
+            "the positions, so the layer is not applied to each target's row alone"
+        )
+    return None
 
 
 def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> ChunkSize:
@@ -877,8 +922,10 @@ def token_attr(
         batched backward (chunks of ``chunk_size``; a loop for integrated gradients on the
         CPU): the backward work of captum's T backwards, without its T (or T x (n_steps +
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
-        ``get_output_embeddings()``), d wide, where the model returns that layer's output
-        as its logits (checked on every forward), else at the logits; the model's own call
+        ``get_output_embeddings()``), d wide, where that layer is a plain
+        ``torch.nn.Linear`` without hooks (row by row: checked on every call) and the model
+        returns its output as its logits (checked on every forward), else at the logits;
+        the model's own call
         of that layer runs on its input detached (no graph, no tangents). Hugging Face
         models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
         well above L_in, reverse mode runs a few groups of consecutive targets, each on its

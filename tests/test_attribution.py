@@ -234,6 +234,108 @@ def test_logits_changed_after_the_output_layer_are_read_as_logits(method):
     assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
 
 
+class RunningSum(torch.nn.Module):
+    """An output layer that mixes the positions (causally: the model stays causal)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h.cumsum(1))
+
+
+class OutputLayerLM(torch.nn.Module):
+    """A causal LM with ``get_output_embeddings()``: ``out`` is any module."""
+
+    def __init__(self, out: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.out = out
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(ids))))
+
+
+class LinearSubclass(torch.nn.Linear):
+    """A Linear whose forward is its own (here a running sum over the positions first)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h.cumsum(1))
+
+
+def _mixing_hook(module, args, output):
+    return output.cumsum(1)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RunningSum(6),
+        lambda: LinearSubclass(6, VOCAB),
+        lambda: torch.nn.Sequential(torch.nn.Linear(6, VOCAB)),
+    ],
+    ids=["module", "linear-subclass", "sequential"],
+)
+def test_an_output_layer_that_may_mix_the_positions_is_read_as_logits(make):
+    """The heads apply the output layer to their own row only where the layer is a plain
+    torch.nn.Linear (row by row by construction); any other module may mix the rows (a
+    running sum, causal, so the causal check passes), and the heads read the logits. Was
+    silently wrong (0.42 off) on the first two."""
+    torch.manual_seed(6)
+    model = OutputLayerLM(make()).double()
+    input_ids, target_ids = _ids(5, 4)
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    for mode in ("reverse", "forward"):
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+    assert "not a plain torch.nn.Linear" in read, read
+
+
+@pytest.mark.parametrize("where", ["layer", "layer-pre", "global"])
+def test_a_hook_added_to_the_output_layer_after_a_call_is_seen(where):
+    """A hook on the output layer (or a global module hook) may mix the rows: checked on
+    every call, so one registered after a first call sends the heads to the logits, and the
+    attributions stay exact; removed, the split point is back. Was silently wrong (0.65 off)."""
+    torch.manual_seed(7)
+    model = OutputLayerLM(torch.nn.Linear(6, VOCAB)).double()
+    input_ids, target_ids = _ids(5, 4)
+    plan = funcgrad.attribution.plan
+    assert plan(model, input_ids, target_ids).heads_read.startswith("the input of the output")
+    token_attr(model, input_ids, target_ids, mode="reverse")  # the split point, remembered
+    if where == "layer":
+        handle = model.out.register_forward_hook(_mixing_hook)
+    elif where == "layer-pre":
+        # (the heads' own calls of the layer would run it a second time on their rows)
+        handle = model.out.register_forward_pre_hook(lambda module, args: (2 * args[0].cumsum(1),))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: (
+                _mixing_hook(module, args, output) if module is model.out else None
+            )
+        )
+    try:
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        for mode in ("reverse", "forward"):
+            attr = token_attr(model, input_ids, target_ids, mode=mode)
+            torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        assert "hook" in plan(model, input_ids, target_ids).heads_read
+    finally:
+        handle.remove()
+    assert plan(model, input_ids, target_ids).heads_read.startswith("the input of the output")
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    attr = token_attr(model, input_ids, target_ids, mode="reverse")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
 def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     """On a model with an output layer (``get_output_embeddings()``), the T cotangents pulled
     back through the model are on that layer's input, (T, d) a row, not on the logits (T,
@@ -250,7 +352,8 @@ def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     model = transformers.GPT2LMHeadModel(config).double().eval()
     input_ids, target_ids = _ids(24, 16)
     widths = []
-    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-2]))
+    # (on the model: a hook on the output layer would make the heads read the logits)
+    model.register_forward_hook(lambda module, args, out: widths.append(out.logits.shape[-2]))
     read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
     assert read.startswith("the input of the output layer"), read
     token_attr(model, input_ids, target_ids, mode="reverse")  # (the first call measures)
