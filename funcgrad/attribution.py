@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -80,6 +81,24 @@ _COMPOSED: weakref.WeakKeyDictionary[
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
 _COMPOSED_PER_MODEL = 16
+# One call at a time per model (see _serialized).
+_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]
+_LOCKS = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _serialized(model: torch.nn.Module) -> threading.RLock:
+    """The model's lock. A call hooks the model's embedding layer (its output substituted)
+    and output layer (its input detached) for the length of one forward, and the heads then
+    call the output layer: those hooks are the module's, run by every thread, so two calls
+    on one model in two threads would run each other's (another call's embeddings
+    substituted, the heads' rows detached: refused by the checks, or zeros). So the calls
+    on one model run one at a time (re-entrant: the same thread may call again)."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 @dataclasses.dataclass(frozen=True)
@@ -936,6 +955,9 @@ def token_attr(
         mode and remembers it for the model (``plan`` says so).
         GPT-2's gradient summed over the embedding dimension (``method="gradient"``) is zero
         up to rounding: every pre-LayerNorm block ignores a shift of a token's residual.
+        Calls on one model run one at a time (its layers are hooked during a call, and
+        module hooks run in every thread); the model must not run in another thread
+        meanwhile.
     """
     args, requested = _validate(
         model,
@@ -950,26 +972,8 @@ def token_attr(
         _CALL,
         chunk_size,
     )
-    chosen, _ = _choose(args, requested, return_gradients, _CALL)
-    _check_causal(args)
-    if chosen == "forward" and requested == "auto":
-        # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
-        # run; under "auto" that is this function's choice to make: no warning, and reverse
-        # mode from the start on this model from then on (plan() says why).
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", FuncgradWarning)
-            attributions, gradients = _run(args, chosen, chunk_size)
-        failed = _forward_fallback(caught)
-        if failed is not None:
-            why = _why_not_forward(str(caught[failed].message))
-            _NO_FORWARD[args.model] = (args.model.training, why)
-        for index, message in enumerate(caught):  # every other warning, as it was
-            if index != failed:
-                warnings.warn_explicit(
-                    message.message, message.category, message.filename, message.lineno
-                )
-    else:
-        attributions, gradients = _run(args, chosen, chunk_size)
+    with _serialized(args.model):
+        attributions, gradients = _attribute(args, requested, chunk_size, return_gradients)
     if args.kept is not None:
         attributions = attributions[:, args.kept]
         gradients = None if gradients is None else gradients[:, args.kept]
@@ -977,6 +981,33 @@ def token_attr(
         assert gradients is not None
         return attributions, gradients
     return attributions
+
+
+def _attribute(
+    args: _Args, requested: Mode, chunk_size: ChunkSize, return_gradients: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_attr's work once its arguments are checked: the mode, the causal check, the
+    forward(s) and the pulls (under the model's lock)."""
+    chosen, _ = _choose(args, requested, return_gradients, _CALL)
+    _check_causal(args)
+    if chosen != "forward" or requested != "auto":
+        return _run(args, chosen, chunk_size)
+    # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
+    # run; under "auto" that is this function's choice to make: no warning, and reverse
+    # mode from the start on this model from then on (plan() says why).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FuncgradWarning)
+        result = _run(args, chosen, chunk_size)
+    failed = _forward_fallback(caught)
+    if failed is not None:
+        why = _why_not_forward(str(caught[failed].message))
+        _NO_FORWARD[args.model] = (args.model.training, why)
+    for index, message in enumerate(caught):  # every other warning, as it was
+        if index != failed:
+            warnings.warn_explicit(
+                message.message, message.category, message.filename, message.lineno
+            )
+    return result
 
 
 def plan(
