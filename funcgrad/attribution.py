@@ -21,7 +21,7 @@ import inspect
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypeAlias, cast, overload
 
 import numpy as np
@@ -29,7 +29,7 @@ import torch
 
 from . import _memory
 from ._errors import FuncgradWarning, describe
-from ._heads import ComposedHeads, compose_heads, stacked_heads
+from ._heads import compose_heads, stacked_heads
 from ._types import ChunkSize
 from ._validate import check_chunk_size, check_not_inference_mode
 
@@ -76,7 +76,7 @@ _LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 _COMPOSED: weakref.WeakKeyDictionary[
     torch.nn.Module,
     collections.OrderedDict[
-        tuple[Any, ...], tuple[weakref.ref[torch.nn.Module], ComposedHeads[Any]]
+        tuple[Any, ...], tuple[weakref.ref[torch.nn.Module], Callable[..., Any]]
     ],
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
@@ -189,7 +189,8 @@ def _ids(value: object, name: str, call: str) -> torch.Tensor:
             f"{call}: `{name}` must have shape (n,) or (1, n) (one sequence), got "
             f"{describe(value)}. Attribute one sequence per call."
         )
-    return value.long()
+    # (a copy: the user's tensor is never held, nor read after it is given back)
+    return value.to(dtype=torch.long, copy=True)
 
 
 def _validate(
@@ -405,6 +406,11 @@ def _check_substituted(output: Any, plain: torch.Tensor) -> None:
         )
 
 
+def _versions(*tensors: Any) -> tuple[int, ...]:
+    """The version counters of ``tensors`` (an in-place change bumps them; -1: none)."""
+    return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in tensors)
+
+
 class _NotTheLogits(Exception):
     """The model's output layer did not give the logits it returned (see `_composed`)."""
 
@@ -513,7 +519,7 @@ def _composed(
     chunk_size: ChunkSize,
     dtype: torch.dtype,
     unembedding: torch.nn.Module | None,
-) -> ComposedHeads[Any]:
+) -> Callable[..., Any]:
     """compose_heads of the model (fed embeddings through a hook) and the T heads, cached per
     model, embedding, method, shapes and split point.
 
@@ -567,7 +573,8 @@ def _composed(
         moved = x if x.dim() == 2 else x[:, None] * direction
         embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
-        layer: list[tuple[Any, Any, Any]] = []  # the output layer's (args, kwargs, output)
+        # the output layer's (args, kwargs, output, the versions of its input and output)
+        layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
 
         def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor:
             calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
@@ -584,11 +591,12 @@ def _composed(
             # The heads apply the layer to its input themselves: the model's own call of it
             # runs on the values alone, with no graph (reverse mode) and no tangents (forward
             # mode: L_in tangents of (rows, T, vocabulary) logits otherwise).
-            layer.append((inputs, kwargs, None))
+            layer.append((inputs, kwargs, None, ()))
             return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inputs), kwargs
 
         def capture(module: torch.nn.Module, inputs: Any, kwargs: Any, output: Any) -> None:
-            layer[-1] = (*layer[-1][:2], output)
+            given, kwargs, _, _ = layer[-1]
+            layer[-1] = (given, kwargs, output, _versions(*given, output))
 
         handles = [embedding.register_forward_hook(substitute)]
         output_layer = None if unembedding_ref is None else unembedding_ref()
@@ -619,13 +627,16 @@ def _composed(
             return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
         # The heads recompute the logits as output_layer(its input): they are the logits
         # returned only where the layer ran once, on one tensor, and returned them as they are.
-        inputs, kwargs, returned = layer[0] if len(layer) == 1 else ((), {}, None)
+        # (changed in place after the layer ran, the logits or the layer's input, by the
+        # model: the same tensor, other values; a detached input shares its version counter)
+        inputs, kwargs, returned, versions = layer[0] if len(layer) == 1 else ((), {}, None, ())
         inputs = tuple(inputs)
         hidden = inputs[0] if len(inputs) == 1 and not kwargs else None
         if (
             returned is not raw
             or not isinstance(hidden, torch.Tensor)
             or hidden.shape[:2] != raw.shape[:2]
+            or _versions(hidden, returned) != versions
         ):
             raise _NotTheLogits(
                 f"its output layer ({type(output_layer).__name__}) ran {len(layer)} times"
@@ -645,10 +656,11 @@ def _composed(
         log p(target i) (one step, of size 1, without integration); p is (rows, T)."""
         return (p * y).sum()
 
-    def unembedded(p: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    def unembedded(position: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Head i on the output layer's (rows, T, d) input: the layer on position i's row of
-        every step, log-softmax, target i's entry, weighed by the step sizes."""
-        position, target = p
+        every step, log-softmax, target i's entry (of this call's targets), weighed by the
+        step sizes."""
+        target = current[0].gather(0, position.reshape(1)).reshape(1, 1, 1)
         output_layer = unembedding_ref() if unembedding_ref is not None else None
         assert output_layer is not None
         # (gather, not index_select: vmap batches the heads' gather and its backward, where
@@ -661,15 +673,24 @@ def _composed(
     heads = (
         stacked_heads(weighed, weights[None, :, None] * torch.eye(targets, **like)[:, None, :])
         if unembedding_ref is None
-        else stacked_heads(
-            unembedded, (torch.arange(targets, device=device), args.target_ids[args.first :])
-        )
+        else stacked_heads(unembedded, torch.arange(targets, device=device))
     )
     fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
-    cache[key] = (embedding_ref, fn)
+    # The heads' target ids are data of each call, never of the cached heads (which serve
+    # every call of these shapes): set for the length of one call (calls run one at a time).
+    current: list[torch.Tensor] = []
+
+    def call(*arguments: Any) -> Any:
+        current.append(arguments[4])  # (f's target_ids: the heads' own, a copy of the user's)
+        try:
+            return fn(*arguments)
+        finally:
+            current.clear()
+
+    cache[key] = (embedding_ref, call)
     while len(cache) > _COMPOSED_PER_MODEL:
         cache.popitem(last=False)
-    return fn
+    return call
 
 
 def _embed(args: _Args, ids: torch.Tensor) -> Any:

@@ -153,6 +153,38 @@ def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["reverse", "forward", "groups"])
+def test_other_targets_of_the_same_length_on_a_second_call(method, mode):
+    """The composed functions are cached per shapes: the target ids are data of each call,
+    never of the cache (they were baked into the cached heads: a second call with other
+    targets of the same length returned the first call's attributions, 0.05-0.15 off), and
+    the user's id tensors are never held (mutated in place after a call, then passed again)."""
+    torch.manual_seed(11)
+    model = _gpt2(layers=1, width=16)
+    emb = model.get_input_embeddings()
+    prompt, targets = (4, 14) if mode == "groups" else (5, 3)
+    input_ids, first = _ids(prompt, targets)
+    second = (first * 7 + 3) % VOCAB
+    gradients = mode != "forward" and method != "integrated_gradients"
+    kwargs = {"method": method, "n_steps": 3, "mode": "forward" if mode == "forward" else "reverse"}
+    given = first.clone()
+    for targets_now in (first, second, "mutated"):
+        if isinstance(targets_now, str):
+            given[:] = (first * 5 + 1) % VOCAB  # the tensor of the first call, changed in place
+            targets_now = given.clone()
+            passed = given
+        else:
+            passed = given if targets_now is first else targets_now
+        expected, expected_grads = _loop(model, emb, input_ids, targets_now, method, n_steps=3)
+        if gradients:
+            attr, grads = token_attr(model, input_ids, passed, return_gradients=True, **kwargs)
+            torch.testing.assert_close(grads, expected_grads, rtol=0, atol=1e-12)
+        else:
+            attr = token_attr(model, input_ids, passed, **kwargs)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_reverse_mode_in_groups_of_targets_on_their_prefixes(gpt2, method):
     """T well above L_in: reverse mode runs a few groups of consecutive targets, each on its
     own prefix; the same attributions and gradients as the per-target loop."""
@@ -232,6 +264,56 @@ def test_logits_changed_after_the_output_layer_are_read_as_logits(method):
         torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
     assert "not its output layer's output" in attribution._LOGITS_ONLY[model]
     assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+
+
+class ChangedInPlace(torch.nn.Module):
+    """A causal LM that changes its logits in place after its output layer (so the tensor it
+    returns is the layer's output, changed)."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.lm_head = torch.nn.Linear(6, VOCAB)
+        self.change = change
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(ids))).cumsum(1)
+        logits = self.lm_head(hidden)
+        if self.change == "input":  # (the layer's input; its weights are frozen, see below)
+            hidden.mul_(2.0)
+        elif self.change == "scale":
+            logits.mul_(3.0)
+        elif self.change == "mix":  # (causal: position i adds position i - 1)
+            logits[:, 1:] += logits[:, :-1].clone()
+        elif self.change == "softcap":
+            logits.copy_(0.5 * torch.tanh(logits / 0.5))
+        else:
+            logits.add_(torch.arange(VOCAB, dtype=logits.dtype))
+        return logits
+
+
+@pytest.mark.parametrize("change", ["scale", "mix", "softcap", "bias", "input"])
+def test_logits_changed_in_place_after_the_output_layer_are_read_as_logits(change):
+    """The model returns its output layer's output, changed in place: the same tensor, but
+    not the layer's values, or the layer's input changed in place after it ran; the heads
+    read the logits (was silently wrong, 0.18-1.1 off, where only the tensor's identity was
+    checked)."""
+    input_ids, target_ids = _ids(5, 4)
+    for mode in ("reverse", "forward"):  # (a new model each: what is found is remembered)
+        torch.manual_seed(8)
+        model = ChangedInPlace(change).double()
+        model.lm_head.requires_grad_(False)  # (else autograd refuses the changed input)
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
 
 
 class RunningSum(torch.nn.Module):
