@@ -305,8 +305,17 @@ def _choose(
                 "mode forms the attributions, summed over the embedding dimension, directly."
             )
         return "reverse", "return_gradients=True: the (T, L_in, d) gradients come from reverse mode"
+    hooked = _backward_hooked(args)
+    if mode == "forward" and hooked is not None:
+        raise ValueError(
+            f"{call}: mode='forward' never runs module backward hooks, and {hooked} is "
+            "registered: it changes the gradients that reverse mode (and captum) computes. "
+            "Use mode='reverse' (or 'auto', which takes it), or remove the hook."
+        )
     if mode != "auto":
         return mode, f"mode={mode!r} requested"
+    if hooked is not None:
+        return "reverse", f"{hooked} is registered, which forward mode never runs"
     record = _NO_FORWARD.get(args.model)
     failed = record[1] if record is not None and record[0] == args.model.training else None
     # Measured (docs/benchmarks_attribution.md, 1 thread): at L_in = 16 forward mode took
@@ -324,6 +333,24 @@ def _choose(
         f"T = {targets} <= {FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g}: T "
         "cotangents, not L_in tangents"
     )
+
+
+def _backward_hooked(args: _Args) -> str | None:
+    """What module backward hook (full or pre, on a module of the model, its embedding or
+    output layer, or global) is registered, or None: reverse mode runs them (as captum's
+    backward does), forward mode never does."""
+    hooks = torch.nn.modules.module
+    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return "a global module backward hook"
+    get = getattr(args.model, "get_output_embeddings", None)
+    output_layer = get() if callable(get) else None
+    named = [*args.model.named_modules(), ("embedding", args.embedding)]
+    if isinstance(output_layer, torch.nn.Module):
+        named.append(("output layer", output_layer))
+    for name, module in named:
+        if module._backward_hooks or module._backward_pre_hooks:
+            return f"a backward hook on `{name or 'model'}` ({type(module).__name__})"
+    return None
 
 
 def _logits(output: object, call: str) -> torch.Tensor:
@@ -450,15 +477,19 @@ def _not_row_wise(layer: torch.nn.Module) -> str | None:
     """Why head i may not apply the output layer to its own row alone, or None where it may.
     The model calls the layer once on all T rows, the heads once per row: the two agree for a
     layer that maps each row on its own, which only a plain ``torch.nn.Linear`` guarantees
-    (``F.linear`` on the last dimension): its own ``forward`` and ``__call__``, plain weights,
-    no hook on it and no global module hook (a hook, or any other module, may mix the rows,
-    a running sum over the positions, say, and the per-row heads would be silently wrong).
-    Checked on every call: a hook registered later counts."""
+    (``F.linear`` on the last dimension): its own ``forward`` and ``__call__`` (neither
+    overridden by a subclass nor replaced on the instance, as accelerate's hooks replace
+    ``forward``), plain weights, no hook on it and no global module hook (a hook, or any
+    other module, may mix the rows, a running sum over the positions, say, and the per-row
+    heads would be silently wrong). Checked on every call: a hook registered later counts."""
     kind = type(layer)
+    calls = ("forward", "_call_impl", "_wrapped_call_impl")
     if not (
         isinstance(layer, torch.nn.Linear)
         and kind.forward is torch.nn.Linear.forward
         and kind.__call__ is torch.nn.Module.__call__
+        and all(getattr(kind, name) is getattr(torch.nn.Module, name) for name in calls[1:])
+        and not any(name in vars(layer) for name in calls)
         and all(
             t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
             for t in (layer.weight, layer.bias)

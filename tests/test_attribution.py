@@ -357,20 +357,36 @@ def _mixing_hook(module, args, output):
     return output.cumsum(1)
 
 
+def _forward_on_the_instance() -> torch.nn.Module:
+    """A plain Linear whose ``forward`` is replaced on the instance (as accelerate's hooks
+    replace it), here by one that mixes the positions."""
+    import types
+
+    layer = torch.nn.Linear(6, VOCAB)
+
+    def forward(self: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.weight, self.bias).cumsum(1)
+
+    layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
+    return layer
+
+
 @pytest.mark.parametrize(
     "make",
     [
         lambda: RunningSum(6),
         lambda: LinearSubclass(6, VOCAB),
         lambda: torch.nn.Sequential(torch.nn.Linear(6, VOCAB)),
+        _forward_on_the_instance,
     ],
-    ids=["module", "linear-subclass", "sequential"],
+    ids=["module", "linear-subclass", "sequential", "forward-on-the-instance"],
 )
 def test_an_output_layer_that_may_mix_the_positions_is_read_as_logits(make):
     """The heads apply the output layer to their own row only where the layer is a plain
     torch.nn.Linear (row by row by construction); any other module may mix the rows (a
     running sum, causal, so the causal check passes), and the heads read the logits. Was
-    silently wrong (0.42 off) on the first two."""
+    silently wrong (0.42 off) on the first two, and on the last (0.5 off: a forward replaced
+    on the instance)."""
     torch.manual_seed(6)
     model = OutputLayerLM(make()).double()
     input_ids, target_ids = _ids(5, 4)
@@ -598,6 +614,44 @@ def test_skip_ids_drop_columns_and_keep_the_skipped_tokens_in_the_baseline(gpt2)
     full = token_attr(gpt2, input_ids, target_ids, skip_ids=[7])
     assert full.shape == (3, int((input_ids != 7).sum()))
     torch.testing.assert_close(full, token_attr(gpt2, input_ids, target_ids)[:, input_ids != 7])
+
+
+@pytest.mark.parametrize("where", ["full", "pre", "global", "global-pre"])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # (torch's, on the embedding)
+def test_module_backward_hooks_take_reverse_mode(where):
+    """A module backward hook (full or pre, on a module of the model or global) changes the
+    gradients that reverse mode, captum's, computes; forward mode never runs it (was silently
+    wrong, 0.006-0.4 off, where "auto" took forward mode). "auto" takes reverse mode, and
+    mode="forward" is refused, naming the module."""
+    torch.manual_seed(9)
+    model = OutputLayerLM(torch.nn.Linear(6, VOCAB)).double()
+    input_ids, target_ids = _ids(3, 11)  # 2.5 L_in < T: forward mode under "auto"
+    module = torch.nn.modules.module
+    hooks = {
+        "full": lambda: model.mix.register_full_backward_hook(lambda m, gi, go: (2 * gi[0],)),
+        "pre": lambda: model.mix.register_full_backward_pre_hook(lambda m, go: (3 * go[0],)),
+        "global": lambda: module.register_module_full_backward_hook(
+            lambda m, gi, go: (2 * gi[0],) if m is model.mix else None
+        ),
+        "global-pre": lambda: module.register_module_full_backward_pre_hook(
+            lambda m, go: (3 * go[0],) if m is model.mix else None
+        ),
+    }
+    handle = hooks[where]()
+    try:
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        # (torch.func cannot run a module backward hook: compose_heads says it falls back)
+        with pytest.warns(funcgrad.FuncgradWarning, match="fell back to eager"):
+            attr = token_attr(model, input_ids, target_ids)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        plan = funcgrad.attribution.plan(model, input_ids, target_ids)
+        assert plan.mode == "reverse" and "backward hook" in plan.why, plan
+        name = "a global module backward" if where.startswith("global") else "`mix`"
+        with pytest.raises(ValueError, match=CALL + ".*" + re.escape(name) + ".*mode='reverse'"):
+            token_attr(model, input_ids, target_ids, mode="forward")
+    finally:
+        handle.remove()
+    assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
 
 
 def test_fused_attention_falls_back_to_reverse_mode_under_auto():
