@@ -16,18 +16,19 @@ the same gradient with respect to every earlier embedding.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeAlias, cast, overload
 
 import numpy as np
 import torch
 
-from . import _memory
+from . import _linearize, _memory
 from ._errors import FuncgradWarning, describe
 from ._heads import compose_heads, stacked_heads
 from ._types import ChunkSize
@@ -81,24 +82,47 @@ _COMPOSED: weakref.WeakKeyDictionary[
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
 _COMPOSED_PER_MODEL = 16
-# One call at a time per model (see _serialized).
-_LOCKS: weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]
-_LOCKS = weakref.WeakKeyDictionary()
-_LOCKS_LOCK = threading.Lock()
+# One call at a time, whatever the model (see _claimed).
+_LOCK = threading.RLock()
+# The modules of the calls running now (in this thread: a call made from a model's forward),
+# by id: a call hooks them, so another call on any of them is refused.
+_BUSY: dict[int, torch.nn.Module] = {}
 
 
-def _serialized(model: torch.nn.Module) -> threading.RLock:
-    """The model's lock. A call hooks the model's embedding layer (its output substituted)
-    and output layer (its input detached) for the length of one forward, and the heads then
-    call the output layer: those hooks are the module's, run by every thread, so two calls
-    on one model in two threads would run each other's (another call's embeddings
-    substituted, the heads' rows detached: refused by the checks, or zeros). So the calls
-    on one model run one at a time (re-entrant: the same thread may call again)."""
-    with _LOCKS_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
+@contextlib.contextmanager
+def _claimed(args: _Args) -> Iterator[None]:
+    """Runs one call alone. A call hooks the embedding layer (its output substituted) and the
+    output layer (its input detached) for the length of one forward, and the heads then call
+    the output layer: those hooks are the modules', run by every thread and by every model
+    that shares the layers (a wrapper and its base model, PEFT), so two calls at once would
+    run each other's (another call's embeddings substituted, the heads' rows detached:
+    refused, wrong, or functorch's internal asserts). So all calls run one at a time, under
+    one lock for every model (a lock per model let a wrapper and its base run together, and
+    two models whose forwards call each other deadlock). The lock is re-entrant: a model's
+    forward may call token_attr on another model, but not on the model, the embedding layer
+    or the output layer of a call already running (its hooks are installed: refused)."""
+    get = getattr(args.model, "get_output_embeddings", None)
+    output_layer = get() if callable(get) else None
+    modules = [args.model, args.embedding]
+    if isinstance(output_layer, torch.nn.Module):
+        modules.append(output_layer)
+    with _LOCK:
+        busy = [module for module in modules if id(module) in _BUSY]
+        if busy:
+            raise RuntimeError(
+                f"{_CALL}: called again on {type(busy[0]).__name__} while a call on it (or a "
+                "model sharing its embedding or output layer) is running, from the model's "
+                "forward or a hook: that call has hooked those layers, and the inner call "
+                "would run its hooks (all zeros). Call token_attr after the outer call "
+                "returns."
+            )
+        added = {id(module): module for module in modules}
+        _BUSY.update(added)
+        try:
+            yield
+        finally:
+            for key in added:
+                del _BUSY[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1024,7 +1048,7 @@ def token_attr(
         _CALL,
         chunk_size,
     )
-    with _serialized(args.model):
+    with _claimed(args):
         attributions, gradients = _attribute(args, requested, chunk_size, return_gradients)
     if args.kept is not None:
         attributions = attributions[:, args.kept]
@@ -1052,8 +1076,12 @@ def _attribute(
         result = _run(args, chosen, chunk_size)
     failed = _forward_fallback(caught)
     if failed is not None:
-        why = _why_not_forward(str(caught[failed].message))
-        _NO_FORWARD[args.model] = (args.model.training, why)
+        text = str(caught[failed].message)
+        why = _why_not_forward(text)
+        if "draws random numbers" in text or _linearize.is_forward_mode_limit(RuntimeError(why)):
+            _NO_FORWARD[args.model] = (args.model.training, why)
+        else:  # (the model's own error: not remembered, and its warning is kept)
+            failed = None
     for index, message in enumerate(caught):  # every other warning, as it was
         if index != failed:
             warnings.warn_explicit(

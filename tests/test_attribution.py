@@ -8,6 +8,7 @@ with captum itself to 1e-10 in float64 on a random-weight GPT-2.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 import weakref
@@ -470,6 +471,150 @@ def test_calls_on_one_model_in_several_threads_run_one_at_a_time(gpt2, mode):
     assert len(gaps) == 8 * len(jobs) and max(gaps) <= 1e-12, max(gaps)
 
 
+class Wrapper(torch.nn.Module):
+    """Another model object on the same layers (as PEFT's wrappers are)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids)
+
+
+class CallsDuringItsForward(OutputLayerLM):
+    """A model whose forward, on its first run in the calling thread while armed, calls
+    ``self.during()`` (another token_attr call)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(6, VOCAB))
+        self.during: object = None
+        self.results: list[object] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        during, self.during = self.during, None
+        if callable(during):
+            try:
+                self.results.append(during())
+            except Exception as error:  # (kept: the test looks at it)
+                self.results.append(error)
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_call_on_a_model_sharing_the_layers_waits_for_the_running_call(mode):
+    """A wrapper and its base model are two model objects on the same layers, which a call
+    hooks: a call on one, started in another thread while a call on the other runs its
+    forward (with its hooks installed), waits for it (a lock per model let it run: 27 of 98
+    calls raised, among them functorch's internal asserts, and 7 were wrong); both exact."""
+    import threading
+
+    torch.manual_seed(10)
+    base = CallsDuringItsForward().double()
+    wrapper = Wrapper(base)
+    input_ids, target_ids = _ids(4, 5)
+    expected, _ = _loop(base, base.embed, input_ids, target_ids, "grad_x_input")
+    token_attr(base, input_ids, target_ids, mode=mode)  # (the causal probe: not in the race)
+    token_attr(wrapper, input_ids, target_ids, mode=mode)
+    results: list[object] = []
+
+    def other() -> None:
+        try:
+            results.append(token_attr(wrapper, input_ids, target_ids, mode=mode))
+        except Exception as error:  # (kept: the test looks at it)
+            results.append(error)
+
+    thread = threading.Thread(target=other, daemon=True)
+
+    def start_the_other_call() -> None:
+        thread.start()
+        thread.join(timeout=0.5)  # (it waits for the lock: not done here)
+
+    base.during = start_the_other_call
+    results.append(token_attr(base, input_ids, target_ids, mode=mode))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert len(results) == 2 and all(isinstance(r, torch.Tensor) for r in results), results
+    for attr in results:
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("on", ["model", "wrapper"])
+def test_a_call_from_the_forward_of_a_running_call_on_its_layers_is_refused(on):
+    """A model whose forward calls token_attr on itself (or on a model sharing its layers)
+    while a call on it runs: the outer call's hooks are installed, and the inner call
+    returned all zeros (a re-entrant lock let it in). Refused; the outer call is exact."""
+    torch.manual_seed(12)
+    model = CallsDuringItsForward().double()
+    again = model if on == "model" else Wrapper(model)
+    input_ids, target_ids = _ids(4, 3)
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    token_attr(model, input_ids, target_ids)  # (past the causal probe: the forward is f's)
+    model.during = lambda: token_attr(again, input_ids, target_ids)
+    attr = token_attr(model, input_ids, target_ids)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    (inner,) = model.results
+    assert isinstance(inner, RuntimeError), inner
+    assert re.search(CALL + ".*called again on .* while a call on it", str(inner)), inner
+    torch.testing.assert_close(token_attr(again, input_ids, target_ids), expected)
+
+
+def test_models_whose_forwards_call_each_other_in_two_threads_do_not_deadlock():
+    """Model a's forward calls token_attr on b, b's on a, in two threads at once: with a
+    lock per model the two calls took them in opposite orders and waited for ever. One lock
+    for every call: both finish, exact, and the nested calls too."""
+    import threading
+
+    torch.manual_seed(13)
+    input_ids, target_ids = _ids(4, 3)
+    both_inside = threading.Barrier(2)
+    nested = threading.local()
+
+    class CallsThePeer(OutputLayerLM):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(6, VOCAB))
+            self.peer: list[torch.nn.Module] = []  # (a list: not a submodule)
+            self.results: list[torch.Tensor] = []
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if self.peer and not getattr(nested, "inside", False):
+                nested.inside = True  # (once per thread: not from the peer's forward)
+                # (both outer calls in their forwards; with one lock, one gets there)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_inside.wait(timeout=1)
+                self.results.append(token_attr(self.peer[0], input_ids, target_ids))
+            return super().forward(ids)
+
+    a, b = CallsThePeer().double(), CallsThePeer().double()
+    expected = {id(m): _loop(m, m.embed, input_ids, target_ids, "grad_x_input")[0] for m in (a, b)}
+    a.peer.append(b)
+    b.peer.append(a)
+    results: dict[int, object] = {}
+
+    def outer(model: torch.nn.Module) -> None:
+        try:
+            results[id(model)] = token_attr(model, input_ids, target_ids)
+        except Exception as error:  # (kept: the test looks at it)
+            results[id(model)] = error
+
+    threads = [threading.Thread(target=outer, args=(m,), daemon=True) for m in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "deadlocked"
+    for model, peer in ((a, b), (b, a)):
+        torch.testing.assert_close(results[id(model)], expected[id(model)], rtol=0, atol=1e-12)
+        (inner,) = model.results
+        torch.testing.assert_close(inner, expected[id(peer)], rtol=0, atol=1e-12)
+
+
 def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     """On a model with an output layer (``get_output_embeddings()``), the T cotangents pulled
     back through the model are on that layer's input, (T, d) a row, not on the logits (T,
@@ -660,12 +805,45 @@ def test_fused_attention_falls_back_to_reverse_mode_under_auto():
     input_ids, target_ids = _ids(3, 10)
     assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning under auto
+        # no warning of funcgrad's under auto (torch's own on first use of forward AD, when
+        # this test runs alone, is not this test's)
+        warnings.simplefilter("error", funcgrad.FuncgradWarning)
         attr = token_attr(model, input_ids, target_ids)
     plan = funcgrad.attribution.plan(model, input_ids, target_ids)
     assert plan.mode == "reverse" and "forward AD" in plan.why, plan
     expected = token_attr(model, input_ids, target_ids, mode="reverse")
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
+
+
+def test_an_error_of_the_model_in_the_forward_mode_pass_is_not_remembered():
+    """Under "auto", forward mode falls back to reverse mode where it cannot run, and the
+    model is remembered; an error of the model's own in that pass (here its third forward)
+    was swallowed and the model remembered for good. It is now reported (compose_heads'
+    warning, kept) and not remembered: the next call takes forward mode again."""
+
+    class FailsOnce(OutputLayerLM):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(6, VOCAB))
+            self.forwards = 0
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.forwards += 1
+            if self.forwards == 3:  # (after the causal probe's two: the forward-mode pass)
+                raise RuntimeError("the model's own error")
+            return super().forward(ids)
+
+    torch.manual_seed(14)
+    model = FailsOnce().double()
+    input_ids, target_ids = _ids(3, 10)
+    plan = funcgrad.attribution.plan
+    assert plan(model, input_ids, target_ids).mode == "forward"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        attr = token_attr(model, input_ids, target_ids)
+    assert any("the model's own error" in str(w.message) for w in caught), caught
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    assert plan(model, input_ids, target_ids).mode == "forward"
 
 
 def test_plan_counts():
