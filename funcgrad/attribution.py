@@ -112,9 +112,9 @@ def _claimed(args: _Args) -> Iterator[None]:
             raise RuntimeError(
                 f"{_CALL}: called again on {type(busy[0]).__name__} while a call on it (or a "
                 "model sharing its embedding or output layer) is running, from the model's "
-                "forward or a hook: that call has hooked those layers, and the inner call "
-                "would run its hooks (all zeros). Call token_attr after the outer call "
-                "returns."
+                "forward or a hook: that call hooks those layers during its forward, and the "
+                "inner call would run its hooks (all zeros). Call token_attr after the outer "
+                "call returns."
             )
         added = {id(module): module for module in modules}
         _BUSY.update(added)
@@ -1018,22 +1018,28 @@ def token_attr(
         CPU): the backward work of captum's T backwards, without its T (or T x (n_steps +
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
         ``get_output_embeddings()``), d wide, where that layer is a plain
-        ``torch.nn.Linear`` without hooks (row by row: checked on every call) and the model
-        returns its output as its logits (checked on every forward), else at the logits;
-        the model's own call
-        of that layer runs on its input detached (no graph, no tangents). Hugging Face
+        ``torch.nn.Linear`` without hooks or a replaced ``forward`` (row by row: checked on
+        every call) and the model returns its output unchanged as its logits (not changed
+        in place either: checked on every forward), else at the logits; the model's own
+        call of that layer runs on its input detached (no graph, no tangents). Hugging Face
         models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
         well above L_in, reverse mode runs a few groups of consecutive targets, each on its
         own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
         the L_in tangents go through with that forward, whatever T.
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
-        mode and remembers it for the model (``plan`` says so).
+        mode and remembers it for the model (``plan`` says so). An error of the model's own
+        in that pass is not remembered: its warning is kept, and reverse mode gives the
+        answer.
         GPT-2's gradient summed over the embedding dimension (``method="gradient"``) is zero
         up to rounding: every pre-LayerNorm block ignores a shift of a token's residual.
-        Calls on one model run one at a time (its layers are hooked during a call, and
-        module hooks run in every thread); the model must not run in another thread
-        meanwhile.
+        All calls of ``token_attr`` run one at a time, whatever the model, under one lock
+        (a call hooks the embedding and output layers, and module hooks run in every thread
+        and for every model sharing the layers); the model must not run in another thread
+        meanwhile. A model's forward may call ``token_attr`` on another model, but a call
+        on the model, embedding or output layer of a call still running is refused.
+        Module backward hooks (full or pre, on a module or global) run in reverse mode only:
+        ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
     """
     args, requested = _validate(
         model,
