@@ -843,13 +843,22 @@ def _run_group(
         fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
         with torch.enable_grad():
             _, grads = fn(x, scaled, direction, sequence, heads, plain)
+        return _formed(mode, grads, direction)
     except _NotTheLogits as error:
         # The output layer's input is no split point on this model: the heads read the
         # logits, on this call and from then on.
         _LOGITS_ONLY[args.model] = str(error)
-        fn = _composed(args, mode, chunk_size, scaled.dtype, None)
-        with torch.enable_grad():
-            _, grads = fn(x, scaled, direction, sequence, heads, plain)
+    # (outside the except: an error of this call is not shown as raised while handling it)
+    fn = _composed(args, mode, chunk_size, scaled.dtype, None)
+    with torch.enable_grad():
+        _, grads = fn(x, scaled, direction, sequence, heads, plain)
+    return _formed(mode, grads, direction)
+
+
+def _formed(
+    mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attributions, gradients or None): forward mode forms the attributions itself."""
     if mode == "forward":
         return grads, None
     return (grads * direction).sum(-1), grads
