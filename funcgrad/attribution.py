@@ -16,19 +16,21 @@ the same gradient with respect to every earlier embedding.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import inspect
+import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, TypeAlias, cast, overload
 
 import numpy as np
 import torch
 
-from . import _memory
+from . import _linearize, _memory
 from ._errors import FuncgradWarning, describe
-from ._heads import ComposedHeads, compose_heads, stacked_heads
+from ._heads import compose_heads, stacked_heads
 from ._types import ChunkSize
 from ._validate import check_chunk_size, check_not_inference_mode
 
@@ -75,11 +77,52 @@ _LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 _COMPOSED: weakref.WeakKeyDictionary[
     torch.nn.Module,
     collections.OrderedDict[
-        tuple[Any, ...], tuple[weakref.ref[torch.nn.Module], ComposedHeads[Any]]
+        tuple[Any, ...], tuple[weakref.ref[torch.nn.Module], Callable[..., Any]]
     ],
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
 _COMPOSED_PER_MODEL = 16
+# One call at a time, whatever the model (see _claimed).
+_LOCK = threading.RLock()
+# The modules of the calls running now (in this thread: a call made from a model's forward),
+# by id: a call hooks them, so another call on any of them is refused.
+_BUSY: dict[int, torch.nn.Module] = {}
+
+
+@contextlib.contextmanager
+def _claimed(args: _Args) -> Iterator[None]:
+    """Runs one call alone. A call hooks the embedding layer (its output substituted) and the
+    output layer (its input detached) for the length of one forward, and the heads then call
+    the output layer: those hooks are the modules', run by every thread and by every model
+    that shares the layers (a wrapper and its base model, PEFT), so two calls at once would
+    run each other's (another call's embeddings substituted, the heads' rows detached:
+    refused, wrong, or functorch's internal asserts). So all calls run one at a time, under
+    one lock for every model (a lock per model let a wrapper and its base run together, and
+    two models whose forwards call each other deadlock). The lock is re-entrant: a model's
+    forward may call token_attr on another model, but not on the model, the embedding layer
+    or the output layer of a call already running (its hooks are installed: refused)."""
+    get = getattr(args.model, "get_output_embeddings", None)
+    output_layer = get() if callable(get) else None
+    modules = [args.model, args.embedding]
+    if isinstance(output_layer, torch.nn.Module):
+        modules.append(output_layer)
+    with _LOCK:
+        busy = [module for module in modules if id(module) in _BUSY]
+        if busy:
+            raise RuntimeError(
+                f"{_CALL}: called again on {type(busy[0]).__name__} while a call on it (or a "
+                "model sharing its embedding or output layer) is running, from the model's "
+                "forward or a hook: that call hooks those layers during its forward, and the "
+                "inner call would run its hooks (all zeros). Call token_attr after the outer "
+                "call returns."
+            )
+        added = {id(module): module for module in modules}
+        _BUSY.update(added)
+        try:
+            yield
+        finally:
+            for key in added:
+                del _BUSY[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +145,10 @@ class AttributionPlan:
         heads_read: where the heads (of the largest group, see ``forwards``) split from
             the model: the input of its output layer
             (``get_output_embeddings()``; head i applies the layer to its own position and
-            the cotangents are d wide), or the logits (no output layer, or one whose output
-            the model changes before returning it: the cotangents are a vocabulary wide).
+            the cotangents are d wide), or the logits (no output layer, one that is not a
+            plain ``torch.nn.Linear`` without hooks, which may mix the positions, or one
+            whose output the model changes before returning it: the cotangents are a
+            vocabulary wide).
         chunk_size: the most cotangents pulled back together (`funcgrad.compose_heads`'
             argument): None in forward mode; 1 for integrated gradients on the CPU under
             ``"auto"`` (a loop: each pull is already a batch of ``n_steps`` sequences).
@@ -168,7 +213,8 @@ def _ids(value: object, name: str, call: str) -> torch.Tensor:
             f"{call}: `{name}` must have shape (n,) or (1, n) (one sequence), got "
             f"{describe(value)}. Attribute one sequence per call."
         )
-    return value.long()
+    # (a copy: the user's tensor is never held, nor read after it is given back)
+    return value.to(dtype=torch.long, copy=True)
 
 
 def _validate(
@@ -283,8 +329,17 @@ def _choose(
                 "mode forms the attributions, summed over the embedding dimension, directly."
             )
         return "reverse", "return_gradients=True: the (T, L_in, d) gradients come from reverse mode"
+    hooked = _backward_hooked(args)
+    if mode == "forward" and hooked is not None:
+        raise ValueError(
+            f"{call}: mode='forward' never runs module backward hooks, and {hooked} is "
+            "registered: it changes the gradients that reverse mode (and captum) computes. "
+            "Use mode='reverse' (or 'auto', which takes it), or remove the hook."
+        )
     if mode != "auto":
         return mode, f"mode={mode!r} requested"
+    if hooked is not None:
+        return "reverse", f"{hooked} is registered, which forward mode never runs"
     record = _NO_FORWARD.get(args.model)
     failed = record[1] if record is not None and record[0] == args.model.training else None
     # Measured (docs/benchmarks_attribution.md, 1 thread): at L_in = 16 forward mode took
@@ -302,6 +357,24 @@ def _choose(
         f"T = {targets} <= {FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g}: T "
         "cotangents, not L_in tangents"
     )
+
+
+def _backward_hooked(args: _Args) -> str | None:
+    """What module backward hook (full or pre, on a module of the model, its embedding or
+    output layer, or global) is registered, or None: reverse mode runs them (as captum's
+    backward does), forward mode never does."""
+    hooks = torch.nn.modules.module
+    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return "a global module backward hook"
+    get = getattr(args.model, "get_output_embeddings", None)
+    output_layer = get() if callable(get) else None
+    named = [*args.model.named_modules(), ("embedding", args.embedding)]
+    if isinstance(output_layer, torch.nn.Module):
+        named.append(("output layer", output_layer))
+    for name, module in named:
+        if module._backward_hooks or module._backward_pre_hooks:
+            return f"a backward hook on `{name or 'model'}` ({type(module).__name__})"
+    return None
 
 
 def _logits(output: object, call: str) -> torch.Tensor:
@@ -384,6 +457,11 @@ def _check_substituted(output: Any, plain: torch.Tensor) -> None:
         )
 
 
+def _versions(*tensors: Any) -> tuple[int, ...]:
+    """The version counters of ``tensors`` (an in-place change bumps them; -1: none)."""
+    return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in tensors)
+
+
 class _NotTheLogits(Exception):
     """The model's output layer did not give the logits it returned (see `_composed`)."""
 
@@ -402,6 +480,9 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
         return None, "the logits (no get_output_embeddings() returning a module)"
     if args.model in _LOGITS_ONLY:
         return None, f"the logits ({_LOGITS_ONLY[args.model]})"
+    mixes = _not_row_wise(layer)
+    if mixes is not None:
+        return None, f"the logits ({mixes})"
     weight = next(args.embedding.parameters(), None)
     width = int(getattr(layer, "in_features", 0) or getattr(args.embedding, "embedding_dim", 1))
     itemsize = weight.element_size() if weight is not None else 4
@@ -414,6 +495,50 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
             f"{nbytes / 2**20:.3g} MiB, exceed half the memory budget, {budget / 2**20:.3g} MiB)"
         )
     return layer, f"the input of the output layer ({type(layer).__name__})"
+
+
+def _not_row_wise(layer: torch.nn.Module) -> str | None:
+    """Why head i may not apply the output layer to its own row alone, or None where it may.
+    The model calls the layer once on all T rows, the heads once per row: the two agree for a
+    layer that maps each row on its own, which only a plain ``torch.nn.Linear`` guarantees
+    (``F.linear`` on the last dimension): its own ``forward`` and ``__call__`` (neither
+    overridden by a subclass nor replaced on the instance, as accelerate's hooks replace
+    ``forward``), plain weights, no hook on it and no global module hook (a hook, or any
+    other module, may mix the rows, a running sum over the positions, say, and the per-row
+    heads would be silently wrong). Checked on every call: a hook registered later counts."""
+    kind = type(layer)
+    calls = ("forward", "_call_impl", "_wrapped_call_impl")
+    if not (
+        isinstance(layer, torch.nn.Linear)
+        and kind.forward is torch.nn.Linear.forward
+        and kind.__call__ is torch.nn.Module.__call__
+        and all(getattr(kind, name) is getattr(torch.nn.Module, name) for name in calls[1:])
+        and not any(name in vars(layer) for name in calls)
+        and all(
+            t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
+            for t in (layer.weight, layer.bias)
+        )
+    ):
+        return (
+            f"the output layer, {kind.__name__}, is not a plain torch.nn.Linear: it may mix "
+            "the positions, so it is not applied to each target's row alone"
+        )
+    hooks = torch.nn.modules.module
+    if (
+        layer._forward_hooks
+        or layer._forward_pre_hooks
+        or layer._backward_hooks
+        or layer._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    ):
+        return (
+            "the output layer has a hook, or a global module hook is registered: it may mix "
+            "the positions, so the layer is not applied to each target's row alone"
+        )
+    return None
 
 
 def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> ChunkSize:
@@ -449,7 +574,7 @@ def _composed(
     chunk_size: ChunkSize,
     dtype: torch.dtype,
     unembedding: torch.nn.Module | None,
-) -> ComposedHeads[Any]:
+) -> Callable[..., Any]:
     """compose_heads of the model (fed embeddings through a hook) and the T heads, cached per
     model, embedding, method, shapes and split point.
 
@@ -503,7 +628,8 @@ def _composed(
         moved = x if x.dim() == 2 else x[:, None] * direction
         embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
-        layer: list[tuple[Any, Any, Any]] = []  # the output layer's (args, kwargs, output)
+        # the output layer's (args, kwargs, output, the versions of its input and output)
+        layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
 
         def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor:
             calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
@@ -520,11 +646,12 @@ def _composed(
             # The heads apply the layer to its input themselves: the model's own call of it
             # runs on the values alone, with no graph (reverse mode) and no tangents (forward
             # mode: L_in tangents of (rows, T, vocabulary) logits otherwise).
-            layer.append((inputs, kwargs, None))
+            layer.append((inputs, kwargs, None, ()))
             return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inputs), kwargs
 
         def capture(module: torch.nn.Module, inputs: Any, kwargs: Any, output: Any) -> None:
-            layer[-1] = (*layer[-1][:2], output)
+            given, kwargs, _, _ = layer[-1]
+            layer[-1] = (given, kwargs, output, _versions(*given, output))
 
         handles = [embedding.register_forward_hook(substitute)]
         output_layer = None if unembedding_ref is None else unembedding_ref()
@@ -555,13 +682,16 @@ def _composed(
             return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
         # The heads recompute the logits as output_layer(its input): they are the logits
         # returned only where the layer ran once, on one tensor, and returned them as they are.
-        inputs, kwargs, returned = layer[0] if len(layer) == 1 else ((), {}, None)
+        # (changed in place after the layer ran, the logits or the layer's input, by the
+        # model: the same tensor, other values; a detached input shares its version counter)
+        inputs, kwargs, returned, versions = layer[0] if len(layer) == 1 else ((), {}, None, ())
         inputs = tuple(inputs)
         hidden = inputs[0] if len(inputs) == 1 and not kwargs else None
         if (
             returned is not raw
             or not isinstance(hidden, torch.Tensor)
             or hidden.shape[:2] != raw.shape[:2]
+            or _versions(hidden, returned) != versions
         ):
             raise _NotTheLogits(
                 f"its output layer ({type(output_layer).__name__}) ran {len(layer)} times"
@@ -581,10 +711,11 @@ def _composed(
         log p(target i) (one step, of size 1, without integration); p is (rows, T)."""
         return (p * y).sum()
 
-    def unembedded(p: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    def unembedded(position: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Head i on the output layer's (rows, T, d) input: the layer on position i's row of
-        every step, log-softmax, target i's entry, weighed by the step sizes."""
-        position, target = p
+        every step, log-softmax, target i's entry (of this call's targets), weighed by the
+        step sizes."""
+        target = current[0].gather(0, position.reshape(1)).reshape(1, 1, 1)
         output_layer = unembedding_ref() if unembedding_ref is not None else None
         assert output_layer is not None
         # (gather, not index_select: vmap batches the heads' gather and its backward, where
@@ -597,15 +728,24 @@ def _composed(
     heads = (
         stacked_heads(weighed, weights[None, :, None] * torch.eye(targets, **like)[:, None, :])
         if unembedding_ref is None
-        else stacked_heads(
-            unembedded, (torch.arange(targets, device=device), args.target_ids[args.first :])
-        )
+        else stacked_heads(unembedded, torch.arange(targets, device=device))
     )
     fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
-    cache[key] = (embedding_ref, fn)
+    # The heads' target ids are data of each call, never of the cached heads (which serve
+    # every call of these shapes): set for the length of one call (calls run one at a time).
+    current: list[torch.Tensor] = []
+
+    def call(*arguments: Any) -> Any:
+        current.append(arguments[4])  # (f's target_ids: the heads' own, a copy of the user's)
+        try:
+            return fn(*arguments)
+        finally:
+            current.clear()
+
+    cache[key] = (embedding_ref, call)
     while len(cache) > _COMPOSED_PER_MODEL:
         cache.popitem(last=False)
-    return fn
+    return call
 
 
 def _embed(args: _Args, ids: torch.Tensor) -> Any:
@@ -703,13 +843,22 @@ def _run_group(
         fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
         with torch.enable_grad():
             _, grads = fn(x, scaled, direction, sequence, heads, plain)
+        return _formed(mode, grads, direction)
     except _NotTheLogits as error:
         # The output layer's input is no split point on this model: the heads read the
         # logits, on this call and from then on.
         _LOGITS_ONLY[args.model] = str(error)
-        fn = _composed(args, mode, chunk_size, scaled.dtype, None)
-        with torch.enable_grad():
-            _, grads = fn(x, scaled, direction, sequence, heads, plain)
+    # (outside the except: an error of this call is not shown as raised while handling it)
+    fn = _composed(args, mode, chunk_size, scaled.dtype, None)
+    with torch.enable_grad():
+        _, grads = fn(x, scaled, direction, sequence, heads, plain)
+    return _formed(mode, grads, direction)
+
+
+def _formed(
+    mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(attributions, gradients or None): forward mode forms the attributions itself."""
     if mode == "forward":
         return grads, None
     return (grads * direction).sum(-1), grads
@@ -877,18 +1026,29 @@ def token_attr(
         batched backward (chunks of ``chunk_size``; a loop for integrated gradients on the
         CPU): the backward work of captum's T backwards, without its T (or T x (n_steps +
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
-        ``get_output_embeddings()``), d wide, where the model returns that layer's output
-        as its logits (checked on every forward), else at the logits; the model's own call
-        of that layer runs on its input detached (no graph, no tangents). Hugging Face
+        ``get_output_embeddings()``), d wide, where that layer is a plain
+        ``torch.nn.Linear`` without hooks or a replaced ``forward`` (row by row: checked on
+        every call) and the model returns its output unchanged as its logits (not changed
+        in place either: checked on every forward), else at the logits; the model's own
+        call of that layer runs on its input detached (no graph, no tangents). Hugging Face
         models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
         well above L_in, reverse mode runs a few groups of consecutive targets, each on its
         own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
         the L_in tangents go through with that forward, whatever T.
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
-        mode and remembers it for the model (``plan`` says so).
+        mode and remembers it for the model (``plan`` says so). An error of the model's own
+        in that pass is not remembered: its warning is kept, and reverse mode gives the
+        answer.
         GPT-2's gradient summed over the embedding dimension (``method="gradient"``) is zero
         up to rounding: every pre-LayerNorm block ignores a shift of a token's residual.
+        All calls of ``token_attr`` run one at a time, whatever the model, under one lock
+        (a call hooks the embedding and output layers, and module hooks run in every thread
+        and for every model sharing the layers); the model must not run in another thread
+        meanwhile. A model's forward may call ``token_attr`` on another model, but a call
+        on the model, embedding or output layer of a call still running is refused.
+        Module backward hooks (full or pre, on a module or global) run in reverse mode only:
+        ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
     """
     args, requested = _validate(
         model,
@@ -903,26 +1063,8 @@ def token_attr(
         _CALL,
         chunk_size,
     )
-    chosen, _ = _choose(args, requested, return_gradients, _CALL)
-    _check_causal(args)
-    if chosen == "forward" and requested == "auto":
-        # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
-        # run; under "auto" that is this function's choice to make: no warning, and reverse
-        # mode from the start on this model from then on (plan() says why).
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", FuncgradWarning)
-            attributions, gradients = _run(args, chosen, chunk_size)
-        failed = _forward_fallback(caught)
-        if failed is not None:
-            why = _why_not_forward(str(caught[failed].message))
-            _NO_FORWARD[args.model] = (args.model.training, why)
-        for index, message in enumerate(caught):  # every other warning, as it was
-            if index != failed:
-                warnings.warn_explicit(
-                    message.message, message.category, message.filename, message.lineno
-                )
-    else:
-        attributions, gradients = _run(args, chosen, chunk_size)
+    with _claimed(args):
+        attributions, gradients = _attribute(args, requested, chunk_size, return_gradients)
     if args.kept is not None:
         attributions = attributions[:, args.kept]
         gradients = None if gradients is None else gradients[:, args.kept]
@@ -930,6 +1072,37 @@ def token_attr(
         assert gradients is not None
         return attributions, gradients
     return attributions
+
+
+def _attribute(
+    args: _Args, requested: Mode, chunk_size: ChunkSize, return_gradients: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_attr's work once its arguments are checked: the mode, the causal check, the
+    forward(s) and the pulls (under the model's lock)."""
+    chosen, _ = _choose(args, requested, return_gradients, _CALL)
+    _check_causal(args)
+    if chosen != "forward" or requested != "auto":
+        return _run(args, chosen, chunk_size)
+    # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
+    # run; under "auto" that is this function's choice to make: no warning, and reverse
+    # mode from the start on this model from then on (plan() says why).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FuncgradWarning)
+        result = _run(args, chosen, chunk_size)
+    failed = _forward_fallback(caught)
+    if failed is not None:
+        text = str(caught[failed].message)
+        why = _why_not_forward(text)
+        if "draws random numbers" in text or _linearize.is_forward_mode_limit(RuntimeError(why)):
+            _NO_FORWARD[args.model] = (args.model.training, why)
+        else:  # (the model's own error: not remembered, and its warning is kept)
+            failed = None
+    for index, message in enumerate(caught):  # every other warning, as it was
+        if index != failed:
+            warnings.warn_explicit(
+                message.message, message.category, message.filename, message.lineno
+            )
+    return result
 
 
 def plan(

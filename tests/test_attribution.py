@@ -8,6 +8,7 @@ with captum itself to 1e-10 in float64 on a random-weight GPT-2.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 import weakref
@@ -153,6 +154,38 @@ def test_gpt2_matches_the_per_target_loop(gpt2, method, mode):
 
 
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", ["reverse", "forward", "groups"])
+def test_other_targets_of_the_same_length_on_a_second_call(method, mode):
+    """The composed functions are cached per shapes: the target ids are data of each call,
+    never of the cache (they were baked into the cached heads: a second call with other
+    targets of the same length returned the first call's attributions, 0.05-0.15 off), and
+    the user's id tensors are never held (mutated in place after a call, then passed again)."""
+    torch.manual_seed(11)
+    model = _gpt2(layers=1, width=16)
+    emb = model.get_input_embeddings()
+    prompt, targets = (4, 14) if mode == "groups" else (5, 3)
+    input_ids, first = _ids(prompt, targets)
+    second = (first * 7 + 3) % VOCAB
+    gradients = mode != "forward" and method != "integrated_gradients"
+    kwargs = {"method": method, "n_steps": 3, "mode": "forward" if mode == "forward" else "reverse"}
+    given = first.clone()
+    for targets_now in (first, second, "mutated"):
+        if isinstance(targets_now, str):
+            given[:] = (first * 5 + 1) % VOCAB  # the tensor of the first call, changed in place
+            targets_now = given.clone()
+            passed = given
+        else:
+            passed = given if targets_now is first else targets_now
+        expected, expected_grads = _loop(model, emb, input_ids, targets_now, method, n_steps=3)
+        if gradients:
+            attr, grads = token_attr(model, input_ids, passed, return_gradients=True, **kwargs)
+            torch.testing.assert_close(grads, expected_grads, rtol=0, atol=1e-12)
+        else:
+            attr = token_attr(model, input_ids, passed, **kwargs)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_reverse_mode_in_groups_of_targets_on_their_prefixes(gpt2, method):
     """T well above L_in: reverse mode runs a few groups of consecutive targets, each on its
     own prefix; the same attributions and gradients as the per-target loop."""
@@ -234,6 +267,354 @@ def test_logits_changed_after_the_output_layer_are_read_as_logits(method):
     assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
 
 
+class ChangedInPlace(torch.nn.Module):
+    """A causal LM that changes its logits in place after its output layer (so the tensor it
+    returns is the layer's output, changed)."""
+
+    def __init__(self, change: str) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.lm_head = torch.nn.Linear(6, VOCAB)
+        self.change = change
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.lm_head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(ids))).cumsum(1)
+        logits = self.lm_head(hidden)
+        if self.change == "input":  # (the layer's input; its weights are frozen, see below)
+            hidden.mul_(2.0)
+        elif self.change == "scale":
+            logits.mul_(3.0)
+        elif self.change == "mix":  # (causal: position i adds position i - 1)
+            logits[:, 1:] += logits[:, :-1].clone()
+        elif self.change == "softcap":
+            logits.copy_(0.5 * torch.tanh(logits / 0.5))
+        else:
+            logits.add_(torch.arange(VOCAB, dtype=logits.dtype))
+        return logits
+
+
+@pytest.mark.parametrize("change", ["scale", "mix", "softcap", "bias", "input"])
+def test_logits_changed_in_place_after_the_output_layer_are_read_as_logits(change):
+    """The model returns its output layer's output, changed in place: the same tensor, but
+    not the layer's values, or the layer's input changed in place after it ran; the heads
+    read the logits (was silently wrong, 0.18-1.1 off, where only the tensor's identity was
+    checked)."""
+    input_ids, target_ids = _ids(5, 4)
+    for mode in ("reverse", "forward"):  # (a new model each: what is found is remembered)
+        torch.manual_seed(8)
+        model = ChangedInPlace(change).double()
+        model.lm_head.requires_grad_(False)  # (else autograd refuses the changed input)
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        assert "logits" in funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+
+
+class RunningSum(torch.nn.Module):
+    """An output layer that mixes the positions (causally: the model stays causal)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h.cumsum(1))
+
+
+class OutputLayerLM(torch.nn.Module):
+    """A causal LM with ``get_output_embeddings()``: ``out`` is any module."""
+
+    def __init__(self, out: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Linear(6, 6)
+        self.out = out
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(ids))))
+
+
+class LinearSubclass(torch.nn.Linear):
+    """A Linear whose forward is its own (here a running sum over the positions first)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h.cumsum(1))
+
+
+def _mixing_hook(module, args, output):
+    return output.cumsum(1)
+
+
+def _forward_on_the_instance() -> torch.nn.Module:
+    """A plain Linear whose ``forward`` is replaced on the instance (as accelerate's hooks
+    replace it), here by one that mixes the positions."""
+    import types
+
+    layer = torch.nn.Linear(6, VOCAB)
+
+    def forward(self: torch.nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(h, self.weight, self.bias).cumsum(1)
+
+    layer.forward = types.MethodType(forward, layer)  # type: ignore[method-assign]
+    return layer
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RunningSum(6),
+        lambda: LinearSubclass(6, VOCAB),
+        lambda: torch.nn.Sequential(torch.nn.Linear(6, VOCAB)),
+        _forward_on_the_instance,
+    ],
+    ids=["module", "linear-subclass", "sequential", "forward-on-the-instance"],
+)
+def test_an_output_layer_that_may_mix_the_positions_is_read_as_logits(make):
+    """The heads apply the output layer to their own row only where the layer is a plain
+    torch.nn.Linear (row by row by construction); any other module may mix the rows (a
+    running sum, causal, so the causal check passes), and the heads read the logits. Was
+    silently wrong (0.42 off) on the first two, and on the last (0.5 off: a forward replaced
+    on the instance)."""
+    torch.manual_seed(6)
+    model = OutputLayerLM(make()).double()
+    input_ids, target_ids = _ids(5, 4)
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    for mode in ("reverse", "forward"):
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
+    assert "not a plain torch.nn.Linear" in read, read
+
+
+@pytest.mark.parametrize("where", ["layer", "layer-pre", "global"])
+def test_a_hook_added_to_the_output_layer_after_a_call_is_seen(where):
+    """A hook on the output layer (or a global module hook) may mix the rows: checked on
+    every call, so one registered after a first call sends the heads to the logits, and the
+    attributions stay exact; removed, the split point is back. Was silently wrong (0.65 off)."""
+    torch.manual_seed(7)
+    model = OutputLayerLM(torch.nn.Linear(6, VOCAB)).double()
+    input_ids, target_ids = _ids(5, 4)
+    plan = funcgrad.attribution.plan
+    assert plan(model, input_ids, target_ids).heads_read.startswith("the input of the output")
+    token_attr(model, input_ids, target_ids, mode="reverse")  # the split point, remembered
+    if where == "layer":
+        handle = model.out.register_forward_hook(_mixing_hook)
+    elif where == "layer-pre":
+        # (the heads' own calls of the layer would run it a second time on their rows)
+        handle = model.out.register_forward_pre_hook(lambda module, args: (2 * args[0].cumsum(1),))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda module, args, output: (
+                _mixing_hook(module, args, output) if module is model.out else None
+            )
+        )
+    try:
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        for mode in ("reverse", "forward"):
+            attr = token_attr(model, input_ids, target_ids, mode=mode)
+            torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        assert "hook" in plan(model, input_ids, target_ids).heads_read
+    finally:
+        handle.remove()
+    assert plan(model, input_ids, target_ids).heads_read.startswith("the input of the output")
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    attr = token_attr(model, input_ids, target_ids, mode="reverse")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_calls_on_one_model_in_several_threads_run_one_at_a_time(gpt2, mode):
+    """A call hooks the model's embedding and output layers, hooks every thread runs: calls
+    on one model in several threads ran each other's (31 of 60 calls raised: another call's
+    embeddings substituted, the layer run 15 times in one forward). They now run one at a
+    time, each exact."""
+    import threading
+
+    input_ids, target_ids = _ids(6, 5)
+    jobs = [
+        (input_ids, target_ids),
+        ((input_ids + 1) % VOCAB, target_ids),
+        (input_ids[:4], target_ids),
+    ]
+    expected = [token_attr(gpt2, ids, targets, mode=mode) for ids, targets in jobs]
+    errors: list[BaseException] = []
+    gaps: list[float] = []
+
+    def work(job: int) -> None:
+        for _ in range(8):
+            try:
+                attr = token_attr(gpt2, *jobs[job], mode=mode)
+            except Exception as error:  # (collected: the test reports them)
+                errors.append(error)
+                continue
+            gaps.append(float((attr - expected[job]).abs().max()))
+
+    threads = [threading.Thread(target=work, args=(job,)) for job in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:2]
+    assert len(gaps) == 8 * len(jobs) and max(gaps) <= 1e-12, max(gaps)
+
+
+class Wrapper(torch.nn.Module):
+    """Another model object on the same layers (as PEFT's wrappers are)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_input_embeddings()
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids)
+
+
+class CallsDuringItsForward(OutputLayerLM):
+    """A model whose forward, on its first run in the calling thread while armed, calls
+    ``self.during()`` (another token_attr call)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(6, VOCAB))
+        self.during: object = None
+        self.results: list[object] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        during, self.during = self.during, None
+        if callable(during):
+            try:
+                self.results.append(during())
+            except Exception as error:  # (kept: the test looks at it)
+                self.results.append(error)
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("mode", ["reverse", "forward"])
+def test_a_call_on_a_model_sharing_the_layers_waits_for_the_running_call(mode):
+    """A wrapper and its base model are two model objects on the same layers, which a call
+    hooks: a call on one, started in another thread while a call on the other runs its
+    forward (with its hooks installed), waits for it (a lock per model let it run: 27 of 98
+    calls raised, among them functorch's internal asserts, and 7 were wrong); both exact."""
+    import threading
+
+    torch.manual_seed(10)
+    base = CallsDuringItsForward().double()
+    wrapper = Wrapper(base)
+    input_ids, target_ids = _ids(4, 5)
+    expected, _ = _loop(base, base.embed, input_ids, target_ids, "grad_x_input")
+    token_attr(base, input_ids, target_ids, mode=mode)  # (the causal probe: not in the race)
+    token_attr(wrapper, input_ids, target_ids, mode=mode)
+    results: list[object] = []
+
+    def other() -> None:
+        try:
+            results.append(token_attr(wrapper, input_ids, target_ids, mode=mode))
+        except Exception as error:  # (kept: the test looks at it)
+            results.append(error)
+
+    thread = threading.Thread(target=other, daemon=True)
+
+    def start_the_other_call() -> None:
+        thread.start()
+        thread.join(timeout=0.5)  # (it waits for the lock: not done here)
+
+    base.during = start_the_other_call
+    results.append(token_attr(base, input_ids, target_ids, mode=mode))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert len(results) == 2 and all(isinstance(r, torch.Tensor) for r in results), results
+    for attr in results:
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("on", ["model", "wrapper"])
+def test_a_call_from_the_forward_of_a_running_call_on_its_layers_is_refused(on):
+    """A model whose forward calls token_attr on itself (or on a model sharing its layers)
+    while a call on it runs: the outer call's hooks are installed, and the inner call
+    returned all zeros (a re-entrant lock let it in). Refused; the outer call is exact."""
+    torch.manual_seed(12)
+    model = CallsDuringItsForward().double()
+    again = model if on == "model" else Wrapper(model)
+    input_ids, target_ids = _ids(4, 3)
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    token_attr(model, input_ids, target_ids)  # (past the causal probe: the forward is f's)
+    model.during = lambda: token_attr(again, input_ids, target_ids)
+    attr = token_attr(model, input_ids, target_ids)
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    (inner,) = model.results
+    assert isinstance(inner, RuntimeError), inner
+    assert re.search(CALL + ".*called again on .* while a call on it", str(inner)), inner
+    torch.testing.assert_close(token_attr(again, input_ids, target_ids), expected)
+
+
+def test_models_whose_forwards_call_each_other_in_two_threads_do_not_deadlock():
+    """Model a's forward calls token_attr on b, b's on a, in two threads at once: with a
+    lock per model the two calls took them in opposite orders and waited for ever. One lock
+    for every call: both finish, exact, and the nested calls too."""
+    import threading
+
+    torch.manual_seed(13)
+    input_ids, target_ids = _ids(4, 3)
+    both_inside = threading.Barrier(2)
+    nested = threading.local()
+
+    class CallsThePeer(OutputLayerLM):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(6, VOCAB))
+            self.peer: list[torch.nn.Module] = []  # (a list: not a submodule)
+            self.results: list[torch.Tensor] = []
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if self.peer and not getattr(nested, "inside", False):
+                nested.inside = True  # (once per thread: not from the peer's forward)
+                # (both outer calls in their forwards; with one lock, one gets there)
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_inside.wait(timeout=1)
+                self.results.append(token_attr(self.peer[0], input_ids, target_ids))
+            return super().forward(ids)
+
+    a, b = CallsThePeer().double(), CallsThePeer().double()
+    expected = {id(m): _loop(m, m.embed, input_ids, target_ids, "grad_x_input")[0] for m in (a, b)}
+    a.peer.append(b)
+    b.peer.append(a)
+    results: dict[int, object] = {}
+
+    def outer(model: torch.nn.Module) -> None:
+        try:
+            results[id(model)] = token_attr(model, input_ids, target_ids)
+        except Exception as error:  # (kept: the test looks at it)
+            results[id(model)] = error
+
+    threads = [threading.Thread(target=outer, args=(m,), daemon=True) for m in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "deadlocked"
+    for model, peer in ((a, b), (b, a)):
+        torch.testing.assert_close(results[id(model)], expected[id(model)], rtol=0, atol=1e-12)
+        (inner,) = model.results
+        torch.testing.assert_close(inner, expected[id(peer)], rtol=0, atol=1e-12)
+
+
 def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     """On a model with an output layer (``get_output_embeddings()``), the T cotangents pulled
     back through the model are on that layer's input, (T, d) a row, not on the logits (T,
@@ -250,7 +631,8 @@ def test_the_cotangents_are_on_the_output_layer_input_not_on_the_vocabulary():
     model = transformers.GPT2LMHeadModel(config).double().eval()
     input_ids, target_ids = _ids(24, 16)
     widths = []
-    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[-2]))
+    # (on the model: a hook on the output layer would make the heads read the logits)
+    model.register_forward_hook(lambda module, args, out: widths.append(out.logits.shape[-2]))
     read = funcgrad.attribution.plan(model, input_ids, target_ids).heads_read
     assert read.startswith("the input of the output layer"), read
     token_attr(model, input_ids, target_ids, mode="reverse")  # (the first call measures)
@@ -379,18 +761,89 @@ def test_skip_ids_drop_columns_and_keep_the_skipped_tokens_in_the_baseline(gpt2)
     torch.testing.assert_close(full, token_attr(gpt2, input_ids, target_ids)[:, input_ids != 7])
 
 
+@pytest.mark.parametrize("where", ["full", "pre", "global", "global-pre"])
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # (torch's, on the embedding)
+def test_module_backward_hooks_take_reverse_mode(where):
+    """A module backward hook (full or pre, on a module of the model or global) changes the
+    gradients that reverse mode, captum's, computes; forward mode never runs it (was silently
+    wrong, 0.006-0.4 off, where "auto" took forward mode). "auto" takes reverse mode, and
+    mode="forward" is refused, naming the module."""
+    torch.manual_seed(9)
+    model = OutputLayerLM(torch.nn.Linear(6, VOCAB)).double()
+    input_ids, target_ids = _ids(3, 11)  # 2.5 L_in < T: forward mode under "auto"
+    module = torch.nn.modules.module
+    hooks = {
+        "full": lambda: model.mix.register_full_backward_hook(lambda m, gi, go: (2 * gi[0],)),
+        "pre": lambda: model.mix.register_full_backward_pre_hook(lambda m, go: (3 * go[0],)),
+        "global": lambda: module.register_module_full_backward_hook(
+            lambda m, gi, go: (2 * gi[0],) if m is model.mix else None
+        ),
+        "global-pre": lambda: module.register_module_full_backward_pre_hook(
+            lambda m, go: (3 * go[0],) if m is model.mix else None
+        ),
+    }
+    handle = hooks[where]()
+    try:
+        expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+        # (torch.func cannot run a module backward hook: compose_heads says it falls back)
+        with pytest.warns(funcgrad.FuncgradWarning, match="fell back to eager"):
+            attr = token_attr(model, input_ids, target_ids)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        plan = funcgrad.attribution.plan(model, input_ids, target_ids)
+        assert plan.mode == "reverse" and "backward hook" in plan.why, plan
+        name = "a global module backward" if where.startswith("global") else "`mix`"
+        with pytest.raises(ValueError, match=CALL + ".*" + re.escape(name) + ".*mode='reverse'"):
+            token_attr(model, input_ids, target_ids, mode="forward")
+    finally:
+        handle.remove()
+    assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
+
+
 def test_fused_attention_falls_back_to_reverse_mode_under_auto():
     torch.manual_seed(2)
     model = _gpt2("sdpa")
     input_ids, target_ids = _ids(3, 10)
     assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning under auto
+        # no warning of funcgrad's under auto (torch's own on first use of forward AD, when
+        # this test runs alone, is not this test's)
+        warnings.simplefilter("error", funcgrad.FuncgradWarning)
         attr = token_attr(model, input_ids, target_ids)
     plan = funcgrad.attribution.plan(model, input_ids, target_ids)
     assert plan.mode == "reverse" and "forward AD" in plan.why, plan
     expected = token_attr(model, input_ids, target_ids, mode="reverse")
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
+
+
+def test_an_error_of_the_model_in_the_forward_mode_pass_is_not_remembered():
+    """Under "auto", forward mode falls back to reverse mode where it cannot run, and the
+    model is remembered; an error of the model's own in that pass (here its third forward)
+    was swallowed and the model remembered for good. It is now reported (compose_heads'
+    warning, kept) and not remembered: the next call takes forward mode again."""
+
+    class FailsOnce(OutputLayerLM):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(6, VOCAB))
+            self.forwards = 0
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            self.forwards += 1
+            if self.forwards == 3:  # (after the causal probe's two: the forward-mode pass)
+                raise RuntimeError("the model's own error")
+            return super().forward(ids)
+
+    torch.manual_seed(14)
+    model = FailsOnce().double()
+    input_ids, target_ids = _ids(3, 10)
+    plan = funcgrad.attribution.plan
+    assert plan(model, input_ids, target_ids).mode == "forward"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", funcgrad.FuncgradWarning)
+        attr = token_attr(model, input_ids, target_ids)
+    assert any("the model's own error" in str(w.message) for w in caught), caught
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    assert plan(model, input_ids, target_ids).mode == "forward"
 
 
 def test_plan_counts():
