@@ -232,9 +232,8 @@ def test_llama_style_model():
         torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-6)
 
 
-class SoftCapped(torch.nn.Module):
-    """A Hugging Face model whose logits are changed after its output layer (Gemma-2's soft
-    cap): the output layer's input is no split point there."""
+class Wrapper(torch.nn.Module):
+    """Another model object on the same layers (as PEFT's wrappers are)."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
@@ -245,6 +244,14 @@ class SoftCapped(torch.nn.Module):
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.inner.get_output_embeddings()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids)
+
+
+class SoftCapped(Wrapper):
+    """A Hugging Face model whose logits are changed after its output layer (Gemma-2's soft
+    cap): the output layer's input is no split point there."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return 3.0 * torch.tanh(self.inner(ids).logits / 3.0)
@@ -469,23 +476,6 @@ def test_calls_on_one_model_in_several_threads_run_one_at_a_time(gpt2, mode):
         thread.join()
     assert not errors, errors[:2]
     assert len(gaps) == 8 * len(jobs) and max(gaps) <= 1e-12, max(gaps)
-
-
-class Wrapper(torch.nn.Module):
-    """Another model object on the same layers (as PEFT's wrappers are)."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def get_input_embeddings(self) -> torch.nn.Module:
-        return self.inner.get_input_embeddings()
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.inner.get_output_embeddings()
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.inner(ids)
 
 
 class CallsDuringItsForward(OutputLayerLM):
