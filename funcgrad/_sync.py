@@ -114,10 +114,16 @@ class Sync:
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
-    (docs/reliability.md, ".grad presets"). A first ``.grad`` is ``grad`` itself where the
-    leaf may own it: no other leaf of this call holds its storage (``taken``), it spans its
-    whole storage (not a row of the k stacked per-task gradients, which would keep all k
-    alive) and it has the leaf's strides; else a copy in the leaf's layout."""
+    (docs/reliability.md, ".grad presets"). A first ``.grad`` is never ``grad`` itself: a
+    gradient from autograd may be a tensor that someone else holds (a tensor hook that logs
+    it, a custom Function whose backward returns a tensor it keeps), which torch's
+    AccumulateGrad copies (by its use count) and the next accumulation would write into.
+    Where ``grad`` spans its whole storage (not a row of the k stacked per-task gradients,
+    which would keep all k alive) with the leaf's strides, on the CPU, the leaf gets a
+    copy-on-write clone of it (:func:`_copy_on_write`), which costs nothing unless both
+    sides live on and one is written (autograd hands one tensor to both leaves of a sum:
+    each gets its own clone); else a copy in the leaf's layout. ``taken`` is unused: every
+    ``.grad`` made here is its own, whatever else holds ``grad``'s storage."""
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
@@ -133,19 +139,29 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
         grad = grad.to(want)
     if grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
         leaf.grad = grad
+        return
+    # (no data_ptr() here: on a copy-on-write tensor it makes the copy)
+    whole = (
+        grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
+        and _obeys_layout(grad, leaf)
+    )
+    if whole and _copy_on_write(grad):
+        leaf.grad = _LAZY_CLONE(grad)
     else:
-        storage = grad.untyped_storage()
-        owned = (
-            storage.data_ptr() not in taken
-            and storage.nbytes() == grad.numel() * grad.element_size()
-            and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
-            and _obeys_layout(grad, leaf)
-        )
-        if not owned:
-            grad = _in_layout_of(grad, leaf)
-            storage = grad.untyped_storage()
-        leaf.grad = grad
-        taken.add(storage.data_ptr())
+        leaf.grad = _in_layout_of(grad, leaf)
+
+
+_LAZY_CLONE: Any = getattr(torch, "_lazy_clone", None)
+
+
+def _copy_on_write(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` can be given a copy-on-write clone (``torch._lazy_clone``, same
+    strides): no copy is made while only one side is alive (a fresh gradient, the usual
+    case, is then taken as it is), and a tensor someone else still holds is copied by
+    whichever side writes first. On the CPU and for plain tensors only (where it is
+    exercised); elsewhere the first ``.grad`` is a plain clone."""
+    return _LAZY_CLONE is not None and grad.device.type == "cpu" and type(grad) is torch.Tensor
 
 
 def _obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:

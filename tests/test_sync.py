@@ -81,30 +81,41 @@ def test_write_accumulates_as_autograd_does():
 
 def test_accumulate_keeps_what_it_owns_and_copies_what_is_shared():
     """As AccumulateGrad: a fresh gradient is kept without a copy, and so is a contiguous
-    view of all its storage; one already given to a leaf (autograd hands one tensor to both
-    leaves of a sum) or a part of a larger storage (a row of the k stacked per-task
-    gradients, which would keep all k alive) is copied; a later one is added."""
+    view of all its storage (a copy-on-write clone that takes its memory once the gradient
+    is dropped); one given to two leaves (autograd hands one tensor to both leaves of a sum)
+    or held elsewhere is copied by the side that writes; a part of a larger storage (a row
+    of the k stacked per-task gradients, which would keep all k alive) is copied; a later
+    one is added."""
     fresh, stacked = torch.randn(4), torch.randn(3, 4)
+    address, values = fresh.data_ptr(), fresh.clone()
     a, b, c = (torch.zeros(4, requires_grad=True) for _ in range(3))
     taken: set[int] = set()
     _sync.accumulate(a, fresh, taken)
-    assert a.grad.data_ptr() == fresh.data_ptr()
     _sync.accumulate(b, fresh, taken)
-    assert b.grad.data_ptr() != a.grad.data_ptr()
-    torch.testing.assert_close(b.grad, fresh)
+    assert a.grad is not fresh and b.grad is not fresh
+    b.grad.mul_(2)  # (b's copy now: a and fresh keep their values)
+    torch.testing.assert_close(b.grad, 2 * values)
+    fresh.add_(1)  # (fresh's copy: a keeps the values)
+    torch.testing.assert_close(a.grad, values)
+    del fresh  # a alone holds the first memory now: a write takes it, no copy
+    a.grad.add_(0)
+    assert a.grad.data_ptr() == address
     _sync.accumulate(c, stacked[1], taken)
     assert c.grad.untyped_storage().nbytes() == 4 * c.grad.element_size()
     torch.testing.assert_close(c.grad, stacked[1])
-    want, held = fresh + stacked[0], a.grad
+    want, held = a.grad + stacked[0], a.grad
     _sync.accumulate(a, stacked[0], taken)
     assert a.grad is held
     torch.testing.assert_close(a.grad, want)
     whole, turned = torch.randn(2, 2).view(4), torch.randn(2, 2).t()  # views of all of it
+    address = whole.data_ptr()
     e, f = torch.zeros(4, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
     _sync.accumulate(e, whole, taken)  # (tensordot's result: a reshaped product)
-    assert e.grad.data_ptr() == whole.data_ptr()
+    del whole
+    assert e.grad.data_ptr() == address
+    address = turned.data_ptr()
     _sync.accumulate(f, turned, taken)  # (not contiguous: copied to the leaf's layout)
-    assert f.grad.is_contiguous() and f.grad.data_ptr() != turned.data_ptr()
+    assert f.grad.is_contiguous() and f.grad.data_ptr() != address
     torch.testing.assert_close(f.grad, turned)
     sparse = torch.randn(4).to_sparse()
     d = torch.zeros(4, requires_grad=True)

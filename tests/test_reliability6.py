@@ -1,0 +1,101 @@
+"""Reliability hunt (session 6): silently wrong answers found on main, each against its
+independent reference in float64 (torch's own backward, a per-example loop, autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import funcgrad
+
+LEVELS = ["sum", "params", "features"]
+
+
+def _backward(losses, through, level):
+    if level == "sum":  # (weighting=None: one backward of the sum)
+        funcgrad.backward(losses, through=through)
+    else:
+        funcgrad.backward(
+            losses, through=through, weighting=lambda g: torch.ones(len(losses)), level=level
+        )
+
+
+class _Injected(torch.autograd.Function):
+    """The identity, whose backward returns a tensor it holds (a gradient injected from
+    outside: a surrogate or a preallocated buffer), whatever the cotangent."""
+
+    held = torch.zeros(3, dtype=torch.float64)
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Injected.held
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("where", ["task-specific", "shared"])
+def test_a_gradient_that_autograd_returns_held_is_never_made_the_grad(level, where):
+    # torch's AccumulateGrad copies a new gradient that something else holds (its use
+    # count); funcgrad made it .grad itself, so the next call's .grad += ... wrote into the
+    # Function's tensor: .grad 1, 2, 4 (not 1, 2, 3) times it, and the held tensor doubled.
+    def run(use_funcgrad):
+        _Injected.held = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        enc = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+        own = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+        for _ in range(3):
+            if where == "shared":
+                h = _Injected.apply(enc) * 2.0
+                losses = [h.sum(), (h**2).sum() + own.sum()]
+                inputs = enc
+            else:
+                h = enc * 2.0
+                losses = [(h * _Injected.apply(own)).sum(), (h**2).sum()]
+                inputs = own
+            if use_funcgrad:
+                _backward(losses, h, level)
+            else:  # torch: the injected tensor once per task that reaches it
+                for i, loss in enumerate(losses):
+                    loss.backward(retain_graph=i + 1 < len(losses))
+        return inputs.grad.clone(), _Injected.held.clone()
+
+    expected_grad, expected_held = run(use_funcgrad=False)
+    grad, held = run(use_funcgrad=True)
+    if where == "shared" and level != "params":  # ONE backward (of w @ V) below `through`:
+        expected_grad = expected_grad / 2  # the injected tensor once, not once per task
+    torch.testing.assert_close(held, expected_held, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_gradients_that_a_tensor_hook_logged_stay_as_torch_gave_them(level):
+    # A gradient-logging hook (p.register_hook(log.append)) keeps the tensor autograd then
+    # makes .grad; the second call's .grad += ... changed the logged first gradients.
+    def run(use_funcgrad):
+        torch.manual_seed(0)
+        encoder = torch.nn.Linear(3, 4).double()
+        heads = [torch.nn.Linear(4, 1).double() for _ in range(2)]
+        logged: list[torch.Tensor] = []
+        watched = [heads[0].weight] + ([encoder.weight] if level != "params" else [])
+        for p in watched:  # (at level params the encoder's hooks see batched rows)
+            p.register_hook(logged.append)
+        x = torch.randn(5, 3, dtype=torch.float64)
+        copies = []
+        for _ in range(3):
+            h = torch.tanh(encoder(x))
+            losses = [head(h).pow(2).mean() for head in heads]
+            if use_funcgrad:
+                _backward(losses, h, level)
+            else:
+                sum(losses).backward()
+            copies += [g.clone() for g in logged[len(copies) :]]
+        return logged, copies, encoder.weight.grad
+
+    _, _, expected = run(use_funcgrad=False)
+    logged, copies, grad = run(use_funcgrad=True)
+    assert len(logged) == len(copies) > 0
+    for now, then in zip(logged, copies):
+        torch.testing.assert_close(now, then, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
