@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -112,6 +113,12 @@ class Sync:
         post_accumulate(leaves)
 
 
+# .grad is read and written by one accumulate at a time: two threads calling backward on
+# shared parameters (Hogwild-style) lost one's update where both saw .grad None, or added
+# into it at once; torch's AccumulateGrad holds a lock per leaf for the same reason.
+_ACCUMULATING = threading.RLock()
+
+
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
     (docs/reliability.md, ".grad presets"). A first ``.grad`` is never ``grad`` itself: a
@@ -123,7 +130,13 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     copy-on-write clone of it (:func:`_copy_on_write`), which costs nothing unless both
     sides live on and one is written (autograd hands one tensor to both leaves of a sum:
     each gets its own clone); else a copy in the leaf's layout. ``taken`` is unused: every
-    ``.grad`` made here is its own, whatever else holds ``grad``'s storage."""
+    ``.grad`` made here is its own, whatever else holds ``grad``'s storage. One thread at a
+    time (``_ACCUMULATING``)."""
+    with _ACCUMULATING:
+        _accumulate(leaf, grad)
+
+
+def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     if grad.requires_grad:  # (a graph of the results: never into .grad)
         grad = grad.detach()
     current = leaf.grad
