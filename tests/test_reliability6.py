@@ -171,3 +171,50 @@ def test_two_threads_calling_backward_on_shared_parameters_lose_no_update(monkey
     for thread in threads:
         thread.join()
     torch.testing.assert_close(encoder.weight.grad, expected, rtol=1e-12, atol=0)
+
+
+class _ComplexThenReal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.complex = torch.nn.Linear(3, 4, dtype=torch.complex128)
+        self.real = torch.nn.Linear(4, 1, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.real(self.complex(x).abs()).squeeze(1)
+
+
+@pytest.mark.parametrize("call", ["gramian", "norms", "clip", "backward"])
+def test_per_example_refuses_complex_parameters_before_writing(call):
+    # The rules dropped the imaginary parts (a torch UserWarning only): G 22 off, the
+    # update 5 off on a complex Linear, where funcgrad.backward(through=...) is exact.
+    torch.manual_seed(0)
+    model = _ComplexThenReal()
+    x = torch.randn(4, 3, dtype=torch.complex128)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with funcgrad.per_example(model) as pe:
+        losses = model(x).pow(2)
+        with pytest.raises(ValueError, match=r"parameter 'complex.weight' is complex"):
+            if call == "gramian":
+                pe.gramian(losses)
+            elif call == "norms":
+                funcgrad.per_example_norms(losses)
+            elif call == "clip":
+                funcgrad.per_example_clip(losses, 1.0)
+            else:
+                pe.backward(losses, weighting=lambda g: torch.ones(4, dtype=torch.float64))
+    for p in model.parameters():
+        assert torch.equal(p.grad, torch.ones_like(p))
+
+
+def test_per_example_on_the_real_parameters_of_a_model_with_complex_ones():
+    torch.manual_seed(0)
+    model = _ComplexThenReal()
+    x = torch.randn(4, 3, dtype=torch.complex128)
+    params = list(model.real.parameters())
+    losses = model(x).pow(2)
+    rows = [torch.autograd.grad(losses[b], params, retain_graph=True) for b in range(4)]
+    jac = torch.stack([torch.cat([g.reshape(-1) for g in row]) for row in rows])
+    with funcgrad.per_example(model) as pe:
+        gram = pe.gramian(model(x).pow(2), inputs=model.real)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-12, atol=1e-14)

@@ -97,8 +97,18 @@ def _refuse_hooks(run: _Run, uses: list[_Use]) -> None:
 
 def _refuse_parameter_hooks(run: _Run) -> None:
     """A tensor hook on a parameter rewrites each of its gradients in torch's per-example
-    loop; the rules never form them (the ghost products) nor run the parameter's node."""
+    loop; the rules never form them (the ghost products) nor run the parameter's node.
+    Also a complex parameter: the rules work in real arithmetic (its imaginary parts were
+    dropped with a warning, G and the update silently wrong: 22 off on a complex Linear)."""
     for param, name in run.selected.items():
+        if param.is_complex():
+            raise ValueError(
+                f"{run.call}: parameter {name!r} is complex ({param.dtype}); the per-example "
+                "rules compute G and the update in real arithmetic, so they do not support "
+                "complex parameters. Nothing was written. Leave it out with inputs=, keep "
+                "its real and imaginary parts as two real parameters, or use "
+                "funcgrad.backward(losses, through=...) on task losses, which supports them."
+            )
         if param._backward_hooks:
             hook = next(iter(param._backward_hooks.values()))
             raise ValueError(
