@@ -257,6 +257,10 @@ def check_paths(
         above, below, stops, {e[0] for e in input_edges}, parts, leaves_above=bool(ends)
     )
     if not allow_unused and not graph.checkpoint:
+        if any(input_edges[e] not in reached for e in edges):
+            # (that walk stops at the inputs: one input may be reached only through another,
+            # W behind h = tanh(W @ x) in inputs=[W, h], which torch answers; walk past them)
+            reached, _ = walk(list(stops), input_edges, {})
         for i, e in enumerate(edges):
             if input_edges[e] not in reached:
                 raise ValueError(

@@ -218,3 +218,27 @@ def test_per_example_on_the_real_parameters_of_a_model_with_complex_ones():
     with funcgrad.per_example(model) as pe:
         gram = pe.gramian(model(x).pow(2), inputs=model.real)
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+@pytest.mark.parametrize("order", ["leaf first", "intermediate first"])
+def test_grads_of_an_input_reached_only_through_another_input(chunk_size, order):
+    # inputs=[W, h] with h = tanh(W @ x) below `through`: torch.autograd.grad answers both;
+    # grads said "`through` does not depend on inputs[0]" (its walk stopped at h).
+    torch.manual_seed(0)
+    w0 = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w1 = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, dtype=torch.float64)
+
+    def build():
+        h = torch.tanh(w0 @ x)
+        y = torch.sin(w1 @ h)
+        inputs = [w0, h] if order == "leaf first" else [h, w0]
+        return y, [y.sum(), (y**2).sum(), y[0] * y[1]], inputs
+
+    y, outputs, inputs = build()
+    got = funcgrad.grads(outputs, inputs, through=y, chunk_size=chunk_size)
+    y, outputs, inputs = build()
+    rows = [torch.autograd.grad(o, inputs, retain_graph=True) for o in outputs]
+    for j, g in enumerate(got):
+        torch.testing.assert_close(g, torch.stack([row[j] for row in rows]), rtol=1e-12, atol=0)
