@@ -129,7 +129,8 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     which would keep all k alive) with the leaf's strides, on the CPU, the leaf gets a
     copy-on-write clone of it (:func:`_copy_on_write`), which costs nothing unless both
     sides live on and one is written (autograd hands one tensor to both leaves of a sum:
-    each gets its own clone); else a copy in the leaf's layout. ``taken`` is unused: every
+    each gets its own clone); else a copy in the leaf's layout (sparse: a copy of its
+    rows). ``taken`` is unused: every
     ``.grad`` made here is its own, whatever else holds ``grad``'s storage. One thread at a
     time (``_ACCUMULATING``)."""
     with _ACCUMULATING:
@@ -150,8 +151,8 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     want = getattr(leaf, "grad_dtype", None)  # (set on the leaf: torch casts a new .grad)
     if want is not None and grad.dtype != want:
         grad = grad.to(want)
-    if grad.layout != torch.strided:  # a sparse update, made for this leaf (to_sparse)
-        leaf.grad = grad
+    if grad.layout != torch.strided:  # sparse (nn.Embedding(sparse=True)): a copy of the
+        leaf.grad = grad.clone()  # touched rows, as torch copies one held elsewhere
         return
     # (no data_ptr() here: on a copy-on-write tensor it makes the copy)
     whole = (

@@ -242,3 +242,37 @@ def test_grads_of_an_input_reached_only_through_another_input(chunk_size, order)
     rows = [torch.autograd.grad(o, inputs, retain_graph=True) for o in outputs]
     for j, g in enumerate(got):
         torch.testing.assert_close(g, torch.stack([row[j] for row in rows]), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("where", ["task-specific", "shared"])
+def test_sparse_gradients_that_a_tensor_hook_logged_stay_as_torch_gave_them(level, where):
+    # The same for nn.Embedding(sparse=True): its sparse .grad was the logged tensor.
+    def run(use_funcgrad):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 4, sparse=True).double()
+        encoder = torch.nn.Linear(4, 4).double()
+        heads = [torch.nn.Linear(4, 1).double() for _ in range(2)]
+        own = torch.nn.Embedding(10, 1, sparse=True).double()
+        logged: list[torch.Tensor] = []
+        watched = embedding.weight if where == "shared" else own.weight
+        watched.register_hook(logged.append)
+        ids = torch.tensor([[1, 2, 2], [3, 1, 5]])
+        copies = []
+        for _ in range(3):
+            h = torch.tanh(encoder(embedding(ids)))
+            losses = [heads[0](h).pow(2).mean() + own(ids).sum(), heads[1](h).pow(2).mean()]
+            if use_funcgrad:
+                _backward(losses, h, level)
+            else:
+                sum(losses).backward()
+            copies += [g.clone() for g in logged[len(copies) :]]
+        return logged, copies, watched.grad
+
+    _, _, expected = run(use_funcgrad=False)
+    logged, copies, grad = run(use_funcgrad=True)
+    if not (where == "shared" and level == "params"):  # (there: batched rows, see docs)
+        assert len(logged) == len(copies) > 0
+        for now, then in zip(logged, copies):
+            torch.testing.assert_close(now.to_dense(), then.to_dense(), rtol=0, atol=0)
+    torch.testing.assert_close(grad.to_dense(), expected.to_dense(), rtol=1e-12, atol=1e-15)
