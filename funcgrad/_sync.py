@@ -22,7 +22,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -160,10 +160,8 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
         and _obeys_layout(grad, leaf)
     )
-    if whole and _copy_on_write(grad):
-        leaf.grad = _LAZY_CLONE(grad)
-    else:
-        leaf.grad = _in_layout_of(grad, leaf)
+    clone = _lazy_clone(grad) if whole and _copy_on_write(grad) else None
+    leaf.grad = clone if clone is not None else _in_layout_of(grad, leaf)
 
 
 _LAZY_CLONE: Any = getattr(torch, "_lazy_clone", None)
@@ -176,6 +174,16 @@ def _copy_on_write(grad: torch.Tensor) -> bool:
     whichever side writes first. On the CPU and for plain tensors only (where it is
     exercised); elsewhere the first ``.grad`` is a plain clone."""
     return _LAZY_CLONE is not None and grad.device.type == "cpu" and type(grad) is torch.Tensor
+
+
+def _lazy_clone(grad: torch.Tensor) -> torch.Tensor | None:
+    """``torch._lazy_clone(grad)``, or None where torch cannot share the storage (memory
+    torch did not allocate: ``from_numpy``, ``frombuffer``, DLPack, shared memory), which
+    then gets a plain copy."""
+    try:
+        return cast(torch.Tensor, _LAZY_CLONE(grad))
+    except RuntimeError:
+        return None
 
 
 def _obeys_layout(grad: torch.Tensor, leaf: torch.Tensor) -> bool:
@@ -208,6 +216,13 @@ def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None
                 f"{grad.dtype}, which a floating-point gradient cannot be added into (torch's "
                 "backward raises there too, after writing other leaves). Nothing was run or "
                 "written. Set it to None, or to a floating-point tensor."
+            )
+        if grad is not None and grad.is_inference():
+            raise ValueError(
+                f"{call}: the .grad of {name} (shape {tuple(leaf.shape)}) was made under "
+                "torch.inference_mode(), and an inference tensor cannot be updated in place "
+                "outside it (torch's backward raises there too, after writing other leaves). "
+                "Nothing was run or written. Set it to None (or zero_grad()) first."
             )
         if grad is None or grad.layout != torch.strided:
             continue

@@ -194,7 +194,9 @@ def test_per_example_refuses_complex_parameters_before_writing(call):
         p.grad = torch.ones_like(p)
     with funcgrad.per_example(model) as pe:
         losses = model(x).pow(2)
-        with pytest.raises(ValueError, match=r"parameter 'complex.weight' is complex"):
+        with pytest.raises(
+            ValueError, match=r"parameter 'complex.weight' is complex.*run the forward again"
+        ):
             if call == "gramian":
                 pe.gramian(losses)
             elif call == "norms":
@@ -276,3 +278,53 @@ def test_sparse_gradients_that_a_tensor_hook_logged_stay_as_torch_gave_them(leve
         for now, then in zip(logged, copies):
             torch.testing.assert_close(now.to_dense(), then.to_dense(), rtol=0, atol=0)
     torch.testing.assert_close(grad.to_dense(), expected.to_dense(), rtol=1e-12, atol=1e-15)
+
+
+class _FromNumpy(torch.autograd.Function):
+    """The identity, whose backward returns a gradient in memory torch did not allocate
+    (``torch.from_numpy``): no copy-on-write clone can share it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.from_numpy(grad.numpy() * 1.0)
+
+
+@pytest.mark.parametrize("level", LEVELS[::2])  # (params: vmap refuses numpy, clearly)
+def test_backward_takes_a_gradient_in_memory_torch_did_not_allocate(level):
+    # rel6's copy-on-write clone raised "Expected storage != nullptr" on such a gradient,
+    # after writing the leaves before it (.grad half written; a retry doubled them).
+    torch.manual_seed(0)
+    a, p, q = (torch.randn(3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def losses_of():
+        h = q * 2.0
+        return [(h * a).sum(), (h * _FromNumpy.apply(p)).sum()], h
+
+    for _ in range(2):
+        losses, h = losses_of()
+        _backward(losses, h, level)
+    ref = [torch.zeros(3, dtype=torch.float64) for _ in range(3)]
+    for _ in range(2):
+        a_, p_, q_ = (t.detach().requires_grad_() for t in (a, p, q))
+        h = q_ * 2.0
+        ((h * a_).sum() + (h * p_).sum()).backward()
+        for r, t in zip(ref, (a_, p_, q_), strict=True):
+            r += t.grad
+    for got, want in zip((a.grad, p.grad, q.grad), ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-14, atol=0)
+
+
+def test_backward_refuses_an_inference_grad_before_writing():
+    # torch's backward writes the other leaves, then raises on a .grad made under
+    # inference_mode; funcgrad did the same, against its "nothing written" promise.
+    a, b = (torch.ones(3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with torch.inference_mode():
+        b.grad = torch.zeros(3, dtype=torch.float64)
+    h = a * 2.0
+    with pytest.raises(ValueError, match=r"inference_mode.*Nothing was run or written"):
+        funcgrad.backward([(h * b).sum(), h.sum()], through=h)
+    assert a.grad is None

@@ -105,7 +105,8 @@ def _refuse_parameter_hooks(run: _Run) -> None:
             raise ValueError(
                 f"{run.call}: parameter {name!r} is complex ({param.dtype}); the per-example "
                 "rules compute G and the update in real arithmetic, so they do not support "
-                "complex parameters. Nothing was written. Leave it out with inputs=, keep "
+                "complex parameters. Nothing was written, and this forward's records are "
+                "released: run the forward again, then leave it out with inputs=, keep "
                 "its real and imaginary parts as two real parameters, or use "
                 "funcgrad.backward(losses, through=...) on task losses, which supports them."
             )
