@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeGuard, TypeVar, overload
+from typing import Any, Generic, Literal, TypedDict, TypeGuard, TypeVar, Unpack, overload
 
 import torch
 
@@ -597,6 +597,16 @@ def _tree_index(tree: Any, i: int) -> Any:
     return _tree.unflatten(treedef, [leaf[i] for leaf in leaves])
 
 
+# The keyword arguments of compose_heads' overloads besides has_aux (one list: the
+# implementation's signature below names each of them with its default).
+class _Options(TypedDict, total=False):
+    argnums: int | tuple[int, ...]
+    strategy: Strategy
+    chunk_size: ChunkSize
+    check: CheckMode | None
+    create_graph: bool
+
+
 # The return types by the kind of heads (a mapping or a ModuleDict gives dicts keyed like
 # it; a sequence, a ModuleList or stacked_heads a (k,) tensor of values) and by has_aux.
 @overload
@@ -604,72 +614,48 @@ def compose_heads(
     f: Callable[..., Any],
     heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any]]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
     heads: Mapping[K, Callable[[Any], torch.Tensor]],
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[dict[K, torch.Tensor], dict[K, Any], Any]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
     heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[torch.Tensor, Any]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
     heads: Sequence[Callable[[Any], torch.Tensor]] | torch.nn.ModuleList | StackedHeads,
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[torch.Tensor, Any, Any]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
     heads: torch.nn.ModuleDict,
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[False] = False,
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any]]]: ...
 @overload
 def compose_heads(
     f: Callable[..., Any],
     heads: torch.nn.ModuleDict,
     *,
-    argnums: int | tuple[int, ...] = 0,
     has_aux: Literal[True],
-    strategy: Strategy = "auto",
-    chunk_size: ChunkSize = None,
-    check: CheckMode | None = None,
-    create_graph: bool = False,
+    **options: Unpack[_Options],
 ) -> ComposedHeads[tuple[dict[str, torch.Tensor], dict[str, Any], Any]]: ...
 def compose_heads(
     f: Callable[..., Any],

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from . import _coords, _function
+from ._errors import first_line
 from ._function import FlatFunction
 from ._linearize import RandomState
 
@@ -162,7 +163,17 @@ def forward_size(flat: FlatFunction) -> int:
             try:
                 out = torch.func.vjp(output, *flat.leaves)[0]
             except RuntimeError:
-                out = on_copies()
+                try:
+                    out = on_copies()
+                except RuntimeError as error:  # (gradients of a tensor f captured, say)
+                    raise RuntimeError(
+                        "plan(): y's size could not be found before a call: f raised in "
+                        "inference mode, under torch.func.vjp and under no_grad (last: "
+                        f"{first_line(error)}). f may take gradients of a tensor it "
+                        "captured, which plan() does not run (gradients inside f would "
+                        "write .grad and state). Call the function once: plan() then "
+                        "answers from what that call measured."
+                    ) from error
     finally:
         rng.restore()
     return _coords.real_size(out)

@@ -23,7 +23,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, TypeAlias, cast, overload
+from typing import Any, Literal, TypeAlias, TypedDict, Unpack, cast, overload
 
 import numpy as np
 import torch
@@ -902,20 +902,26 @@ def _why_not_forward(text: str) -> str:
     return inner[:200]
 
 
+# token_attr's keyword arguments besides return_gradients, for its overloads (one list: the
+# implementation's signature below names each of them with its default).
+class _TokenAttrOptions(TypedDict, total=False):
+    method: Method
+    n_steps: int
+    baseline_id: int
+    embedding: torch.nn.Module | None
+    skip_ids: torch.Tensor | Sequence[int]
+    mode: Mode
+    chunk_size: ChunkSize
+
+
 @overload
 def token_attr(
     model: torch.nn.Module,
     input_ids: torch.Tensor | Sequence[int],
     target_ids: torch.Tensor | Sequence[int],
     *,
-    method: Method = "grad_x_input",
-    n_steps: int = 50,
-    baseline_id: int = 0,
-    embedding: torch.nn.Module | None = None,
-    skip_ids: torch.Tensor | Sequence[int] = (),
-    mode: Mode = "auto",
-    chunk_size: ChunkSize = "auto",
     return_gradients: Literal[False] = False,
+    **options: Unpack[_TokenAttrOptions],
 ) -> torch.Tensor: ...
 @overload
 def token_attr(
@@ -923,14 +929,8 @@ def token_attr(
     input_ids: torch.Tensor | Sequence[int],
     target_ids: torch.Tensor | Sequence[int],
     *,
-    method: Method = "grad_x_input",
-    n_steps: int = 50,
-    baseline_id: int = 0,
-    embedding: torch.nn.Module | None = None,
-    skip_ids: torch.Tensor | Sequence[int] = (),
-    mode: Mode = "auto",
-    chunk_size: ChunkSize = "auto",
     return_gradients: Literal[True],
+    **options: Unpack[_TokenAttrOptions],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 def token_attr(
     model: torch.nn.Module,

@@ -1416,3 +1416,27 @@ def test_vmap_over_fn_between_trial_calls_gives_autograds_results():
             torch.testing.assert_close(grads[b], torch.stack(want_grads))
     direct = [e for e in engines if e]  # (the first direct calls time both engines)
     assert direct[0] == "autograd" and len(set(direct[1:])) == 1
+
+
+def test_plan_refuses_clearly_before_a_call_for_f_that_takes_gradients_of_a_captured_tensor():
+    # plan() never runs f with gradients (they would write .grad and state); it said only
+    # torch's "element 0 of tensors does not require grad". After a call it answers.
+    W = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    def f(x):
+        (gw,) = torch.autograd.grad((x @ W).pow(2).sum(), W, create_graph=True)
+        return (x @ gw).flatten()
+
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y.pow(2).sum()])
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"plan\(\).*Call the function once"):
+        fn.plan(x)
+    assert W.grad is None
+    _values, grads = fn(x)
+    xs = x.clone().requires_grad_()
+    y = f(xs)
+    for i, head in enumerate([y.sum(), y.pow(2).sum()]):
+        (want,) = torch.autograd.grad(head, xs, retain_graph=True)
+        torch.testing.assert_close(grads[i], want, rtol=1e-12, atol=1e-12)
+    assert fn.plan(x).f_runs == 1
+    assert W.grad is None
