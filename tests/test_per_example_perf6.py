@@ -7,6 +7,9 @@ after a failed call."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 from helpers import per_example_jacobian
@@ -194,3 +197,35 @@ def test_the_embedding_pairs_are_gathered_by_index_select(call, monkeypatch):
     assert "pairs of rows with one index" in str(pe.plan)
     assert index[0] == 0  # no advanced indexing by a long tensor
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_bench_linear_transformer_agrees_with_opacus_and_vmap():
+    """The bench's Opacus-supported transformer (Embedding, Linear attention, LayerNorm,
+    Linear feed-forward; quick size): funcgrad's clipped sum, Opacus's ghost clipping and
+    torch.func's vmap(grad) clipping write the same update; Opacus's norms agree with
+    funcgrad's."""
+    pytest.importorskip("torchjd")
+    pytest.importorskip("opacus")
+    from funcgrad.bench import _per_example
+
+    case = _per_example.per_example_case(8, True, "linear-transformer")
+    assert "opacus ghost clip" in case.methods and "opacus ghost norms" in case.methods
+    ours = case.methods["funcgrad clip (DP-SGD)"]()
+    for other in ("opacus ghost clip", "vmap(grad) clip"):
+        theirs = case.methods[other]()
+        for name, grad in ours.items():
+            torch.testing.assert_close(theirs[name], grad, rtol=1e-4, atol=1e-6, msg=other)
+    model, (tokens, targets) = _per_example._model("linear-transformer", 8, True)
+    copied = copy.deepcopy(model).train()
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    with warnings.catch_warnings():  # torch's full-backward-hook note on Opacus's Embedding
+        warnings.simplefilter("ignore")
+        module = GradSampleModuleFastGradientClipping(
+            copied, max_grad_norm=1.0, use_ghost_clipping=True, loss_reduction="sum"
+        )
+        criterion(module(tokens), targets).sum().backward()
+    with funcgrad.per_example(model):
+        norms = funcgrad.per_example_norms(criterion(model(tokens), targets))
+    torch.testing.assert_close(module.get_norm_sample(), norms, rtol=1e-4, atol=1e-6)
