@@ -385,37 +385,40 @@ def _add_opacus_ghost(
     batch = inputs.shape[0]
     made: list[Any] = []
 
+    def build() -> tuple[Any, Any]:
+        """Opacus's module and loss, built once, as a training loop does (its hooks stay)."""
+        if not made:
+            module = GradSampleModuleFastGradientClipping(
+                copied, max_grad_norm=max_norm(), use_ghost_clipping=True, loss_reduction="sum"
+            )
+            optimizer = DPOptimizerFastGradientClipping(
+                torch.optim.SGD(module.parameters(), lr=0.1),
+                noise_multiplier=0.0,
+                max_grad_norm=max_norm(),
+                expected_batch_size=batch,
+                loss_reduction="sum",
+            )
+            loss = nn.CrossEntropyLoss(reduction="sum")
+            made.append((module, DPLossFastGradientClipping(module, optimizer, loss, "sum")))
+        found: tuple[Any, Any] = made[0]
+        return found
+
     def norms() -> dict[str, torch.Tensor]:
         """Opacus's per-example norms alone: one backward of the summed losses through its
         hooks, then its norms (`get_norm_sample`)."""
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            run()  # built once (and warmed) by the clipping method's first call
-            module, _ = made[0]
+            warnings.simplefilter("ignore")  # its secure-RNG and hook warnings
+            module, _ = build()
             for p in copied.parameters():
                 p.grad = None
-            losses = losses_from(module, inputs, targets)
-            losses.sum().backward()
+            losses_from(module, inputs, targets).sum().backward()
             module.get_norm_sample()
         return {}
 
     def run() -> dict[str, torch.Tensor | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its secure-RNG and hook warnings
-            if not made:  # built once, as a training loop does (its hooks stay)
-                module = GradSampleModuleFastGradientClipping(
-                    copied, max_grad_norm=max_norm(), use_ghost_clipping=True, loss_reduction="sum"
-                )
-                optimizer = DPOptimizerFastGradientClipping(
-                    torch.optim.SGD(module.parameters(), lr=0.1),
-                    noise_multiplier=0.0,
-                    max_grad_norm=max_norm(),
-                    expected_batch_size=batch,
-                    loss_reduction="sum",
-                )
-                loss = nn.CrossEntropyLoss(reduction="sum")
-                made.append((module, DPLossFastGradientClipping(module, optimizer, loss, "sum")))
-            module, criterion = made[0]
+            module, criterion = build()
             for p in copied.parameters():
                 p.grad = None
             criterion(module(inputs), targets).backward()
