@@ -612,7 +612,13 @@ def test_embedding_pairs_rule_is_exact_in_any_blocking(monkeypatch, block):
     the pairs formed in blocks of any size (one pair per block up to all at once)."""
     from funcgrad._per_example import _rules
 
-    monkeypatch.setattr(_rules, "_BLOCK", block * 4)  # pairs per block: _BLOCK // width
+    formed = []
+
+    def pairs_per_block(elements, width):
+        formed.append(width)
+        return block
+
+    monkeypatch.setattr(_rules, "_pairs_per_block", pairs_per_block)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Embedding(12, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 2))
     model = model.double()
@@ -628,6 +634,7 @@ def test_embedding_pairs_rule_is_exact_in_any_blocking(monkeypatch, block):
     with funcgrad.per_example(model) as pe:
         gram = pe.gramian(losses_fn(model))
     assert "pairs of rows with one index" in str(pe.plan)
+    assert formed == [4]  # the blocking asked for
     torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
 
 

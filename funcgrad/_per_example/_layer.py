@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 _BLOCK = 1 << 22
 
 
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+def _cat_rows(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """``torch.cat(parts, dim)``, without the copy where there is one part."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _all_zero(d: torch.Tensor) -> torch.Tensor:

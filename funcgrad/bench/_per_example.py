@@ -29,7 +29,8 @@ from ._cases import Case, device
 
 VARIANTS = ("mlp", "cnn", "transformer")
 CELLS = {
-    "full": [(variant, batch) for variant in VARIANTS for batch in (32, 128, 512)] + [("gpt2", 32)],
+    "full": [(variant, batch) for variant in VARIANTS for batch in (32, 128, 512)]
+    + [("gpt2", 32), ("linear-transformer", 128)],
     "quick": [(variant, 8) for variant in VARIANTS],
 }
 # (case label, method, baseline, limit), as in __main__'s TARGETS.
@@ -53,7 +54,11 @@ TARGETS += [
     ),
     *(
         (f"per-example {v} k=128", "funcgrad clip (DP-SGD)", "opacus ghost clip", 0.6)
-        for v in ("mlp", "cnn")
+        for v in ("mlp", "cnn", "linear-transformer")
+    ),
+    *(
+        (f"per-example {v} k=128", "funcgrad norms only", "opacus ghost norms", 0.8)
+        for v in ("mlp", "cnn", "linear-transformer")
     ),
 ]
 MEMORY_TARGETS = [
@@ -94,6 +99,53 @@ class Transformer(nn.Module):
         h = self.embed(tokens)
         for layer in self.layers:
             h = layer(h, src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).to(h.dtype)
+        return self.head((h * keep).sum(1) / keep.sum(1))
+
+
+class LinearAttention(nn.Module):
+    """Self-attention from Linear layers alone (q, k, v as one Linear of 3·d outputs, an
+    out-projection), with a key padding mask: the layers Opacus's ghost clipping supports
+    (as its DPMultiheadAttention)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        batch, length, width = h.shape
+        q, k, v = (
+            x.view(batch, length, self.heads, -1).transpose(1, 2) for x in self.qkv(h).chunk(3, -1)
+        )
+        mask = torch.zeros(pad.shape, dtype=h.dtype, device=h.device).masked_fill(pad, -1e9)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask[:, None, None])
+        return self.out(attended.transpose(1, 2).reshape(batch, length, width))
+
+
+class LinearTransformer(nn.Module):
+    """The transformer variant with every parameter in a layer that Opacus's ghost clipping
+    supports: Embedding, Linear self-attention (`LinearAttention`), LayerNorm (Opacus: its
+    per-sample gradients), the feed-forward Linears, a Linear head; post-norm as
+    nn.TransformerEncoderLayer."""
+
+    def __init__(self, vocab: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=0)
+        self.attention = nn.ModuleList(LinearAttention(width, 4) for _ in range(layers))
+        self.norm1 = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.up = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(layers))
+        self.norm2 = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pad = tokens == 0
+        h = self.embed(tokens)
+        for i, attention in enumerate(self.attention):
+            h = self.norm1[i](h + attention(h, pad))
+            h = self.norm2[i](h + self.down[i](torch.relu(self.up[i](h))))
         keep = (~pad).unsqueeze(-1).to(h.dtype)
         return self.head((h * keep).sum(1) / keep.sum(1))
 
@@ -140,11 +192,10 @@ def _make_model(variant: str, batch: int, quick: bool) -> tuple[nn.Module, tuple
         config: Any = gpt2("eager", **size, vocab=1000, positions=length).config
         lm = transformers.GPT2LMHeadModel(config).eval()  # its head tied to the embedding
         return lm, (torch.randint(1000, (batch, length)), None)
-    assert variant == "transformer"
+    assert variant in ("transformer", "linear-transformer")
     length = 8 if quick else 32
-    transformer = Transformer(
-        vocab=1000, width=32 if quick else 64, layers=1 if quick else 2
-    ).eval()
+    kind = Transformer if variant == "transformer" else LinearTransformer
+    transformer = kind(vocab=1000, width=32 if quick else 64, layers=1 if quick else 2).eval()
     tokens = torch.randint(1, 1000, (batch, length))
     lengths = torch.randint(length // 2, length + 1, (batch,))
     tokens[torch.arange(length) >= lengths[:, None]] = 0  # padded sequences
@@ -272,7 +323,12 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
     case.methods["funcgrad clip (DP-SGD)"] = lambda: update(clip, hooked)
     case.reference_for["funcgrad clip (DP-SGD)"] = "vmap(grad) clip"
     _add_opacus_ghost(case, model, losses_from, inputs, targets, lambda: max_norm)
-    case.reference_only = ("one fwd+bwd", "UPGrad QP alone (on G)", "funcgrad norms only")
+    case.reference_only = (
+        "one fwd+bwd",
+        "UPGrad QP alone (on G)",
+        "funcgrad norms only",
+        "opacus ghost norms",
+    )
     if batch >= 512 and variant != "mlp" and not quick:  # too slow or too big here
         case.skipped["naive"] = (
             f"B = {batch} full-batch backward passes: about a minute a call on 2 CPU cores"
@@ -306,7 +362,9 @@ def _add_opacus_ghost(
     max_norm: Callable[[], float],
 ) -> None:
     """Opacus's ghost clipping (its norms, then the clipped sum: two backwards), on a copy,
-    where Opacus supports every layer (Linear, Conv2d: the MLP and the CNN)."""
+    where Opacus supports every layer (ghost norms for Linear, Conv2d, Embedding; its
+    per-sample gradients for LayerNorm: the MLP, the CNN and the Linear transformer); and
+    its norms alone (the first of the two backwards, `get_norm_sample`)."""
     try:
         from opacus.grad_sample import GradSampleModuleFastGradientClipping
         from opacus.optimizers import DPOptimizerFastGradientClipping
@@ -316,31 +374,51 @@ def _add_opacus_ghost(
         return
     owners = [m for m in model.modules() if next(m.parameters(recurse=False), None) is not None]
     kinds = {type(m) for m in owners}
-    if not kinds <= {nn.Linear, nn.Conv2d}:
-        names = sorted(k.__name__ for k in kinds - {nn.Linear, nn.Conv2d})
+    supported = {nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm}
+    if not kinds <= supported:
+        names = sorted(k.__name__ for k in kinds - supported)
         case.skipped["opacus ghost clip"] = f"Opacus's ghost clipping does not support {names}"
         return
-    copied = copy.deepcopy(model)
+    # Opacus's hooks record only in training mode; these models have no dropout nor batch
+    # statistics, so train() changes nothing else
+    copied = copy.deepcopy(model).train()
     batch = inputs.shape[0]
     made: list[Any] = []
+
+    def build() -> tuple[Any, Any]:
+        """Opacus's module and loss, built once, as a training loop does (its hooks stay)."""
+        if not made:
+            module = GradSampleModuleFastGradientClipping(
+                copied, max_grad_norm=max_norm(), use_ghost_clipping=True, loss_reduction="sum"
+            )
+            optimizer = DPOptimizerFastGradientClipping(
+                torch.optim.SGD(module.parameters(), lr=0.1),
+                noise_multiplier=0.0,
+                max_grad_norm=max_norm(),
+                expected_batch_size=batch,
+                loss_reduction="sum",
+            )
+            loss = nn.CrossEntropyLoss(reduction="sum")
+            made.append((module, DPLossFastGradientClipping(module, optimizer, loss, "sum")))
+        found: tuple[Any, Any] = made[0]
+        return found
+
+    def norms() -> dict[str, torch.Tensor]:
+        """Opacus's per-example norms alone: one backward of the summed losses through its
+        hooks, then its norms (`get_norm_sample`)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its secure-RNG and hook warnings
+            module, _ = build()
+            for p in copied.parameters():
+                p.grad = None
+            losses_from(module, inputs, targets).sum().backward()
+            module.get_norm_sample()
+        return {}
 
     def run() -> dict[str, torch.Tensor | None]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # its secure-RNG and hook warnings
-            if not made:  # built once, as a training loop does (its hooks stay)
-                module = GradSampleModuleFastGradientClipping(
-                    copied, max_grad_norm=max_norm(), use_ghost_clipping=True, loss_reduction="sum"
-                )
-                optimizer = DPOptimizerFastGradientClipping(
-                    torch.optim.SGD(module.parameters(), lr=0.1),
-                    noise_multiplier=0.0,
-                    max_grad_norm=max_norm(),
-                    expected_batch_size=batch,
-                    loss_reduction="sum",
-                )
-                loss = nn.CrossEntropyLoss(reduction="sum")
-                made.append((module, DPLossFastGradientClipping(module, optimizer, loss, "sum")))
-            module, criterion = made[0]
+            module, criterion = build()
             for p in copied.parameters():
                 p.grad = None
             criterion(module(inputs), targets).backward()
@@ -348,3 +426,4 @@ def _add_opacus_ghost(
 
     case.methods["opacus ghost clip"] = run
     case.reference_for["opacus ghost clip"] = "vmap(grad) clip"
+    case.methods["opacus ghost norms"] = norms
