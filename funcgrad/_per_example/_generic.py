@@ -44,6 +44,19 @@ class _Generic(_Layer):
         return found
 
     def one_use(self, use: _Use) -> dict[str, torch.Tensor]:
+        bags = use.args[0] if use.args else use.kwargs.get("input")
+        # (1-D: its bags lie along one flat list of indices, cut by `offsets`)
+        if (
+            isinstance(self.module, nn.EmbeddingBag)
+            and isinstance(bags, torch.Tensor)
+            and bags.ndim == 1
+        ):
+            self.fail(
+                "takes a 1-D input with offsets (the bags lie along one flat list of "
+                "indices, not along dim 0; pass them as a 2-D (B, bag size) input, "
+                "padded with padding_idx): its input is",
+                describe(bags),
+            )
         leaves, spec, dims = self.leaf_dims(use)
         batched = [i for i, dim in enumerate(dims) if dim == 0]
         if not batched:
