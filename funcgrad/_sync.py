@@ -217,7 +217,7 @@ def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None
                 "backward raises there too, after writing other leaves). Nothing was run or "
                 "written. Set it to None, or to a floating-point tensor."
             )
-        if grad is not None and grad.is_inference():
+        if grad is not None and grad.is_inference() and not torch.is_inference_mode_enabled():
             raise ValueError(
                 f"{call}: the .grad of {name} (shape {tuple(leaf.shape)}) was made under "
                 "torch.inference_mode(), and an inference tensor cannot be updated in place "
