@@ -30,6 +30,12 @@ _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient t
 # blocks of about this many elements at least (a quarter of the rows A and Δ where that is
 # more): blocks of few output features cost more per flop (strided, small products; the
 # transformer's q/k/v layer: 6.1 ms in blocks of 32 features, 5.0 ms whole, one thread)
+_TINY = 1 << 14  # elements: a Linear whose rows A and Δ hold at most this many, and whose
+# per-example weight gradients at most this many too, is a tiny layer (`_tiny`): formed
+# with the other tiny layers of its shape in one product, not one by one (each layer's own
+# ops and Python cost more than its arithmetic there; see docs/per_example.md)
+_TINY_HELD = 1 << 20  # elements: the tiny layers' rows held in the backward before they
+# are formed together (`_run._Stream`), so that keeping them does not raise the peak much
 
 
 class _Dense(_Layer):
@@ -290,6 +296,78 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _tiny(layer: _Layer, diagonal: bool) -> bool:
+    """Whether ``layer`` is a tiny Linear, formed with the others of its shape (`_tiny_share`,
+    `_tiny_update`) rather than alone: a Linear (or HF Conv1D; not a convolution) with one
+    call and a weight, whose rows A and Δ (B·T·(d + p)) and per-example weight gradients
+    (B·d·p) hold at most `_TINY` elements each, and for which the materialised rule is no
+    dearer than the ghost one with every row read (the rule that such a layer takes alone
+    anyway, save where many rows are unread; exact either way). Shapes alone: no host read."""
+    if type(layer) not in (_Dense, _TransposedDense) or len(layer.uses) != 1:
+        return False
+    if "weight" not in layer.params:
+        return False
+    assert isinstance(layer, _Dense)
+    batch = layer.batch
+    if batch == 0 or layer.params["weight"].numel() == 0:  # (no rows: `dims` cannot tell T)
+        return False
+    rows, width, out = layer.dims()
+    if batch * rows * (width + out) > _TINY or batch * width * out > _TINY:
+        return False
+    if diagonal:  # the per-layer rule's costs: `_Dense.diagonal`
+        return rows * width * out <= rows * rows * (width + out)
+    live = batch * rows  # `_Dense.gramian`'s, every row live
+    ghost = (live * (live + rows) // 2) * (width + out + 1)
+    return batch * rows * width * out + batch * batch * width * out <= ghost
+
+
+def _tiny_rows(layers: list[_Layer]) -> list[tuple[list[_Dense], torch.Tensor, torch.Tensor]]:
+    """Tiny layers (`_tiny`) grouped by shape and dtype: each group's rows stacked, A (n, B,
+    T, d) and Δ (n, B, T, p), with the rows no loss reads (Δ_bt all zeros) zeroed in A for
+    all of them at once (T > 1: as `_unread_rows_zeroed`, one pass on the device, no host
+    read), in the order the layers came."""
+    groups: dict[tuple[object, ...], list[tuple[_Dense, torch.Tensor, torch.Tensor]]] = {}
+    for layer in layers:
+        assert isinstance(layer, _Dense)
+        a, d = layer.unfold(layer.uses[0])
+        key = (type(layer), a.shape, d.shape, a.dtype, d.dtype, a.device, tuple(layer.params))
+        groups.setdefault(key, []).append((layer, a, d))
+    found = []
+    for members in groups.values():
+        a = torch.stack([m[1] for m in members])
+        d = torch.stack([m[2] for m in members])
+        if d.shape[2] > 1:
+            a = a.masked_fill(_all_zero(d).unsqueeze(-1), 0)
+        found.append(([m[0] for m in members], a, d))
+    return found
+
+
+def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> torch.Tensor:
+    """The tiny layers' share of G (B, B), or of its diagonal (B,): per group of one shape,
+    the per-example gradients ``A_bᵀ Δ_b`` of all its layers in one product (n·B, p, d),
+    with the bias rows (Δ summed over each example's rows) beside them, then their Gram (or
+    squared norms) summed over the layers. Each layer's plan says so."""
+    total: torch.Tensor | None = None
+    for members, a, d in _tiny_rows(layers):
+        n, batch, rows = d.shape[:3]
+        grads = torch.matmul(d.transpose(-1, -2), a.to(d.dtype)).reshape(n, batch, -1)
+        if "bias" in members[0].params:
+            grads = torch.cat([grads, d.sum(2)], -1)
+        grads = grads.to(dtype)
+        share = grads.pow(2).sum((0, 2)) if diagonal else torch.matmul(grads, grads.mT).sum(0)
+        total = share if total is None else total + share
+        for layer in members:
+            width, out = a.shape[-1], d.shape[-1]
+            rule = f"‖A_bᵀ Δ_b‖² T={rows}" if diagonal else f"A_bᵀ Δ_b T={rows}"
+            layer.rule = f"materialised {rule}, one product for {n} tiny layer(s) of its shape"
+            layer.materialised_flops = float(batch * rows * width * out)
+            layer.ghost_flops = None
+            # the update zeroes the same rows (`_Dense.weighted`)
+            layer.zero_unread = True
+    assert total is not None
+    return total
 
 
 def _unread_rows_zeroed(
