@@ -592,12 +592,14 @@ def test_a_user_hook_running_its_own_backward_through_a_layer_is_not_taken_for_i
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=call)
 
 
-@pytest.mark.parametrize("call", ["gramian", "norms"])
-def test_tiny_linears_of_one_shape_form_their_per_example_gradients_in_one_product(call):
+@pytest.mark.parametrize("call", ["gramian", "norms", "backward"])
+def test_tiny_linears_of_one_shape_form_their_per_example_gradients_in_one_product(
+    call, monkeypatch
+):
     """Tiny Linears (`_rules._tiny`) of one shape are formed together: the batched products
     a call runs do not grow with the number of layers (one per layer before, and one per
-    output feature of each before that), exact, on the first call (no stream) and streamed
-    ones."""
+    output feature of each before that), and so do those of the update (a weighted one:
+    G, then ``Aᵀ (w ⊙ Δ)``), exact, on the first call (no stream) and streamed ones."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Products(TorchDispatchMode):
@@ -608,6 +610,16 @@ def test_tiny_linears_of_one_shape_form_their_per_example_gradients_in_one_produ
                 self.count += 1
             return func(*args, **(kwargs or {}))
 
+    from funcgrad._per_example._rules import _Dense
+
+    alone = [0]  # the per-layer update (one product a layer)
+    weighted = _Dense.weighted
+
+    def counted(self, *args):
+        alone[0] += 1
+        return weighted(self, *args)
+
+    monkeypatch.setattr(_Dense, "weighted", counted)
     found = []
     for depth in (2, 6):
         torch.manual_seed(12)
@@ -622,11 +634,19 @@ def test_tiny_linears_of_one_shape_form_their_per_example_gradients_in_one_produ
                 with Products() as products:
                     if call == "gramian":
                         got, want = pe.gramian(losses), jac @ jac.T
-                    else:
+                    elif call == "norms":
                         got, want = funcgrad.per_example_norms(losses), jac.norm(dim=1)
+                    else:
+                        weights = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+                        pe.backward(losses, weighting=lambda g, w=weights: w)
+                        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+                        want = weights @ jac
+                        for p in model.parameters():
+                            p.grad = None
                 assert f"one product for {depth} tiny layer(s)" in str(pe.plan), str(pe.plan)
                 counts.append(products.count)
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
         found.append(counts)
     assert found[0] == found[1], found
-    assert max(found[0]) <= 2, found
+    assert max(found[0]) <= 3, found
+    assert alone == [0]

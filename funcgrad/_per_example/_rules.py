@@ -326,19 +326,20 @@ def _tiny(layer: _Layer, diagonal: bool) -> bool:
 def _tiny_rows(layers: list[_Layer]) -> list[tuple[list[_Dense], torch.Tensor, torch.Tensor]]:
     """Tiny layers (`_tiny`) grouped by shape and dtype: each group's rows stacked, A (n, B,
     T, d) and Δ (n, B, T, p), with the rows no loss reads (Δ_bt all zeros) zeroed in A for
-    all of them at once (T > 1: as `_unread_rows_zeroed`, one pass on the device, no host
-    read), in the order the layers came."""
+    all of them at once where they have `zero_unread` (T > 1: as `_unread_rows_zeroed`, one
+    pass on the device, no host read), in the order the layers came."""
     groups: dict[tuple[object, ...], list[tuple[_Dense, torch.Tensor, torch.Tensor]]] = {}
     for layer in layers:
         assert isinstance(layer, _Dense)
         a, d = layer.unfold(layer.uses[0])
-        key = (type(layer), a.shape, d.shape, a.dtype, d.dtype, a.device, tuple(layer.params))
+        key = (type(layer), a.shape, d.shape, a.dtype, d.dtype, a.device, *layer.params)
+        key = (*key, layer.zero_unread)
         groups.setdefault(key, []).append((layer, a, d))
     found = []
     for members in groups.values():
         a = torch.stack([m[1] for m in members])
         d = torch.stack([m[2] for m in members])
-        if d.shape[2] > 1:
+        if d.shape[2] > 1 and members[0][0].zero_unread:
             a = a.masked_fill(_all_zero(d).unsqueeze(-1), 0)
         found.append(([m[0] for m in members], a, d))
     return found
@@ -348,7 +349,11 @@ def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> tor
     """The tiny layers' share of G (B, B), or of its diagonal (B,): per group of one shape,
     the per-example gradients ``A_bᵀ Δ_b`` of all its layers in one product (n·B, p, d),
     with the bias rows (Δ summed over each example's rows) beside them, then their Gram (or
-    squared norms) summed over the layers. Each layer's plan says so."""
+    squared norms) summed over the layers. Each layer's plan says so. Their rows no loss
+    reads are zeroed, here and in the update (`zero_unread`)."""
+    for layer in layers:
+        assert isinstance(layer, _Dense)
+        layer.zero_unread = True
     total: torch.Tensor | None = None
     for members, a, d in _tiny_rows(layers):
         n, batch, rows = d.shape[:3]
@@ -364,10 +369,27 @@ def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> tor
             layer.rule = f"materialised {rule}, one product for {n} tiny layer(s) of its shape"
             layer.materialised_flops = float(batch * rows * width * out)
             layer.ghost_flops = None
-            # the update zeroes the same rows (`_Dense.weighted`)
-            layer.zero_unread = True
     assert total is not None
     return total
+
+
+def _tiny_update(
+    layers: list[_Layer], weights: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny layers' shares of the update, ``Aᵀ (w ⊙ Δ)`` and the bias's ``Δᵀ w``, one
+    product per group of one shape (their rows zeroed where `zero_unread`, as
+    `_Dense.weighted` does): (parameter, its update) pairs."""
+    found = []
+    for members, a, d in _tiny_rows(layers):
+        n, batch, rows = d.shape[:3]
+        wd = (d * weights.to(d.dtype)[:, None, None]).reshape(n, batch * rows, -1)
+        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, -1).to(d.dtype))
+        bias = wd.sum(1) if "bias" in members[0].params else None
+        for i, layer in enumerate(members):
+            found.append((layer.params["weight"], layer.oriented(grads[i])))
+            if bias is not None:
+                found.append((layer.params["bias"], bias[i]))
+    return found
 
 
 def _unread_rows_zeroed(

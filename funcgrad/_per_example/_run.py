@@ -36,7 +36,7 @@ from ._record import (
     _streamed_grads,
     _Use,
 )
-from ._rules import _Dense, _tiny, _tiny_share
+from ._rules import _Dense, _tiny, _tiny_share, _tiny_update
 
 if TYPE_CHECKING:
     from ._recorder import PerExample
@@ -245,10 +245,16 @@ class _Run:
             )
         update: list[tuple[torch.Tensor, torch.Tensor]] = []
         if write:
+            tiny: list[_Layer] = []
             for block in blocks:
+                if len(block) == 1 and _tiny(block[0], self.diagonal):
+                    tiny.append(block[0])  # together, below
+                    continue
                 for layer in block:
                     for name, grad in layer.update(weights).items():
                         update.append((layer.params[name], grad))
+            if tiny:
+                update.extend(_tiny_update(tiny, weights))
         return gram.detach(), weights.detach(), update
 
 
