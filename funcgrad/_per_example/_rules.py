@@ -357,7 +357,8 @@ def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> tor
     total: torch.Tensor | None = None
     for members, a, d in _tiny_rows(layers):
         n, batch, rows = d.shape[:3]
-        grads = torch.matmul(d.transpose(-1, -2), a.to(d.dtype)).reshape(n, batch, -1)
+        size = a.shape[-1] * d.shape[-1]  # (T = 0 too, where -1 cannot tell it)
+        grads = torch.matmul(d.transpose(-1, -2), a.to(d.dtype)).reshape(n, batch, size)
         if "bias" in members[0].params:
             grads = torch.cat([grads, d.sum(2)], -1)
         grads = grads.to(dtype)
@@ -381,9 +382,9 @@ def _tiny_update(
     `_Dense.weighted` does): (parameter, its update) pairs."""
     found = []
     for members, a, d in _tiny_rows(layers):
-        n, batch, rows = d.shape[:3]
-        wd = (d * weights.to(d.dtype)[:, None, None]).reshape(n, batch * rows, -1)
-        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, -1).to(d.dtype))
+        n, batch, rows, width, out = *d.shape[:3], a.shape[-1], d.shape[-1]
+        wd = (d * weights.to(d.dtype)[:, None, None]).reshape(n, batch * rows, out)
+        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, width).to(d.dtype))
         bias = wd.sum(1) if "bias" in members[0].params else None
         for i, layer in enumerate(members):
             found.append((layer.params["weight"], layer.oriented(grads[i])))
