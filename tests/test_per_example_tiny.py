@@ -8,6 +8,7 @@ and with as few host reads as before; a model that mixes the examples is still r
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -94,7 +95,8 @@ def test_every_call_is_exact_with_inf_in_unread_rows(large, held, monkeypatch):
     """G, the norms, the weighted update, the sum and the clipped sum, each called several
     times (the first call of a signature checks independence, without the stream), equal a
     per-example loop on the input with the unread rows set to 0. ``held``: the tiny layers
-    formed during the backward in groups of 2 or 3 (else all at the end)."""
+    formed during the backward in groups of 2 or 3, and stacked 2 at most (else all at the
+    end, one stack per shape)."""
     if held is not None:
         monkeypatch.setattr(_rules, "_TINY_HELD", held)
     model = Mixed(large=large).double()
@@ -111,6 +113,8 @@ def test_every_call_is_exact_with_inf_in_unread_rows(large, held, monkeypatch):
             tiny = [layer for layer in pe.plan.layers if "tiny" in layer.rule]
             assert len(tiny) == 2 * 3 + 2, str(pe.plan)
             assert len(pe.plan.layers) == len(tiny) + (3 if large else 0), str(pe.plan)
+            if held is not None:  # stacks of at most `_TINY_HELD` elements: 2 layers here
+                assert all(re.search(r"for [12] tiny", layer.rule) for layer in tiny), pe.plan
             got = funcgrad.per_example_norms(model(x_inf, read))
             torch.testing.assert_close(got, norms, rtol=1e-10, atol=1e-12)
             pe.backward(model(x_inf, read), weighting=lambda g: weights)

@@ -30,12 +30,14 @@ _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient t
 # blocks of about this many elements at least (a quarter of the rows A and Δ where that is
 # more): blocks of few output features cost more per flop (strided, small products; the
 # transformer's q/k/v layer: 6.1 ms in blocks of 32 features, 5.0 ms whole, one thread)
-_TINY = 1 << 14  # elements: a Linear whose rows A and Δ hold at most this many, and whose
+_TINY = 1 << 13  # elements: a Linear whose rows A and Δ hold at most this many, and whose
 # per-example weight gradients at most this many too, is a tiny layer (`_tiny`): formed
 # with the other tiny layers of its shape in one product, not one by one (each layer's own
-# ops and Python cost more than its arithmetic there; see docs/per_example.md)
+# ops and Python cost more than its arithmetic there; at 2^14 the stacked copies made the
+# update slower than one product a layer: docs/benchmarks_per_example.md)
 _TINY_HELD = 1 << 20  # elements: the tiny layers' rows held in the backward before they
-# are formed together (`_run._Stream`), so that keeping them does not raise the peak much
+# are formed together (`_run._Stream`), and the most stacked in one product, so that
+# neither raises the peak by more than about this
 
 
 class _Dense(_Layer):
@@ -327,14 +329,22 @@ def _tiny_rows(layers: list[_Layer]) -> list[tuple[list[_Dense], torch.Tensor, t
     """Tiny layers (`_tiny`) grouped by shape and dtype: each group's rows stacked, A (n, B,
     T, d) and Δ (n, B, T, p), with the rows no loss reads (Δ_bt all zeros) zeroed in A for
     all of them at once where they have `zero_unread` (T > 1: as `_unread_rows_zeroed`, one
-    pass on the device, no host read), in the order the layers came."""
+    pass on the device, no host read), in the order the layers came; a group whose rows
+    hold more than `_TINY_HELD` elements in several stacks."""
     groups: dict[tuple[object, ...], list[tuple[_Dense, torch.Tensor, torch.Tensor]]] = {}
+    # per shape: its current stack's number and the elements of its rows
+    stack: dict[tuple[object, ...], tuple[int, int]] = {}
     for layer in layers:
         assert isinstance(layer, _Dense)
         a, d = layer.unfold(layer.uses[0])
         key = (type(layer), a.shape, d.shape, a.dtype, d.dtype, a.device, *layer.params)
         key = (*key, layer.zero_unread)
-        groups.setdefault(key, []).append((layer, a, d))
+        number, held = stack.get(key, (0, 0))
+        held += a.numel() + d.numel()
+        if held > _TINY_HELD and held > a.numel() + d.numel():  # full: a new stack
+            number, held = number + 1, a.numel() + d.numel()
+        stack[key] = (number, held)
+        groups.setdefault((*key, number), []).append((layer, a, d))
     found = []
     for members in groups.values():
         a = torch.stack([m[1] for m in members])
