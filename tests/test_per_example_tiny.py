@@ -310,3 +310,32 @@ def test_reuse_across_shapes_threads_and_after_a_failure():
         thread.start()
         thread.join()
     assert results == {"thread": None}
+
+
+def test_tiny_hf_conv1d_layers_weights_stored_transposed_are_exact():
+    """Hugging Face's Conv1D (weight stored (d, p)) tiny: two of one shape in one stack,
+    G and a weighted update exact (the update's per-layer products transposed back)."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = pytorch_utils.Conv1D(6, 4), pytorch_utils.Conv1D(4, 6)
+            self.c = pytorch_utils.Conv1D(6, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.b(torch.tanh(self.a(x))).pow(2).sum((1, 2))
+            return out + self.c(x).pow(2).sum((1, 2))
+
+    torch.manual_seed(8)
+    model = Model().double()
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x))
+    weights = torch.rand(5, dtype=torch.float64)
+    with funcgrad.per_example(model) as pe:
+        for _ in range(3):
+            got = pe.gramian(model(x))
+            torch.testing.assert_close(got, jac @ jac.T, rtol=1e-10, atol=1e-12)
+            assert "one product for 2 tiny" in pe.plan.layers[0].rule, str(pe.plan)
+            pe.backward(model(x), weighting=lambda g: weights)
+            torch.testing.assert_close(grads(model), weights @ jac, rtol=1e-10, atol=1e-12)
