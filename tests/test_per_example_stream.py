@@ -70,8 +70,15 @@ def norm_spy(model: Encoder) -> None:
     model.layer.norm2.register_forward_hook(watch)
 
 
+@pytest.fixture
+def one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No layer taken as tiny (`_rules._tiny`): each formed alone, as the larger layers
+    are, so that these small models test the per-layer path (streamed, ghost, live rows)."""
+    monkeypatch.setattr("funcgrad._per_example._rules._TINY", 0)
+
+
 @pytest.mark.parametrize("call", ["gramian", "norms"])
-def test_a_call_that_writes_nothing_frees_each_delta_before_the_layers_below(call):
+def test_a_call_that_writes_nothing_frees_each_delta_before_the_layers_below(call, one_by_one):
     torch.manual_seed(0)
     model = Encoder().eval()
     norm_spy(model)
@@ -286,7 +293,9 @@ def test_self_attention_takes_q_k_v_as_one_linear_exactly(apart, bias):
         torch.testing.assert_close(gram, part @ part.T, rtol=1e-10, atol=1e-12)
 
 
-def test_the_live_rows_are_counted_where_the_first_output_feature_is_never_read():
+def test_the_live_rows_are_counted_where_the_first_output_feature_is_never_read(
+    one_by_one,
+):
     """The live rows are those whose output gradient has any feature not 0, not only the
     first (which the loss never reads here: a count of the rows whose first feature is not
     0 would be 0); the exact count decides and is shown."""
@@ -447,13 +456,17 @@ def test_a_streamed_sequence_model_reads_no_more_than_before_streaming(call):
     assert max(counts) <= bound, counts
 
 
+@pytest.mark.parametrize("tiny", [False, True])
 @pytest.mark.parametrize("width", [3, 16])
-def test_inf_in_a_row_no_loss_reads_adds_nothing_on_the_streamed_path(width):
+def test_inf_in_a_row_no_loss_reads_adds_nothing_on_the_streamed_path(width, tiny, monkeypatch):
     """An inf in the input at padding positions (read by no loss): the streamed layers'
     rows there add nothing (zeroed in A on the device, or masked in the norms' kernel), so
     G, the norms, the update and the clipped sum equal a per-example loop on the input
     with those rows set to 0 (the same losses). Narrow layers take the materialised rules
-    (A_bᵀ Δ_b, where torch's product gives NaN), wide ones the ghost products."""
+    (A_bᵀ Δ_b, where torch's product gives NaN), wide ones the ghost products; with
+    ``tiny``, both are tiny (`_rules._tiny`) and formed together, materialised."""
+    if not tiny:
+        monkeypatch.setattr("funcgrad._per_example._rules._TINY", 0)
     torch.manual_seed(13)
     model = nn.Sequential(nn.Linear(width, width + 1), nn.ReLU(), nn.Linear(width + 1, width))
     model = model.double()
@@ -473,10 +486,11 @@ def test_inf_in_a_row_no_loss_reads_adds_nothing_on_the_streamed_path(width):
         for _ in range(3):  # the first call checks independence, the others stream
             gram = pe.gramian(losses(model, x_inf))
             torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
-            rule = "materialised" if width == 3 else "ghost"
+            rule = "materialised" if width == 3 or tiny else "ghost"
             assert all(layer.rule.startswith(rule) for layer in pe.plan.layers), pe.plan
             norms = funcgrad.per_example_norms(losses(model, x_inf))
             torch.testing.assert_close(norms, jac.norm(dim=1), rtol=1e-10, atol=1e-12)
+            rule = "materialised" if width == 3 else "ghost"  # the cheaper for the norms
             assert all(layer.rule.startswith(rule) for layer in pe.plan.layers), pe.plan
         for p in model.parameters():
             p.grad = None
@@ -578,32 +592,61 @@ def test_a_user_hook_running_its_own_backward_through_a_layer_is_not_taken_for_i
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=call)
 
 
-@pytest.mark.parametrize("call", ["gramian", "norms"])
-def test_a_tiny_linear_forms_its_per_example_gradients_in_one_product(call, monkeypatch):
-    """A Linear whose (B, p, d) per-example gradients are tiny (materialised: T·d·p below
-    T²·(d + p)) is not split into blocks of output features (one product per feature on a
-    4-wide layer): one bmm per call, exact."""
-    torch.manual_seed(12)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
-    x = torch.randn(4, 3, 4, dtype=torch.float64)
-    jac = per_example_jacobian(model, lambda m: m(x).pow(2).sum((1, 2)))
-    products = [0]
-    bmm = torch.bmm
+@pytest.mark.parametrize("call", ["gramian", "norms", "backward"])
+def test_tiny_linears_of_one_shape_form_their_per_example_gradients_in_one_product(
+    call, monkeypatch
+):
+    """Tiny Linears (`_rules._tiny`) of one shape are formed together: the batched products
+    a call runs do not grow with the number of layers (one per layer before, and one per
+    output feature of each before that), and so do those of the update (a weighted one:
+    G, then ``Aᵀ (w ⊙ Δ)``), exact, on the first call (no stream) and streamed ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def counted(*args: torch.Tensor) -> torch.Tensor:
-        products[0] += 1
-        return bmm(*args)
+    class Products(TorchDispatchMode):
+        count = 0
 
-    with funcgrad.per_example(model) as pe:
-        for _ in range(2):  # the first call and a streamed one
-            losses = model(x).pow(2).sum((1, 2))
-            products[0] = 0
-            monkeypatch.setattr(torch, "bmm", counted)
-            if call == "gramian":
-                got, want = pe.gramian(losses), jac @ jac.T
-            else:
-                got, want = funcgrad.per_example_norms(losses), jac.norm(dim=1)
-            monkeypatch.setattr(torch, "bmm", bmm)
-            assert "materialised" in str(pe.plan)
-            assert products[0] == 2  # one per layer
-            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.bmm:  # (the backward's are mm)
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    from funcgrad._per_example._rules import _Dense
+
+    alone = [0]  # the per-layer update (one product a layer)
+    weighted = _Dense.weighted
+
+    def counted(self, *args):
+        alone[0] += 1
+        return weighted(self, *args)
+
+    monkeypatch.setattr(_Dense, "weighted", counted)
+    found = []
+    for depth in (2, 6):
+        torch.manual_seed(12)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(depth)))
+        model = model.double()
+        x = torch.randn(4, 3, 4, dtype=torch.float64)
+        jac = per_example_jacobian(model, lambda m, x=x: m(x).pow(2).sum((1, 2)))
+        counts = []
+        with funcgrad.per_example(model) as pe:
+            for _ in range(3):  # the first call and streamed ones
+                losses = model(x).pow(2).sum((1, 2))
+                with Products() as products:
+                    if call == "gramian":
+                        got, want = pe.gramian(losses), jac @ jac.T
+                    elif call == "norms":
+                        got, want = funcgrad.per_example_norms(losses), jac.norm(dim=1)
+                    else:
+                        weights = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+                        pe.backward(losses, weighting=lambda g, w=weights: w)
+                        got = torch.cat([p.grad.flatten() for p in model.parameters()])
+                        want = weights @ jac
+                        for p in model.parameters():
+                            p.grad = None
+                assert f"one product for {depth} tiny layer(s)" in str(pe.plan), str(pe.plan)
+                counts.append(products.count)
+                torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        found.append(counts)
+    assert found[0] == found[1], found
+    assert max(found[0]) <= 3, found
+    assert alone == [0]

@@ -195,6 +195,9 @@ class _Layer:
         # share of G's diagonal; and its plan, kept when its rows were let go
         self.streamed: torch.Tensor | None = None
         self.planned: _LayerPlan | None = None
+        # formed with the other tiny layers during the backward (`_run._Stream.flush`): its
+        # share is in the run's `formed`
+        self.grouped = False
 
     def release(self) -> None:
         """Its share formed during the backward (`_run._Stream`): the plan kept, the rows

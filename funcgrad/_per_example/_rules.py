@@ -30,6 +30,14 @@ _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient t
 # blocks of about this many elements at least (a quarter of the rows A and Δ where that is
 # more): blocks of few output features cost more per flop (strided, small products; the
 # transformer's q/k/v layer: 6.1 ms in blocks of 32 features, 5.0 ms whole, one thread)
+_TINY = 1 << 13  # elements: a Linear whose rows A and Δ hold at most this many, and whose
+# per-example weight gradients at most this many too, is a tiny layer (`_tiny`): formed
+# with the other tiny layers of its shape in one product, not one by one (each layer's own
+# ops and Python cost more than its arithmetic there; at 2^14 the stacked copies made the
+# update slower than one product a layer: docs/benchmarks_per_example.md)
+_TINY_HELD = 1 << 20  # elements: the tiny layers' rows held in the backward before they
+# are formed together (`_run._Stream`), and the most stacked in one product, so that
+# neither raises the peak by more than about this
 
 
 class _Dense(_Layer):
@@ -290,6 +298,109 @@ class _Dense(_Layer):
         if "bias" in self.params:
             found["bias"] = d.T @ w
         return found
+
+
+def _tiny(layer: _Layer, diagonal: bool) -> bool:
+    """Whether ``layer`` is a tiny Linear, formed with the others of its shape (`_tiny_share`,
+    `_tiny_update`) rather than alone: a Linear (or HF Conv1D; not a convolution) with one
+    call and a weight, whose rows A and Δ (B·T·(d + p)) and per-example weight gradients
+    (B·d·p) hold at most `_TINY` elements each, and for which the materialised rule is no
+    dearer than the ghost one with every row read (the rule that such a layer takes alone
+    anyway, save where many rows are unread; exact either way). Shapes alone: no host read."""
+    if type(layer) not in (_Dense, _TransposedDense) or len(layer.uses) != 1:
+        return False
+    if "weight" not in layer.params:
+        return False
+    assert isinstance(layer, _Dense)
+    batch = layer.batch
+    if batch == 0 or layer.params["weight"].numel() == 0:  # (no rows: `dims` cannot tell T)
+        return False
+    rows, width, out = layer.dims()
+    if batch * rows * (width + out) > _TINY or batch * width * out > _TINY:
+        return False
+    if diagonal:  # the per-layer rule's costs: `_Dense.diagonal`
+        return rows * width * out <= rows * rows * (width + out)
+    live = batch * rows  # `_Dense.gramian`'s, every row live
+    ghost = (live * (live + rows) // 2) * (width + out + 1)
+    return batch * rows * width * out + batch * batch * width * out <= ghost
+
+
+def _tiny_rows(layers: list[_Layer]) -> list[tuple[list[_Dense], torch.Tensor, torch.Tensor]]:
+    """Tiny layers (`_tiny`) grouped by shape and dtype: each group's rows stacked, A (n, B,
+    T, d) and Δ (n, B, T, p), with the rows no loss reads (Δ_bt all zeros) zeroed in A for
+    all of them at once where they have `zero_unread` (T > 1: as `_unread_rows_zeroed`, one
+    pass on the device, no host read), in the order the layers came; a group whose rows
+    hold more than `_TINY_HELD` elements in several stacks."""
+    groups: dict[tuple[object, ...], list[tuple[_Dense, torch.Tensor, torch.Tensor]]] = {}
+    # per shape: its current stack's number and the elements of its rows
+    stack: dict[tuple[object, ...], tuple[int, int]] = {}
+    for layer in layers:
+        assert isinstance(layer, _Dense)
+        a, d = layer.unfold(layer.uses[0])
+        key = (type(layer), a.shape, d.shape, a.dtype, d.dtype, a.device, *layer.params)
+        key = (*key, layer.zero_unread)
+        number, held = stack.get(key, (0, 0))
+        held += a.numel() + d.numel()
+        if held > _TINY_HELD and held > a.numel() + d.numel():  # full: a new stack
+            number, held = number + 1, a.numel() + d.numel()
+        stack[key] = (number, held)
+        groups.setdefault((*key, number), []).append((layer, a, d))
+    found = []
+    for members in groups.values():
+        a = torch.stack([m[1] for m in members])
+        d = torch.stack([m[2] for m in members])
+        if d.shape[2] > 1 and members[0][0].zero_unread:
+            a = a.masked_fill(_all_zero(d).unsqueeze(-1), 0)
+        found.append(([m[0] for m in members], a, d))
+    return found
+
+
+def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> torch.Tensor:
+    """The tiny layers' share of G (B, B), or of its diagonal (B,): per group of one shape,
+    the per-example gradients ``A_bᵀ Δ_b`` of all its layers in one product (n·B, p, d),
+    with the bias rows (Δ summed over each example's rows) beside them, then their Gram (or
+    squared norms) summed over the layers. Each layer's plan says so. Their rows no loss
+    reads are zeroed, here and in the update (`zero_unread`)."""
+    for layer in layers:
+        assert isinstance(layer, _Dense)
+        layer.zero_unread = True
+    total: torch.Tensor | None = None
+    for members, a, d in _tiny_rows(layers):
+        n, batch, rows = d.shape[:3]
+        size = a.shape[-1] * d.shape[-1]  # (T = 0 too, where -1 cannot tell it)
+        grads = torch.matmul(d.transpose(-1, -2), a.to(d.dtype)).reshape(n, batch, size)
+        if "bias" in members[0].params:
+            grads = torch.cat([grads, d.sum(2)], -1)
+        grads = grads.to(dtype)
+        share = grads.pow(2).sum((0, 2)) if diagonal else torch.matmul(grads, grads.mT).sum(0)
+        total = share if total is None else total + share
+        for layer in members:
+            width, out = a.shape[-1], d.shape[-1]
+            rule = f"‖A_bᵀ Δ_b‖² T={rows}" if diagonal else f"A_bᵀ Δ_b T={rows}"
+            layer.rule = f"materialised {rule}, one product for {n} tiny layer(s) of its shape"
+            layer.materialised_flops = float(batch * rows * width * out)
+            layer.ghost_flops = None
+    assert total is not None
+    return total
+
+
+def _tiny_update(
+    layers: list[_Layer], weights: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny layers' shares of the update, ``Aᵀ (w ⊙ Δ)`` and the bias's ``Δᵀ w``, one
+    product per group of one shape (their rows zeroed where `zero_unread`, as
+    `_Dense.weighted` does): (parameter, its update) pairs."""
+    found = []
+    for members, a, d in _tiny_rows(layers):
+        n, batch, rows, width, out = *d.shape[:3], a.shape[-1], d.shape[-1]
+        wd = (d * weights.to(d.dtype)[:, None, None]).reshape(n, batch * rows, out)
+        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, width).to(d.dtype))
+        bias = wd.sum(1) if "bias" in members[0].params else None
+        for i, layer in enumerate(members):
+            found.append((layer.params["weight"], layer.oriented(grads[i])))
+            if bias is not None:
+                found.append((layer.params["bias"], bias[i]))
+    return found
 
 
 def _unread_rows_zeroed(

@@ -16,6 +16,7 @@ from .. import _sync, _weighting
 from .._config import CheckMode, resolve_check
 from .._errors import describe
 from .._validate import named_inputs
+from . import _rules
 from ._attention import _Attention
 from ._checks import (
     _recorded_uses,
@@ -35,6 +36,7 @@ from ._record import (
     _streamed_grads,
     _Use,
 )
+from ._rules import _Dense, _tiny, _tiny_share, _tiny_update
 
 if TYPE_CHECKING:
     from ._recorder import PerExample
@@ -64,6 +66,9 @@ class _Run:
         self.diagonal = diagonal or getattr(weighting, "reads_diagonal", False) is True
         self.replace = replace  # .grad = the update, where it is added to by default
         self.writes = False  # whether this call writes an update (set by `execute`)
+        # the tiny layers formed together during the backward: their share of G (or of its
+        # diagonal), summed (`_Stream.flush`)
+        self.formed: torch.Tensor | None = None
         self.check = resolve_check(check, call)
         self.rule = _weighting.resolve(weighting, "params", call)
         if self.rule.needs_jacobian:
@@ -240,10 +245,16 @@ class _Run:
             )
         update: list[tuple[torch.Tensor, torch.Tensor]] = []
         if write:
+            tiny: list[_Layer] = []
             for block in blocks:
+                if len(block) == 1 and _tiny(block[0], self.diagonal):
+                    tiny.append(block[0])  # together, below
+                    continue
                 for layer in block:
                     for name, grad in layer.update(weights).items():
                         update.append((layer.params[name], grad))
+            if tiny:
+                update.extend(_tiny_update(tiny, weights))
         return gram.detach(), weights.detach(), update
 
 
@@ -322,17 +333,26 @@ class _Stream:
     Only single-layer blocks of the native rules whose rows all come from the one backward:
     not the generic rule (functional calls of its module), nor attention where its Δq, Δk,
     Δv need the recompute. A layer whose processing raises is left to the end, where the
-    same rule runs again as it would have (and raises there, if it does)."""
+    same rule runs again as it would have (and raises there, if it does).
+
+    Tiny Linears (`_rules._tiny`: rows of at most `_TINY` elements) are not formed one by
+    one: they wait, and are formed together (one product per shape, `_tiny_share`) once
+    their rows reach `_TINY_HELD` elements, and the rest at the end of the call."""
 
     def __init__(self, run: _Run, blocks: list[list[_Layer]], write: bool) -> None:
         self.run, self.write = run, write
         self.waiting: dict[int, _Layer] = {}  # id(use) -> its layer
         self.left: dict[int, int] = {}  # id(layer) -> its calls whose Δ are still to come
+        self.tiny: set[int] = set()  # id(layer), for the tiny layers
+        self.pending: list[_Layer] = []  # tiny layers whose Δ arrived, not formed yet
+        self.held = 0  # the elements of their rows
         for block in blocks:
             layer = block[0]
             if len(block) != 1 or not self.eligible(layer):
                 continue
             self.left[id(layer)] = len(layer.uses)
+            if not write and _tiny(layer, run.diagonal):
+                self.tiny.add(id(layer))
             for use in layer.uses:
                 self.waiting[id(use)] = layer
 
@@ -353,12 +373,34 @@ class _Stream:
         self.left[id(layer)] -= 1
         if self.left[id(layer)]:
             return
+        if id(layer) in self.tiny:
+            self.pending.append(layer)
+            assert isinstance(layer, _Dense)
+            rows, width, out = layer.dims()
+            self.held += layer.batch * rows * (width + out)
+            if self.held >= _rules._TINY_HELD:
+                self.flush()
+            return
         try:
             self.process(layer)
         except Exception:  # left to the end: the rule runs again there
             layer.streamed = None
             return
         layer.release()
+
+    def flush(self) -> None:
+        """The tiny layers waiting: formed together, then let go. Where that raises, they
+        are left to the end (formed there again, as a call without the stream would)."""
+        pending, self.pending, self.held = self.pending, [], 0
+        try:
+            share = _tiny_share(pending, self.run.dtype, self.run.diagonal)
+        except Exception:
+            return
+        formed = self.run.formed
+        self.run.formed = share if formed is None else formed + share
+        for layer in pending:
+            layer.grouped = True
+            layer.release()
 
     def process(self, layer: _Layer) -> None:
         from ._rules import _Dense
@@ -396,12 +438,23 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
     matrix (the cross-example blocks are never formed)."""
     found = torch.zeros(run.batch, dtype=run.dtype, device=run.device)
     gram = None if run.diagonal else found.new_zeros(run.batch, run.batch)
+    if run.formed is not None:  # tiny layers formed together during the backward
+        if gram is None:
+            found = found + run.formed
+        else:
+            gram = gram + run.formed
+    tiny: list[_Layer] = []
     for block in blocks:
+        if len(block) == 1 and block[0].grouped:  # in `run.formed`
+            continue
         if len(block) == 1 and block[0].streamed is not None:  # formed during the backward
             if gram is None:
                 found = found + block[0].streamed
             else:
                 gram = gram + block[0].streamed
+            continue
+        if len(block) == 1 and _tiny(block[0], run.diagonal):
+            tiny.append(block[0])
             continue
         if len(block) == 1:
             if gram is None:
@@ -422,6 +475,12 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
                 found = found + _squares(g.to(run.dtype))
             else:
                 gram = gram + _gram(g.to(run.dtype))
+    if tiny:  # together: one product per shape
+        share = _tiny_share(tiny, run.dtype, run.diagonal)
+        if gram is None:
+            found = found + share
+        else:
+            gram = gram + share
     if gram is None:
         return torch.diag(found)
     # exactly symmetric: the upper triangle mirrored (a rule's blocks, a ghost block's
