@@ -692,34 +692,28 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
 
     rho = torch.full((), _RHO, dtype=A.dtype, device=A.device)
     M = factor(rho)
-    # The state is t = z + w (w the scaled multiplier): z = max(lowt, t) and w = t - z
-    # follow from it, so one iteration is four passes, all into preallocated buffers (no
-    # temporaries; an out-of-place addmm with alpha costs a further pass at m = 512):
-    # q = t - 2 z, then t <- t - relax * z - relax * q @ M (= relax y + (1 - relax) z + w).
-    t = lowt.clamp_min(0)  # z = max(lowt, 0), w = 0
-    z = t.clone()
-    q = torch.empty_like(t)
-    best = z.clone()
+    z = lowt.clamp_min(0)
+    q = -z  # q = w - z, w the scaled multiplier (w = 0 at the start)
+    best = z
     done = torch.zeros_like(z[:, :1])
     bound = tol / 2 * low.abs().amax(1, keepdim=True)  # tol / 2: the final check agrees
     for iteration in range(1, iterations + 1):
-        torch.add(t, z, alpha=-2, out=q)  # w - z
+        # t = relax * y + (1 - relax) * z + w, y = (z - w) @ M = -(q @ M): two passes
+        t = torch.addmm(torch.add(q, z, alpha=2 - _RELAX), q, M, alpha=-_RELAX)
+        znew = torch.maximum(lowt, t)
         if iteration in _ADAPT:
-            y = torch.mm(q, M).neg_()  # the y-step, before relaxation
-            t.add_(z, alpha=-_RELAX).add_(y, alpha=_RELAX)
-            znew = torch.maximum(lowt, t)
+            y = (t - (1 - _RELAX) * z - (q + z)) / _RELAX
             primal = _norm(y - znew) / _norm(znew).clamp_min(tiny)
             dual = _norm(znew - z) / _norm(znew @ At).clamp_min(tiny)
             ratio = primal.sum() / (rho * dual.sum()).clamp_min(tiny)
             new = rho * ratio.clamp(_ADAPT_LIMIT**-2, _ADAPT_LIMIT**2).sqrt()
             new = torch.where(torch.isfinite(new), new, rho)
-            t.sub_(znew).mul_(rho / new).add_(znew)  # the scaled multiplier follows rho
+            q = (t - znew) * (rho / new) - znew  # the scaled multiplier follows rho
             rho = new
             M = factor(rho)
-            z.copy_(znew)
         else:
-            t.add_(z, alpha=-_RELAX).addmm_(q, M, alpha=-_RELAX)
-            torch.maximum(lowt, t, out=z)
+            q = torch.add(t, znew, alpha=-2)  # w - z = (t - z) - z
+        z = znew
         if iteration % _CHECK_EVERY == 0 or iteration == iterations:
             residual = torch.minimum((z - lowt) * dh, (z * dh) @ A).abs().amax(1, keepdim=True)
             now = (residual <= tol / 2 * (z * dh).abs().amax(1, keepdim=True) + bound) * (1 - done)
