@@ -14,7 +14,10 @@ multipliers are negative. It is monotone (each step lowers ``v^T G v``), converg
 positive definite G, and terminates finitely in exact arithmetic once the optimal face is
 found, so its answer is the exact one (within rounding), not an approximation. For few tasks
 (m <= 10, `EXACT_MAX`) the iteration budgets would be a fixed cost of thousands of ops: all
-2^m faces are solved at once instead (`_enumerate`), an exact direct method.
+2^m faces are solved at once instead (`_enumerate`), an exact direct method. From 11 to 48
+tasks (`POLISH_MAX`), a short ADMM (96 iterations) finds the active set, and a few rounds
+of a primal-dual active set method with exact face solves (`_polish`: one batched Cholesky
+factor per row and round) finish it, instead of 256 ADMM and 64 MPRGP iterations.
 
 Assumptions, and how each is checked:
 
@@ -80,6 +83,15 @@ _FINISH_FLOAT32 = 64
 # whatever m); at m = 12, 20-30 ms (docs/benchmarks_projector.md).
 EXACT_MAX = 10
 _EXACT_CHUNK = 1 << 22  # elements of the (2^m, rows, m) intermediate: rows in chunks
+# From EXACT_MAX + 1 up to this m, a short ADMM then `_polish`'s exact face solves replace
+# the long budgets: 96 ADMM iterations and 4 rounds (each one batched Cholesky factor per
+# row) solved every Gramian of the tests with m = 11..64 in float32 (48 and 3 did too; 32
+# and 3 left 2 of 197 with unconverged rows, 64 and 2 left 1), at 1.9-5.4 ms for m = 16-48
+# against 11-13 ms for ADMM + MPRGP; at m = 64 the two cost about the same, at m = 96 the
+# rounds (m factors of size m each) cost 1.7x more (docs/benchmarks_projector.md).
+POLISH_MAX = 48
+_POLISH_ADMM = 96
+_POLISH_ROUNDS = 4
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -97,7 +109,8 @@ class DualConeProjector:
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
     is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
     with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); for
-    m <= 10 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops). Pass it
+    m <= 10 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops); for
+    11 to 48 tasks, a short ADMM then 4 rounds of exact face solves (no MPRGP). Pass it
     as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
     ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
@@ -111,10 +124,12 @@ class DualConeProjector:
             less: refused at the call; pass G and U in float64 there).
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
-            ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``. 0 skips it.
-            Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
+            ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``, and 0 for
+            m <= 48 (the exact face solves finish there). 0 skips it. Unused for m <= 10
+            (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
-            inverse and 4 elementwise passes); None: 256 times the same factor.
+            inverse and 4 elementwise passes); None: 256 times the same factor (96 times it
+            for m <= 48).
             0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
             are faster, and rows that do not converge come back as NaN (or re-solved, see
             ``check``).
@@ -150,7 +165,8 @@ class DualConeProjector:
         ``torchjd.linalg.DualConeProjector`` (whatever the import order). The result is not
         differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
         with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
-        passes per iteration.
+        passes per iteration; for 11 to 48 tasks, 4 batched Cholesky factors of r matrices
+        m x m besides.
     """
 
     ConvergenceError = ProjectorConvergenceError
@@ -237,7 +253,7 @@ class DualConeProjector:
         admm = default_admm_budget(m, self.reg_eps) if self.admm_iter is None else self.admm_iter
         if self.max_iter is not None:
             return self.max_iter, admm
-        if dtype == torch.float64:
+        if dtype == torch.float64 or m <= POLISH_MAX:
             return default_budget(m, self.reg_eps), admm
         factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / self.reg_eps))
         return math.ceil(_FINISH_FLOAT32 * factor), admm
@@ -376,15 +392,19 @@ def _is_number(value: object) -> bool:
 
 
 def default_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
-    """``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``: reg_eps bounds the conditioning."""
+    """``(4 m + 64) * max(1, sqrt(1e-4 / reg_eps))``: reg_eps bounds the conditioning; 0 for
+    m <= `POLISH_MAX` (`_polish` finishes there)."""
+    if m <= POLISH_MAX:
+        return 0
     factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
     return math.ceil((_BUDGET_PER_ROW * m + _BUDGET_FLOOR) * factor)
 
 
 def default_admm_budget(m: int, reg_eps: float = _BUDGET_REG_EPS) -> int:
-    """``256 * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations (m: kept for the callers)."""
+    """``256 * max(1, sqrt(1e-4 / reg_eps))`` ADMM iterations (96 times it for m <=
+    `POLISH_MAX`, where `_polish` finishes)."""
     factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / reg_eps))
-    return math.ceil(_ADMM_BUDGET * factor)
+    return math.ceil((_POLISH_ADMM if m <= POLISH_MAX else _ADMM_BUDGET) * factor)
 
 
 def default_tol(m: int, dtype: torch.dtype) -> float:
@@ -431,11 +451,12 @@ def solve(
     admm_iter: int | None = None,
     tol: float | None = None,
     exact_max: int = EXACT_MAX,
+    polish_max: int = POLISH_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, converged): for m <= ``exact_max``, `_enumerate`; else ADMM (``admm_iter``
-    iterations, None: `default_admm_budget`), then MPRGP from its answer (``max_iter``, None:
-    `default_budget`), on every row of U (r, m) with the (regularised) G, no host read;
-    unconverged rows are NaN.
+    iterations, None: `default_admm_budget`), then for m <= ``polish_max`` `_polish`'s exact
+    face solves, then MPRGP from that answer (``max_iter``, None: `default_budget`), on every
+    row of U (r, m) with the (regularised) G, no host read; unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -445,7 +466,7 @@ def solve(
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
     m = G.shape[0]
     admm = default_admm_budget(m) if admm_iter is None else admm_iter
-    increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max)
+    increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max, polish_max)
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
@@ -456,6 +477,7 @@ def _solve(
     tol: float | None,
     admm_iter: int = 0,
     exact_max: int = EXACT_MAX,
+    polish_max: int = POLISH_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -470,6 +492,16 @@ def _solve(
     if m <= exact_max:  # every face at once: exact, about 15 ops (no iteration budget)
         return _checked(A, low, _enumerate(A, low), s, tol)
     gap = _admm(A, low, admm_iter, tol) if admm_iter else low.clamp_min(0) - low
+    if m <= polish_max:  # exact face solves from ADMM's active set
+        gap = torch.cat(
+            [
+                _polish(A, low_part, gap_part)
+                for low_part, gap_part in zip(
+                    torch.split(low, max(1, _EXACT_CHUNK // (m * m))),
+                    torch.split(gap, max(1, _EXACT_CHUNK // (m * m))),
+                )
+            ]
+        )
     dtype = G.dtype
     if budget == 0:  # the ADMM answer, checked (below)
         return _checked(A, low, gap, s, tol)
@@ -478,14 +510,20 @@ def _solve(
     tiny = torch.finfo(dtype).tiny
     # The state is x = y - low >= 0 (``gap``), the gradient g = A y (kept up to date
     # incrementally, recomputed after an expansion), the CG direction P. Masks are 0/1
-    # floats: boolean (r, m) tensors and ``torch.where`` are slow on the CPU.
+    # floats: boolean (r, m) tensors and ``torch.where`` are slow on the CPU. The updates
+    # are in place (gap and g are this function's own tensors), and phi = g * free is
+    # computed once per iteration: 29 passes over (r, m), one product and about 17 small
+    # (r, 1) ops an iteration, from 34 and 27 (docs/benchmarks_projector.md).
     g = (low + gap) @ A
-    free = torch.sign(gap)  # 1 where y is off its bound, 0 on it
-    P = g * free
+    phi = g * torch.sign(gap)  # the free gradient (sign(gap): 1 off the bounds, 0 on them)
+    P = phi
     stale = torch.zeros_like(U[:, :1])  # 1 where g is out of date (after an expansion)
-    # 1 where a row has converged (checked every few iterations): it takes no more steps, so
-    # that its residual does not shrink on into subnormal numbers (slow on the CPU).
+    # 0 where a row has converged (checked every few iterations): it takes no more steps, so
+    # that its residual does not shrink on into subnormal numbers (slow on the CPU). A stale
+    # row is never frozen (the check skips it) and a frozen one never expands: 1 - stale -
+    # frozen is 1 exactly on the rows that step, 0 elsewhere.
     frozen = torch.zeros_like(stale)
+    fresh = 1 - frozen
     bound = tol * low.abs().amax(1, keepdim=True) / 4
     for iteration in range(budget):  # (budget may be 0: the ADMM answer, checked)
         if iteration % _FREEZE_EVERY == _FREEZE_EVERY - 1:
@@ -493,31 +531,37 @@ def _solve(
             scale = (low + gap).abs().amax(1, keepdim=True)
             done = (residual <= tol / 4 * scale + bound).to(dtype) * (1 - stale)
             frozen = torch.maximum(frozen, done)
-        phi = g * free  # the free gradient
-        beta = g.clamp(max=0) * (1 - free)  # the chopped gradient: bounds to release
+            fresh = 1 - frozen - stale
+        # The chopped gradient, min(g, 0) off the free set: bounds to release (g - phi is
+        # g there and exactly 0 on it). phi and beta are stale on a row whose g is (the
+        # row after an expansion): that row takes no step, and its D is y (below).
+        beta = torch.sub(g, phi).clamp_max_(0)
         phit = torch.minimum(gap * inv_abar, phi)  # the reduced free gradient (0 on bounds)
-        prop = (_dot(beta, beta) <= _GAMMA**2 * _dot(phit, phi)).to(dtype)
-        fresh = (1 - stale) * (1 - frozen)
+        proportional = _dot(beta, beta) <= _GAMMA**2 * _dot(phit, phi)
+        prop = proportional.to(dtype)
+        cg = fresh * prop
         # The direction: the CG one where proportional, else the chopped gradient; y itself
         # where g must be recomputed (then no step is taken).
         D = torch.lerp(torch.lerp(beta, P, prop), low + gap, stale)
         Q = D @ A
-        dQd = _dot(D, Q)
-        alpha = _dot(g, D) / dQd.clamp_min(tiny)
-        # 1 / the longest feasible step along -D (only D's positive entries meet a bound)
-        inv_feasible = (D.clamp_min(0) / gap.clamp_min(tiny)).amax(1, keepdim=True)
-        expand = fresh * prop * (alpha * inv_feasible > 1).to(dtype)
-        feasible = 1 / (inv_feasible.abs() + tiny)  # finite, so 0 * it is 0 (abs: -0.0)
-        step = fresh * (expand * feasible + (1 - expand) * alpha)
-        gap = torch.addcmul(gap, step, D, value=-1).clamp_min(0)
-        g = torch.lerp(torch.addcmul(g, step, Q, value=-1), Q, stale * (1 - frozen))
-        free = torch.sign(gap)
-        # expansion rows: a projected gradient step of length abar from the half step
-        gap = torch.addcmul(gap, expand * abar, g * free, value=-1).clamp_min(0)
-        free = torch.sign(gap)
-        phi = g * free
-        gamma = _dot(phi, Q) / dQd.clamp_min(tiny)
-        P = torch.addcmul(phi, fresh * prop * (1 - expand) * gamma, P, value=-1)
+        dQd = _dot(D, Q).clamp_min_(tiny)
+        alpha = _dot(g, D) / dQd
+        # 1 / the longest feasible step along -D (only D's positive entries meet a bound:
+        # the row's largest D / gap, or 0 where none is positive)
+        inv_feasible = (D / gap.clamp_min(tiny)).amax(1, keepdim=True).clamp_min_(0)
+        expand = cg * (alpha * inv_feasible > 1)  # 1 where the CG step would cross a bound
+        # the step: to the first bound where expanding (1 / inv_feasible, finite there),
+        # else the CG (or chopped gradient) minimiser alpha; 0 on rows that do not step
+        step = torch.where(expand > 0, inv_feasible.reciprocal(), alpha) * fresh
+        gap.addcmul_(step, D, value=-1).clamp_min_(0)
+        g.addcmul_(step, Q, value=-1).lerp_(Q, stale)  # a stale row: g = Q = A y exactly
+        phi = g * torch.sign(gap)
+        # expansion rows: a projected gradient step of length abar from the half step (their
+        # phi is then out of date with the new bounds: the next iteration recomputes g)
+        gap.addcmul_(expand * abar, phi, value=-1).clamp_min_(0)
+        gamma = _dot(phi, Q) / dQd
+        P = torch.addcmul(phi, (cg - expand) * gamma, P, value=-1)
+        fresh = fresh + stale - expand  # the stale rows step again, the expanding ones wait
         stale = expand
     return _checked(A, low, gap, s, tol)
 
@@ -567,6 +611,44 @@ def _best_face(
     best = violation.argmin(0)  # NaN input: a NaN violation wins, and the check catches it
     gap = x.gather(0, best[None, :, None].expand(1, *x.shape[1:]))[0]
     return gap.clamp_min(0)  # exactly >= 0 (the kept face's x is >= 0 up to rounding)
+
+
+def _residual(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+    """Each row's KKT residual relative to its scale (`_checked`'s test: <= tol), (r, 1)."""
+    Y = low + gap
+    residual = torch.minimum(gap, Y @ A).abs().amax(1, keepdim=True)
+    scale = Y.abs().amax(1, keepdim=True) + low.abs().amax(1, keepdim=True)
+    return residual / scale.clamp_min(torch.finfo(A.dtype).tiny)
+
+
+def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
+    """``y - low >= 0`` after `_POLISH_ROUNDS` rounds of a primal-dual active set method
+    (Hintermuller, Ito and Kunisch 2003; OSQP's "polish" is one such round) from ``gap``'s
+    active set: each round solves, for every row at once, the stationary point of its face
+    (F = the free variables, y = low off F, ``A_FF y_F = -A_FB low_B``, one batched Cholesky
+    factor of ``A ⊙ f fᵀ + diag(1 - f)``, positive definite as A is), then frees the bounds
+    whose multipliers ``(A y)_j`` are negative and binds the free variables that went below
+    their bound. Once the face is the optimal one, one round gives the exact answer (a
+    direct solve, not an approximation). Each row keeps, of ``gap`` and the last round's
+    answer, the one with the smaller KKT residual: a row that ADMM had finished cannot be
+    made worse. Cost: ``rounds`` batched factors of r matrices m x m, hence m <=
+    `POLISH_MAX`; about 15 ops a round, no read."""
+    free = torch.sign(gap)
+    eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
+    x = gap
+    for _ in range(_POLISH_ROUNDS):
+        bound = low - low * free  # low off F, 0 on F
+        K = torch.addcmul(eye - eye * free[:, :, None], free[:, :, None] * A, free[:, None, :])
+        L = torch.linalg.cholesky_ex(K)[0]
+        rhs = ((bound @ A) * free).neg_()
+        y = torch.cholesky_solve(rhs[:, :, None], L)[:, :, 0] * free + bound
+        x = y - low  # exactly 0 off F
+        w = y @ A  # the multipliers off F (0 on F up to rounding)
+        free = free * (x > 0) + (1 - free) * (w < 0)
+    x = x.clamp_min(0)
+    # ADMM's iterate where it is better (and where the round's answer is NaN: a comparison
+    # with NaN is false)
+    return torch.where(_residual(A, low, x) <= _residual(A, low, gap), x, gap)
 
 
 def _checked(

@@ -13,7 +13,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
-from funcgrad._projector import EXACT_MAX, _admm, default_budget, default_tol, regularized, solve
+from funcgrad._projector import (
+    EXACT_MAX,
+    POLISH_MAX,
+    _admm,
+    _polish,
+    default_admm_budget,
+    default_budget,
+    default_tol,
+    regularized,
+    solve,
+)
 
 # --------------------------------------------------------------------------------------------
 # Gramians
@@ -445,11 +455,13 @@ def test_small_reg_eps(reg_eps: float, m: int, seed: int) -> None:
 
 
 def test_default_budget_grows_with_the_conditioning() -> None:
-    assert default_budget(32) == 4 * 32 + 64
-    assert default_budget(32, 1e-4) == default_budget(32)
-    assert default_budget(32, 1e-2) == default_budget(32)
-    assert default_budget(32, 1e-6) == 10 * default_budget(32)
-    assert default_budget(32, 1e-8) == 100 * default_budget(32)
+    assert default_budget(64) == 4 * 64 + 64
+    assert default_budget(64, 1e-4) == default_budget(64)
+    assert default_budget(64, 1e-2) == default_budget(64)
+    assert default_budget(64, 1e-6) == 10 * default_budget(64)
+    assert default_budget(64, 1e-8) == 100 * default_budget(64)
+    assert default_budget(POLISH_MAX) == 0  # the polish rounds finish there
+    assert default_admm_budget(POLISH_MAX, 1e-6) == 10 * default_admm_budget(POLISH_MAX)
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,12 +546,13 @@ def test_float32_within_conditioning(i: int) -> None:
 # Host reads
 
 
+@pytest.mark.parametrize("m", [16, 64])  # the polish rounds, ADMM + MPRGP
 @pytest.mark.parametrize("check", [False, None])
-def test_no_host_read(check: bool | None) -> None:
-    G = random_gramian(1, 16)
+def test_no_host_read(check: bool | None, m: int) -> None:
+    G = random_gramian(1, m)
     project = funcgrad.DualConeProjector(check=check)
     with funcgrad.HostReadCounter() as counter:
-        W = project(torch.eye(16) / 16, G)
+        W = project(torch.eye(m) / m, G)
     assert counter.count == 0, counter.reads
     assert bool(torch.isfinite(W).all())
 
@@ -589,15 +602,15 @@ def test_unconverged_rows_raise_with_strict() -> None:
 
 def test_default_budget_converges_where_a_short_one_does_not() -> None:
     U, G = _hard()
-    assert default_budget(32) > 2
     _, converged = solve(regularized(G, 1e-4, 1e-4), U)
     assert bool(converged.all())
-    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2, admm_iter=0)
+    # the iterative method alone (no polish rounds): its own default budget is needed
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=2, admm_iter=0, polish_max=0)
     assert not bool(converged.all())
-    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=8)
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=8, polish_max=0)
     assert not bool(converged.all())
-    _, converged = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0)  # ADMM alone
-    assert bool(converged.all())
+    admm_alone = solve(regularized(G, 1e-4, 1e-4), U, max_iter=0, admm_iter=256, polish_max=0)
+    assert bool(admm_alone[1].all())
 
 
 def test_admm_keeps_converged_rows() -> None:
@@ -640,15 +653,85 @@ def test_mprgp_finishes_admm_tail() -> None:
     gen = torch.Generator().manual_seed(63)
     U = torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen)]).float()
     G32 = regularized(G, 1e-4, 1e-4).float()
-    _, converged = solve(G32, U, max_iter=0, admm_iter=256)
+    assert m <= POLISH_MAX  # the iterative method alone, without the polish rounds
+    _, converged = solve(G32, U, max_iter=0, admm_iter=256, polish_max=0)
     assert not bool(converged.all())
-    _, converged = solve(G32, U, max_iter=64, admm_iter=256)
+    _, converged = solve(G32, U, max_iter=64, admm_iter=256, polish_max=0)
     assert bool(converged.all())
     W32 = funcgrad.DualConeProjector(check=False)(U, G.float())  # the float32 default
     W = funcgrad.DualConeProjector(check=False)(U.double(), G)
     reference = _quadprog(U.double(), G)
     assert _relative(W, reference) <= 1e-8
     assert _relative(W32.double(), reference) <= 1e-3
+
+
+def _admm_tail() -> tuple[torch.Tensor, torch.Tensor]:
+    """Duplicate tasks at m = 23, UPGrad's rows and 3 rows of both signs: ADMM's slow tail."""
+    m = _sizes(100, 128, 11)[63]
+    G = random_gramian(63, m).double()
+    gen = torch.Generator().manual_seed(63)
+    U = torch.cat([torch.eye(m) / m, torch.randn(3, m, generator=gen)])
+    return U, G
+
+
+def test_polish_finishes_where_admm_alone_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For EXACT_MAX < m <= POLISH_MAX a short ADMM then `_polish`'s exact face solves
+    replace the long budgets: ADMM's default 96 iterations alone leave 3 rows unconverged
+    here, one polish round leaves 2, and the default rounds give quadprog's answer (float64
+    within 1e-8, float32 within conditioning), with no MPRGP iteration at all."""
+    U, G = _admm_tail()
+    m = G.shape[0]
+    assert EXACT_MAX < m <= POLISH_MAX and default_budget(m) == 0
+    for dtype in (torch.float32, torch.float64):
+        Gr = regularized(G, 1e-4, 1e-4).to(dtype)
+        _, converged = solve(Gr, U.to(dtype), max_iter=0, polish_max=0)
+        assert not bool(converged.all()), dtype
+        _, converged = solve(Gr, U.to(dtype))
+        assert bool(converged.all()), dtype
+    reference = _quadprog(U, G)
+    assert _relative(funcgrad.DualConeProjector(check=False)(U, G), reference) <= 1e-8
+    W32 = funcgrad.DualConeProjector(check=False)(U.float(), G.float())
+    assert _relative(W32.double(), reference) <= 1e-3
+    monkeypatch.setattr("funcgrad._projector._POLISH_ROUNDS", 1)
+    _, converged = solve(regularized(G, 1e-4, 1e-4), U)
+    assert not bool(converged.all())
+
+
+def test_polish_keeps_admm_rows_where_its_rounds_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row keeps ADMM's iterate where it is better than the rounds' answer (here: a
+    factorisation that returns NaN): a row that ADMM had finished is never made worse."""
+    U, G = _admm_tail()
+    A = regularized(G, 1e-4, 1e-4)
+    A = A / A.diagonal().mean()
+    low = U * A.diagonal().mean().sqrt() / U.abs().amax(1, keepdim=True)
+    gap = _admm(A, low, 256, default_tol(G.shape[0], torch.float64))
+    assert bool(torch.isfinite(_polish(A, low, gap)).all())
+
+    def broken(K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.full_like(K, math.nan), torch.zeros(K.shape[:-2], dtype=torch.int32)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", broken)
+    assert torch.equal(_polish(A, low, gap), gap)
+
+
+@pytest.mark.parametrize("m", [EXACT_MAX + 1, 40, POLISH_MAX])
+@pytest.mark.parametrize("kind", range(6))
+def test_polish_range_against_quadprog(m: int, kind: int) -> None:
+    """The six kinds at the polish range's ends, UPGrad's rows and rows of both signs:
+    float64 within 1e-8 of quadprog, float32 within conditioning, KKT, no host read."""
+    G = random_gramian(kind + 6 * m, m).double()
+    U = _rows(m, seed=kind).double()
+    reference = _quadprog(U, G)
+    project = funcgrad.DualConeProjector(check=False)
+    with funcgrad.HostReadCounter() as reads:
+        W = project(U, G)
+        W32 = project(U.float(), G.float())
+    assert reads.count == 0
+    assert _relative(W, reference) <= 1e-8
+    assert max(_kkt(W, U, G)[1:]) <= 1e-12 and _kkt(W, U, G)[0] == 0.0
+    cond = float(torch.linalg.cond(regularized(G, 1e-4, 1e-4)))
+    error = float((W32.double() - reference).abs().amax() / reference.abs().amax())
+    assert error <= 100 * torch.finfo(torch.float32).eps * cond
 
 
 def _adversarial_for_a_fixed_start(m: int) -> torch.Tensor:

@@ -96,6 +96,11 @@ def projector_case(m: int, quick: bool, source: str) -> Case:
             "cond": float(eigenvalues[-1] / eigenvalues[0]),
             "budget": funcgrad._projector.default_budget(m),  # MPRGP's, float64
             "admm budget": funcgrad._projector.default_admm_budget(m),
+            "polish rounds": (
+                funcgrad._projector._POLISH_ROUNDS
+                if funcgrad._projector.EXACT_MAX < m <= funcgrad._projector.POLISH_MAX
+                else 0
+            ),
         },
     )
     return case
