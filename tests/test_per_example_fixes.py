@@ -303,6 +303,15 @@ def test_calls_without_rows_give_the_loops_answer(both):
     torch.testing.assert_close(got, norms)
     want = (1.0 / (norms + 1e-6)).clamp(max=1.0) @ jac
     torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), want)
+    # the Gramian and a weighted update too (the ghost rule's reshape of no rows raised)
+    with funcgrad.per_example(model):
+        torch.testing.assert_close(funcgrad.per_example_gramian(losses()), jac @ jac.T)
+    for p in params:
+        p.grad = None
+    with funcgrad.per_example(model) as pe:
+        pe.backward(losses(), weighting=lambda g: 1.0 / (1.0 + g.diagonal()))
+    want = (1.0 / (1.0 + norms**2)) @ jac
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), want)
 
 
 # -- unclear errors -----------------------------------------------------------------------------

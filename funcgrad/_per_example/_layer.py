@@ -55,7 +55,9 @@ def _live_rows(
     adds exactly 0 to every ghost product it is in, so it is skipped (one host read, none
     where ``live``, `_live_index` of d, is given)."""
     batch, rows = a.shape[:2]
-    flat_a, flat_d = a.reshape(batch * rows, -1), d.reshape(batch * rows, -1)
+    # (widths given: -1 cannot be inferred where there are no rows, T = 0)
+    flat_a = a.reshape(batch * rows, a.shape[2:].numel())
+    flat_d = d.reshape(batch * rows, d.shape[2:].numel())
     if live is None:
         live = _live_index(d)
     if live.shape[0] < batch * rows:
