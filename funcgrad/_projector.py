@@ -85,13 +85,14 @@ EXACT_MAX = 10
 _EXACT_CHUNK = 1 << 22  # elements of the (2^m, rows, m) intermediate: rows in chunks
 # From EXACT_MAX + 1 up to this m, a short ADMM then `_polish`'s exact face solves replace
 # the long budgets: 96 ADMM iterations and 4 rounds (each one batched Cholesky factor per
-# row) solved every Gramian of the tests with m = 11..64 in float32 (48 and 3 did too; 32
-# and 3 left 2 of 197 with unconverged rows, 64 and 2 left 1), at 1.9-5.4 ms for m = 16-48
-# against 11-13 ms for ADMM + MPRGP; at m = 64 the two cost about the same, at m = 96 the
-# rounds (m factors of size m each) cost 1.7x more (docs/benchmarks_projector.md).
+# row) solved every Gramian of the tests with m = 11..64 in float32; at m = 64 the two cost
+# about the same, at m = 96 the rounds cost 1.7x more. 8 rounds, each row keeping its best:
+# on rows whose multipliers are within rounding of 0 at the optimum (rows already optimal,
+# nearly opposed tasks) the last of 4 rounds left 222 of the review's 7,360 draws with NaN
+# rows where ADMM + MPRGP had none (docs/benchmarks_projector.md).
 POLISH_MAX = 48
 _POLISH_ADMM = 96
-_POLISH_ROUNDS = 4
+_POLISH_ROUNDS = 8
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -629,13 +630,13 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
     factor of ``A ⊙ f fᵀ + diag(1 - f)``, positive definite as A is), then frees the bounds
     whose multipliers ``(A y)_j`` are negative and binds the free variables that went below
     their bound. Once the face is the optimal one, one round gives the exact answer (a
-    direct solve, not an approximation). Each row keeps, of ``gap`` and the last round's
+    direct solve, not an approximation). Each row keeps, of ``gap`` and every round's
     answer, the one with the smaller KKT residual: a row that ADMM had finished cannot be
     made worse. Cost: ``rounds`` batched factors of r matrices m x m, hence m <=
     `POLISH_MAX`; about 15 ops a round, no read."""
     free = torch.sign(gap)
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
-    x = gap
+    best, least = gap, _residual(A, low, gap)
     for _ in range(_POLISH_ROUNDS):
         bound = low - low * free  # low off F, 0 on F
         K = torch.addcmul(eye - eye * free[:, :, None], free[:, :, None] * A, free[:, None, :])
@@ -645,10 +646,14 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
         x = y - low  # exactly 0 off F
         w = y @ A  # the multipliers off F (0 on F up to rounding)
         free = free * (x > 0) + (1 - free) * (w < 0)
-    x = x.clamp_min(0)
-    # ADMM's iterate where it is better (and where the round's answer is NaN: a comparison
-    # with NaN is false)
-    return torch.where(_residual(A, low, x) <= _residual(A, low, gap), x, gap)
+        # Each row keeps its best round: on degenerate rows (multipliers within rounding of
+        # 0 at the optimum) the active set can switch those bounds back and forth, so the
+        # last round need not be the converged one. (NaN compares false: never kept.)
+        x = x.clamp_min(0)
+        residual = _residual(A, low, x)
+        better = residual < least
+        best, least = torch.where(better, x, best), torch.where(better, residual, least)
+    return best
 
 
 def _checked(

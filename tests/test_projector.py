@@ -578,8 +578,8 @@ def _hard() -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_unconverged_rows_are_nan_without_check() -> None:
     U, G = _hard()
-    # MPRGP alone (no ADMM first): 11 of 32 rows converge in 60 iterations
-    W = funcgrad.DualConeProjector(max_iter=60, admm_iter=0, check=False)(U, G)
+    # MPRGP alone (no ADMM first, no polish rounds): 11 of 32 rows converge in 60 iterations
+    W, _ = solve(regularized(G, 1e-4, 1e-4), U, max_iter=60, admm_iter=0, polish_max=0)
     bad = torch.isnan(W).any(1)
     assert bool(bad.any())
     assert bool(torch.isfinite(W[~bad]).all())
@@ -1296,3 +1296,22 @@ def test_plan_advice_uses_the_device_of_the_work() -> None:
     assert "DualConeProjector()" in plan.advice
     cpu = combined.plan(torch.tensor(2.0), torch.zeros(2, 3))  # all on the CPU, m = 2
     assert cpu.advice is None
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_polish_keeps_each_rows_best_round_on_degenerate_rows(seed: int) -> None:
+    """Rows already optimal (v = u) on a rank-2 Gramian: multipliers within rounding of 0
+    at the optimum, where the active set switches those bounds from round to round. The
+    last of 4 rounds left such rows NaN (the review of session 6: 222 of 7,360 draws where
+    ADMM + MPRGP had none); each row now keeps its best round."""
+    m = 16
+    g = torch.Generator().manual_seed(16)
+    J = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(
+        2, 40, generator=g, dtype=torch.float64
+    )
+    G = J @ J.T
+    rows = torch.randn(20, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    U = _quadprog(rows, G)  # each row already optimal: its own answer
+    W = funcgrad.DualConeProjector(check=False)(U, G)
+    assert bool(torch.isfinite(W).all())
+    assert _relative(W, _quadprog(U, G)) <= 1e-8
