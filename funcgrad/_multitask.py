@@ -439,9 +439,8 @@ def backward(
 
         # Apply: the one place that writes .grad. As in torch's backward, each leaf's
         # post-accumulate-grad hooks fire once, on its final .grad, the heads' first.
-        taken: set[int] = set()  # the storages given to a .grad in this call
         for leaf, grad in zip(own, own_grads, strict=True):
-            _sync.accumulate(leaf, grad, taken)
+            _sync.accumulate(leaf, grad)
         shared_ids = {id(x) for x in task.shared}  # (a tied leaf: once, after both writes)
         _sync.post_accumulate([x for x in own if id(x) not in shared_ids])
         if update is None:  # (torch's backward fires the shared leaves' hooks)
@@ -449,7 +448,7 @@ def backward(
             with sync.reducing_backward():
                 lin.accumulate(_engine.weighted_direction(weights, cotangents, lin.out))
         else:
-            sync.write(task.shared, update, taken)
+            sync.write(task.shared, update)
     if not retain_graph:  # a later backward through the graph raises before it writes
         # (where a pass freed its part itself, torch refuses there: no hook needed)
         pulled = not _engine.nothing_to_pull(len(task.losses), lin.out, lin.x_like)

@@ -105,11 +105,11 @@ class Sync:
         engine's batched pull), averaged over the ranks."""
         return self.average(pull())
 
-    def write(self, leaves: Sequence[torch.Tensor], update: Tensors, taken: set[int]) -> None:
+    def write(self, leaves: Sequence[torch.Tensor], update: Tensors) -> None:
         """``.grad += update`` on the shared leaves (see :func:`accumulate`), then their
         post-accumulate-grad hooks, once each."""
         for leaf, u in zip(leaves, update):
-            accumulate(leaf, u, taken)
+            accumulate(leaf, u)
         post_accumulate(leaves)
 
 
@@ -119,7 +119,7 @@ class Sync:
 _ACCUMULATING = threading.RLock()
 
 
-def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
+def accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
     (docs/reliability.md, ".grad presets"). A first ``.grad`` is never ``grad`` itself: a
     gradient from autograd may be a tensor that someone else holds (a tensor hook that logs
@@ -130,9 +130,8 @@ def accumulate(leaf: torch.Tensor, grad: torch.Tensor, taken: set[int]) -> None:
     copy-on-write clone of it (:func:`_copy_on_write`), which costs nothing unless both
     sides live on and one is written (autograd hands one tensor to both leaves of a sum:
     each gets its own clone); else a copy in the leaf's layout (sparse: a copy of its
-    rows). ``taken`` is unused: every
-    ``.grad`` made here is its own, whatever else holds ``grad``'s storage. One thread at a
-    time (``_ACCUMULATING``)."""
+    rows). Every ``.grad`` made here is its own, whatever else holds ``grad``'s storage. One
+    thread at a time (``_ACCUMULATING``)."""
     with _ACCUMULATING:
         _accumulate(leaf, grad)
 
@@ -597,7 +596,7 @@ class FSDPSync(GroupSync):
     def sum_over_shards(self, gramian: torch.Tensor) -> torch.Tensor:
         return self._sum(gramian)
 
-    def write(self, leaves: Sequence[torch.Tensor], update: Tensors, taken: set[int]) -> None:
+    def write(self, leaves: Sequence[torch.Tensor], update: Tensors) -> None:
         """``.grad += update`` on each rank's shards (``update``: the local shards, in the
         order of :meth:`task_gradients`)."""
         from torch.distributed.tensor import DTensor

@@ -18,6 +18,15 @@ from funcgrad._counting import BackwardCounter, counted
 Pair = collections.namedtuple("Pair", ["p", "q"])
 
 
+# The per-example entry points that read G (or its diagonal), by name, each on its losses.
+PER_EXAMPLE_CALLS = {
+    "gramian": funcgrad.per_example_gramian,
+    "norms": funcgrad.per_example_norms,
+    "backward": lambda losses: funcgrad.backward(losses, batch_dim=0),
+    "clip": lambda losses: funcgrad.per_example_clip(losses, 1.0),
+}
+
+
 def autograd_reference(f, heads, args, argnums=0, has_aux=False):
     """values and per-head grads by torch.autograd.grad, one backward of f per head."""
     nums = argnums if isinstance(argnums, tuple) else (argnums,)

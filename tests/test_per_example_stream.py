@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import per_example_jacobian
+from helpers import PER_EXAMPLE_CALLS, per_example_jacobian
 from torch import nn
 
 import funcgrad
@@ -393,15 +393,7 @@ def _reads_per_call(model, losses_of, call) -> list[int]:
     return counts
 
 
-CALLS = {
-    "gramian": funcgrad.per_example_gramian,
-    "norms": funcgrad.per_example_norms,
-    "backward": lambda losses: funcgrad.backward(losses, batch_dim=0),
-    "clip": lambda losses: funcgrad.per_example_clip(losses, 1.0),
-}
-
-
-@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("call", list(PER_EXAMPLE_CALLS))
 def test_a_streamed_layer_costs_no_host_read(call):
     """Streaming reads nothing per layer: on 2-D inputs (ghost (A Aᵀ)∘(Δ Δᵀ), no live count)
     a call reads as many values whatever the depth, the end-of-call check that G (or its
@@ -416,7 +408,7 @@ def test_a_streamed_layer_costs_no_host_read(call):
         def losses(model=model):
             return nn.functional.cross_entropy(model(x), y, reduction="none")
 
-        found.append(_reads_per_call(model, losses, CALLS[call]))
+        found.append(_reads_per_call(model, losses, PER_EXAMPLE_CALLS[call]))
     expected = {"gramian": 1, "norms": 1, "backward": 0, "clip": 2}[call]
     assert found == [[expected] * 3] * 2, found
 
@@ -436,7 +428,7 @@ class _Tagger(nn.Module):
         return self.head(torch.relu(self.second(h)))
 
 
-@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("call", list(PER_EXAMPLE_CALLS))
 def test_a_streamed_sequence_model_reads_no_more_than_before_streaming(call):
     """On (B, T, d) rows each ghost layer counts its live rows with the one read its ghost
     products take (`nonzero`), the Embedding its own; nothing more per layer. Main (before
@@ -451,7 +443,7 @@ def test_a_streamed_sequence_model_reads_no_more_than_before_streaming(call):
         out = model(ids).transpose(1, 2)
         return (nn.functional.cross_entropy(out, y, reduction="none") * mask).sum(1)
 
-    counts = _reads_per_call(model, losses, CALLS[call])
+    counts = _reads_per_call(model, losses, PER_EXAMPLE_CALLS[call])
     bound = {"gramian": 14, "norms": 5, "backward": 0, "clip": 6}[call]
     assert max(counts) <= bound, counts
 

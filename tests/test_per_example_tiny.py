@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from helpers import per_example_jacobian
+from helpers import PER_EXAMPLE_CALLS, per_example_jacobian
 from torch import nn
 
 import funcgrad
@@ -254,15 +254,7 @@ def _reads(model: nn.Module, losses, call) -> list[int]:
     return counts
 
 
-CALLS = {
-    "gramian": funcgrad.per_example_gramian,
-    "norms": funcgrad.per_example_norms,
-    "backward": lambda losses: funcgrad.backward(losses, batch_dim=0),
-    "clip": lambda losses: funcgrad.per_example_clip(losses, 1.0),
-}
-
-
-@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("call", list(PER_EXAMPLE_CALLS))
 def test_tiny_layers_cost_no_host_read(call):
     """Whatever the number of tiny layers on (B, T, d) rows: the end-of-call finiteness
     check alone, and the clip's factors (main, before streaming, read one value per layer
@@ -271,7 +263,9 @@ def test_tiny_layers_cost_no_host_read(call):
     for tiny in (1, 5):
         model = Mixed(tiny=tiny, large=False).double()
         x_inf, _, read = data(6)
-        found.append(_reads(model, lambda m=model, x=x_inf, r=read: m(x, r), CALLS[call]))
+        found.append(
+            _reads(model, lambda m=model, x=x_inf, r=read: m(x, r), PER_EXAMPLE_CALLS[call])
+        )
     expected = {"gramian": 1, "norms": 1, "backward": 0, "clip": 2}[call]
     assert found == [[expected] * 3] * 2, found
 

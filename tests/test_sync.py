@@ -73,7 +73,7 @@ def test_write_accumulates_as_autograd_does():
     sync = _sync.Sync(CALL)
     for _ in range(2):
         update = (torch.randn(2, 3), torch.randn(3))
-        sync.write(leaves, update, set())
+        sync.write(leaves, update)
         torch.autograd.backward([r * 1.0 for r in reference], list(update))
     for leaf, r in zip(leaves, reference):
         torch.testing.assert_close(leaf.grad, r.grad)
@@ -89,9 +89,8 @@ def test_accumulate_keeps_what_it_owns_and_copies_what_is_shared():
     fresh, stacked = torch.randn(4), torch.randn(3, 4)
     address, values = fresh.data_ptr(), fresh.clone()
     a, b, c = (torch.zeros(4, requires_grad=True) for _ in range(3))
-    taken: set[int] = set()
-    _sync.accumulate(a, fresh, taken)
-    _sync.accumulate(b, fresh, taken)
+    _sync.accumulate(a, fresh)
+    _sync.accumulate(b, fresh)
     assert a.grad is not fresh and b.grad is not fresh
     b.grad.mul_(2)  # (b's copy now: a and fresh keep their values)
     torch.testing.assert_close(b.grad, 2 * values)
@@ -100,26 +99,26 @@ def test_accumulate_keeps_what_it_owns_and_copies_what_is_shared():
     del fresh  # a alone holds the first memory now: a write takes it, no copy
     a.grad.add_(0)
     assert a.grad.data_ptr() == address
-    _sync.accumulate(c, stacked[1], taken)
+    _sync.accumulate(c, stacked[1])
     assert c.grad.untyped_storage().nbytes() == 4 * c.grad.element_size()
     torch.testing.assert_close(c.grad, stacked[1])
     want, held = a.grad + stacked[0], a.grad
-    _sync.accumulate(a, stacked[0], taken)
+    _sync.accumulate(a, stacked[0])
     assert a.grad is held
     torch.testing.assert_close(a.grad, want)
     whole, turned = torch.randn(2, 2).view(4), torch.randn(2, 2).t()  # views of all of it
     address = whole.data_ptr()
     e, f = torch.zeros(4, requires_grad=True), torch.zeros(2, 2, requires_grad=True)
-    _sync.accumulate(e, whole, taken)  # (tensordot's result: a reshaped product)
+    _sync.accumulate(e, whole)  # (tensordot's result: a reshaped product)
     del whole
     assert e.grad.data_ptr() == address
     address = turned.data_ptr()
-    _sync.accumulate(f, turned, taken)  # (not contiguous: copied to the leaf's layout)
+    _sync.accumulate(f, turned)  # (not contiguous: copied to the leaf's layout)
     assert f.grad.is_contiguous() and f.grad.data_ptr() != address
     torch.testing.assert_close(f.grad, turned)
     sparse = torch.randn(4).to_sparse()
     d = torch.zeros(4, requires_grad=True)
-    _sync.accumulate(d, sparse, taken)
+    _sync.accumulate(d, sparse)
     assert d.grad.is_sparse
     torch.testing.assert_close(d.grad.to_dense(), sparse.to_dense())
 

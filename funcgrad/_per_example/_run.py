@@ -206,12 +206,11 @@ class _Run:
 
     def _apply(self, update: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``.grad`` written: replaced or accumulated (the hooks fire after, unlocked)."""
-        taken: set[int] = set()
         if self.replace:
             for param in self.selected:
                 param.grad = None
         for param, grad in update:
-            _sync.accumulate(param, grad.to(param.dtype), taken)
+            _sync.accumulate(param, grad.to(param.dtype))
 
     def _weigh(
         self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
