@@ -190,19 +190,14 @@ def _vmap_measured(
     chunk_size: int | None,
     what: str,
     log: Log,
-    single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
-    backward; an RNN's backward is slow under vmap without saying so). ``single``: the
-    unbatched call a loop would make, where it is not ``fn`` on one direction. The unbatched
-    call runs first: it pays the one-time costs of the shapes (a first backward's kernels
-    and buffers), so that a loop is chosen only where it wins against a warm vmap."""
+    backward; an RNN's backward is slow under vmap without saying so). The unbatched call
+    runs first: it pays the one-time costs of the shapes (a first backward's kernels and
+    buffers), so that a loop is chosen only where it wins against a warm vmap."""
     start = time.perf_counter()
-    if single is None:
-        fn(*(arg[0] for arg in args))
-    else:
-        single()
+    fn(*(arg[0] for arg in args))
     single_s = time.perf_counter() - start
     start = time.perf_counter()
     result = _vmap(fn, args, chunk_size, "error", log)
@@ -369,7 +364,6 @@ def batched(
     can_vmap: bool = True,
     may_loop: bool = True,
     last_fn: Callable[..., Tensors] | None = None,
-    single: Callable[[], object] | None = None,
     log: Log | None = None,
     fit: ChunkFit | None = None,
 ) -> Tensors:
@@ -382,9 +376,9 @@ def batched(
     limit of forward mode itself propagates).
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
-    call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
-    make instead, timed against the vmap where ``log`` measures (its first batched call
-    only). ``fit``: ``chunk_size="auto"``'s record (None: measured afresh).
+    call before it is ``fn``. ``log``: where it measures, its first batched call is timed
+    against one unbatched call (:func:`_vmap_measured`). ``fit``: ``chunk_size="auto"``'s
+    record (None: measured afresh).
     """
     batch = args[0].shape[0]
     if chunk_size == "auto":
@@ -438,7 +432,7 @@ def batched(
             )
         else:
             assert log is not None
-            result = _vmap_measured(fn, args, chunk_size, what, log, single)
+            result = _vmap_measured(fn, args, chunk_size, what, log)
     except (RuntimeError, NotImplementedError) as error:
         # Not a batching problem: a loop would fail the same way (forward mode: nor one
         # where forward mode itself cannot differentiate f; the caller says so).
@@ -532,7 +526,6 @@ def pull(
     *,
     loop: bool = False,
     last: bool = False,
-    single: Callable[[], object] | None = None,
     log: Log | None = None,
     fit: ChunkFit | None = None,
 ) -> Tensors:
@@ -550,7 +543,6 @@ def pull(
             what=lin.what,
             can_vmap=lin.can_vmap and not loop,
             last_fn=None if last_vjp is None else (lambda *direction: last_vjp(direction)),
-            single=single,
             log=log,
             fit=fit,
         )
