@@ -1154,7 +1154,7 @@ def by_linearity(
 class _Pulls:
     """One :func:`by_linearity` call's pulls through f, with its options: the cotangents
     themselves (``direct``), or rows of real coordinates on y (``rows``). Never changed
-    once made (not frozen: a frozen dataclass costs 3 us to make, on every pullback call)."""
+    once made (not frozen: made on every pullback call, see docs/performance.md)."""
 
     lin: Linearization
     cotangents: Tensors

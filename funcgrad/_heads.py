@@ -185,7 +185,7 @@ def _name_head(error: Exception, where: str, call: str) -> None:
 
 class _Naming:
     """:func:`_name_head` for what runs inside (a class, not a generator context manager:
-    entered on every call of stacked heads, it costs no generator)."""
+    entered on every call of stacked heads; docs/performance.md)."""
 
     __slots__ = ("call", "where")
 

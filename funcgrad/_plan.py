@@ -320,8 +320,8 @@ _memoised = functools.lru_cache(maxsize=1024)(_decide)
 
 def after_f(request: Request, m: int, hooked: bool) -> Request:
     """``request`` once f ran: y's real size ``m`` known, forward mode no longer possible,
-    ``hooked`` as f's run found. Memoised as :func:`decide` is (a steady-state call asks the
-    same every time; ``dataclasses.replace`` of the 17 fields cost about 5 us a call)."""
+    ``hooked`` as f's run found. Memoised as :func:`decide` is: a steady-state call asks the
+    same every time (docs/performance.md)."""
     if torch.compiler.is_compiling():
         return _after_f(request, m, hooked)
     try:
