@@ -190,19 +190,14 @@ def _vmap_measured(
     chunk_size: int | None,
     what: str,
     log: Log,
-    single: Callable[[], object] | None = None,
 ) -> Tensors:
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
-    backward; an RNN's backward is slow under vmap without saying so). ``single``: the
-    unbatched call a loop would make, where it is not ``fn`` on one direction. The unbatched
-    call runs first: it pays the one-time costs of the shapes (a first backward's kernels
-    and buffers), so that a loop is chosen only where it wins against a warm vmap."""
+    backward; an RNN's backward is slow under vmap without saying so). The unbatched call
+    runs first: it pays the one-time costs of the shapes (a first backward's kernels and
+    buffers), so that a loop is chosen only where it wins against a warm vmap."""
     start = time.perf_counter()
-    if single is None:
-        fn(*(arg[0] for arg in args))
-    else:
-        single()
+    fn(*(arg[0] for arg in args))
     single_s = time.perf_counter() - start
     start = time.perf_counter()
     result = _vmap(fn, args, chunk_size, "error", log)
@@ -369,7 +364,6 @@ def batched(
     can_vmap: bool = True,
     may_loop: bool = True,
     last_fn: Callable[..., Tensors] | None = None,
-    single: Callable[[], object] | None = None,
     log: Log | None = None,
     fit: ChunkFit | None = None,
 ) -> Tensors:
@@ -382,9 +376,9 @@ def batched(
     limit of forward mode itself propagates).
     ``last_fn`` (optional): ``fn`` that frees an autograd graph, for the call that ends the
     map (the last chunk's vmap, a loop's last direction, ``check``'s last comparison); every
-    call before it is ``fn``. ``single`` (optional): the unbatched call that a loop would
-    make instead, timed against the vmap where ``log`` measures (its first batched call
-    only). ``fit``: ``chunk_size="auto"``'s record (None: measured afresh).
+    call before it is ``fn``. ``log``: where it measures, its first batched call is timed
+    against one unbatched call (:func:`_vmap_measured`). ``fit``: ``chunk_size="auto"``'s
+    record (None: measured afresh).
     """
     batch = args[0].shape[0]
     if chunk_size == "auto":
@@ -438,7 +432,7 @@ def batched(
             )
         else:
             assert log is not None
-            result = _vmap_measured(fn, args, chunk_size, what, log, single)
+            result = _vmap_measured(fn, args, chunk_size, what, log)
     except (RuntimeError, NotImplementedError) as error:
         # Not a batching problem: a loop would fail the same way (forward mode: nor one
         # where forward mode itself cannot differentiate f; the caller says so).
@@ -532,7 +526,6 @@ def pull(
     *,
     loop: bool = False,
     last: bool = False,
-    single: Callable[[], object] | None = None,
     log: Log | None = None,
     fit: ChunkFit | None = None,
 ) -> Tensors:
@@ -550,7 +543,6 @@ def pull(
             what=lin.what,
             can_vmap=lin.can_vmap and not loop,
             last_fn=None if last_vjp is None else (lambda *direction: last_vjp(direction)),
-            single=single,
             log=log,
             fit=fit,
         )
@@ -1086,28 +1078,24 @@ def by_linearity(
     out_like, x_like = lin.out, lin.x_like
     if k == 0 or m == 0 or _coords.real_size(x_like) == 0:  # (nothing_to_pull; m is y's)
         return zeros(k, x_like), 0
+    pulls = _Pulls(lin, cotangents, chunk_size, check, fit)
+    direct = pulls.direct
     if not values_readable(cotangents):  # reuse reads values: eager mode only
-        return pull(lin, cotangents, chunk_size, check, fit=fit), k
+        return direct()
     if basis.enabled and basis.kept == 0 and k <= m:
         # Nothing kept yet: pulled as they are (no read), held for the next call.
-        result = pull(lin, cotangents, chunk_size, check, fit=fit)
+        result, pulled = direct()
         if basis.fits(k, out_like, x_like):
             basis.hold(cotangents, result)
-        return result, k
-
-    def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check, fit=fit), pulled + k
+        return result, pulled
 
     coords = _coords.to_coords(cotangents, k)
     if not basis.enabled:
         return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))
     if basis.kept == 0:
-        return _unit_basis(lin, cotangents, coords, basis, chunk_size, check, fit)
-
-    def pull_rows(rows: torch.Tensor) -> Tensors:
-        return pull(lin, _coords.from_coords(rows, out_like), chunk_size, check, fit=fit)
-
+        return _unit_basis(pulls, coords, basis)
+    pull_rows = pulls.rows
     settled = 0
     if coords.requires_grad:  # (create_graph) a product must not project their derivative
         settled = basis.settle(pull_rows, x_like)
@@ -1158,23 +1146,40 @@ def by_linearity(
         if basis.fits(k, out_like, x_like):
             basis.hold(cotangents, result)
         return result, pulled
-    result, pulled = _new_directions(lin, cotangents, coords, units, basis, chunk_size, check, fit)
+    result, pulled = _new_directions(pulls, coords, units, basis)
     return result, settled + pulled
 
 
-def _unit_basis(
-    lin: Linearization,
-    cotangents: Tensors,
-    coords: torch.Tensor,
-    basis: Basis,
-    chunk_size: ChunkSize,
-    check: bool | str,
-    fit: ChunkFit | None = None,
-) -> tuple[Tensors, int]:
+@dataclasses.dataclass(slots=True)
+class _Pulls:
+    """One :func:`by_linearity` call's pulls through f, with its options: the cotangents
+    themselves (``direct``), or rows of real coordinates on y (``rows``). Never changed
+    once made (not frozen: made on every pullback call, see docs/performance.md)."""
+
+    lin: Linearization
+    cotangents: Tensors
+    chunk_size: ChunkSize
+    check: bool | str
+    fit: ChunkFit | None
+
+    def rows(self, rows: torch.Tensor) -> Tensors:
+        directions = _coords.from_coords(rows, self.lin.out)
+        return pull(self.lin, directions, self.chunk_size, self.check, fit=self.fit)
+
+    def direct(self, pulled: int = 0) -> tuple[Tensors, int]:
+        """The cotangents themselves through f, and the directions pulled in all (``pulled``
+        before them)."""
+        result = pull(self.lin, self.cotangents, self.chunk_size, self.check, fit=self.fit)
+        return result, pulled + self.cotangents[0].shape[0]
+
+
+def _unit_basis(pulls: _Pulls, coords: torch.Tensor, basis: Basis) -> tuple[Tensors, int]:
     """A fresh basis facing k >= m cotangents: y's m unit directions through f, combined;
     one read (whether the images and the product are finite)."""
-    m = basis.m
-    images = pull(lin, _coords.unit_rows(lin.out, 0, m), chunk_size, check, fit=fit)
+    m, lin = basis.m, pulls.lin
+    images = pull(
+        lin, _coords.unit_rows(lin.out, 0, m), pulls.chunk_size, pulls.check, fit=pulls.fit
+    )
     result = _coords.combine(coords, images)
     code = int(_finite(images).int() + 2 * _finite([coords.detach(), *result]).int())
     if code & 1:
@@ -1185,26 +1190,16 @@ def _unit_basis(
         basis.clear(enabled=False)  # a non-finite Jacobian would smear NaN everywhere
     if code & 2:
         return result, m
-    return pull(lin, cotangents, chunk_size, check, fit=fit), m + coords.shape[0]
+    return pulls.direct(m)
 
 
 def _new_directions(
-    lin: Linearization,
-    cotangents: Tensors,
-    coords: torch.Tensor,
-    units: torch.Tensor,
-    basis: Basis,
-    chunk_size: ChunkSize,
-    check: bool | str,
-    fit: ChunkFit | None = None,
+    pulls: _Pulls, coords: torch.Tensor, units: torch.Tensor, basis: Basis
 ) -> tuple[Tensors, int]:
     """Cotangents partly outside the kept span, or more of them than the span lacks: the rank
     is detected (host reads), and only the new orthonormal directions go through f."""
-    k, m, x_like = coords.shape[0], basis.m, lin.x_like
-
-    def direct(pulled: int = 0) -> tuple[Tensors, int]:
-        return pull(lin, cotangents, chunk_size, check, fit=fit), pulled + k
-
+    k, m, lin, direct = coords.shape[0], basis.m, pulls.lin, pulls.direct
+    x_like = lin.x_like
     new = basis.new_directions(units)
     full = basis.rank + (0 if new is None else new.shape[0]) == m
     if coords.requires_grad and not full:
@@ -1213,7 +1208,7 @@ def _new_directions(
     if new is not None:
         if not basis.fits(new.shape[0], lin.out, x_like):
             return direct()
-        images = pull(lin, _coords.from_coords(new, lin.out), chunk_size, check, fit=fit)
+        images = pulls.rows(new)
         pulled = new.shape[0]
         if not all_finite(images):
             # A non-finite Jacobian would smear NaN over every combination: stop reusing.

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Literal, TypedDict, TypeGuard, TypeVar, Unpack, overload
 
 import torch
@@ -16,7 +15,7 @@ from ._errors import describe
 from ._execute import execute, observed
 from ._function import FlatFunction, result_graph
 from ._linearize import Linearization, RandomState
-from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, decide
+from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, after_f, decide
 from ._record import Observations, Record, Records, learn, signature_key
 from ._types import ChunkSize, Strategy, Tensors
 from ._validate import (
@@ -184,14 +183,21 @@ def _name_head(error: Exception, where: str, call: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def _naming(where: str, call: str) -> Iterator[None]:
-    """:func:`_name_head` for what runs inside."""
-    try:
-        yield
-    except Exception as error:
-        _name_head(error, where, call)
-        raise
+class _Naming:
+    """:func:`_name_head` for what runs inside (a class, not a generator context manager:
+    entered on every call of stacked heads; docs/performance.md)."""
+
+    __slots__ = ("call", "where")
+
+    def __init__(self, where: str, call: str) -> None:
+        self.where, self.call = where, call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if isinstance(error, Exception):  # (it propagates, with its note)
+            _name_head(error, self.where, self.call)
 
 
 def _head_where(index: int, keys: list[Any] | None) -> str:
@@ -260,7 +266,7 @@ def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[...,
 
 def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
     """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
-    with _naming("stacked head_fn", call), differentiating():
+    with _Naming("stacked head_fn", call), differentiating():
         values: torch.Tensor = torch.func.vmap(
             _stacked_head(heads, out_def, call), in_dims=(0, None)
         )(heads.params, y)
@@ -280,7 +286,7 @@ def _head_cotangents(
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
         cotangents = heads.cotangent_fn(out_def, call)
-        with _naming("stacked head_fn", call):
+        with _Naming("stacked head_fn", call):
             if out_def == _tree.LEAF:
                 grad, values = cotangents(heads.params, out[0])
                 return values, (grad,)
@@ -296,7 +302,7 @@ def _head_cotangents(
         def one(y: Tensors, head: Callable[..., Any] = head, where: str = where) -> torch.Tensor:
             return _scalar(head(_tree.unflatten(out_def, y)), where, call)
 
-        with _naming(where, call):
+        with _Naming(where, call):
             results.append(torch.func.grad_and_value(one)(out))
     values = torch.stack([value for _, value in results])
     grads = tuple(torch.stack([g[j] for g, _ in results]) for j in range(len(out)))
@@ -423,7 +429,7 @@ class Composition:
         plan = decide(request, record)
 
         def replan(m: int, hooked: bool) -> Plan:  # y's size known: f ran (no forward mode)
-            return decide(dataclasses.replace(request, m=m, forward=False, hooked=hooked), record)
+            return decide(after_f(request, m, hooked), record)
 
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)

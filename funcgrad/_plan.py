@@ -318,6 +318,25 @@ def _decide(request: Request, record: Record) -> Plan:
 _memoised = functools.lru_cache(maxsize=1024)(_decide)
 
 
+def after_f(request: Request, m: int, hooked: bool) -> Request:
+    """``request`` once f ran: y's real size ``m`` known, forward mode no longer possible,
+    ``hooked`` as f's run found. Memoised as :func:`decide` is: a steady-state call asks the
+    same every time (docs/performance.md)."""
+    if torch.compiler.is_compiling():
+        return _after_f(request, m, hooked)
+    try:
+        return _after_f_memoised(request, m, hooked)
+    except TypeError:  # (a field that does not hash: a symbolic size under tracing)
+        return _after_f(request, m, hooked)
+
+
+def _after_f(request: Request, m: int, hooked: bool) -> Request:
+    return dataclasses.replace(request, m=m, forward=False, hooked=hooked)
+
+
+_after_f_memoised = functools.lru_cache(maxsize=1024)(_after_f)
+
+
 def _through_heads(k: int, strategy: str) -> bool:
     """Whether eager autograd pulls each head's value through its head and f in one
     backward (the loop a user writes), rather than the heads' cotangents formed on y first,

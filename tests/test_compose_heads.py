@@ -357,6 +357,33 @@ def test_raising_stacked_head_fn_is_named():
     assert any("stacked head_fn" in note for note in info.value.__notes__)
 
 
+def test_a_stacked_head_fn_raising_on_one_call_leaves_the_next_calls_right():
+    """The head's name is added once to the exception that propagates (not swallowed),
+    every call that raises; a KeyboardInterrupt passes unnamed; calls that do not raise,
+    between and after, give the loop's answer."""
+    fail: list[BaseException] = []
+
+    def head(p, y):
+        if fail:
+            raise fail[0]
+        return (p * y).sum()
+
+    params = torch.randn(4, 3)
+    fn = funcgrad.compose_heads(torch.sin, funcgrad.stacked_heads(head, params))
+    x = torch.randn(3)
+    expected = torch.stack([torch.cos(x) * p for p in params])
+    for error in (ValueError("no"), ValueError("again"), KeyboardInterrupt()):
+        torch.testing.assert_close(fn(x)[1], expected)
+        fail[:] = [error]
+        with pytest.raises(type(error)) as info:
+            fn(x)
+        notes = getattr(info.value, "__notes__", [])
+        named = [note for note in notes if "stacked head_fn" in note]
+        assert len(named) == (0 if isinstance(error, KeyboardInterrupt) else 1)
+        fail.clear()
+    torch.testing.assert_close(fn(x)[1], expected)
+
+
 def test_raising_module_dict_head_is_named_by_key():
     heads = nn.ModuleDict({"fine": nn.Linear(3, 1), "wrong": nn.Linear(5, 1)})
     with pytest.raises(RuntimeError) as info:

@@ -613,6 +613,23 @@ def test_decide(record, request_, expected):
     assert decide(*again) == _plan._decide(request_, record)
 
 
+@pytest.mark.parametrize("m, hooked", [(0, False), (7, False), (7, True)])
+def test_after_f_is_the_request_once_f_ran(m, hooked):
+    """The request execute's replan asks about once f ran: y's size known, no forward mode,
+    f's hooks as its run found; the same (memoised) answer for equal requests, and the
+    unmemoised one where a field does not hash."""
+    request = dataclasses.replace(AUTO, m=None, forward=True)
+    expected = dataclasses.replace(request, m=m, forward=False, hooked=hooked)
+    assert _plan.after_f(request, m, hooked) == expected
+    assert _plan.after_f(dataclasses.replace(request), m, hooked) is _plan.after_f(
+        request, m, hooked
+    )
+    unhashable = dataclasses.replace(request, call=[])  # type: ignore[arg-type]
+    assert _plan.after_f(unhashable, m, hooked) == dataclasses.replace(
+        unhashable, m=m, forward=False, hooked=hooked
+    )
+
+
 def test_a_plan_changed_by_its_user_changes_no_call():
     """plan() returns a copy: a Plan forced open (frozen, but object.__setattr__ writes it)
     changes neither the next plan() nor what the call runs."""
