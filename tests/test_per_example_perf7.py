@@ -1,0 +1,214 @@
+"""Session 7's cost changes of the per-example rules, each exact in float64 against a
+per-example autograd loop and counted (never timed): a LayerNorm's x̂ from the mean and
+1/std its forward saved (no second layer norm); with user hooks on the hooked layers, a
+model that mixes the examples, and one ``per_example`` object reused across shapes, after a
+failed call and with the graph retained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PER_EXAMPLE_CALLS, per_example_jacobian
+from torch import nn
+
+import funcgrad
+from funcgrad._per_example import _rules
+
+
+class Normed(nn.Module):
+    """Linear -> LayerNorm (over the last ``dims`` dims, called ``calls`` times) -> Linear,
+    on (B, T, d) rows; one loss per example."""
+
+    def __init__(self, dims: int = 1, calls: int = 1) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 6)
+        self.norm = nn.LayerNorm((4, 6)[-dims:])
+        self.head = nn.Linear(6, 3)
+        self.calls = calls
+        with torch.no_grad():  # not the identity affine: the weight's gradient counts
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        for _ in range(self.calls):
+            h = self.norm(h) * 1.5 + h
+        return self.head(torch.tanh(h)).pow(2).sum((1, 2))
+
+
+def _model(**kwargs) -> nn.Module:
+    torch.manual_seed(0)
+    return Normed(**kwargs).double()
+
+
+def _x(batch: int = 5, length: int = 4) -> torch.Tensor:
+    return torch.randn(batch, length, 6, dtype=torch.float64)
+
+
+def _reference(model: nn.Module, x: torch.Tensor, call: str) -> torch.Tensor:
+    """What ``call`` gives from the per-example loop: G, its diagonal's square roots, or
+    the update (all-ones weights for backward; the clipped sum for clip)."""
+    rows = per_example_jacobian(model, lambda m: m(x))
+    if call == "gramian":
+        return rows @ rows.T
+    if call == "norms":
+        return rows.norm(dim=1)
+    if call == "backward":
+        return rows.sum(0)
+    factors = (1.0 / (rows.norm(dim=1) + 1e-6)).clamp(max=1.0)
+    return factors @ rows
+
+
+def _got(model: nn.Module, x: torch.Tensor, call: str) -> torch.Tensor:
+    for p in model.parameters():
+        p.grad = None
+    found = PER_EXAMPLE_CALLS[call](model(x))
+    if call in ("gramian", "norms"):
+        return found
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _count_layer_norms(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layer norms the rules compute again (`_rules.F.layer_norm`)."""
+    count = [0]
+    functional = _rules.F
+
+    class Counting:
+        def __getattr__(self, name: str):
+            return getattr(functional, name)
+
+        def layer_norm(self, *args, **kwargs):
+            count[0] += 1
+            return functional.layer_norm(*args, **kwargs)
+
+    monkeypatch.setattr(_rules, "F", Counting())
+    return count
+
+
+@pytest.mark.parametrize("call", sorted(PER_EXAMPLE_CALLS))
+@pytest.mark.parametrize("dims,calls", [(1, 1), (2, 1), (1, 2)])
+def test_layer_norm_uses_the_forwards_statistics_exactly(monkeypatch, call, dims, calls):
+    """x̂ from the saved mean and 1/std: no second layer norm, exact against the loop (one
+    call, two normalized dims, two calls of one LayerNorm: one layer, each call its own
+    statistics), on the checked first call and on a later one."""
+    model = _model(dims=dims, calls=calls)
+    x = _x()
+    expected = _reference(model, x, call)
+    count = _count_layer_norms(monkeypatch)
+    with funcgrad.per_example(model):
+        for _ in range(2):  # the first call of a signature is checked; the second is not
+            torch.testing.assert_close(_got(model, x, call), expected, rtol=1e-10, atol=1e-12)
+    assert count[0] == 0
+
+
+def _tensor_hooked(out: torch.Tensor, fired: dict[str, int]) -> torch.Tensor:
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        fired["tensor"] += 1
+        return grad * 0.7
+
+    out.register_hook(hook)
+    return out
+
+
+def test_layer_norm_hooks_are_honoured(monkeypatch):
+    """A forward pre-hook that changes the LayerNorm's input (the statistics are those of
+    the changed input), a forward hook that changes its output, a full backward hook that
+    scales its output gradient and a tensor hook on its output: as in the loop with the same
+    hooks, and each fires as often as in one backward."""
+    model = _model()
+    fired = {"backward": 0, "tensor": 0}
+
+    def scale_grad(module, grad_output):
+        fired["backward"] += 1
+        return (grad_output[0] * 0.5,)
+
+    norm = model.norm
+    handles = [
+        norm.register_forward_pre_hook(lambda m, args: (args[0] * 2 + 1,)),
+        norm.register_forward_hook(lambda m, args, out: _tensor_hooked(out * 3, fired)),
+        norm.register_full_backward_pre_hook(scale_grad),
+    ]
+    x = _x()
+    expected = _reference(model, x, "gramian")
+    count = _count_layer_norms(monkeypatch)
+    fired["backward"] = fired["tensor"] = 0
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):
+            got = pe.gramian(model(x))
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    assert count[0] == 0
+    assert fired["backward"] == 2  # once per call (held back in the first call's check)
+    # the tensor hook is on a tensor the forward hook made (not the module's own output):
+    # once per call, and twice more in the first call's check, where another hook (the
+    # backward pre-hook) was held back (docs/per_example.md, "What it cannot see")
+    assert fired["tensor"] == 2 + 2
+    for handle in handles:
+        handle.remove()
+
+
+def test_layer_norm_statistics_fall_back_where_the_node_is_not_the_forwards(monkeypatch):
+    """Where the output's node is not the call's own ``native_layer_norm`` (here: every
+    check failing, as for an autocast copy of the input), the layer norm is computed again:
+    still exact."""
+    model = _model()
+    x = _x()
+    expected = _reference(model, x, "gramian")
+    monkeypatch.setattr(_rules, "_layer_norm_stats", lambda module, use, x: None)
+    count = _count_layer_norms(monkeypatch)
+    with funcgrad.per_example(model) as pe:
+        torch.testing.assert_close(pe.gramian(model(x)), expected, rtol=1e-10, atol=1e-12)
+    assert count[0] == 1
+
+
+def test_layer_norm_statistics_are_read_before_the_backward_frees_them():
+    """The statistics come from the node's saved tensors, which the one backward frees:
+    with retain_graph=True then a call without, and with the graph freed by the user's own
+    backward first (refused as spent, `.grad` untouched), never a stale read."""
+    model = _model()
+    x = _x()
+    expected = _reference(model, x, "gramian")
+    with funcgrad.per_example(model) as pe:
+        losses = model(x)
+        first = pe.gramian(losses, retain_graph=True)
+        second = pe.gramian(losses)
+        torch.testing.assert_close(first, expected, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(second, expected, rtol=1e-10, atol=1e-12)
+        losses = model(x)
+        losses.sum().backward()  # frees the graph: the saved statistics with it
+        before = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError):
+            pe.backward(losses)
+        for p, b in zip(model.parameters(), before):
+            torch.testing.assert_close(p.grad, b, rtol=0, atol=0)
+
+
+def test_layer_norm_in_a_model_that_mixes_examples_is_refused():
+    """Mixing the examples after the LayerNorm (a batch mean) is refused as before."""
+
+    class Mixing(Normed):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(self.up(x))
+            h = h - h.mean(0, keepdim=True)
+            return self.head(torch.tanh(h)).pow(2).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = Mixing().double()
+    with funcgrad.per_example(model) as pe, pytest.raises(ValueError, match="mix"):
+        pe.gramian(model(_x()))
+
+
+def test_one_per_example_object_across_shapes_and_after_a_failure():
+    """One hooked model: T = 4, then T = 7 and B = 3, a failed call (losses of the wrong
+    shape), then T = 4 again; each exact."""
+    model = _model()
+    with funcgrad.per_example(model) as pe:
+        for x in (_x(5, 4), _x(3, 7)):
+            torch.testing.assert_close(
+                pe.gramian(model(x)), _reference(model, x, "gramian"), rtol=1e-10, atol=1e-12
+            )
+        with pytest.raises(ValueError):
+            pe.gramian(model(_x()).unsqueeze(1))
+        x = _x(5, 4)
+        torch.testing.assert_close(
+            pe.gramian(model(x)), _reference(model, x, "gramian"), rtol=1e-10, atol=1e-12
+        )
