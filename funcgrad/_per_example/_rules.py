@@ -40,11 +40,10 @@ _TINY_HELD = 1 << 20  # elements: the tiny layers' rows held in the backward bef
 # neither raises the peak by more than about this
 
 
-class _Dense(_Layer):
-    """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
+class _Rows(_Layer):
+    """A layer read as rows: its inputs A (B, T, d) and output gradients Δ (B, T, p), the
+    calls' rows concatenated (the data that `_Dense`'s rules read)."""
 
-    kind = "linear"
-    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
     # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh),
     # and always for a layer formed during the backward (`_run._Stream`)
@@ -100,6 +99,14 @@ class _Dense(_Layer):
         if not isinstance(a, torch.Tensor) or a.ndim != 2 or use.deltas[0] is None:
             return None
         return a, use.deltas[0]
+
+
+class _Dense(_Rows):
+    """Linear, and convolutions once unfolded (`_Conv`): the ghost and materialised rules
+    on the rows A (B, T, d) and Δ (B, T, p) of `_Rows`."""
+
+    kind = "linear"
+    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
 
     def gramian(self) -> torch.Tensor:
         dtype = self.run.dtype
