@@ -212,3 +212,67 @@ def test_one_per_example_object_across_shapes_and_after_a_failure():
         torch.testing.assert_close(
             pe.gramian(model(x)), _reference(model, x, "gramian"), rtol=1e-10, atol=1e-12
         )
+
+
+class TwoCalls(nn.Module):
+    """One Linear with a bias called twice on (B, T, d) rows (one layer, two uses), then a
+    head; the last rows of some examples read by no loss (padding). Not tiny (`_TINY`:
+    its rows hold more than 2^13 elements), and its per-example gradients not kept (larger
+    than half its rows), so its update is ``Aᵀ (w ⊙ Δ)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(torch.tanh(self.inner(x))))
+        keep = torch.ones(x.shape[:2], dtype=x.dtype)
+        keep[1, 2:] = 0  # example 1 reads its first two rows only
+        return (self.head(h).pow(2).sum(-1) * keep).sum(1)
+
+
+class _MatVecs(torch.utils._python_dispatch.TorchDispatchMode):
+    """The contracted length of each matrix-vector product (``Δᵀ w``: B·T rows of Δ)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mv, torch.ops.aten.addmv):
+            matrix = args[1] if func.overloadpacket is torch.ops.aten.addmv else args[0]
+            self.rows.append(matrix.shape[-1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("call", ["backward", "clip"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_update_reads_the_bias_rows_that_g_formed(call, weighted):
+    """Where G (or its diagonal) formed the (B, p) per-example bias gradients, the update's
+    bias is ``rowsᵀ w`` from them (no second pass over Δ's B·T rows): exact against the
+    loop, for a Linear called twice (its two calls' rows summed) with unread rows."""
+    torch.manual_seed(3)
+    model = TwoCalls().double()
+    x = torch.randn(4, 10, 64, dtype=torch.float64)
+    rows = per_example_jacobian(model, lambda m: m(x))
+    weights = torch.linspace(0.5, 2.0, 4, dtype=torch.float64)
+    if call == "clip":
+        expected = (1.0 / (rows.norm(dim=1) + 1e-6)).clamp(max=1.0) @ rows
+    else:
+        expected = (weights if weighted else torch.ones(4, dtype=torch.float64)) @ rows
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):  # checked, then not
+            for p in model.parameters():
+                p.grad = None
+            mode = _MatVecs()
+            losses = model(x)
+            with mode:
+                if call == "clip":
+                    funcgrad.per_example_clip(losses, 1.0)
+                else:
+                    pe.backward(losses, weighting=(lambda g: weights) if weighted else None)
+            got = torch.cat([p.grad.flatten() for p in model.parameters()])
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+            if call == "clip" or weighted:  # G or its diagonal formed: the bias rows read
+                assert max(mode.rows, default=0) < 4 * 10, mode.rows

@@ -45,6 +45,7 @@ class _Rows(_Layer):
     calls' rows concatenated (the data that `_Dense`'s rules read)."""
 
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
+    bias_kept: torch.Tensor | None = None  # `bias_rows`, once formed
     # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh),
     # and always for a layer formed during the backward (`_run._Stream`)
     zero_unread = False
@@ -84,10 +85,13 @@ class _Rows(_Layer):
         return rows, width, out
 
     def bias_rows(self) -> torch.Tensor:
-        """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
-        found = [self.delta(use) for use in self.uses]
-        sums = [_by_example(d, self.batch).sum(1) for d in found]
-        return sum(sums[1:], sums[0])
+        """(B, p): the per-example bias gradients, Δ summed over each example's rows; kept
+        (`bias_kept`), so that the update after G (or its diagonal) reads them, not Δ."""
+        if self.bias_kept is None:
+            found = [self.delta(use) for use in self.uses]
+            sums = [_by_example(d, self.batch).sum(1) for d in found]
+            self.bias_kept = sum(sums[1:], sums[0])
+        return self.bias_kept
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, Δ) as (B, d) and (B, p) for one call on 2-D inputs (the MLP case: the
@@ -222,7 +226,7 @@ class _Dense(_Rows):
 
     def release(self) -> None:
         super().release()
-        self.kept = self.unread = None
+        self.kept = self.unread = self.bias_kept = None
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
@@ -286,10 +290,15 @@ class _Dense(_Rows):
         for use in self.uses:
             for key, value in self.weighted(use, weights).items():
                 _add(found, key, value)
+        if "bias" in self.params and self.bias_kept is not None:
+            # the per-example bias gradients that G (or its diagonal) formed: (B, p), where
+            # ``Δᵀ w`` would read Δ (B·T·p) again
+            found["bias"] = self.bias_kept.T @ weights.to(self.bias_kept.dtype)
         return found
 
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
+        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul (and ``Δᵀ w`` for the
+        bias, where its per-example gradients were not formed: `bias_kept`)."""
         a, d = self.unfold(use)
         if self.zero_unread:
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
@@ -302,7 +311,7 @@ class _Dense(_Rows):
                 found["weight"] = self.oriented((d * w[:, None]).T @ a)
             else:
                 found["weight"] = self.oriented(d.T @ (a * w[:, None]))
-        if "bias" in self.params:
+        if "bias" in self.params and self.bias_kept is None:
             found["bias"] = d.T @ w
         return found
 
