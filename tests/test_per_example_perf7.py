@@ -276,3 +276,48 @@ def test_the_update_reads_the_bias_rows_that_g_formed(call, weighted):
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
             if call == "clip" or weighted:  # G or its diagonal formed: the bias rows read
                 assert max(mode.rows, default=0) < 4 * 10, mode.rows
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops a call dispatches, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_ghost_norms_mask_unread_rows_in_place_and_exactly():
+    """The ghost diagonal of a layer formed during the backward masks the kernel's unread
+    rows and columns in place (no (B, T, T) mask: no ``bitwise_or``), and an inf in an
+    unread row of its input adds nothing: the norms equal the loop's on the finite input."""
+
+    class Padded(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wide = nn.Linear(64, 96)  # ghost: T (d + p) = 1280 below d·p = 6144
+            self.head = nn.Linear(96, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            keep = torch.ones(x.shape[:2], dtype=torch.bool)
+            keep[0, 5:] = False  # example 0 reads its first 5 rows only
+            h = torch.where(keep.unsqueeze(-1), self.wide(x), 0.0)
+            return self.head(torch.tanh(h)).pow(2).sum((1, 2))
+
+    torch.manual_seed(5)
+    model = Padded().double()
+    x = torch.randn(6, 8, 64, dtype=torch.float64)
+    expected = per_example_jacobian(model, lambda m: m(x)).norm(dim=1)
+    poisoned = x.clone()
+    poisoned[0, 6, 3] = float("inf")  # a row no loss reads
+    with funcgrad.per_example(model):
+        for _ in range(3):  # checked, then formed during the backward
+            losses = model(poisoned)
+            mode = _Ops()
+            with mode:
+                got = funcgrad.per_example_norms(losses)
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+        assert "bitwise_or" not in mode.names

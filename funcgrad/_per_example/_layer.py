@@ -121,12 +121,11 @@ def _ghost_diagonal(
     parts = []
     for s in range(0, batch, step):
         kernel = torch.bmm(a[s : s + step], a[s : s + step].transpose(1, 2))
-        if unread is not None:
+        if unread is not None:  # in place, rows then columns (no (B, T, T) mask formed)
             part = unread[s : s + step]
-            kernel = kernel.masked_fill(part.unsqueeze(2) | part.unsqueeze(1), 0)
-        parts.append(
-            (kernel * torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2))).sum((1, 2))
-        )
+            kernel.masked_fill_(part.unsqueeze(2), 0).masked_fill_(part.unsqueeze(1), 0)
+        kernel.mul_(torch.bmm(d[s : s + step], d[s : s + step].transpose(1, 2)))
+        parts.append(kernel.view(kernel.shape[0], rows * rows).sum(1))
     return torch.cat(parts) if parts else a.new_zeros(0)
 
 
