@@ -321,3 +321,50 @@ def test_ghost_norms_mask_unread_rows_in_place_and_exactly():
                 got = funcgrad.per_example_norms(losses)
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
         assert "bitwise_or" not in mode.names
+
+
+@pytest.mark.parametrize("how", ["hooks", "checkpoint"])
+def test_layer_norm_statistics_are_not_read_through_saved_tensor_hooks(monkeypatch, how):
+    """Where the forward ran under saved-tensor hooks (the user's, or non-reentrant
+    checkpointing's), reading the node's saved statistics would run their unpack once more:
+    they are not read (the layer norm computed again), the hook unpacks no more than in a
+    plain backward, and G is exact."""
+
+    class Checkpointed(Normed):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.up(x)
+            h = torch.utils.checkpoint.checkpoint(
+                lambda z: self.norm(z) * 1.5 + z, h, use_reentrant=False
+            )
+            return self.head(torch.tanh(h)).pow(2).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = (Checkpointed() if how == "checkpoint" else Normed()).double()
+    x = _x()
+    expected = _reference(model, x, "gramian")
+    counts = {"pack": 0, "unpack": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts["pack"] += 1
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        counts["unpack"] += 1
+        return t
+
+    def forward() -> torch.Tensor:
+        if how == "checkpoint":
+            return model(x)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return model(x)
+
+    forward().sum().backward()  # the plain backward's count
+    plain = counts["unpack"]
+    count = _count_layer_norms(monkeypatch)
+    with funcgrad.per_example(model) as pe:
+        pe.gramian(forward())  # the checked call
+        counts["unpack"] = 0
+        torch.testing.assert_close(pe.gramian(forward()), expected, rtol=1e-10, atol=1e-12)
+    assert count[0] == 2  # computed again, on each call
+    if how == "hooks":  # no more than a plain backward's (which also unpacks what only
+        assert counts["unpack"] <= plain  # the weight gradients read: funcgrad's does not)

@@ -740,14 +740,19 @@ def _layer_norm_stats(
     """The (mean, rstd) that the call's ``native_layer_norm`` saved in its graph node, where
     that node is the output's own and saved this very input (same memory, shape, strides,
     dtype) for this normalized shape, and the statistics have the input's dtype and shape
-    (..., 1); else None (the layer norm is then computed again). Read before the
-    backward frees them."""
+    (..., 1), and no saved-tensor hook would run to read them; else None (the layer norm
+    is then computed again). Read before the backward frees them."""
     if len(use.edges) != 1 or len(use.outputs) != 1:
         return None
     node = use.edges[0].node
     if type(node).__name__ != "NativeLayerNormBackward0" or use.edges[0].output_nr != 0:
         return None
     try:
+        raw = [getattr(node, f"_raw_saved_{n}") for n in ("input", "result1", "result2")]
+        if any(r.unpack_hook is not None for r in raw):
+            # saved-tensor hooks (checkpointing, offloading, the user's own): reading them
+            # would run their unpack (a recompute, a copy back) once more; computed again
+            return None
         saved = node._saved_input
         mean, rstd = node._saved_result1, node._saved_result2
         shape = tuple(node._saved_normalized_shape)
