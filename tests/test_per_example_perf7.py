@@ -368,3 +368,26 @@ def test_layer_norm_statistics_are_not_read_through_saved_tensor_hooks(monkeypat
     assert count[0] == 2  # computed again, on each call
     if how == "hooks":  # no more than a plain backward's (which also unpacks what only
         assert counts["unpack"] <= plain  # the weight gradients read: funcgrad's does not)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_all_zero_rows_are_those_torch_finds_without_forming_abs(dtype):
+    """`_all_zero` (the rows no loss reads) equals ``(d == 0).all(-1)`` with NaN, ±inf,
+    -0.0 and subnormal entries, on strided views too, and forms no |Δ| (no ``abs`` op)."""
+    from funcgrad._per_example._layer import _all_zero
+
+    torch.manual_seed(2)
+    d = torch.randn(40, 7, 5).to(dtype)
+    d[:, 3:] = 0
+    d[2, 1] = 0
+    d[3, 3, 2] = float("nan")
+    d[4, 4, 0] = float("-inf")
+    d[5, 5] = -0.0
+    d[6, 6, 1] = torch.finfo(dtype).smallest_normal / 4  # subnormal
+    d[7, 3, 4] = -torch.finfo(dtype).smallest_normal / 4
+    for view in (d, d.transpose(0, 1), d[:, :, ::2]):
+        mode = _Ops()
+        with mode:
+            found = _all_zero(view)
+        assert torch.equal(found, (view == 0).all(-1))
+        assert "abs" not in mode.names

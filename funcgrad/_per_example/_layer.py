@@ -29,15 +29,13 @@ def _cat_rows(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 def _all_zero(d: torch.Tensor) -> torch.Tensor:
     """Whether each row ``d[b, t, :]`` of d (B, T, p) is all zeros (B, T) (NaN is not), as
-    ``(d == 0).all(-1)`` but from the rows' largest ``|d|``, a float reduction: 4-10x
-    faster on a CPU than torch's bool reduction along the last dim (see
-    docs/benchmarks_per_example.md); ``|d|`` formed in blocks of examples, a quarter of d's
-    size each. No host read."""
+    ``(d == 0).all(-1)`` but from the rows' largest and smallest entries, both 0, float
+    reductions: 4-10x faster on a CPU than torch's bool reduction along the last dim (see
+    docs/benchmarks_per_example.md), and than ``|d|.amax(-1) == 0`` (which formed ``|d|``:
+    16% slower, and a transient copy). A NaN makes both NaN, so not 0. No host read."""
     if d.shape[-1] == 0 or d.numel() == 0:
         return d.new_ones(d.shape[:-1], dtype=torch.bool)
-    step = max(1, max(d.numel() // 4, 1 << 16) // d[0].numel())
-    parts = [d[s : s + step].abs().amax(-1) == 0 for s in range(0, d.shape[0], step)]
-    return torch.cat(parts) if len(parts) != 1 else parts[0]
+    return (d.amax(-1) == 0) & (d.amin(-1) == 0)
 
 
 def _live_index(d: torch.Tensor) -> torch.Tensor:
