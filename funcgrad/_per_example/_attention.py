@@ -172,7 +172,7 @@ class _Attention(_Layer):
                 F.linear(x, w.detach(), None if b is None else b.detach()).requires_grad_()
                 for x, w, b in zip(inputs, weights, biases)
             ]
-            fast = self.attend(projected, arg, len(use.outputs) > 1)
+            fast = _attend(m, projected, arg, len(use.outputs) > 1)
             query, key, value = (p.transpose(0, 1) for p in projected)
             attended, attention = fast if fast is not None else F.multi_head_attention_forward(
                 query, key, value, width, m.num_heads, None, None, None, None, False, 0.0,
@@ -195,43 +195,6 @@ class _Attention(_Layer):
             for x, p, g in zip(inputs, projected, grads)
         ]
         return [*found, (attended.detach(), d_out)]
-
-    def attend(
-        self, projected: list[torch.Tensor], arg: dict[str, Any], weights_read: bool
-    ) -> tuple[torch.Tensor, None] | None:
-        """The attention between the projections, (B, T, d), by one
-        ``F.scaled_dot_product_attention`` on the projected heads, without the identity
-        projections of ``F.multi_head_attention_forward``: for the common calls alone (no
-        attention weights returned, no ``attn_mask`` nor ``is_causal``, a padding mask or
-        none); None for the others (the general call then). The padding mask is merged as
-        ``F.multi_head_attention_forward`` merges it: an additive (B, 1, 1, S) mask, -inf
-        where True for a boolean one."""
-        m = self.module
-        assert isinstance(m, nn.MultiheadAttention)
-        if weights_read or arg["need_weights"] or arg["attn_mask"] is not None or arg["is_causal"]:
-            return None
-        query, key, value = projected
-        pad = arg["key_padding_mask"]
-        batch, length, width = query.shape
-        heads = m.num_heads
-        mask = None
-        if pad is not None:
-            if pad.shape != (batch, key.shape[1]):
-                return None
-            if pad.dtype == torch.bool:
-                mask = torch.zeros(pad.shape, dtype=query.dtype, device=query.device)
-                mask = mask.masked_fill_(pad, float("-inf"))
-            elif pad.is_floating_point():
-                mask = pad.to(query.dtype)
-            else:
-                return None
-            mask = mask.view(batch, 1, 1, -1)
-
-        def split(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(split(query), split(key), split(value), mask)
-        return out.transpose(1, 2).reshape(batch, length, width), None
 
     def parts(self) -> list[tuple[str, _Dense]]:
         """The Linear layers, each over every call of the module, as (part, layer): q, k, v
@@ -327,3 +290,39 @@ class _Attention(_Layer):
             [(part, layer.update(weights)) for part, layer in self.parts()], 0
         )
         return result
+
+
+def _attend(
+    m: nn.MultiheadAttention, projected: list[torch.Tensor], arg: dict[str, Any], weights_read: bool
+) -> tuple[torch.Tensor, None] | None:
+    """The attention between the projections, (B, T, d), by one
+    ``F.scaled_dot_product_attention`` on the projected heads, without the identity
+    projections of ``F.multi_head_attention_forward``: for the common calls alone (no
+    attention weights returned, no ``attn_mask`` nor ``is_causal``, a padding mask or
+    none); None for the others (the general call then). The padding mask is merged as
+    ``F.multi_head_attention_forward`` merges it: an additive (B, 1, 1, S) mask, -inf
+    where True for a boolean one."""
+    if weights_read or arg["need_weights"] or arg["attn_mask"] is not None or arg["is_causal"]:
+        return None
+    query, key, value = projected
+    pad = arg["key_padding_mask"]
+    batch, length, width = query.shape
+    heads = m.num_heads
+    mask = None
+    if pad is not None:
+        if pad.shape != (batch, key.shape[1]):
+            return None
+        if pad.dtype == torch.bool:
+            mask = torch.zeros(pad.shape, dtype=query.dtype, device=query.device)
+            mask = mask.masked_fill_(pad, float("-inf"))
+        elif pad.is_floating_point():
+            mask = pad.to(query.dtype)
+        else:
+            return None
+        mask = mask.view(batch, 1, 1, -1)
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return x.view(batch, x.shape[1], heads, width // heads).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(split(query), split(key), split(value), mask)
+    return out.transpose(1, 2).reshape(batch, length, width), None

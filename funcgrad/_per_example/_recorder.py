@@ -83,114 +83,15 @@ def _foreign_hooks(module: nn.Module, recorder: PerExample) -> str | None:
     return None
 
 
-class PerExample:
-    """The modules of ``model`` hooked to record each layer's input during the forward, so
-    that per-example Gramians and weighted updates cost about one backward.
+class _ThreadRecords:
+    """What each thread's forwards recorded, and where a thread's hooks record (the base of
+    `PerExample`): the records, the recording flag, the frames of calls in progress and the
+    plan are each thread's own (`_ThreadState`)."""
 
-    Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
-    the end of a ``with`` block; a block's end is final: make a new one for the next).
-    Each call of `gramian` or `backward` (without ``retain_graph``) consumes what its
-    forward recorded and drops the records of older forwards that no call used; those of
-    later forwards stay for their own calls. A call on losses whose records are gone says
-    why. Nothing is recorded while grad is disabled.
-    """
-
-    def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{_MARK}: `model` must be an nn.Module, got {describe(model)}.")
-        if batch_dim != 0 or isinstance(batch_dim, bool):
-            raise ValueError(
-                f"{_MARK}: `batch_dim` must be 0 (every hooked module's inputs and outputs "
-                f"batched along their first dimension), got {batch_dim!r}. For batch_first="
-                "False transformers or RNNs, build them with batch_first=True."
-            )
-        if isinstance(model, nn.parallel.DistributedDataParallel) or any(
-            type(p).__name__ == "DTensor" for p in model.parameters()
-        ):
-            raise ValueError(_distributed_refusal(_MARK))
-        self.model = model
-        self.batch_dim = batch_dim
-        self._copied = False  # a copy made by copy.deepcopy of the hooked model
-        self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
-        self._names = {module: name or "<model>" for name, module in model.named_modules()}
-        for name, module in model.named_modules():
-            if _batch_statistics(module):
-                _refuse_batch_statistics(name or "<model>", module, _MARK)
-            if torch.nn.utils.parametrize.is_parametrized(module):
-                raise ValueError(
-                    f"{_MARK}: module {name or '<model>'!r} ({type(module).__name__}) has "
-                    "parametrized tensors (torch.nn.utils.parametrize: parametrizations."
-                    "weight_norm, spectral_norm, orthogonal, register_parametrization), whose "
-                    "per-example gradients would go through the parametrization, which "
-                    "funcgrad's rules do not do. Nothing was hooked. Use "
-                    "torch.nn.utils.weight_norm (supported), remove the parametrization "
-                    "(parametrize.remove_parametrizations), or leave the module out of the "
-                    "model given to per_example."
-                )
-        # What a forward records, and whether the hooks record, is each thread's own: two
-        # threads sharing the hooks (a forward and a call each) never see each other's calls.
-        # A thread with no call of the model in progress records into the one thread that
-        # has one (a worker of a thread pool running submodules of that forward); where
-        # several have, into its own (and a call on those losses refuses: another thread).
-        self._local = threading.local()
-        self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
-        self._last_plan: PerExamplePlan | None = None
-        self._removed = False
-        self._handles = []
-        self._direct = {module: tuple(_direct(module)) for module in model.modules()}
-        # the parameters a module's call reads itself: its own, and for attention its
-        # out-projection's too (read by F.multi_head_attention_forward, not a call of it)
-        self._reads = {
-            module: (*params, *_functional_children(module))
-            for module, params in self._direct.items()
-        }
-        self._batchnorms = {
-            m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-        }
-        # A module with children gets a frame (its pre-hook) that collects the calls nested
-        # in it; a leaf module needs only its forward hook.
-        self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
-        self._shared = _SharedIndex(self)
-        for module, params in self._direct.items():
-            if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
-                self._handles.append(
-                    module.register_forward_hook(
-                        self._shared.wrap, with_kwargs=True, prepend=True, always_call=True
-                    )
-                )
-            if params or module in self._batchnorms:
-                self._handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
-            if params:
-                # First of the module's forward hooks, so that it sees the output of forward
-                # itself (what the rules differentiate), before any user hook rescales it; and
-                # called when forward raises, so that the call's frame is closed.
-                self._handles.append(
-                    module.register_forward_hook(
-                        self._post, with_kwargs=True, prepend=True, always_call=True
-                    )
-                )
-        # first of the model's pre-hooks, so that its own record (a model with parameters of
-        # its own) sees the call in progress; last of its forward hooks
-        self._handles.append(
-            model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
-        )
-        self._handles.append(
-            model.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
-        )
-        self._handles.append(model.register_forward_pre_hook(self._shared.root, with_kwargs=True))
-        self._handles.append(
-            model.register_forward_hook(self._shared.root_done, with_kwargs=True, always_call=True)
-        )
-        for module in self._direct:
-            if type(module) is nn.Embedding:
-                self._handles.append(
-                    module.register_forward_pre_hook(self._shared.expand, with_kwargs=True)
-                )
-        if any(_compiled(module) for module in model.modules()):
-            _hooks_outside_compile(self)
-        _RECORDERS.add(self)
-
-    # Per-thread state ------------------------------------------------------------------
+    _local: threading.local
+    _threads: weakref.WeakSet[_ThreadState]
+    _last_plan: PerExamplePlan | None
+    _copied: bool
 
     def __getstate__(self) -> dict[str, Any]:
         """For a copy (``copy.deepcopy`` of a hooked model copies its hooks): the threads'
@@ -239,16 +140,6 @@ class PerExample:
     def _recording(self, recording: bool) -> None:
         self._state.recording = recording
 
-    @property
-    def plan(self) -> PerExamplePlan | None:
-        """The rule each layer took in this thread's last call (None before any call; from
-        another thread's last call where this thread made none)."""
-        return self._state.plan or self._last_plan
-
-    @plan.setter
-    def plan(self, plan: PerExamplePlan | None) -> None:
-        self._state.plan = self._last_plan = plan
-
     def _other_threads_record(self, losses: torch.Tensor) -> bool:
         """Whether another thread's forward recorded the losses' forward."""
         mine = self._state
@@ -257,8 +148,6 @@ class PerExample:
             return False
         reached = _reachable_edges(losses)
         return any(e in reached for s in others for u in list(s.uses) for e in _keys(u))
-
-    # Hooks ---------------------------------------------------------------------------
 
     def _target(self) -> _ThreadState:
         """The thread state that this thread's hooks record into: its own, or, where this
@@ -270,6 +159,57 @@ class PerExample:
             return mine
         busy = [s for s in list(self._threads) if s is not mine and s.busy()]
         return busy[0] if len(busy) == 1 else mine
+
+
+class PerExample(_ThreadRecords):
+    """The modules of ``model`` hooked to record each layer's input during the forward, so
+    that per-example Gramians and weighted updates cost about one backward.
+
+    Made by `funcgrad.per_example`; see there. Hooks stay until `remove` (or
+    the end of a ``with`` block; a block's end is final: make a new one for the next).
+    Each call of `gramian` or `backward` (without ``retain_graph``) consumes what its
+    forward recorded and drops the records of older forwards that no call used; those of
+    later forwards stay for their own calls. A call on losses whose records are gone says
+    why. Nothing is recorded while grad is disabled.
+    """
+
+    def __init__(self, model: nn.Module, *, batch_dim: int = 0) -> None:
+        _check_model(model, batch_dim)
+        self.model = model
+        self.batch_dim = batch_dim
+        self._copied = False  # a copy made by copy.deepcopy of the hooked model
+        self._independent: set[tuple[Any, ...]] = set()  # signatures checked independent
+        self._names = {module: name or "<model>" for name, module in model.named_modules()}
+        # What a forward records, and whether the hooks record, is each thread's own: two
+        # threads sharing the hooks (a forward and a call each) never see each other's calls.
+        # A thread with no call of the model in progress records into the one thread that
+        # has one (a worker of a thread pool running submodules of that forward); where
+        # several have, into its own (and a call on those losses refuses: another thread).
+        self._local = threading.local()
+        self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
+        self._last_plan: PerExamplePlan | None = None
+        self._removed = False
+        self._handles: list[Any] = []  # torch.utils.hooks.RemovableHandle
+        self._direct = {module: tuple(_direct(module)) for module in model.modules()}
+        # the parameters a module's call reads itself: its own, and for attention its
+        # out-projection's too (read by F.multi_head_attention_forward, not a call of it)
+        self._reads = {
+            module: (*params, *_functional_children(module))
+            for module, params in self._direct.items()
+        }
+        self._batchnorms = {
+            m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        }
+        # A module with children gets a frame (its pre-hook) that collects the calls nested
+        # in it; a leaf module needs only its forward hook.
+        self._parents = {m for m in model.modules() if next(m.children(), None) is not None}
+        self._shared = _SharedIndex(self)
+        _install_hooks(self, model)
+        if any(_compiled(module) for module in model.modules()):
+            _hooks_outside_compile(self)
+        _RECORDERS.add(self)
+
+    # Hooks ---------------------------------------------------------------------------
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._state.roots += 1  # a call of the model in progress in this thread
@@ -347,6 +287,16 @@ class PerExample:
         enclosing.append(use)
 
     # Public --------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> PerExamplePlan | None:
+        """The rule each layer took in this thread's last call (None before any call; from
+        another thread's last call where this thread made none)."""
+        return self._state.plan or self._last_plan
+
+    @plan.setter
+    def plan(self, plan: PerExamplePlan | None) -> None:
+        self._state.plan = self._last_plan = plan
 
     def gramian(
         self,
@@ -441,6 +391,82 @@ class PerExample:
 
 
 _RECORDERS: weakref.WeakSet[PerExample] = weakref.WeakSet()
+
+
+def _install_hooks(recorder: PerExample, model: nn.Module) -> None:
+    """The recorder's hooks on ``model`` and its modules (their handles in
+    ``recorder._handles``): the record of each call of a module with parameters, the frames
+    of parents, the model's own call in progress, and the expansion of a (1, T) index."""
+    for module, params in recorder._direct.items():
+        if type(module) is nn.Embedding:  # after the recorder's hook (prepended next)
+            recorder._handles.append(
+                module.register_forward_hook(
+                    recorder._shared.wrap, with_kwargs=True, prepend=True, always_call=True
+                )
+            )
+        if params or module in recorder._batchnorms:
+            recorder._handles.append(
+                module.register_forward_pre_hook(recorder._pre, with_kwargs=True)
+            )
+        if params:
+            # First of the module's forward hooks, so that it sees the output of forward
+            # itself (what the rules differentiate), before any user hook rescales it; and
+            # called when forward raises, so that the call's frame is closed.
+            recorder._handles.append(
+                module.register_forward_hook(
+                    recorder._post, with_kwargs=True, prepend=True, always_call=True
+                )
+            )
+    # first of the model's pre-hooks, so that its own record (a model with parameters of
+    # its own) sees the call in progress; last of its forward hooks
+    recorder._handles.append(
+        model.register_forward_pre_hook(recorder._enter, with_kwargs=True, prepend=True)
+    )
+    recorder._handles.append(
+        model.register_forward_hook(recorder._leave, with_kwargs=True, always_call=True)
+    )
+    recorder._handles.append(
+        model.register_forward_pre_hook(recorder._shared.root, with_kwargs=True)
+    )
+    recorder._handles.append(
+        model.register_forward_hook(recorder._shared.root_done, with_kwargs=True, always_call=True)
+    )
+    for module in recorder._direct:
+        if type(module) is nn.Embedding:
+            recorder._handles.append(
+                module.register_forward_pre_hook(recorder._shared.expand, with_kwargs=True)
+            )
+
+
+def _check_model(model: Any, batch_dim: int) -> None:
+    """`per_example`'s refusals, before anything is hooked: not a module, a batch dim other
+    than 0, a distributed model, batch statistics in training, parametrizations."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{_MARK}: `model` must be an nn.Module, got {describe(model)}.")
+    if batch_dim != 0 or isinstance(batch_dim, bool):
+        raise ValueError(
+            f"{_MARK}: `batch_dim` must be 0 (every hooked module's inputs and outputs "
+            f"batched along their first dimension), got {batch_dim!r}. For batch_first="
+            "False transformers or RNNs, build them with batch_first=True."
+        )
+    if isinstance(model, nn.parallel.DistributedDataParallel) or any(
+        type(p).__name__ == "DTensor" for p in model.parameters()
+    ):
+        raise ValueError(_distributed_refusal(_MARK))
+    for name, module in model.named_modules():
+        if _batch_statistics(module):
+            _refuse_batch_statistics(name or "<model>", module, _MARK)
+        if torch.nn.utils.parametrize.is_parametrized(module):
+            raise ValueError(
+                f"{_MARK}: module {name or '<model>'!r} ({type(module).__name__}) has "
+                "parametrized tensors (torch.nn.utils.parametrize: parametrizations."
+                "weight_norm, spectral_norm, orthogonal, register_parametrization), whose "
+                "per-example gradients would go through the parametrization, which "
+                "funcgrad's rules do not do. Nothing was hooked. Use "
+                "torch.nn.utils.weight_norm (supported), remove the parametrization "
+                "(parametrize.remove_parametrizations), or leave the module out of the "
+                "model given to per_example."
+            )
 
 
 def _mark_copy(module: nn.Module, output: Any) -> None:

@@ -40,12 +40,12 @@ _TINY_HELD = 1 << 20  # elements: the tiny layers' rows held in the backward bef
 # neither raises the peak by more than about this
 
 
-class _Dense(_Layer):
-    """Linear, and convolutions once unfolded: rows A (B, T, d) and Δ (B, T, p)."""
+class _Rows(_Layer):
+    """A layer read as rows: its inputs A (B, T, d) and output gradients Δ (B, T, p), the
+    calls' rows concatenated (the data that `_Dense`'s rules read)."""
 
-    kind = "linear"
-    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
     transposed = False  # the weight stored (d, p), as HF's Conv1D: x @ W + b
+    bias_kept: torch.Tensor | None = None  # `bias_rows`, once formed
     # rows with Δ_bt = 0 zeroed in A: set where G came out not finite (see _Run._weigh),
     # and always for a layer formed during the backward (`_run._Stream`)
     zero_unread = False
@@ -85,10 +85,13 @@ class _Dense(_Layer):
         return rows, width, out
 
     def bias_rows(self) -> torch.Tensor:
-        """(B, p): the per-example bias gradients, Δ summed over each example's rows."""
-        found = [self.delta(use) for use in self.uses]
-        sums = [_by_example(d, self.batch).sum(1) for d in found]
-        return sum(sums[1:], sums[0])
+        """(B, p): the per-example bias gradients, Δ summed over each example's rows; kept
+        (`bias_kept`), so that the update after G (or its diagonal) reads them, not Δ."""
+        if self.bias_kept is None:
+            found = [self.delta(use) for use in self.uses]
+            sums = [_by_example(d, self.batch).sum(1) for d in found]
+            self.bias_kept = sum(sums[1:], sums[0])
+        return self.bias_kept
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, Δ) as (B, d) and (B, p) for one call on 2-D inputs (the MLP case: the
@@ -100,6 +103,14 @@ class _Dense(_Layer):
         if not isinstance(a, torch.Tensor) or a.ndim != 2 or use.deltas[0] is None:
             return None
         return a, use.deltas[0]
+
+
+class _Dense(_Rows):
+    """Linear, and convolutions once unfolded (`_Conv`): the ghost and materialised rules
+    on the rows A (B, T, d) and Δ (B, T, p) of `_Rows`."""
+
+    kind = "linear"
+    kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
 
     def gramian(self) -> torch.Tensor:
         dtype = self.run.dtype
@@ -215,7 +226,7 @@ class _Dense(_Layer):
 
     def release(self) -> None:
         super().release()
-        self.kept = self.unread = None
+        self.kept = self.unread = self.bias_kept = None
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
@@ -279,10 +290,15 @@ class _Dense(_Layer):
         for use in self.uses:
             for key, value in self.weighted(use, weights).items():
                 _add(found, key, value)
+        if "bias" in self.params and self.bias_kept is not None:
+            # the per-example bias gradients that G (or its diagonal) formed: (B, p), where
+            # ``Δᵀ w`` would read Δ (B·T·p) again
+            found["bias"] = self.bias_kept.T @ weights.to(self.bias_kept.dtype)
         return found
 
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul."""
+        """One call's share of the update: ``Aᵀ (w ⊙ Δ)``, one matmul (and ``Δᵀ w`` for the
+        bias, where its per-example gradients were not formed: `bias_kept`)."""
         a, d = self.unfold(use)
         if self.zero_unread:
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
@@ -295,7 +311,7 @@ class _Dense(_Layer):
                 found["weight"] = self.oriented((d * w[:, None]).T @ a)
             else:
                 found["weight"] = self.oriented(d.T @ (a * w[:, None]))
-        if "bias" in self.params:
+        if "bias" in self.params and self.bias_kept is None:
             found["bias"] = d.T @ w
         return found
 
@@ -659,6 +675,20 @@ class _Norm(_Layer):
 
     kind = "norm"
     grads: dict[str, torch.Tensor] | None = None
+    # id(use) -> LayerNorm's (mean, rstd) as its forward saved them (`precheck`)
+    stats: dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+    def precheck(self) -> None:
+        """Before the one backward (which frees them): each LayerNorm call's mean and
+        1/std as its forward's ``native_layer_norm`` saved them, so that x̂ is ``(x - mean)
+        · rstd`` (two passes) rather than a second layer norm (2-4x slower on a CPU)."""
+        super().precheck()
+        self.stats = {}
+        if type(self.module) is nn.LayerNorm:
+            for use in self.uses:
+                found = _layer_norm_stats(self.module, use, self.input(use))
+                if found is not None:
+                    self.stats[id(use)] = found
 
     def per_example(self) -> dict[str, torch.Tensor]:
         if self.grads is not None:
@@ -668,7 +698,12 @@ class _Norm(_Layer):
         for use in self.uses:
             x = self.input(use)
             d = self.delta(use)
-            if isinstance(module, nn.LayerNorm):
+            stats = getattr(self, "stats", {}).get(id(use))
+            if stats is not None:  # x̂ from the forward's own statistics
+                assert isinstance(module, nn.LayerNorm)
+                normed = x.sub(stats[0]).mul_(stats[1])
+                dims = tuple(range(1, x.ndim - len(module.normalized_shape)))
+            elif isinstance(module, nn.LayerNorm):
                 normed = F.layer_norm(x, module.normalized_shape, eps=module.eps)
                 keep = len(module.normalized_shape)
                 dims = tuple(range(1, x.ndim - keep))
@@ -697,6 +732,45 @@ class _Norm(_Layer):
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         grads = self.per_example()
         return {k: torch.tensordot(weights.to(g.dtype), g, dims=1) for k, g in grads.items()}
+
+
+def _layer_norm_stats(
+    module: nn.LayerNorm, use: _Use, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (mean, rstd) that the call's ``native_layer_norm`` saved in its graph node, where
+    that node is the output's own and saved this very input (same memory, shape, strides,
+    dtype) for this normalized shape, and the statistics have the input's dtype and shape
+    (..., 1), and no saved-tensor hook would run to read them; else None (the layer norm
+    is then computed again). Read before the backward frees them."""
+    if len(use.edges) != 1 or len(use.outputs) != 1:
+        return None
+    node = use.edges[0].node
+    if type(node).__name__ != "NativeLayerNormBackward0" or use.edges[0].output_nr != 0:
+        return None
+    try:
+        raw = [getattr(node, f"_raw_saved_{n}") for n in ("input", "result1", "result2")]
+        if any(r.unpack_hook is not None for r in raw):
+            # saved-tensor hooks (checkpointing, offloading, the user's own): reading them
+            # would run their unpack (a recompute, a copy back) once more; computed again
+            return None
+        saved = node._saved_input
+        mean, rstd = node._saved_result1, node._saved_result2
+        shape = tuple(node._saved_normalized_shape)
+    except (AttributeError, RuntimeError):  # freed, or another torch's node
+        return None
+    keep = len(module.normalized_shape)
+    want = (*x.shape[: x.ndim - keep], *([1] * keep))
+    if (
+        shape != tuple(module.normalized_shape)
+        or not isinstance(saved, torch.Tensor)
+        or saved.data_ptr() != x.data_ptr()
+        or saved.shape != x.shape
+        or saved.stride() != x.stride()
+        or saved.dtype != x.dtype
+        or any(t.dtype != x.dtype or tuple(t.shape) != want for t in (mean, rstd))
+    ):
+        return None
+    return mean, rstd
 
 
 def _padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:

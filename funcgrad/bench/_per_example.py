@@ -76,6 +76,17 @@ def _torch_vmap_fallback_quiet() -> Iterator[None]:
         yield
 
 
+# Why TorchJD 0.18's autogram is expected to disagree on GPT-2 (the "agrees" column): its
+# bug, not the bench's (same model, same inputs; minimal repro in
+# docs/benchmarks_per_example.md, "TorchJD's autogram on GPT-2").
+TORCHJD_GPT2 = (
+    "expected: TorchJD 0.18's autogram is wrong on GPT-2, not the bench: it adds the "
+    "batch-summed gradient of the position table (a (1, T) index shared by the batch) "
+    "to every entry of G, and leaves out the cross terms of the LM head tied to the "
+    "token embedding"
+)
+
+
 def inverse_norms(gramian: torch.Tensor) -> torch.Tensor:
     """A cheap torch-native weighting: each example's loss scaled by 1 / its gradient norm."""
     return 1 / (gramian.diagonal().sqrt() + 1e-6) / gramian.shape[0]
@@ -340,6 +351,7 @@ def per_example_case(batch: int, quick: bool, variant: str) -> Case:
         del case.methods["naive"], case.methods["torchjd autojac"]
         case.reference_for = {"funcgrad per_example": "torchjd autogram"}
     if variant == "gpt2":  # B backward passes of GPT-2 (or their vmap): seconds a call here
+        case.extra["agreement_detail"] = {"torchjd autogram": TORCHJD_GPT2}
         del case.methods["torchjd autojac"]
         case.skipped["torchjd autojac"] = "B vmapped GPT-2 backward passes: minutes a call"
         case.untimed = ("naive", "vmap(grad) clip")  # the references, run once
