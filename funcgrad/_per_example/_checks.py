@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils import parametrize
 
 from ._choose import _layer_class
 from ._generic import _Generic
@@ -58,10 +59,36 @@ def _recorded_uses(run: _Run) -> list[_Use]:
     return [use for top in run.recorder._uses if id(top) in reached for use in top.walk()]
 
 
+def _refuse_parametrized(run: _Run, uses: list[_Use]) -> None:
+    """A parametrization registered after `funcgrad.per_example` hooked the model (refused
+    there when present at that time): the module's weight is then computed from the
+    parametrization's original, which the rules would credit with the weight's own
+    gradient (G 3-35 and the update 2-4.5 off in float64 on a Linear, found in session 7)."""
+    for use in uses:
+        module = use.module
+        if not parametrize.is_parametrized(module):
+            continue
+        if not any(p in run.selected for p in module.parameters()):
+            continue  # (none of its parameters counted: no per-example gradient formed)
+        name = run.recorder._names.get(module, type(module).__name__)
+        raise ValueError(
+            f"{run.call}: module {name!r} ({type(module).__name__}) has parametrized tensors "
+            "(torch.nn.utils.parametrize: parametrizations.weight_norm, spectral_norm, "
+            "orthogonal, register_parametrization) registered after funcgrad.per_example "
+            "hooked the model; its per-example gradients would go through the "
+            "parametrization, which funcgrad's rules do not do (G and the update would be "
+            "wrong). Nothing was written. Remove the parametrization "
+            "(parametrize.remove_parametrizations), use torch.nn.utils.weight_norm "
+            "(supported), or leave the module's parameters out with inputs=."
+        )
+
+
 def _refuse_changed(run: _Run, uses: list[_Use]) -> None:
     """An input or parameter of a recorded call changed in place since the forward (the
     next batch copied into the input buffer, an optimizer step): torch's backward would
-    raise for a tensor it saved; the rules read them all, so each is checked."""
+    raise for a tensor it saved; the rules read them all, so each is checked. Also a
+    parametrization registered since the model was hooked."""
+    _refuse_parametrized(run, uses)
     for use in uses:
         for tensor, version in use.versions:
             if tensor._version != version:
@@ -125,6 +152,16 @@ def _refuse_parameter_hooks(run: _Run) -> None:
 
 def _check_leaf(run: _Run, leaf: torch.Tensor) -> None:
     name = run.selected.get(leaf)
+    if name is not None and not any(
+        leaf is p for ps in run.recorder._direct.values() for p in ps
+    ):  # (on this error path only)
+        raise ValueError(
+            f"{run.call}: parameter {name!r} belongs to a module that funcgrad.per_example "
+            "did not hook: one added to the model or put in place of another after it "
+            "hooked the model (the hooks are placed once, on the modules present then). "
+            "Nothing was written. Hook the model again (pe.remove(), then "
+            "funcgrad.per_example(model)), or leave the parameter out with inputs=."
+        )
     if name is not None:
         raise ValueError(
             f"{run.call}: parameter {name!r} reaches the losses outside the forward of "

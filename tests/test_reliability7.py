@@ -1,0 +1,160 @@
+"""Reliability hunt (session 7): silently wrong answers and internal errors found on main,
+each against its independent reference in float64 (a per-example loop, per-head autograd,
+torch's own backward)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+import funcgrad
+
+B = 6
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 4, generator=gen, dtype=torch.float64)
+    return x, torch.randn(B, 2, generator=gen, dtype=torch.float64)
+
+
+def _losses(model: nn.Module) -> torch.Tensor:
+    x, y = _data()
+    return (model(x) - y).pow(2).sum(1)
+
+
+def _jacobian(model: nn.Module) -> torch.Tensor:
+    """The (B, P) per-example gradients, by a loop of torch.autograd.grad."""
+    x, y = _data()
+    params = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for b in range(B):
+        loss = (model(x[b : b + 1]) - y[b : b + 1]).pow(2).sum()
+        rows.append(torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)]))
+    return torch.stack(rows)
+
+
+class _Scale(nn.Module):
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 1.5 * weight
+
+
+PARAMETRIZATIONS = {
+    "register_parametrization": lambda m: parametrize.register_parametrization(
+        m, "weight", _Scale()
+    ),
+    "weight_norm": lambda m: parametrizations.weight_norm(m),
+    "orthogonal": lambda m: parametrizations.orthogonal(m),
+}
+
+
+@pytest.mark.parametrize("call", ["gramian", "backward"])
+@pytest.mark.parametrize("kind", list(PARAMETRIZATIONS))
+def test_per_example_refuses_a_parametrization_registered_after_hooking(kind, call):
+    # Refused by per_example(model) where present then, but one registered on a hooked
+    # module afterwards went silently into the rules, which credited the parametrization's
+    # original with the weight's own gradient: G 3-35 off and the update 2-4.5 off.
+    model = _model()
+    pe = funcgrad.per_example(model)
+    J = _jacobian(model)
+    assert torch.allclose(pe.gramian(_losses(model)), J @ J.T, rtol=1e-10, atol=1e-12)
+    PARAMETRIZATIONS[kind](model[2])
+    for p in model.parameters():
+        p.grad = None
+    with pytest.raises(ValueError, match=r"registered after funcgrad\.per_example hooked"):
+        if call == "gramian":
+            pe.gramian(_losses(model))
+        else:
+            pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+    assert all(p.grad is None for p in model.parameters())
+    # the module's parameters left out: the rest is answered, exactly
+    rest = [p for name, p in model.named_parameters() if not name.startswith("2.")]
+    gram = pe.gramian(_losses(model), inputs=rest)
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    J = _jacobian(model)
+    assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
+    pe.remove()
+
+
+CHANGES = {
+    "parametrization removed again": lambda m: (
+        parametrize.register_parametrization(m[2], "weight", _Scale()),
+        parametrize.remove_parametrizations(m[2], "weight", leave_parametrized=True),
+    ),
+    "parameter replaced": lambda m: setattr(
+        m[2], "weight", nn.Parameter(torch.randn(2, 5, dtype=torch.float64))
+    ),
+    "requires_grad toggled": lambda m: m[0].weight.requires_grad_(False),
+    "hook-based weight_norm": lambda m: torch.nn.utils.weight_norm(m[2]),
+    "hook-based spectral_norm": lambda m: (torch.nn.utils.spectral_norm(m[2]), m.eval()),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_per_example_after_a_change_it_supports_is_exact(change):
+    model = _model()
+    pe = funcgrad.per_example(model)
+    pe.gramian(_losses(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (weight_norm's deprecation)
+        CHANGES[change](model)
+    w = torch.linspace(0.5, 1.5, B, dtype=torch.float64)
+    pe.backward(_losses(model), weighting=lambda g: w)
+    got = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    assert torch.allclose(got, w @ _jacobian(model), rtol=1e-10, atol=1e-12)
+    gram = pe.gramian(_losses(model))
+    J = _jacobian(model)
+    assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
+    pe.remove()
+
+
+def test_per_example_after_weights_tied_and_untied_is_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4, bias=False),
+        nn.Tanh(),
+        nn.Linear(4, 4, bias=False),
+        nn.Tanh(),
+        nn.Linear(4, 2),
+    ).double()
+    pe = funcgrad.per_example(model)
+    for step in ("tied", "untied"):
+        if step == "tied":
+            model[2].weight = model[0].weight
+        else:
+            model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+        gram = pe.gramian(_losses(model))
+        J = _jacobian(model)
+        assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12), step
+    pe.remove()
+
+
+@pytest.mark.parametrize("change", ["replaced", "appended", "activation to Linear"])
+def test_per_example_names_a_module_added_after_hooking(change):
+    # It was refused as "a functional use such as F.linear(h, emb.weight)", which it is not.
+    model = _model()
+    pe = funcgrad.per_example(model)
+    if change == "replaced":
+        model[2] = nn.Linear(5, 2).double()
+    elif change == "appended":
+        model.append(nn.Linear(2, 2).double())
+    else:
+        model[1] = nn.Linear(5, 5).double()
+    with pytest.raises(ValueError, match="did not hook: one added to the model"):
+        pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+    assert all(p.grad is None for p in model.parameters())
+    pe.remove()
+    with funcgrad.per_example(model) as again:  # hooked again: exact
+        gram = again.gramian(_losses(model))
+    J = _jacobian(model)
+    assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
