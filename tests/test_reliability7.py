@@ -199,3 +199,62 @@ def test_per_example_honours_a_forward_set_on_the_instance(patch, when):
     assert torch.allclose(got, w @ J, rtol=1e-10, atol=1e-12)
     assert torch.allclose(pe.gramian(_losses(model)), J @ J.T, rtol=1e-10, atol=1e-12)
     pe.remove()
+
+
+class _Block(nn.Module):
+    """A custom module (the generic rule) that calls a Linear it is given."""
+
+    def __init__(self, child: nn.Module | None = None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 5, dtype=torch.float64))
+        if child is not None:
+            self.child = child
+
+    def forward(self, x: torch.Tensor, proj: nn.Module | None = None) -> torch.Tensor:
+        return x * self.w + (self.child if proj is None else proj)(x)
+
+
+class _Net(nn.Module):
+    def __init__(self, as_child: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(4, 5).double()
+        proj = nn.Linear(5, 5).double()
+        self.block = _Block(proj if as_child else None)
+        if not as_child:
+            self.proj = proj
+        self.l2 = nn.Linear(5, 2).double()
+        self.as_child = as_child
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l1(x)
+        h = self.block(h) if self.as_child else self.block(h, self.proj)
+        return self.l2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("call", ["gramian", "backward"])
+def test_per_example_refuses_a_module_called_inside_another_that_is_not_its_child(call):
+    # The walk from the losses steps over the custom module's call, so the Linear called
+    # inside it (given as an argument) was never reached: its per-example gradients were
+    # left out, G 17 off and the update 2.2 off, silently.
+    model = _Net(as_child=False)
+    pe = funcgrad.per_example(model)
+    with pytest.raises(ValueError, match=r"'block' .* reads, in its own forward, the output of"):
+        if call == "gramian":
+            pe.gramian(_losses(model))
+        else:
+            pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+    assert all(p.grad is None for p in model.parameters())
+    pe.remove()
+
+
+def test_per_example_a_module_calling_its_child_is_exact():
+    model = _Net(as_child=True)
+    with funcgrad.per_example(model) as pe:
+        w = torch.linspace(0.5, 1.5, B, dtype=torch.float64)
+        pe.backward(_losses(model), weighting=lambda g: w)
+        gram = pe.gramian(_losses(model))
+    J = _jacobian(model)
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(got, w @ J, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)

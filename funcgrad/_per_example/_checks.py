@@ -186,11 +186,15 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
     its own: a child's that it also calls (``h + F.linear(h, self.lin.weight)`` after
     ``self.lin(h)``), or another module's. The walk from the losses steps over every
     recorded call, and the child's rule sees only its own calls, so that use would be
-    missed. Only the graph inside such calls is walked (nested calls stepped over)."""
+    missed. Only the graph inside such calls is walked (nested calls stepped over). Also
+    refused: such a module reading the output of another hooked module's call that the
+    walk from the losses does not reach (a module called inside its forward that is not
+    its child, such as one passed as an argument): its parameters' share was missing."""
     generic = [use for use in uses if _layer_class(use.module) is _Generic]
     if not generic:
         return
     by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    counted = {id(use) for use in uses}
     for use in generic:
         called = _nested_params(use)
         own = {p for p in use.module.parameters() if p not in called}
@@ -206,7 +210,12 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
             if nested is not None:  # a child's call: its own rule covers it
                 stack.extend((e.node, e.output_nr) for e in nested.upstream)
                 continue
-            if by_edge.get(key, use) is not use:  # another recorded call, outside this one
+            other = by_edge.get(key, use)
+            if other is not use:  # another recorded call, outside this one
+                if id(other) not in counted and any(
+                    p in run.selected for p in other.module.parameters()
+                ):
+                    _refuse_unreached(run, use, other)
                 continue
             node = key[0]
             if node in seen:
@@ -229,3 +238,21 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
                     "it), or leave it out with inputs=."
                 )
             stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
+
+
+def _refuse_unreached(run: _Run, use: _Use, other: _Use) -> None:
+    """``use``'s call reads the output of ``other``'s, which the walk from the losses steps
+    over (found in session 7: a custom module calling a Linear passed as an argument, whose
+    per-example gradients were left out: G 17 off, the update 2.2 off)."""
+    names = run.recorder._names
+    name = names.get(use.module, type(use.module).__name__)
+    other_name = names.get(other.module, type(other.module).__name__)
+    raise ValueError(
+        f"{run.call}: module {name!r} ({type(use.module).__name__}) reads, in its own "
+        f"forward, the output of a call of module {other_name!r} "
+        f"({type(other.module).__name__}) that is not one of its children (a module "
+        "passed to it as an argument, or called by a forward set on its instance), so the "
+        f"per-example gradients of {other_name!r}'s parameters would be missing. Nothing "
+        f"was written. Make {other_name!r} a child of {name!r} (an attribute of it), call "
+        "it outside and pass its output in, or leave its parameters out with inputs=."
+    )
