@@ -258,3 +258,28 @@ def test_per_example_a_module_calling_its_child_is_exact():
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.allclose(got, w @ J, rtol=1e-10, atol=1e-12)
     assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
+
+
+def test_per_example_checks_again_where_a_term_mixing_the_examples_is_added_later():
+    # The independence check runs on the first call of a signature, which held the losses'
+    # last op but not the ops before it: a term mixing the examples (out.roll(1, 0)) added
+    # on a later call, under the same last op (a sum), went unchecked: G 61 off, silently.
+    model = _model()
+    x, y = _data()
+
+    def plain(out: torch.Tensor) -> torch.Tensor:
+        return (out - y).pow(2).sum(1)
+
+    def mixing(out: torch.Tensor) -> torch.Tensor:
+        return (out - y + (out - out.roll(1, 0))).pow(2).sum(1)
+
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):
+            gram = pe.gramian(plain(model(x)))
+        J = _jacobian(model)
+        assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="do not treat the examples independently"):
+            pe.gramian(mixing(model(x)))
+        with pytest.raises(ValueError, match="do not treat the examples independently"):
+            pe.backward(mixing(model(x)), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+    assert all(p.grad is None for p in model.parameters())

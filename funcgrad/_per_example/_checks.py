@@ -34,6 +34,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
     root = get_gradient_edge(run.losses)
     stack: list[tuple[Any, int]] = [(root.node, root.output_nr)]
     seen: set[Any] = set()
+    kinds: list[type] = []
     while stack:
         node, nr = stack.pop()
         use = by_edge.get((node, nr))
@@ -45,6 +46,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
         if node in seen:
             continue
         seen.add(node)
+        kinds.append(type(node))
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             _check_leaf(run, leaf)
@@ -56,6 +58,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
             "recorded: hook the model before its forward, and compute the losses from "
             "that forward."
         )
+    run.graph_kinds = tuple(kinds)
     return [use for top in run.recorder._uses if id(top) in reached for use in top.walk()]
 
 
