@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils import parametrize
 
 from ._choose import _layer_class
 from ._generic import _Generic
@@ -33,6 +34,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
     root = get_gradient_edge(run.losses)
     stack: list[tuple[Any, int]] = [(root.node, root.output_nr)]
     seen: set[Any] = set()
+    kinds: list[type] = []
     while stack:
         node, nr = stack.pop()
         use = by_edge.get((node, nr))
@@ -44,6 +46,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
         if node in seen:
             continue
         seen.add(node)
+        kinds.append(type(node))
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             _check_leaf(run, leaf)
@@ -55,13 +58,40 @@ def _recorded_uses(run: _Run) -> list[_Use]:
             "recorded: hook the model before its forward, and compute the losses from "
             "that forward."
         )
+    run.graph_kinds = tuple(kinds)
     return [use for top in run.recorder._uses if id(top) in reached for use in top.walk()]
+
+
+def _refuse_parametrized(run: _Run, uses: list[_Use]) -> None:
+    """A parametrization registered after `funcgrad.per_example` hooked the model (refused
+    there when present at that time): the module's weight is then computed from the
+    parametrization's original, which the rules would credit with the weight's own
+    gradient (G 3-35 and the update 2-4.5 off in float64 on a Linear, found in session 7)."""
+    for use in uses:
+        module = use.module
+        if not parametrize.is_parametrized(module):
+            continue
+        if not any(p in run.selected for p in module.parameters()):
+            continue  # (none of its parameters counted: no per-example gradient formed)
+        name = run.recorder._names.get(module, type(module).__name__)
+        raise ValueError(
+            f"{run.call}: module {name!r} ({type(module).__name__}) has parametrized tensors "
+            "(torch.nn.utils.parametrize: parametrizations.weight_norm, spectral_norm, "
+            "orthogonal, register_parametrization) registered after funcgrad.per_example "
+            "hooked the model; its per-example gradients would go through the "
+            "parametrization, which funcgrad's rules do not do (G and the update would be "
+            "wrong). Nothing was written. Remove the parametrization "
+            "(parametrize.remove_parametrizations), use torch.nn.utils.weight_norm "
+            "(supported), or leave the module's parameters out with inputs=."
+        )
 
 
 def _refuse_changed(run: _Run, uses: list[_Use]) -> None:
     """An input or parameter of a recorded call changed in place since the forward (the
     next batch copied into the input buffer, an optimizer step): torch's backward would
-    raise for a tensor it saved; the rules read them all, so each is checked."""
+    raise for a tensor it saved; the rules read them all, so each is checked. Also a
+    parametrization registered since the model was hooked."""
+    _refuse_parametrized(run, uses)
     for use in uses:
         for tensor, version in use.versions:
             if tensor._version != version:
@@ -125,6 +155,16 @@ def _refuse_parameter_hooks(run: _Run) -> None:
 
 def _check_leaf(run: _Run, leaf: torch.Tensor) -> None:
     name = run.selected.get(leaf)
+    if name is not None and not any(
+        leaf is p for ps in run.recorder._direct.values() for p in ps
+    ):  # (on this error path only)
+        raise ValueError(
+            f"{run.call}: parameter {name!r} belongs to a module that funcgrad.per_example "
+            "did not hook: one added to the model or put in place of another after it "
+            "hooked the model (the hooks are placed once, on the modules present then). "
+            "Nothing was written. Hook the model again (pe.remove(), then "
+            "funcgrad.per_example(model)), or leave the parameter out with inputs=."
+        )
     if name is not None:
         raise ValueError(
             f"{run.call}: parameter {name!r} reaches the losses outside the forward of "
@@ -149,11 +189,15 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
     its own: a child's that it also calls (``h + F.linear(h, self.lin.weight)`` after
     ``self.lin(h)``), or another module's. The walk from the losses steps over every
     recorded call, and the child's rule sees only its own calls, so that use would be
-    missed. Only the graph inside such calls is walked (nested calls stepped over)."""
+    missed. Only the graph inside such calls is walked (nested calls stepped over). Also
+    refused: such a module reading the output of another hooked module's call that the
+    walk from the losses does not reach (a module called inside its forward that is not
+    its child, such as one passed as an argument): its parameters' share was missing."""
     generic = [use for use in uses if _layer_class(use.module) is _Generic]
     if not generic:
         return
     by_edge = {key: use for top in run.recorder._uses for use in top.walk() for key in _keys(use)}
+    counted = {id(use) for use in uses}
     for use in generic:
         called = _nested_params(use)
         own = {p for p in use.module.parameters() if p not in called}
@@ -169,7 +213,12 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
             if nested is not None:  # a child's call: its own rule covers it
                 stack.extend((e.node, e.output_nr) for e in nested.upstream)
                 continue
-            if by_edge.get(key, use) is not use:  # another recorded call, outside this one
+            other = by_edge.get(key, use)
+            if other is not use:  # another recorded call, outside this one
+                if id(other) not in counted and any(
+                    p in run.selected for p in other.module.parameters()
+                ):
+                    _refuse_unreached(run, use, other)
                 continue
             node = key[0]
             if node in seen:
@@ -192,3 +241,21 @@ def _refuse_foreign_reads(run: _Run, uses: list[_Use]) -> None:
                     "it), or leave it out with inputs=."
                 )
             stack.extend((nxt, i) for nxt, i in node.next_functions if nxt is not None)
+
+
+def _refuse_unreached(run: _Run, use: _Use, other: _Use) -> None:
+    """``use``'s call reads the output of ``other``'s, which the walk from the losses steps
+    over (found in session 7: a custom module calling a Linear passed as an argument, whose
+    per-example gradients were left out: G 17 off, the update 2.2 off)."""
+    names = run.recorder._names
+    name = names.get(use.module, type(use.module).__name__)
+    other_name = names.get(other.module, type(other.module).__name__)
+    raise ValueError(
+        f"{run.call}: module {name!r} ({type(use.module).__name__}) reads, in its own "
+        f"forward, the output of a call of module {other_name!r} "
+        f"({type(other.module).__name__}) that is not one of its children (a module "
+        "passed to it as an argument, or called by a forward set on its instance), so the "
+        f"per-example gradients of {other_name!r}'s parameters would be missing. Nothing "
+        f"was written. Make {other_name!r} a child of {name!r} (an attribute of it), call "
+        "it outside and pass its output in, or leave its parameters out with inputs=."
+    )

@@ -18,7 +18,11 @@ def _overrides(module: nn.Module, base: type) -> bool:
 
 def _layer_class(module: nn.Module) -> type[_Layer]:
     """The rule of a module, by its class: only torch's own forward (a subclass with its
-    own forward, such as a LoRA Linear, is materialised as any other module)."""
+    own forward, such as a LoRA Linear, is materialised as any other module; so is a
+    module whose instance has a forward of its own, ``module.forward = ...``: the class's
+    rule gave G 54 off on a Linear patched to use twice its weight)."""
+    if "forward" in vars(module):
+        return _Generic
     if type(module) in (nn.RNN, nn.GRU, nn.LSTM) and module.batch_first:
         return _Recurrent
     if _native_attention(module):

@@ -51,6 +51,9 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
         # train / eval changes what a module does (dropout drawn or not): a signature
         # checked in one mode is not checked in the other
         tuple(m.training for m in run.recorder.model.modules()),
+        # the ops around the recorded calls: a term that mixes the examples (out.roll(1, 0)
+        # in the loss) added after the checked call, under the same final op, was unchecked
+        run.graph_kinds,
     ]
     for use in tested:
         leaves = _pytree.tree_leaves((use.args, use.kwargs))
