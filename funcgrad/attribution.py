@@ -1221,6 +1221,11 @@ def token_attr(
         well above L_in, reverse mode runs a few groups of consecutive targets, each on its
         own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
         the L_in tangents go through with that forward, whatever T.
+        Activation modules known to be elementwise (an allow-list of exact types: GPT-2's
+        ``gelu_new``, torch's GELU, SiLU, ReLU, Tanh, Sigmoid, ...) run their batched
+        backward, or forward-mode rule, as one product by their derivative, computed once
+        per forward (``plan().elementwise`` names them; `AttributionPlan` says what keeps
+        a module on its own rules).
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
         mode and remembers it for the model (``plan`` says so). An error of the model's own
