@@ -442,3 +442,29 @@ def test_another_thread_running_the_activation_during_a_call_is_not_affected():
     assert grads
     for grad in grads:
         torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nested_call_on_a_model_sharing_an_activation(mode):
+    """Model a's forward calls token_attr on model b, which shares a's activation module:
+    during a's forward that module carries a's hooks (forward hooks: b leaves it to them),
+    and both answers are exact."""
+    torch.manual_seed(0)
+    act = activations.NewGELUActivation()
+    b = _model([act, torch.nn.Tanh()], seed=1)
+    input_ids, target_ids = _ids(6, 4)
+    inner: list[torch.Tensor] = []
+
+    class Outer(ActLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if act._forward_hooks:  # (a's call is running: its hooks are on the module)
+                inner.append(token_attr(b, input_ids, target_ids, mode=mode, embedding=b.embed))
+            return super().forward(ids)
+
+    torch.manual_seed(2)
+    a = Outer([act]).double().eval()
+    expected_b, _ = _loop(b, b.embed, input_ids, target_ids, "grad_x_input")
+    _check(a, "grad_x_input", mode)
+    assert inner
+    for attr in inner:
+        torch.testing.assert_close(attr, expected_b, rtol=0, atol=1e-12)
