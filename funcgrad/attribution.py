@@ -161,7 +161,7 @@ class AttributionPlan:
         elementwise: the model's activation modules (their names in
             ``model.named_modules()``) known to be elementwise, whose backward of the T
             cotangents (or forward-mode rule for the L_in tangents) runs as ONE product by
-            their derivative, computed once per forward (``torch.func.jvp`` along ones):
+            their derivative, computed once per forward (``torch.func.vjp`` of ones):
             exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
             ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
             ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``), not in place,
@@ -705,11 +705,11 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
     """For the length of one forward of the model, every known elementwise activation module
     (`_elementwise_modules`) called on one floating tensor runs on its input detached (no
     graph, no tangents of its own formula), and its output is replaced by
-    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is one ``torch.func.jvp`` of
-    the module's ``forward`` along ones, unbatched, exact for an elementwise f (its Jacobian
-    is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact types, see
-    `_is_elementwise`). The model is not modified; the module's forward pre-hooks run, before
-    the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),
+    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is one ``torch.func.vjp`` of
+    the module's ``forward`` pulling ones back, unbatched, exact for an elementwise f (its
+    Jacobian is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact
+    types, see `_is_elementwise`). The model is not modified; the module's forward pre-hooks
+    run, before the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),
     nor in another thread (module hooks run in every thread). First derivatives only: the
     replaced backward treats f'(x) as a constant."""
     handles = []
@@ -737,7 +737,10 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
         if x is None:
             return None
         plain = args[0]  # (x detached; the output is f(plain), same shape and dtype)
-        derivative = torch.func.jvp(module.forward, (plain,), (torch.ones_like(plain),))[1]
+        # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, 3.5x cheaper than a jvp along
+        # ones on gelu_new's formula, measured)
+        pull = torch.func.vjp(module.forward, plain)[1]
+        (derivative,) = pull(torch.ones_like(output))
         replaced: torch.Tensor = _Elementwise.apply(  # type: ignore[no-untyped-call]
             x, output.detach(), derivative
         )

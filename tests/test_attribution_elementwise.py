@@ -124,7 +124,7 @@ def test_gpt2_gelu_backward_is_one_product(mode):
     """GPT-2's ``gelu_new`` is a Python formula: its own backward (reverse mode) or JVP
     (forward mode) runs about a dozen elementwise ops per layer on the batched cotangents or
     tangents; replaced, one product. Counted, the numbers written: ``tanh_backward`` runs on
-    one unbatched tensor per layer (the derivative's jvp), not on the T (reverse) or L_in
+    one unbatched tensor per layer (the derivative's vjp), not on the T (reverse) or L_in
     (forward) directions, and the products (``mul``) write less; the answer is unchanged."""
     torch.manual_seed(0)
     model = _gpt2()
@@ -215,7 +215,7 @@ def _mixing_partial() -> torch.nn.Module:
 )
 @pytest.mark.parametrize("mode", MODES)
 def test_an_activation_that_is_not_elementwise_is_left_alone(make, mode):
-    """A jvp along ones of a position-mixing activation is not its derivative: replaced, the
+    """A vjp of ones through a position-mixing activation is not its derivative: replaced, the
     answer would be silently wrong. Only exact allow-listed types as their library wrote
     them are replaced."""
     act = make() if make is not torch.nn.Softmax else torch.nn.Softmax(dim=-1)
