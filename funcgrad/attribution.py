@@ -645,15 +645,22 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
 def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module], ...]) -> bool:
     """Whether ``module`` is one of ``kinds`` as its library wrote it, so elementwise: its
     exact type (a subclass may mix the positions), its class's own ``forward`` and
-    ``__call__`` (none replaced on the instance), not in place (``inplace=True`` overwrites
-    its input), no forward or backward hook of its own (a forward hook is given the input,
-    which `_elementwise_activations` detaches; forward pre-hooks run before it and are
-    kept), and its ``act`` (transformers' GELUActivation and GELUTanh pick a function at
-    init) one of the library's own."""
+    ``__call__`` (none replaced on the instance or the class), not in place
+    (``inplace=True`` overwrites its input), no forward or backward hook of its own (a
+    forward hook is given the input, which `_elementwise_activations` detaches; forward
+    pre-hooks run before it and are kept), and its ``act`` (transformers' GELUActivation and
+    GELUTanh pick a function at init) one of the library's own."""
     kind = type(module)
     if kind not in kinds or getattr(module, "inplace", False) is not False:
         return False
     if any(name in vars(module) for name in ("forward", "_call_impl", "_wrapped_call_impl")):
+        return False
+    # (the class's forward as its library defined it: not replaced on the class, as a hub
+    # kernel's `kernelize` or a monkeypatch may)
+    forward = vars(kind).get("forward")
+    if getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward" or getattr(
+        forward, "__module__", None
+    ) not in ("torch.nn.modules.activation", "transformers.activations"):
         return False
     if kind.__call__ is not torch.nn.Module.__call__ or any(
         getattr(kind, name) is not getattr(torch.nn.Module, name)

@@ -196,6 +196,16 @@ def _mixing_instance_forward() -> torch.nn.Module:
     return act
 
 
+def _mixing_class_forward(monkeypatch) -> torch.nn.Module:
+    """The class's forward replaced (a hub kernel's ``kernelize``, a monkeypatch)."""
+    monkeypatch.setattr(
+        activations.QuickGELUActivation,
+        "forward",
+        lambda self, x: (x * torch.sigmoid(1.702 * x)).cumsum(-2),
+    )
+    return activations.QuickGELUActivation()
+
+
 def _mixing_act() -> torch.nn.Module:
     act = activations.GELUActivation()
     act.act = lambda x: torch.nn.functional.gelu(x).cumsum(-2)
@@ -210,15 +220,27 @@ def _mixing_partial() -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     "make",
-    [MixingGELU, _mixing_instance_forward, _mixing_act, _mixing_partial, torch.nn.Softmax],
-    ids=["subclass", "instance-forward", "act-replaced", "act-partial", "softmax"],
+    [
+        MixingGELU,
+        _mixing_instance_forward,
+        _mixing_class_forward,
+        _mixing_act,
+        _mixing_partial,
+        torch.nn.Softmax,
+    ],
+    ids=["subclass", "instance-forward", "class-forward", "act-replaced", "act-partial", "softmax"],
 )
 @pytest.mark.parametrize("mode", MODES)
-def test_an_activation_that_is_not_elementwise_is_left_alone(make, mode):
+def test_an_activation_that_is_not_elementwise_is_left_alone(make, mode, monkeypatch):
     """A vjp of ones through a position-mixing activation is not its derivative: replaced, the
     answer would be silently wrong. Only exact allow-listed types as their library wrote
     them are replaced."""
-    act = make() if make is not torch.nn.Softmax else torch.nn.Softmax(dim=-1)
+    if make is torch.nn.Softmax:
+        act = torch.nn.Softmax(dim=-1)
+    elif make is _mixing_class_forward:
+        act = make(monkeypatch)
+    else:
+        act = make()
     model = _model([act, torch.nn.ReLU()])
     assert _elementwise(model) == ("act1",)
     _check(model, "grad_x_input", mode)
