@@ -150,10 +150,12 @@ class LivePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]
         existing = {
             t.untyped_storage().data_ptr()
             for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
+            if isinstance(t, torch.Tensor) and not t._is_zerotensor()
         }
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            # (an efficient zero tensor, forward mode's zero tangent, allocates nothing and
+            # has no storage to read)
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t._is_zerotensor():
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()

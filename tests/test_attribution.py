@@ -898,8 +898,11 @@ def test_memory_is_bounded_under_a_budget():
         attr, chunked = _memory.peak_of(attribute("auto"), device)
     torch.testing.assert_close(attr, expected, rtol=0, atol=1e-13)
     # (T = 48 > L_in = 8: reverse mode runs groups of targets on their prefixes, which cut
-    # the all-at-once peak already, from 13x to about 3x one forward and backward.)
-    assert chunked < all_at_once / 2, (chunked, all_at_once, floor_peak)
+    # the all-at-once peak already, from 13x to about 3x one forward and backward; GPT-2's
+    # GELU backward as one product by its derivative (see test_attribution_elementwise)
+    # cut it to 1.36x, and the chunked peak from 1.39x to 1.31x (the derivative's vjp, one
+    # layer's temporaries during the forward, is part of it): the chunks save 4% here.)
+    assert chunked < all_at_once, (chunked, all_at_once, floor_peak)
     assert chunked <= 1.5 * floor_peak, (chunked, floor_peak)
 
 

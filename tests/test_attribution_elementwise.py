@@ -1,0 +1,492 @@
+"""token_attr's elementwise activations: an allow-listed activation module's backward of the
+T cotangents (forward mode: of the L_in tangents) runs as one product by its derivative.
+
+Every case is compared with the per-target autograd loop of ``test_attribution`` (captum's
+algorithm written out) in float64, in both modes, and the user's side is attacked: hooks on
+the activation, activations that are not elementwise, one module called twice, train mode,
+checkpointed blocks, in-place activations, global hooks, failures.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+
+import pytest
+import torch
+from test_attribution import VOCAB, _gpt2, _ids, _loop
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import funcgrad
+import funcgrad.attribution as attribution
+from funcgrad import _memory
+from funcgrad.attribution import token_attr
+
+transformers = pytest.importorskip("transformers")
+activations = pytest.importorskip("transformers.activations")
+
+METHODS = ["gradient", "grad_x_input", "integrated_gradients"]
+MODES = ["reverse", "forward"]
+
+
+class ActLM(torch.nn.Module):
+    """A causal LM (a running mean over the positions) whose activations are modules: ``acts``
+    applied one after the other, each after its own linear layer."""
+
+    def __init__(self, acts: list[torch.nn.Module], width: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.mixes = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in acts)
+        self.acts = acts  # (a plain list: the same module may appear twice)
+        for index, act in enumerate(acts):
+            self.add_module(f"act{index}", act)
+        self.out = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for mix, act in zip(self.mixes, self.acts, strict=True):
+            h = h + act(mix(h))
+        steps = torch.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
+        return self.out(h.cumsum(1) / steps)
+
+
+def _model(acts: list[torch.nn.Module], seed: int = 0) -> ActLM:
+    torch.manual_seed(seed)
+    return ActLM(acts).double().eval()
+
+
+def _check(model, method, mode, **kwargs):
+    """token_attr against the per-target loop, 1e-12 in float64."""
+    input_ids, target_ids = _ids(6, 4)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.embed
+    expected, _ = _loop(model, emb, input_ids, target_ids, method, n_steps=4)
+    attr = token_attr(
+        model, input_ids, target_ids, method=method, n_steps=4, mode=mode, embedding=emb, **kwargs
+    )
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    return attr
+
+
+def _elementwise(model) -> tuple[str, ...]:
+    return funcgrad.attribution.plan(model, [1, 2], [3, 4], embedding=model.embed).elementwise
+
+
+def _every_known_activation() -> list[torch.nn.Module]:
+    return [
+        torch.nn.GELU(),
+        torch.nn.GELU(approximate="tanh"),
+        torch.nn.SiLU(),
+        torch.nn.ReLU(),
+        torch.nn.Tanh(),
+        torch.nn.Sigmoid(),
+        activations.NewGELUActivation(),
+        activations.GELUActivation(),
+        activations.GELUActivation(use_gelu_python=True),
+        activations.FastGELUActivation(),
+        activations.QuickGELUActivation(),
+        activations.GELUTanh(),
+        activations.GELUTanh(use_gelu_tanh_python=True),
+    ]
+
+
+class Applied(TorchDispatchMode):
+    """Counts the numbers the ops write, by op name (below vmap: a batched op counts its
+    whole batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        written = sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if
+                      isinstance(t, torch.Tensor))  # fmt: skip
+        self.ops[name] = self.ops.get(name, 0) + written
+        return out
+
+
+# ------------------------------------------------------------------------ the mechanism
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_known_activation_is_replaced_and_exact(method, mode):
+    acts = _every_known_activation()
+    model = _model(acts)
+    assert _elementwise(model) == tuple(f"act{i}" for i in range(len(acts)))
+    _check(model, method, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt2_gelu_backward_is_one_product(mode):
+    """GPT-2's ``gelu_new`` is a Python formula: its own backward (reverse mode) or JVP
+    (forward mode) runs about a dozen elementwise ops per layer on the batched cotangents or
+    tangents; replaced, one product. Counted, the numbers written: ``tanh_backward`` runs on
+    one unbatched tensor per layer (the derivative's vjp), not on the T (reverse) or L_in
+    (forward) directions, and the products (``mul``) write less; the answer is unchanged."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    assert _elementwise_of(model) == ("transformer.h.0.mlp.act", "transformer.h.1.mlp.act")
+    input_ids, target_ids = _ids(7, 5)
+    token_attr(model, input_ids, target_ids, mode=mode)  # (the first call measures)
+    counts = {}
+    for flag in (False, True):
+        attribution.ELEMENTWISE = flag
+        try:
+            with Applied() as applied:
+                counts[flag] = token_attr(model, input_ids, target_ids, mode=mode), applied.ops
+        finally:
+            attribution.ELEMENTWISE = True
+    (before, ops_before), (after, ops_after) = counts[False], counts[True]
+    torch.testing.assert_close(after, before, rtol=0, atol=1e-12)
+    directions = 5 if mode == "reverse" else 7  # T cotangents or L_in tangents
+    one = 2 * (7 + 5 - 1) * 4 * 32  # 2 layers of (1, L_in + T - 1, 4 d)
+    assert ops_before["tanh_backward"] == directions * one
+    assert ops_after["tanh_backward"] == one
+    assert ops_after["mul"] < 0.8 * ops_before["mul"]  # (0.70 in reverse mode)
+
+
+def _elementwise_of(model) -> tuple[str, ...]:
+    return funcgrad.attribution.plan(model, [1, 2], [3, 4]).elementwise
+
+
+# ---------------------------------------------------------------------- the user's side
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_hook_on_the_activation_runs_and_the_activation_is_left_alone(mode):
+    """A forward hook is given the activation's input, which the replacement detaches: a
+    hook that reads it differentiably (``output + 0.3 * input``) would lose that path. So a
+    module with a forward hook of its own is left alone, and its hook runs."""
+    act = torch.nn.GELU()
+    seen = []
+
+    def hook(module, args, output):
+        seen.append(1)
+        return output + 0.3 * args[0]
+
+    model = _model([act, torch.nn.Tanh()])
+    act.register_forward_hook(hook)
+    assert _elementwise(model) == ("act1",)
+    _check(model, "grad_x_input", mode)
+    assert seen
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_forward_pre_hook_on_the_activation_runs_before_it(mode):
+    act = torch.nn.SiLU()
+    model = _model([act])
+    act.register_forward_pre_hook(lambda module, args: (args[0] * 1.5 + 0.1,))
+    assert _elementwise(model) == ("act0",)
+    _check(model, "integrated_gradients", mode)
+
+
+class MixingGELU(torch.nn.GELU):
+    """A subclass: not elementwise (a running sum over the positions, still causal)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(input).cumsum(-2)
+
+
+def _mixing_instance_forward() -> torch.nn.Module:
+    act = torch.nn.Tanh()
+    act.forward = types.MethodType(lambda self, x: torch.tanh(x).cumsum(-2), act)
+    return act
+
+
+def _mixing_class_forward(monkeypatch) -> torch.nn.Module:
+    """The class's forward replaced (a hub kernel's ``kernelize``, a monkeypatch)."""
+    monkeypatch.setattr(
+        activations.QuickGELUActivation,
+        "forward",
+        lambda self, x: (x * torch.sigmoid(1.702 * x)).cumsum(-2),
+    )
+    return activations.QuickGELUActivation()
+
+
+def _mixing_act() -> torch.nn.Module:
+    act = activations.GELUActivation()
+    act.act = lambda x: torch.nn.functional.gelu(x).cumsum(-2)
+    return act
+
+
+def _mixing_partial() -> torch.nn.Module:
+    act = activations.GELUTanh()
+    act.act = functools.partial(lambda x, approximate: x.cumsum(-2), approximate="tanh")
+    return act
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        MixingGELU,
+        _mixing_instance_forward,
+        _mixing_class_forward,
+        _mixing_act,
+        _mixing_partial,
+        torch.nn.Softmax,
+    ],
+    ids=["subclass", "instance-forward", "class-forward", "act-replaced", "act-partial", "softmax"],
+)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_activation_that_is_not_elementwise_is_left_alone(make, mode, monkeypatch):
+    """A vjp of ones through a position-mixing activation is not its derivative: replaced, the
+    answer would be silently wrong. Only exact allow-listed types as their library wrote
+    them are replaced."""
+    if make is torch.nn.Softmax:
+        act = torch.nn.Softmax(dim=-1)
+    elif make is _mixing_class_forward:
+        act = make(monkeypatch)
+    else:
+        act = make()
+    model = _model([act, torch.nn.ReLU()])
+    assert _elementwise(model) == ("act1",)
+    _check(model, "grad_x_input", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["grad_x_input", "integrated_gradients"])
+def test_an_activation_module_called_twice_in_one_forward(mode, method):
+    act = activations.NewGELUActivation()
+    model = _model([act, torch.nn.Sigmoid(), act])
+    assert _elementwise(model) == ("act0", "act1")  # (named_modules: each module once)
+    _check(model, method, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_in_place_activation_is_left_alone(mode):
+    model = _model([torch.nn.ReLU(inplace=True), torch.nn.SiLU(inplace=True), torch.nn.GELU()])
+    assert _elementwise(model) == ("act2",)
+    _check(model, "grad_x_input", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_train_mode(mode):
+    torch.manual_seed(0)
+    model = _gpt2().train()  # (no dropout: its probabilities are 0)
+    try:
+        input_ids, target_ids = _ids(7, 5)
+        emb = model.get_input_embeddings()
+        expected, _ = _loop(model, emb, input_ids, target_ids, "grad_x_input")
+        attr = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    finally:
+        model.eval()
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(6, 6)
+        self.act = activations.NewGELUActivation()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.act(self.mix(h))
+
+
+class CheckpointedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.block = Block()
+        self.free = torch.nn.GELU()
+        self.out = torch.nn.Linear(6, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.embed(ids), use_reentrant=False)
+        return self.out(self.free(h).cumsum(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_block_is_left_alone(mode):
+    """torch.utils.checkpoint recomputes the block's forward in the backward, without this
+    call's hooks: a replaced activation there gave attributions 0.84 off. Inside a
+    checkpointed region (saved-tensor hooks active) nothing is replaced; outside it, it is.
+    (torch.func does not run saved-tensor hooks: compose_heads falls back to eager autograd
+    in reverse mode, with its warning.)"""
+    torch.manual_seed(0)
+    model = CheckpointedLM().double().eval()
+    replaced = []
+    original = attribution._Elementwise.apply
+
+    def counted(*args):
+        replaced.append(args[0].shape)
+        return original(*args)
+
+    attribution._Elementwise.apply = counted
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "compose_heads", funcgrad.FuncgradWarning)
+            _check(model, "grad_x_input", mode)
+    finally:
+        attribution._Elementwise.apply = original
+    assert replaced  # (the GELU outside the checkpointed block)
+    assert all(shape[-1] == 6 for shape in replaced)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_global_forward_hook_turns_the_replacement_off(mode):
+    model = _model([torch.nn.GELU()])
+    seen = []
+
+    def hook(module, args, output):  # (reads the input differentiably, as a hook may)
+        seen.append(type(module))
+        return output + 0.3 * args[0] if isinstance(module, torch.nn.GELU) else None
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        assert _elementwise(model) == ()
+        _check(model, "grad_x_input", mode)
+    finally:
+        handle.remove()
+    assert torch.nn.GELU in seen
+    assert _elementwise(model) == ("act0",)
+
+
+class Failing(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.act = torch.nn.GELU()
+        self.out = torch.nn.Linear(6, VOCAB)
+        self.fail = False
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.embed(ids))
+        if self.fail:
+            raise RuntimeError("the model's own error")
+        return self.out(h.cumsum(1))
+
+
+def test_no_hook_is_left_on_the_activation_after_a_call_or_a_failure():
+    torch.manual_seed(0)
+    model = Failing().double().eval()
+    input_ids, target_ids = _ids(5, 3)
+    first = token_attr(model, input_ids, target_ids, embedding=model.embed)
+    assert not model.act._forward_hooks and not model.act._forward_pre_hooks
+    model.fail = True
+    with pytest.raises(RuntimeError, match="the model's own error"):
+        token_attr(model, input_ids, target_ids, embedding=model.embed, mode="reverse")
+    assert not model.act._forward_hooks and not model.act._forward_pre_hooks
+    model.fail = False
+    # the activation itself, called outside token_attr, is the plain module
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(model.act(x).sum(), x)
+    (expected,) = torch.autograd.grad(torch.nn.functional.gelu(x).sum(), x)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+    again = token_attr(model, input_ids, target_ids, embedding=model.embed)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_what_is_returned_is_the_callers_and_the_next_call_is_unchanged():
+    torch.manual_seed(0)
+    model = _gpt2()
+    input_ids, target_ids = _ids(7, 5)
+    attr, grads = token_attr(model, input_ids, target_ids, return_gradients=True)
+    kept = attr.clone(), grads.clone()
+    attr.mul_(0), grads.add_(1)
+    again, grads_again = token_attr(model, input_ids, target_ids, return_gradients=True)
+    torch.testing.assert_close((again, grads_again), kept, rtol=0, atol=0)
+
+
+def test_live_peak_reads_forward_mode_zero_tangents():
+    """funcgrad's LivePeak (chunk_size="auto"'s measurement) read the storage of forward
+    mode's efficient zero tangents (``torch.pow`` with a scalar exponent makes one), which
+    have none: forward mode fell back to reverse mode with a warning (an error here)."""
+    torch.manual_seed(0)
+    model = _gpt2()
+    input_ids, target_ids = _ids(3, 12)
+    for flag in (False, True):
+        attribution.ELEMENTWISE = flag
+        try:
+            attr, peak = _memory.peak_of(
+                lambda: token_attr(model, input_ids, target_ids, mode="forward"),
+                torch.device("cpu"),
+            )
+        finally:
+            attribution.ELEMENTWISE = True
+        assert peak > 0
+    expected, _ = _loop(model, model.get_input_embeddings(), input_ids, target_ids, "grad_x_input")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+
+
+class KeywordLM(ActLM):
+    """Calls its activation with a keyword argument: not replaced (one positional tensor
+    only), the answer unchanged."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.acts[0](input=self.mixes[0](h))
+        return self.out(h.cumsum(1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_activation_called_with_a_keyword_is_computed_as_it_is(mode):
+    torch.manual_seed(0)
+    model = KeywordLM([torch.nn.GELU()]).double().eval()
+    _check(model, "grad_x_input", mode)
+
+
+def test_another_thread_running_the_activation_during_a_call_is_not_affected():
+    """Module hooks run in every thread: the replacement acts in the calling thread only.
+    A forward pre-hook on the model (token_attr's own forward) runs the shared activation
+    in another thread, to completion: its second derivative is GELU's own (the replaced
+    backward treats f'(x) as a constant: none)."""
+    import threading
+
+    torch.manual_seed(0)
+    act = torch.nn.GELU()
+    model = _model([act])
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+
+    def second(f):
+        (grad,) = torch.autograd.grad(f(x).sum(), x, create_graph=True)
+        return torch.autograd.grad(grad.sum(), x)[0]
+
+    expected = second(torch.nn.functional.gelu)
+    grads = []
+
+    def other() -> None:
+        grads.append(second(act))
+
+    def run_other(module, args):
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+
+    handle = model.mixes[0].register_forward_pre_hook(run_other)
+    try:
+        _check(model, "grad_x_input", "reverse")
+    finally:
+        handle.remove()
+    assert grads
+    for grad in grads:
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nested_call_on_a_model_sharing_an_activation(mode):
+    """Model a's forward calls token_attr on model b, which shares a's activation module:
+    during a's forward that module carries a's hooks (forward hooks: b leaves it to them),
+    and both answers are exact."""
+    torch.manual_seed(0)
+    act = activations.NewGELUActivation()
+    b = _model([act, torch.nn.Tanh()], seed=1)
+    input_ids, target_ids = _ids(6, 4)
+    inner: list[torch.Tensor] = []
+
+    class Outer(ActLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            if act._forward_hooks:  # (a's call is running: its hooks are on the module)
+                inner.append(token_attr(b, input_ids, target_ids, mode=mode, embedding=b.embed))
+            return super().forward(ids)
+
+    torch.manual_seed(2)
+    a = Outer([act]).double().eval()
+    expected_b, _ = _loop(b, b.embed, input_ids, target_ids, "grad_x_input")
+    _check(a, "grad_x_input", mode)
+    assert inner
+    for attr in inner:
+        torch.testing.assert_close(attr, expected_b, rtol=0, atol=1e-12)
