@@ -369,50 +369,6 @@ class NoOutsideWrites(_Draws):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _draw_state(leaves: Sequence[torch.Tensor]) -> list[bytes]:
-    """The default generators' states, as `RandomState` saves them: the CPU one's, and
-    those of the leaves' CUDA devices (a seed and an offset). CPU tensors, read as bytes with
-    torch.func's dispatch off (inside a vmap level their data cannot be read; no
-    ``aten.equal``, which `funcgrad.HostReadCounter` counts as a read). A random op changes
-    one of them (found in session 7: a module put in training mode after the watched first
-    call drew dropout masks under torch.func, 2.6 off the eager forward's under the same
-    seed)."""
-    devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
-    with torch._C._DisableFuncTorch():
-        states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
-        return [state.numpy().tobytes() for state in states]
-
-
-def _alone() -> bool:
-    """Whether every other Python thread alive is a daemon (a notebook kernel's, a
-    DataLoader's pin-memory thread), so that a change of the default generators' states
-    during f is f's own draw: a thread pool's workers and `threading.Thread`s (not daemons
-    by default) may draw from them at the same time."""
-    if threading.active_count() == 1:
-        return True
-    me = threading.current_thread()
-    return all(thread.daemon for thread in threading.enumerate() if thread is not me)
-
-
-def _draws_seen(flat: FlatFunction) -> bool:
-    """Whether an unwatched run of f checks the default generators' states for a draw:
-    under a transform (funcgrad's own torch.func.vjp or JVP), with values readable outside
-    it (else nothing would use the answer: the caller's own transform keeps torch.func's
-    draws), no dispatch mode (the shape-only run's fake tensors), not compiled, and no
-    other thread that may draw (see _alone)."""
-    return (
-        _current_level() is not None
-        and not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and flat.readable
-        and _alone()
-    )
-
-
-def _drew_since(before: list[bytes], leaves: Sequence[torch.Tensor]) -> bool:
-    return _draw_state(leaves) != before
-
-
 _PLAIN, _IN_PLACE, _NORM, _EMBEDDING, _RANDOM = 0, 1, 2, 3, 4
 _WRITE_KINDS: dict[Any, int] = {}
 # The random functions that take a generator positionally (torch.poisson, torch.binomial).
@@ -559,16 +515,6 @@ class FlatFunction:
                     self.threads = self.threads or foreign(
                         threads, _tree.flatten(outputs)[0], leaves
                     )
-            elif _draws_seen(self):
-                # Unwatched under a transform (funcgrad's own torch.func.vjp or JVP): f's
-                # draws, if it draws now (a module put in training mode since the watched
-                # call: dropout), are torch.func's, not one eager forward's. Seen by the
-                # default generators' states (about 10 us), so that the fallbacks that read
-                # ``drew`` (of_function's, forward mode's) run f again on eager autograd.
-                # Only where no other thread that may draw runs (see _alone).
-                before = _draw_state(leaves)
-                result = self.f(*args)
-                self.drew = self.drew or _drew_since(before, leaves)
             else:
                 result = self.f(*args)
         except Exception as error:

@@ -5,7 +5,6 @@ torch's own backward)."""
 from __future__ import annotations
 
 import functools
-import threading
 import types
 import warnings
 
@@ -15,7 +14,6 @@ from torch import nn
 from torch.nn.utils import parametrizations, parametrize
 
 import funcgrad
-from funcgrad import _function
 
 B = 6
 
@@ -260,108 +258,6 @@ def test_per_example_a_module_calling_its_child_is_exact():
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert torch.allclose(got, w @ J, rtol=1e-10, atol=1e-12)
     assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
-
-
-class _Dropped(nn.Module):
-    """Dropout on a non-contiguous tensor, where torch.func draws other masks than eager."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 6).double()
-        self.drop = nn.Dropout(0.5)
-        self.runs = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        return self.drop(self.lin(x).reshape(2, 3).t()).sum(1)
-
-
-def _head(i: int):
-    return lambda y: (y[i % 2] * (i + 1)).sin()
-
-
-_HEADS = [_head(i) for i in range(6)]
-
-
-def _eager_heads(f, x, seed):
-    torch.manual_seed(seed)
-    x = x.detach().requires_grad_()
-    y = f(x)
-    grads = [torch.autograd.grad(h(y), x, retain_graph=True)[0] for h in _HEADS]
-    return torch.stack([h(y) for h in _HEADS]).detach(), torch.stack(grads), torch.get_rng_state()
-
-
-def test_the_draw_check_ignores_daemon_threads_only():
-    # A change of the default generators' states during f is taken for f's own draw only
-    # where every other thread alive is a daemon (a notebook kernel's): a thread pool's
-    # workers may draw at the same time.
-    before = _function._alone()
-    stop = threading.Event()
-    daemon = threading.Thread(target=stop.wait, daemon=True)
-    daemon.start()
-    assert _function._alone() == before
-    worker = threading.Thread(target=stop.wait)
-    worker.start()
-    assert not _function._alone()
-    stop.set()
-    daemon.join()
-    worker.join()
-
-
-@pytest.mark.parametrize("strategy", ["auto", "jacrev", "vjp", "jacfwd"])
-def test_compose_heads_on_a_module_put_in_training_mode_after_its_first_calls(
-    strategy, monkeypatch
-):
-    # Watched on the first call of a signature only: in eval mode f drew nothing, so the
-    # later calls ran under torch.func, whose dropout masks (on a non-contiguous tensor)
-    # are not one eager forward's under the same seed: 2.6 off once model.train() was
-    # called. A draw on an unwatched call now sends it to eager autograd, as on a first call.
-    # (the suite's earlier tests leave thread pools alive, which turn the check off)
-    monkeypatch.setattr(_function, "_alone", lambda: True, raising=False)
-    model = _Dropped()
-    model.eval()
-    fn = funcgrad.compose_heads(model, _HEADS, strategy=strategy)
-    x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # (jacfwd: reverse mode)
-        for _ in range(3):
-            fn(x)
-        model.train()
-        for seed in range(4):
-            torch.manual_seed(seed)
-            before = model.runs
-            values, grads = fn(x)
-            runs, state = model.runs - before, torch.get_rng_state()
-            want_values, want_grads, want_state = _eager_heads(model, x, seed)
-            assert torch.allclose(torch.stack(list(grads)), want_grads, rtol=1e-10, atol=1e-12)
-            assert torch.allclose(values, want_values, rtol=1e-10, atol=1e-12)
-            assert torch.equal(state, want_state)
-            # the fallback's runs, on the call that saw the draw only (jacfwd: forward
-            # mode, torch.func's reverse mode, then eager autograd; none where auto's
-            # measured plan was eager autograd already)
-            first = 3 if strategy == "jacfwd" else 2
-            assert runs <= first if seed == 0 else runs == 1, (seed, runs)
-
-
-def test_combine_heads_on_a_module_put_in_training_mode_after_its_first_calls(monkeypatch):
-    # The same through combine_heads' one pullback: 0.56-2.1 off on main.
-    monkeypatch.setattr(_function, "_alone", lambda: True, raising=False)
-    model = _Dropped()
-    model.eval()
-    fn = funcgrad.combine_heads(model, _HEADS, lambda g: torch.ones(len(g), dtype=g.dtype))
-    x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
-    for _ in range(3):
-        fn(x)
-    model.train()
-    for seed in range(3):
-        torch.manual_seed(seed)
-        values, grad, _ = fn(x)
-        state = torch.get_rng_state()
-        want_values, want_grads, want_state = _eager_heads(model, x, seed)
-        assert torch.equal(state, want_state)
-        assert torch.allclose(grad, want_grads.sum(0), rtol=1e-10, atol=1e-12)
-        assert torch.allclose(values, want_values, rtol=1e-10, atol=1e-12)
 
 
 def test_per_example_checks_again_where_a_term_mixing_the_examples_is_added_later():
