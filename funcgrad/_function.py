@@ -7,6 +7,8 @@ check on them is made here so that the user gets one clear message, not autograd
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +19,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from . import _coords, _tree
 from ._errors import describe
@@ -260,6 +263,17 @@ def _has_backward_hooks(module: torch.nn.Module) -> bool:
     )
 
 
+def _module_tree_hooked(f: Any) -> bool:
+    """Whether f is a module (:func:`module_of`) any of whose submodules has a backward
+    hook, or a global one is registered: an old-style ``register_backward_hook`` puts a
+    hook on an autograd node, which neither the watch's mode nor a walk of the graph can
+    see (so on modules that f calls without owning them, it is not seen)."""
+    module = module_of(f)
+    if module is None:
+        return False
+    return any(_has_backward_hooks(part) for part in module.modules())
+
+
 def module_hook_in_graph(outputs: Any) -> bool:
     """Whether the autograd graph of ``outputs`` holds a module's backward hook (its own or a
     global one, full or pre: torch puts a ``BackwardHookFunction`` node on the module's
@@ -269,6 +283,69 @@ def module_hook_in_graph(outputs: Any) -> bool:
     leaves, _ = _tree.flatten(outputs)
     starts = (t.grad_fn for t in leaves if isinstance(t, torch.Tensor))
     return any(type(node).__name__ == "BackwardHookFunctionBackward" for node in nodes(starts))
+
+
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def module_of(f: Any) -> torch.nn.Module | None:
+    """The nn.Module that f is, or whose bound method it is (through any
+    ``functools.partial``), else None."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    owner = f.__self__ if inspect.ismethod(f) else f
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+class HookState:
+    """Whether the module hooks that can reach f's graph changed since the last look: the
+    global module hooks (forward, backward, pre), and those of every submodule of
+    ``module`` (f's own, where f is a module or a bound method of one: :func:`module_of`).
+    A plan that settled on f's pullback being linear in the cotangent (``jacrev`` at
+    k > m, a reused basis) was made under the hooks f ran with on the watched call; a
+    backward hook (or a forward hook that puts a Function on the output) registered
+    later would be silently ignored, so the caller watches f again when they changed.
+
+    Cheap where nothing changed: every hook torch registers takes the next id of one
+    counter (``torch.utils.hooks.RemovableHandle.next_id``), read once a call; the hook
+    dicts are read only where it moved (any hook registered anywhere, a tensor's
+    included). Not seen: a hook dict written without a handle, a submodule holding a
+    hook attached to f after that hook was registered and before the last look, and a
+    tensor hook (f's own: seen on the watched call only)."""
+
+    __slots__ = ("_counter", "_hooks", "_module")
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self._module = None if module is None else weakref.ref(module)
+        self._counter = RemovableHandle.next_id
+        self._hooks = self._fingerprint()
+
+    def _fingerprint(self) -> tuple[tuple[int, ...], ...]:
+        hooks = torch.nn.modules.module
+        dicts: list[Any] = [
+            hooks._global_forward_pre_hooks,
+            hooks._global_forward_hooks,
+            hooks._global_backward_pre_hooks,
+            hooks._global_backward_hooks,
+        ]
+        module = None if self._module is None else self._module()
+        if module is not None:
+            for part in module.modules():
+                dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
+        # (Each handle's id is new: the keys tell a hook removed and another added.)
+        return tuple(tuple(d) for d in dicts)
+
+    def changed(self) -> bool:
+        """Whether the hooks changed since the last call (no host read, no tensor)."""
+        counter = RemovableHandle.next_id
+        if counter == self._counter:
+            return False
+        self._counter = counter
+        hooks = self._fingerprint()
+        if hooks == self._hooks:
+            return False
+        self._hooks = hooks
+        return True
 
 
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches
@@ -449,6 +526,8 @@ class FlatFunction:
         self._n: int | None = None
         self._readable: bool | None = None
         self.out_def: Any = None
+        self.out_bare = False  # f returned a bare tensor (out_def is a leaf)
+        self._out_tree: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
         # The explicit generators f drew from in this call, with their state before its first
@@ -509,7 +588,9 @@ class FlatFunction:
                     _module_hooks_watched(self, _current_level() is not None),
                 ):
                     result = self.f(*args)
-                self.hooked = self.hooked or module_hook_in_graph(result)
+                self.hooked = (
+                    self.hooked or module_hook_in_graph(result) or _module_tree_hooked(self.f)
+                )
                 if threads is not None:
                     outputs = result[0] if self.has_aux and isinstance(result, tuple) else result
                     self.threads = self.threads or foreign(
@@ -534,10 +615,18 @@ class FlatFunction:
                     f"{describe(result)}. Return `out, aux` or pass has_aux=False."
                 )
             result, aux = result
-        if _tree.is_differentiable(result) and not torch.compiler.is_compiling():  # (usual)
+        # (A Python bool, for compiled code too, where the tree specs are dynamo's own and
+        # cannot be compared with _tree.LEAF.)
+        self.out_bare = _tree.is_differentiable(result)
+        if self.out_bare and not torch.compiler.is_compiling():  # (usual)
             self.out_def = _tree.LEAF
             return (result,) if not self.has_aux else self._with_aux((result,), aux)
         out_leaves, self.out_def = _tree.flatten(result)
+        # (In compiled code, the output's tree itself, whose spec outputs() makes again: a
+        # dynamo tree spec carried over a graph break unflattens a dict wrongly, and so
+        # does one unflattened under torch.func there.)
+        if torch.compiler.is_compiling():
+            self._out_tree = result
         if not out_leaves:
             raise TypeError(f"{self.call}: f returned no tensor (got {describe(result)}).")
         for index, leaf in enumerate(out_leaves):
@@ -565,4 +654,6 @@ class FlatFunction:
         )
 
     def outputs(self, out_leaves: Sequence[torch.Tensor]) -> Any:
+        if self._out_tree is not None and torch.compiler.is_compiling():
+            return _tree.unflatten(_tree.flatten(self._out_tree)[1], out_leaves)
         return _tree.unflatten(self.out_def, out_leaves)

@@ -13,7 +13,7 @@ from . import _coords, _engine, _linearize, _memory, _shape, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._execute import execute, observed
-from ._function import FlatFunction, result_graph
+from ._function import FlatFunction, HookState, module_of, result_graph
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, after_f, decide
 from ._record import Observations, Record, Records, learn, signature_key
@@ -59,25 +59,31 @@ class StackedHeads:
                 f"got sizes {sorted(sizes)}."
             )
         self.head_fn, self.params = head_fn, tuple(leaves)
+        self.params_bare = self.params_def.is_leaf()  # (a bool: compiled code reads it)
         self.k = sizes.pop()
         # The vmapped grad_and_value of the heads, built once per tree of y (and call).
         self._cotangent_fns: dict[tuple[Any, str], Callable[..., Any]] = {}
 
-    def cotangent_fn(self, out_def: Any, call: str) -> Callable[..., Any]:
+    def cotangent_fn(self, out_def: Any, bare: bool, call: str) -> Callable[..., Any]:
         """``(params leaves, y leaves) -> (grads w.r.t. y, values)``, for every head in one
-        vmap; y's one leaf bare where f returns a tensor."""
+        vmap; y's one leaf bare where f returns a tensor (``bare``). Not cached in compiled
+        code, where ``out_def`` is dynamo's own tree spec (neither hashed nor compared)."""
+        if torch.compiler.is_compiling():
+            return self._vmapped(out_def, bare, call)
         fn = self._cotangent_fns.get((out_def, call))
         if fn is None:
-            head = _stacked_head(self, out_def, call)
-            if out_def == _tree.LEAF:
-                bare = torch.func.grad_and_value(lambda p, y: head(p, (y,)), argnums=1)
-                fn = torch.func.vmap(bare, in_dims=(0, None))
-            else:
-                fn = torch.func.vmap(torch.func.grad_and_value(head, argnums=1), in_dims=(0, None))
+            fn = self._vmapped(out_def, bare, call)
             if len(self._cotangent_fns) >= 8:  # (bounded: a few trees of y at most)
                 self._cotangent_fns.clear()
             self._cotangent_fns[(out_def, call)] = fn
         return fn
+
+    def _vmapped(self, out_def: Any, bare: bool, call: str) -> Callable[..., Any]:
+        head = _stacked_head(self, out_def, bare, call)
+        if bare:
+            one = torch.func.grad_and_value(lambda p, y: head(p, (y,)), argnums=1)
+            return torch.func.vmap(one, in_dims=(0, None))
+        return torch.func.vmap(torch.func.grad_and_value(head, argnums=1), in_dims=(0, None))
 
     def __len__(self) -> int:
         return self.k
@@ -174,10 +180,18 @@ def _scalar(value: Any, where: str, call: str) -> torch.Tensor:
 
 def _name_head(error: Exception, where: str, call: str) -> None:
     """Add which head raised to an exception from a user's head, keeping its type and text."""
+    notes = getattr(error, "__notes__", ())
+    if type(error).__module__.startswith("torch._dynamo"):
+        return  # torch.compile's own failure (Unsupported, ...), not the head's
+
+    def add(note: str) -> None:  # (once: an error raised again, nested compositions)
+        if note not in notes:
+            error.add_note(note)
+
     if where not in str(error):  # funcgrad's own messages name the head already
-        error.add_note(f"{call}: raised by {where}.")
+        add(f"{call}: raised by {where}.")
     if "used in an in-place operation" in str(error):  # (y is a leaf of the heads' graph)
-        error.add_note(
+        add(
             f"{call}: {where} changes y (f's output) in place; every head reads the same y, "
             "so heads must not modify it. Write the head out of place (y * 2, not y.mul_(2))."
         )
@@ -254,21 +268,27 @@ def _heads_eager(
     return torch.stack(values).detach(), grads
 
 
-def _stacked_head(heads: StackedHeads, out_def: Any, call: str) -> Callable[..., torch.Tensor]:
-    """One stacked head's value on y, from its parameter leaves (for vmap over the heads)."""
+def _stacked_head(
+    heads: StackedHeads, out_def: Any, bare: bool, call: str
+) -> Callable[..., torch.Tensor]:
+    """One stacked head's value on y, from its parameter leaves (for vmap over the heads).
+    ``bare``: f returned a tensor (y's one leaf is y)."""
 
     def stacked_head(p: Tensors, y: Tensors) -> torch.Tensor:
-        value = heads.head_fn(_tree.unflatten(heads.params_def, p), _tree.unflatten(out_def, y))
+        params = p[0] if heads.params_bare else _tree.unflatten(heads.params_def, p)
+        value = heads.head_fn(params, y[0] if bare else _tree.unflatten(out_def, y))
         return _scalar(value, "stacked head_fn", call)
 
     return stacked_head
 
 
-def _stacked_values(heads: StackedHeads, out_def: Any, y: Tensors, call: str) -> torch.Tensor:
+def _stacked_values(
+    heads: StackedHeads, out_def: Any, bare: bool, y: Tensors, call: str
+) -> torch.Tensor:
     """The k stacked heads' values (k,) on y, in one vmap (on y's graph, where it has one)."""
     with _Naming("stacked head_fn", call), differentiating():
         values: torch.Tensor = torch.func.vmap(
-            _stacked_head(heads, out_def, call), in_dims=(0, None)
+            _stacked_head(heads, out_def, bare, call), in_dims=(0, None)
         )(heads.params, y)
     return values
 
@@ -285,9 +305,9 @@ def _head_cotangents(
     """
     out_def = flat.out_def
     if isinstance(heads, StackedHeads):
-        cotangents = heads.cotangent_fn(out_def, call)
+        cotangents = heads.cotangent_fn(out_def, flat.out_bare, call)
         with _Naming("stacked head_fn", call):
-            if out_def == _tree.LEAF:
+            if flat.out_bare:
                 grad, values = cotangents(heads.params, out[0])
                 return values, (grad,)
             grads, values = cotangents(heads.params, out)
@@ -338,6 +358,7 @@ class Composition:
         # shapes changed by outside state) only costs speed: every strategy computes on the
         # real output.
         self._records = Records()
+        self._records.hooks = HookState(module_of(f))
 
     @property
     def k(self) -> int:
@@ -362,6 +383,8 @@ class Composition:
         key = signature_key(
             flat.argnums, flat.in_defs, flat.leaves, _tree.flatten(others) if others else ()
         )
+        if self._records.hooks.changed():  # a hook registered since: watched again
+            self._records.rewatch()
         return key, self._records.get(key)
 
     def _learn(self, key: Any, record: Record, seen: Observations) -> Record:
@@ -497,7 +520,7 @@ class Composition:
         stacked heads in one vmap."""
         heads, call = self.heads, self.call
         if isinstance(heads, StackedHeads):
-            return lambda out: _stacked_values(heads, flat.out_def, out, call)
+            return lambda out: _stacked_values(heads, flat.out_def, flat.out_bare, out, call)
         return lambda out: _head_values(heads, self.keys, flat.out_def, out, call)
 
     def grad_tree(self, flat: FlatFunction, leaves: Tensors) -> Any:

@@ -14,7 +14,7 @@ import torch
 from . import _coords, _engine, _linearize, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe
-from ._function import FlatFunction, result_graph
+from ._function import FlatFunction, HookState, module_of, result_graph
 from ._linearize import Linearization
 from ._plan import pullback_engine
 from ._record import Observations, Record, Records, signature_key
@@ -280,7 +280,7 @@ def _cotangent_leaves(
         leaves, treedef = [tree], out_def
     else:
         leaves, treedef = _tree.flatten(tree)
-    if treedef != out_def:
+    if not _tree.same(treedef, out_def):
         raise ValueError(
             f"{call}: the cotangent must have the tree structure of f's output, "
             f"expected {out_def}, got {treedef}."
@@ -347,7 +347,12 @@ def _threads_of(f: Any) -> bool:
 def _records_of(f: Any) -> Records | None:
     try:
         records = _records.get(f)
-        return records if records is not None else _records.setdefault(f, Records())
+        if records is None:
+            records = _records.setdefault(f, Records())
+            records.hooks = HookState(module_of(f))
+        elif records.hooks.changed():  # a hook registered since: watched again
+            records.rewatch()
+        return records
     except TypeError:
         return None
 

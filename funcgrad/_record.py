@@ -202,6 +202,8 @@ class Records:
         self._records: collections.OrderedDict[Any, Record] = collections.OrderedDict()
         self.facts = Record()
         self._last: Any = None  # the key last written (its record gave ``facts``)
+        # f's hooks as last seen (a funcgrad._function.HookState, set by the owner)
+        self.hooks: Any = None
 
     def __len__(self) -> int:
         return len(self._records)
@@ -240,6 +242,14 @@ class Records:
         if facts.prior is None:  # (a signature still learning keeps another's choice)
             facts = dataclasses.replace(facts, prior=self.facts.prior)
         self.facts = facts
+
+    def rewatch(self) -> None:
+        """f's hooks changed (:class:`~funcgrad._function.HookState`): the next call of every
+        held signature is watched again, as a first call is, so that a backward hook
+        registered since its plan settled is seen (``hooked``)."""
+        for key, held in list(self._records.items()):  # (a copy: another thread may put)
+            if held.draws is not None:
+                self._records[key] = dataclasses.replace(held, draws=None)
 
     def lose_forward(self) -> None:
         """Forward mode fell back on one call of the function (any signature, or inside a

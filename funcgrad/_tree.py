@@ -62,6 +62,20 @@ def unflatten(treedef: TreeDef, leaves: Any) -> PyTree:
     return optree.tree_unflatten(treedef, list(leaves))
 
 
+def same(a: TreeDef, b: TreeDef) -> bool:
+    """Whether two tree specs describe one structure. In compiled code, by node type and
+    entries (dict keys, field names), child by child: there dynamo's own tree specs stand
+    for optree's, and ``==`` between one of them and optree's (made on an eager call) is
+    false, or compares namespaces that it drops."""
+    if not torch.compiler.is_compiling():
+        return bool(a == b)
+    if a.is_leaf() or b.is_leaf():
+        return bool(a.is_leaf() and b.is_leaf())
+    if a.type is not b.type or list(a.entries()) != list(b.entries()):
+        return False
+    return all(same(x, y) for x, y in zip(a.children(), b.children(), strict=True))
+
+
 def is_differentiable(leaf: Any) -> bool:
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
 
