@@ -311,14 +311,23 @@ class HookState:
     dicts are read only where it moved (any hook registered anywhere, a tensor's
     included). Not seen: a hook dict written without a handle, a submodule holding a
     hook attached to f after that hook was registered and before the last look, and a
-    tensor hook (f's own: seen on the watched call only)."""
+    tensor hook (f's own: seen on the watched call only).
 
-    __slots__ = ("_counter", "_hooks", "_module")
+    Also the training flags of those submodules, read on every call (one attribute a
+    submodule, as last listed): a module put in training mode after its first calls may
+    start drawing random numbers (dropout), which only a watched call sees and sends to
+    eager autograd, so that the draws are those of one eager forward (docs/reliability.md).
+    Not seen: a submodule attached after the last listing, and draws switched on some
+    other way (a flag of f's own)."""
+
+    __slots__ = ("_counter", "_hooks", "_module", "_parts", "_modes")
 
     def __init__(self, module: torch.nn.Module | None) -> None:
         self._module = None if module is None else weakref.ref(module)
         self._counter = RemovableHandle.next_id
+        self._parts: tuple[torch.nn.Module, ...] = ()
         self._hooks = self._fingerprint()
+        self._modes = self._training()
 
     def _fingerprint(self) -> tuple[tuple[int, ...], ...]:
         hooks = torch.nn.modules.module
@@ -329,23 +338,31 @@ class HookState:
             hooks._global_backward_hooks,
         ]
         module = None if self._module is None else self._module()
-        if module is not None:
-            for part in module.modules():
-                dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
+        self._parts = () if module is None else tuple(module.modules())
+        for part in self._parts:
+            dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
         # (Each handle's id is new: the keys tell a hook removed and another added.)
         return tuple(tuple(d) for d in dicts)
 
+    def _training(self) -> tuple[bool, ...]:
+        return tuple(part.training for part in self._parts)
+
     def changed(self) -> bool:
-        """Whether the hooks changed since the last call (no host read, no tensor)."""
+        """Whether the hooks or the training flags changed since the last call (no host
+        read, no tensor)."""
+        modes = self._training()
+        moved = modes != self._modes
+        self._modes = modes
         counter = RemovableHandle.next_id
         if counter == self._counter:
-            return False
+            return moved
         self._counter = counter
         hooks = self._fingerprint()
-        if hooks == self._hooks:
-            return False
-        self._hooks = hooks
-        return True
+        if hooks != self._hooks:
+            self._hooks = hooks
+            moved = True
+        self._modes = self._training()
+        return moved
 
 
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches

@@ -244,9 +244,11 @@ class Records:
         self.facts = facts
 
     def rewatch(self) -> None:
-        """f's hooks changed (:class:`~funcgrad._function.HookState`): the next call of every
-        held signature is watched again, as a first call is, so that a backward hook
-        registered since its plan settled is seen (``hooked``)."""
+        """f's hooks or its modules' training flags changed
+        (:class:`~funcgrad._function.HookState`): the next call of every held signature is
+        watched again, as a first call is, so that a backward hook registered since its
+        plan settled (``hooked``), or random draws a module began in training mode
+        (``draws``), are seen."""
         for key, held in list(self._records.items()):  # (a copy: another thread may put)
             if held.draws is not None:
                 self._records[key] = dataclasses.replace(held, draws=None)

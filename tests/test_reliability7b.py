@@ -276,3 +276,103 @@ def test_an_explicit_jacrev_is_refused_once_a_later_hook_is_seen(removed):
     for _ in range(2):
         with pytest.raises(ValueError, match="nonlinearly on its gradient"):
             fn(x)
+
+
+class _Dropped(nn.Module):
+    """Dropout on a non-contiguous tensor, where torch.func draws other masks than eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 6).double()
+        self.drop = nn.Dropout(0.5)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.runs += 1
+        return self.drop(self.lin(x).reshape(2, 3).t()).sum(1)
+
+
+def _dropped_head(i: int) -> Any:
+    return lambda y: (y[i % 2] * (i + 1)).sin()
+
+
+_DROPPED_HEADS = [_dropped_head(i) for i in range(6)]
+
+
+def _eager_heads(f: Any, x: torch.Tensor, seed: int) -> Any:
+    torch.manual_seed(seed)
+    x = x.detach().requires_grad_()
+    y = f(x)
+    grads = [torch.autograd.grad(h(y), x, retain_graph=True)[0] for h in _DROPPED_HEADS]
+    values = torch.stack([h(y) for h in _DROPPED_HEADS]).detach()
+    return values, torch.stack(grads), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "jacrev", "vjp", "jacfwd"])
+def test_compose_heads_on_a_module_put_in_training_mode_after_its_first_calls(strategy):
+    # f is watched for random draws on a signature's first call; in eval mode it drew
+    # nothing, so later calls ran under torch.func, whose dropout masks (on a non-contiguous
+    # tensor) are not one eager forward's under the same seed (2.6 off once model.train()
+    # was called; each answer consistent with its own masks). The modules' training flags
+    # are now part of the state a plan was made under: a change watches f again.
+    model = _Dropped()
+    model.eval()
+    fn = funcgrad.compose_heads(model, _DROPPED_HEADS, strategy=strategy)
+    x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", funcgrad.FuncgradWarning)  # (jacfwd: reverse mode)
+        for _ in range(3):
+            fn(x)
+        model.train()
+        for seed in range(4):
+            torch.manual_seed(seed)
+            before = model.runs
+            values, grads = fn(x)
+            runs, state = model.runs - before, torch.get_rng_state()
+            want_values, want_grads, want_state = _eager_heads(model, x, seed)
+            assert torch.allclose(torch.stack(list(grads)), want_grads, rtol=1e-10, atol=1e-12)
+            assert torch.allclose(values, want_values, rtol=1e-10, atol=1e-12)
+            assert torch.equal(state, want_state)
+            # the watched call's fallback runs, on the first call in training mode only
+            first = 3 if strategy == "jacfwd" else 2
+            assert runs <= first if seed == 0 else runs == 1, (seed, runs)
+        model.eval()  # and back: a plan without draws again, exact
+        values, grads = fn(x)
+        want_values, want_grads, _ = _eager_heads(model, x, 0)
+        assert torch.allclose(torch.stack(list(grads)), want_grads, rtol=1e-10, atol=1e-12)
+
+
+def test_combine_heads_on_a_module_put_in_training_mode_after_its_first_calls():
+    model = _Dropped()
+    model.eval()
+    fn = funcgrad.combine_heads(
+        model, _DROPPED_HEADS, lambda g: torch.ones(len(g), dtype=g.dtype)
+    )
+    x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+    for _ in range(3):
+        fn(x)
+    model.train()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        values, grad, _ = fn(x)
+        state = torch.get_rng_state()
+        want_values, want_grads, want_state = _eager_heads(model, x, seed)
+        assert torch.equal(state, want_state)
+        assert torch.allclose(grad, want_grads.sum(0), rtol=1e-10, atol=1e-12)
+        assert torch.allclose(values, want_values, rtol=1e-10, atol=1e-12)
+
+
+def test_training_flags_are_read_without_rewatching_a_steady_module():
+    # The flags are read every call (one attribute a submodule); f is watched again only
+    # where one changed.
+    model = _Dropped()
+    model.eval()
+    state = _function.HookState(model)
+    assert not state.changed()
+    model.drop.train()
+    assert state.changed()
+    assert not state.changed()
+    model.eval()
+    assert state.changed()
+    assert not state.changed()
