@@ -320,7 +320,7 @@ class HookState:
     Not seen: a submodule attached after the last listing, and draws switched on some
     other way (a flag of f's own)."""
 
-    __slots__ = ("_counter", "_hooks", "_module", "_parts", "_modes")
+    __slots__ = ("_counter", "_hooks", "_modes", "_module", "_parts")
 
     def __init__(self, module: torch.nn.Module | None) -> None:
         self._module = None if module is None else weakref.ref(module)
