@@ -346,9 +346,7 @@ def test_compose_heads_on_a_module_put_in_training_mode_after_its_first_calls(st
 def test_combine_heads_on_a_module_put_in_training_mode_after_its_first_calls():
     model = _Dropped()
     model.eval()
-    fn = funcgrad.combine_heads(
-        model, _DROPPED_HEADS, lambda g: torch.ones(len(g), dtype=g.dtype)
-    )
+    fn = funcgrad.combine_heads(model, _DROPPED_HEADS, lambda g: torch.ones(len(g), dtype=g.dtype))
     x = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
     for _ in range(3):
         fn(x)
