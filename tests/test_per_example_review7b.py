@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -164,6 +165,101 @@ def test_embedding_shared_rows_read_by_a_hooked_module_is_exact_or_refused() -> 
                 "refused: funcgrad.per_example_norms(losses): module 'pos' (Embedding) has an "
                 "output that has shape (4, 6)"
             ), (name, result)
+
+
+# -- item 2: the bench's expected disagreement (TorchJD 0.18's autogram on GPT-2) -----------
+# A full run (--variants gpt2) exited 1 for TorchJD's documented bug. Unit tests of the
+# classification; none runs GPT-2.
+
+_NOTE = {"package": "torchjd", "from": "0.18", "below": "0.19", "reason": "its bug"}
+_WRONG = "DISAGREES (max rel. error 2.50e-01)"
+
+
+def _classify(agreement, installed="0.18.0", expected=None):
+    from funcgrad.bench import __main__ as bench
+
+    expected = {"torchjd autogram": _NOTE} if expected is None else expected
+    return bench._classify("gpt2 k=32", agreement, expected, lambda package: installed)
+
+
+def test_bench_expected_disagreement_is_listed_apart_and_not_counted() -> None:
+    failing, listed = _classify({"funcgrad per_example": "ok", "torchjd autogram": _WRONG})
+    assert failing == []
+    assert listed == [
+        "gpt2 k=32: torchjd autogram: DISAGREES (max rel. error 2.50e-01), torchjd 0.18.0 "
+        "(expected for >=0.18,<0.19): its bug"
+    ]
+
+
+def test_bench_expected_disagreement_that_disappears_fails_the_run() -> None:
+    failing, listed = _classify({"funcgrad per_example": "ok", "torchjd autogram": "ok"})
+    assert listed == []
+    assert len(failing) == 1 and "torchjd autogram: now agrees, remove the note" in failing[0]
+
+
+def test_bench_funcgrads_own_disagreement_always_fails() -> None:
+    failing, listed = _classify({"funcgrad per_example": _WRONG, "torchjd autogram": _WRONG})
+    assert failing == [f"gpt2 k=32: funcgrad per_example: {_WRONG}"] and len(listed) == 1
+    with pytest.raises(ValueError, match="funcgrad's own rows cannot be expected to disagree"):
+        _classify({"funcgrad per_example": _WRONG}, expected={"funcgrad per_example": _NOTE})
+
+
+@pytest.mark.parametrize("installed", [None, "0.17.2", "0.19.0", "1.0", "0.180.1"])
+def test_bench_expected_disagreement_only_for_the_named_versions(installed) -> None:
+    failing, listed = _classify({"torchjd autogram": _WRONG}, installed=installed)
+    assert failing == [f"gpt2 k=32: torchjd autogram: {_WRONG}"] and listed == []
+    assert _classify({"torchjd autogram": "ok"}, installed=installed) == ([], [])
+
+
+@pytest.mark.parametrize("installed", ["0.18", "0.18.0", "0.18.3", "0.18.1rc1", "0.18.0.post1"])
+def test_bench_expected_disagreement_in_range(installed) -> None:
+    assert _classify({"torchjd autogram": _WRONG}, installed=installed)[0] == []
+
+
+def test_bench_unchecked_expected_method_still_fails() -> None:
+    """A verdict that is neither ok nor DISAGREES (its reference errored) is no known bug."""
+    verdict = "not checked: its reference 'naive' errored"
+    assert _classify({"torchjd autogram": verdict}) == (
+        [f"gpt2 k=32: torchjd autogram: {verdict}"],
+        [],
+    )
+
+
+def test_bench_run_case_counts_only_the_unexpected(monkeypatch) -> None:
+    """Through _run_case with a toy case: the expected method's disagreement goes to its own
+    list; the GPT-2 case's note names the installed TorchJD (0.18 here: not stale)."""
+    import argparse
+
+    from funcgrad.bench import __main__ as bench
+    from funcgrad.bench._cases import Case
+    from funcgrad.bench._per_example import TORCHJD_GPT2_EXPECTED
+
+    monkeypatch.setattr(bench, "_installed", lambda package: "0.18.0")
+    threads = torch.get_num_threads()
+    try:
+        cells = [  # (methods that give a wrong answer, counted, listed as expected)
+            ({"torchjd autogram"}, 0, 1),
+            ({"torchjd autogram", "funcgrad per_example"}, 1, 1),
+            (set(), 1, 0),  # "now agrees, remove the note"
+        ]
+        for wrong, counted, listed in cells:
+            methods = {
+                m: (lambda: torch.full((2,), 2.0)) if m in wrong else (lambda: torch.ones(2))
+                for m in ("naive", "funcgrad per_example", "torchjd autogram")
+            }
+            case = Case("toy", 2, 1, 1, methods)
+            case.extra["expected_disagreements"] = {"torchjd autogram": TORCHJD_GPT2_EXPECTED}
+            args = argparse.Namespace(rounds=1, quick=True, no_memory=True, threads=1, device="cpu")
+            report: dict[str, list[str]] = {"disagreements": [], "errors": []}
+            bench._run_case(case, args, 1, report)
+            assert len(report["disagreements"]) == counted, (wrong, report)
+            assert len(report["expected_disagreements"]) == listed, (wrong, report)
+    finally:
+        torch.set_num_threads(threads)
+    installed = bench._installed("torchjd")
+    if installed is not None:  # the note covers the installed TorchJD: re-check it on upgrade
+        low, high = TORCHJD_GPT2_EXPECTED["from"], TORCHJD_GPT2_EXPECTED["below"]
+        assert bench._release(low) <= bench._release(installed) < bench._release(high)
 
 
 if __name__ == "__main__":
