@@ -167,6 +167,59 @@ def test_embedding_shared_rows_read_by_a_hooked_module_is_exact_or_refused() -> 
             ), (name, result)
 
 
+class _Hooked(nn.Module):
+    """GPT-2's shared position rows, with a tensor hook on them (``ret``: it returns 2 g)."""
+
+    def __init__(self, ret: bool, seen: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.tok, self.pos, self.f = nn.Embedding(5, D), nn.Embedding(T, D), nn.Linear(D, D)
+        self.ret, self.seen = ret, seen
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(ids.shape[1])[None])
+        p.register_hook(self._hook)
+        return self.f(self.tok(ids) + p)
+
+    def _hook(self, g: torch.Tensor) -> torch.Tensor | None:
+        self.seen.append(g.clone())
+        return 2 * g if self.ret else None
+
+
+@pytest.mark.parametrize("ret", [False, True])
+def test_user_hook_on_shared_rows_fires_as_outside(float64_default, ret) -> None:
+    """A tensor hook on the (1, T) rows went to a throw-away view (row 0): it never fired
+    inside per_example, and a gradient it returned was lost. Now it fires once with the
+    gradient torch gives outside, its returned gradient reaches the table as outside, and
+    the per-example call refuses the Embedding (the hook saw the batch's sum); the rest is
+    exact against the loop."""
+    seen: list[torch.Tensor] = []
+    model = _Hooked(ret, seen)
+    ids = torch.randint(5, (B, T))
+    model(ids).sum().backward()
+    outside = [p.grad.clone() for p in model.parameters()]
+    (seen_outside,) = seen
+    model.zero_grad()
+    seen.clear()
+    with funcgrad.per_example(model):
+        model(ids).sum().backward()
+        assert len(seen) == 1 and seen[0].shape == (1, T, D)
+        torch.testing.assert_close(seen[0], seen_outside, rtol=1e-14, atol=0)
+        for p, want in zip(model.parameters(), outside):
+            torch.testing.assert_close(p.grad, want, rtol=1e-14, atol=1e-15)
+        with pytest.raises(
+            ValueError, match=r"'pos' \(Embedding\) was called with an index shared"
+        ):
+            funcgrad.per_example_norms(model(ids).pow(2).sum((1, 2)))
+        params = [model.tok.weight, *model.f.parameters()]
+        norms = funcgrad.per_example_norms(model(ids).pow(2).sum((1, 2)), inputs=params)
+    model.ret = False  # (the loop's rows: the hook returns nothing there)
+    rows = []
+    for b in range(B):
+        got = torch.autograd.grad(model(ids[b : b + 1]).pow(2).sum(), params)
+        rows.append(torch.cat([g.flatten() for g in got]))
+    torch.testing.assert_close(norms, torch.stack(rows).norm(dim=1), rtol=1e-10, atol=1e-12)
+
+
 # -- item 2: the bench's expected disagreement (TorchJD 0.18's autogram on GPT-2) -----------
 # A full run (--variants gpt2) exited 1 for TorchJD's documented bug. Unit tests of the
 # classification; none runs GPT-2.
