@@ -183,13 +183,19 @@ def _hook_dict(tensor: torch.Tensor) -> Any:
     """The dict of the tensor hooks of ``tensor``, a non-leaf, made now if it has none (as
     ``Tensor.register_hook`` makes it): the hooks that the user registers on it later go
     there, where the independence check can hold them back for its own backward, even once
-    the tensor itself is gone (its node keeps the dict)."""
-    if tensor._backward_hooks is None:
-        tensor._backward_hooks = OrderedDict()
-        node = tensor.grad_fn
-        assert node is not None  # a non-leaf
-        node._register_hook_dict(tensor)
-    return tensor._backward_hooks
+    the tensor itself is gone (its node keeps the dict). Read and set with the subclasses'
+    ``__torch_function__`` off: a subclass may send ``_backward_hooks`` and ``grad_fn`` to
+    another tensor (`_SharedRows` sends them to its row 0, a new view), which left this
+    tensor's dict unset and made ``_register_hook_dict`` read a null dict (a segfault)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if tensor._backward_hooks is None:
+            tensor._backward_hooks = OrderedDict()
+            node = tensor.grad_fn
+            assert node is not None  # a non-leaf
+            node._register_hook_dict(tensor)
+        hooks = tensor._backward_hooks
+        assert hooks is not None
+        return hooks
 
 
 def _nested_params(use: _Use) -> set[torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -677,6 +678,8 @@ class _SharedRows(torch.Tensor):
         shared = [x for x in _pytree.tree_leaves((args, kwargs)) if isinstance(x, _SharedRows)]
         state = shared[0]._funcgrad_shared
         with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.register_hook and args and args[0] is shared[0]:
+                return _summed_hook(args[0], args[1] if len(args) > 1 else kwargs["hook"])
             if func in _BROADCAST and _broadcasts(func, args, kwargs, state.batch):
                 return func(*args, **kwargs)
             if func in _EXPAND and len(shared) == 1 and _expands(args, kwargs, state.batch):
@@ -695,6 +698,25 @@ class _SharedRows(torch.Tensor):
         ):
             state.other = getattr(func, "__name__", None) or repr(func)
         return out
+
+
+def _summed_hook(rows: _SharedRows, hook: Callable[[torch.Tensor], Any]) -> Any:
+    """A tensor hook on the rows (it went to row 0, a throw-away view, and never fired): on
+    the (B, T, d) rows themselves, called with the (1, T, d) gradient that the model's output
+    gets outside funcgrad (the rows' sum); a gradient it returns goes to row 0, the other
+    rows zero (the Embedding's backward sums them: the same gradient). The hook sees the
+    batch's sum, so the call then refuses that Embedding's per-example gradients (noted as
+    another use)."""
+    if rows._funcgrad_shared.other is None:
+        rows._funcgrad_shared.other = "register_hook"
+
+    def summed(grad: torch.Tensor) -> torch.Tensor | None:
+        new = hook(grad.sum(0, keepdim=True))
+        if new is None:
+            return None
+        return torch.cat([new, new.new_zeros((grad.shape[0] - 1, *new.shape[1:]))])
+
+    return torch.Tensor.register_hook(rows, summed)  # type: ignore[no-untyped-call]
 
 
 def _expands(args: Any, kwargs: Any, batch: int) -> bool:
