@@ -490,3 +490,69 @@ def test_a_nested_call_on_a_model_sharing_an_activation(mode):
     assert inner
     for attr in inner:
         torch.testing.assert_close(attr, expected_b, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------- a model differentiating through its activation
+
+
+class GradLM(torch.nn.Module):
+    """A causal LM whose forward differentiates an energy through its activation itself
+    (``how``: torch.autograd.grad with create_graph, torch.func.grad or forward-mode AD): its
+    attributions need the activation's second derivative."""
+
+    def __init__(self, act: torch.nn.Module, how: str) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.lin = torch.nn.Linear(6, 6)
+        self.act = act
+        self.out = torch.nn.Linear(6, VOCAB)
+        self.how = how
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.how == "create_graph":
+            with torch.enable_grad():
+                if not h.requires_grad:
+                    h = h.requires_grad_()
+                (g,) = torch.autograd.grad(self.act(self.lin(h)).sum(), h, create_graph=True)
+        elif self.how == "func.grad":
+            g = torch.func.grad(lambda v: self.act(self.lin(v)).sum())(h)
+        else:  # (forward-mode AD: the derivative along ones)
+            g = torch.func.jvp(lambda v: self.act(self.lin(v)), (h,), (torch.ones_like(h),))[1]
+        steps = torch.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]
+        return self.out((h + g).cumsum(1) / steps)
+
+
+@pytest.mark.parametrize("how", ["create_graph", "func.grad", "func.jvp"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_differentiating_through_its_activation_is_exact(how, method, mode):
+    """The activation's f'(x) is not a constant there (was 0.02 off with create_graph: the
+    batched backward gave no second derivative). A graph of the backward built during the
+    forward is the module's own vjp; a transform the forward opens leaves it alone."""
+    for act in (torch.nn.Tanh(), activations.NewGELUActivation(), torch.nn.GELU()):
+        torch.manual_seed(0)
+        model = GradLM(act, how).double().eval()
+        _check(model, method, mode)
+
+
+def test_a_graph_of_the_backward_after_the_forward_is_refused():
+    """The batched backward holds f'(x) only: asked for a graph of it once x is gone, it
+    refuses (a clear error, not a missing second derivative)."""
+    act = torch.nn.Tanh()
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    source = attribution._Source(x, act.forward)
+    with torch.no_grad():
+        y, derivative = act(x), 1 - act(x) ** 2
+    out = attribution._Elementwise.apply(x, y, derivative, source)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    torch.testing.assert_close(g, derivative)
+    (second,) = torch.autograd.grad(g.sum(), x)
+    torch.testing.assert_close(second, -2 * y * derivative)
+    source.x = None
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(attribution._Elementwise.apply(x, y, derivative, source).sum(), x,
+                            create_graph=True)  # fmt: skip
+    # (without a graph of it: the product, as before)
+    (g,) = torch.autograd.grad(attribution._Elementwise.apply(x, y, derivative, source).sum(), x)
+    torch.testing.assert_close(g, derivative)
