@@ -21,6 +21,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import threading
 import warnings
@@ -677,6 +678,37 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
     return tuple(kinds)
 
 
+def _library_functions_intact() -> bool:
+    """Whether the functions that the allow-listed forwards look up when they run are torch's
+    own: ``F.gelu``, ``F.silu``, ``F.relu``, ``torch.tanh``, ``sigmoid``, ``pow``, ``erf``,
+    ``relu``, and the names ``F``, ``torch`` and ``nn`` in the two libraries' modules (a
+    replaced one may mix the positions). By identity with torch's C functions, or for
+    torch's Python functions, their code in torch.nn.functional's own file."""
+    functional = torch.nn.functional
+    own = torch._C._VariableFunctions
+    if functional.gelu is not torch._C._nn.gelu or any(
+        getattr(torch, name) is not getattr(own, name)
+        for name in ("tanh", "sigmoid", "pow", "erf", "relu")
+    ):
+        return False
+    for function in (functional.silu, functional.relu):
+        code = getattr(function, "__code__", None)
+        if hasattr(function, "__wrapped__") or (
+            getattr(code, "co_filename", None) != functional.__file__
+        ):
+            return False
+    modules = [sys.modules.get("torch.nn.modules.activation")]
+    activations = sys.modules.get("transformers.activations")
+    if activations is not None:
+        modules.append(activations)
+    expected = {"F": functional, "torch": torch, "nn": torch.nn, "math": math}
+    return all(
+        getattr(module, name, value) is value
+        for module in modules
+        for name, value in expected.items()
+    )
+
+
 def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module], ...]) -> bool:
     """Whether ``module`` is one of ``kinds`` as its library wrote it, so elementwise: its
     exact type (a subclass may mix the positions), its class's own ``forward`` and
@@ -691,11 +723,20 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
     if any(name in vars(module) for name in ("forward", "_call_impl", "_wrapped_call_impl")):
         return False
     # (the class's forward as its library defined it: not replaced on the class, as a hub
-    # kernel's `kernelize` or a monkeypatch may)
+    # kernel's `kernelize` or a monkeypatch may, even one that copies the original's names
+    # with functools.wraps: its code is in the library's own file, and it wraps nothing)
     forward = vars(kind).get("forward")
-    if getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward" or getattr(
-        forward, "__module__", None
-    ) not in ("torch.nn.modules.activation", "transformers.activations"):
+    library = sys.modules.get(kind.__module__)
+    if (
+        getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward"
+        or kind.__module__ not in ("torch.nn.modules.activation", "transformers.activations")
+        or getattr(forward, "__module__", None) != kind.__module__
+        or hasattr(forward, "__wrapped__")
+        or library is None
+        or getattr(getattr(forward, "__code__", None), "co_filename", None)
+        != getattr(library, "__file__", 0)
+        or not _library_functions_intact()
+    ):
         return False
     if kind.__call__ is not torch.nn.Module.__call__ or any(
         getattr(kind, name) is not getattr(torch.nn.Module, name)
@@ -706,7 +747,7 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
         return False
     if hasattr(module, "act"):
         act = getattr(module, "act", None)
-        gelu = torch.nn.functional.gelu
+        gelu = torch._C._nn.gelu  # (torch.nn.functional.gelu, where not replaced)
         own = {getattr(kind, name, None) for name in ("_gelu_python", "_gelu_tanh_python")}
         plain = act is gelu or (
             isinstance(act, functools.partial)

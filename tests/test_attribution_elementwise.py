@@ -556,3 +556,74 @@ def test_a_graph_of_the_backward_after_the_forward_is_refused():
     # (without a graph of it: the product, as before)
     (g,) = torch.autograd.grad(attribution._Elementwise.apply(x, y, derivative, source).sum(), x)
     torch.testing.assert_close(g, derivative)
+
+
+# ------------------------------------------------- library functions replaced by the user
+
+
+def _wrapped_forward(monkeypatch, kind):
+    """A class forward replaced by one written with functools.wraps (it copies the original's
+    __qualname__ and __module__) that mixes the positions."""
+    original = kind.forward
+
+    @functools.wraps(original)
+    def mixing(self, x):
+        return original(self, x.cumsum(-2))
+
+    monkeypatch.setattr(kind, "forward", mixing)
+    return kind()
+
+
+def _mixing(original):
+    @functools.wraps(original)
+    def mixing(x, *args, **kwargs):
+        return original(x.cumsum(-2), *args, **kwargs)
+
+    return mixing
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "wraps-quickgelu",
+        "wraps-gelu",
+        "F.gelu",
+        "F.gelu-transformers",
+        "F.silu",
+        "F.silu-transformers",
+        "F.relu",
+        "torch.tanh",
+        "torch.sigmoid",
+    ],
+)
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replaced_library_function_leaves_the_activation_alone(case, method, mode, monkeypatch):
+    """What the library's forward runs is checked by identity and by its code's file, not by
+    its names (was 0.07-0.28 off with a functools.wraps class forward, 0.155 with F.gelu
+    replaced): a replaced one may mix the positions, and then nothing is swapped."""
+    functional = torch.nn.functional
+    if case == "wraps-quickgelu":
+        act = _wrapped_forward(monkeypatch, activations.QuickGELUActivation)
+    elif case == "wraps-gelu":
+        act = _wrapped_forward(monkeypatch, torch.nn.GELU)
+    elif case.startswith("F."):
+        name = case[2:].split("-")[0]
+        monkeypatch.setattr(functional, name, _mixing(getattr(functional, name)))
+        kinds = {
+            "gelu": (torch.nn.GELU, activations.GELUActivation),
+            "silu": (torch.nn.SiLU, getattr(activations, "SiLUActivation", torch.nn.SiLU)),
+            "relu": (torch.nn.ReLU, torch.nn.ReLU),
+        }[name]
+        act = kinds[1 if case.endswith("transformers") else 0]()
+    else:
+        name = case.split(".")[1]
+        monkeypatch.setattr(torch, name, _mixing(getattr(torch, name)))
+        act = {"tanh": torch.nn.Tanh, "sigmoid": activations.QuickGELUActivation}[name]()
+    model = _model([act])
+    assert _elementwise(model) == ()
+    if not case.startswith(("F.silu", "F.relu")):
+        # (with F.silu or F.relu replaced by a position-mixing function, token_attr differs
+        # from the per-target loop even with nothing swapped, and from one call to the next:
+        # not this mechanism's; open, see the report)
+        _check(model, method, mode)
