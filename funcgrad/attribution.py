@@ -166,10 +166,13 @@ class AttributionPlan:
             their derivative, computed once per forward (``torch.func.vjp`` of ones):
             exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
             ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
-            ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``), not in place,
-            without a forward or backward hook of their own, and no global module forward or
-            backward hook registered; not inside a checkpointed region (checked as they
-            run). The others run their own rules.
+            ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``,
+            ``SiLUActivation``) whose forward, and the torch functions it looks up, are
+            their library's own code, not in place, without a forward or backward hook of
+            their own, and no global module forward or backward hook registered; not inside
+            a checkpointed region or a torch.func transform that the model's forward opens
+            (checked as they run), nor in a call inside a torch.func transform. The others
+            run their own rules.
     """
 
     mode: Literal["reverse", "forward"]
@@ -654,7 +657,8 @@ class _Elementwise(torch.autograd.Function):
 
 
 # transformers.activations' classes whose forward is an elementwise formula of its one input
-# (read in transformers 5.25): 0.5 x (1 + tanh(...)), x sigmoid(1.702 x), F.gelu; torch's
+# (read in transformers 5.25): 0.5 x (1 + tanh(...)), x sigmoid(1.702 x), F.gelu, F.silu
+# (SiLUActivation: ACT2FN["silu"], Llama's, Mistral's, Qwen's); torch's
 # nn.GELU, SiLU, ReLU, Tanh and Sigmoid are elementwise ops.
 _TRANSFORMERS_ELEMENTWISE = (
     "NewGELUActivation",
@@ -662,6 +666,7 @@ _TRANSFORMERS_ELEMENTWISE = (
     "QuickGELUActivation",
     "GELUActivation",
     "GELUTanh",
+    "SiLUActivation",
 )
 
 

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from test_attribution import VOCAB, _gpt2, _ids, _loop
+from test_attribution import VOCAB, _captum, _gpt2, _ids, _llama, _loop
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import funcgrad
@@ -87,6 +87,7 @@ def _every_known_activation() -> list[torch.nn.Module]:
         activations.QuickGELUActivation(),
         activations.GELUTanh(),
         activations.GELUTanh(use_gelu_tanh_python=True),
+        activations.SiLUActivation(),
     ]
 
 
@@ -627,3 +628,40 @@ def test_a_replaced_library_function_leaves_the_activation_alone(case, method, m
         # from the per-target loop even with nothing swapped, and from one call to the next:
         # not this mechanism's; open, see the report)
         _check(model, method, mode)
+
+
+# ------------------------------------------------------------- Llama's SiLUActivation
+
+
+def test_llama_silu_is_replaced_and_exact():
+    """transformers' ACT2FN["silu"] (Llama, Mistral, Qwen) is SiLUActivation, forward
+    ``F.silu``: replaced (was not allow-listed), the same answer as its own rules give."""
+    torch.manual_seed(1)
+    model = _llama()
+    assert _elementwise_of(model) == ("model.layers.0.mlp.act_fn", "model.layers.1.mlp.act_fn")
+    input_ids, target_ids = _ids(5, 6)
+    for mode in MODES:
+        for method in METHODS:
+            kwargs = {"method": method, "n_steps": 4, "mode": mode}
+            attr = token_attr(model, input_ids, target_ids, **kwargs)
+            try:
+                attribution.ELEMENTWISE = False
+                own = token_attr(model, input_ids, target_ids, **kwargs)
+            finally:
+                attribution.ELEMENTWISE = True
+            torch.testing.assert_close(attr, own, rtol=0, atol=1e-12)
+
+
+@pytest.mark.slow  # captum's loop
+@pytest.mark.parametrize("method", ["grad_x_input", "integrated_gradients"])
+def test_llama_silu_matches_captum(method):
+    """Against captum 0.9 on a tiny Llama, both modes (its RMSNorm computes in float32 even
+    in a float64 model: float32 rounding, as in test_attribution.test_llama_style_model)."""
+    torch.manual_seed(1)
+    model = _llama()
+    assert _elementwise_of(model)
+    input_ids, target_ids = _ids(8, 6)
+    expected = _captum(model, input_ids, target_ids, method)
+    for mode in MODES:
+        attr = token_attr(model, input_ids, target_ids, method=method, n_steps=16, mode=mode)
+        torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-7)
