@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import threading
 import warnings
@@ -34,7 +36,7 @@ from . import _linearize, _memory
 from ._errors import FuncgradWarning, describe
 from ._heads import compose_heads, stacked_heads
 from ._types import ChunkSize
-from ._validate import check_chunk_size, check_not_inference_mode
+from ._validate import check_chunk_size, check_not_inference_mode, outside_transforms
 
 __all__ = ["AttributionPlan", "Method", "Mode", "plan", "token_attr"]
 
@@ -164,10 +166,13 @@ class AttributionPlan:
             their derivative, computed once per forward (``torch.func.vjp`` of ones):
             exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
             ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
-            ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``), not in place,
-            without a forward or backward hook of their own, and no global module forward or
-            backward hook registered; not inside a checkpointed region (checked as they
-            run). The others run their own rules.
+            ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``,
+            ``SiLUActivation``) whose forward, and the torch functions it looks up, are
+            their library's own code, not in place, without a forward or backward hook of
+            their own, and no global module forward or backward hook registered; not inside
+            a checkpointed region or a torch.func transform that the model's forward opens
+            (checked as they run), nor in a call inside a torch.func transform. The others
+            run their own rules.
     """
 
     mode: Literal["reverse", "forward"]
@@ -587,29 +592,63 @@ def _forward_kwargs(model: torch.nn.Module, targets: int) -> dict[str, Any]:
 # measurements; see `_elementwise_activations`).
 ELEMENTWISE = True
 
+# True while token_attr runs inside a torch.func transform or a funcgrad call that
+# differentiates its f: its attributions keep their graph, whose second derivatives the
+# batched activations do not give (they are not applied).
+_NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "funcgrad_attribution_nested", default=False
+)
+
+
+class _Source:
+    """What `_Elementwise`'s backward needs where a graph of it is built: the activation's
+    input ``x`` and its ``forward``, held only while the model's forward runs (cleared by
+    `_elementwise_activations` on exit, so that x is not kept for the backward)."""
+
+    def __init__(self, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.x: torch.Tensor | None = x
+        self.forward = forward
+
 
 class _Elementwise(torch.autograd.Function):
     """``y = f(x)`` for an ELEMENTWISE f (output i depends on input i alone) whose derivative
     ``f'(x)`` is given: the backward of a batch of cotangents is one product ``cot * f'(x)``
     and forward mode's tangents are ``t * f'(x)``, where f's own rules (GPT-2's ``gelu_new``
     is a Python formula) run a dozen elementwise ops on every batched cotangent or tangent.
-    Only x is differentiable: y and f'(x) are values, computed without a graph."""
+    Only x is differentiable: y and f'(x) are values, computed without a graph. Where a graph
+    of the backward is built (``create_graph=True``: the model differentiates through the
+    activation inside its own forward), the backward is f's own vjp at x, with its graph
+    (exact second derivatives); it refuses once x is gone (after the forward)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: torch.Tensor, y: torch.Tensor, derivative: torch.Tensor) -> torch.Tensor:
+    def forward(
+        x: torch.Tensor, y: torch.Tensor, derivative: torch.Tensor, source: _Source
+    ) -> torch.Tensor:
         return y.clone()
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
         ctx.save_for_backward(inputs[2])
         ctx.save_for_forward(inputs[2])
+        ctx.source = inputs[3]
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         derivative: torch.Tensor = ctx.saved_tensors[0]
-        return grad * derivative, None, None
+        if torch.is_grad_enabled():  # (create_graph: f'(x) is not a constant there)
+            source: _Source = ctx.source
+            if source.x is None:
+                raise RuntimeError(
+                    f"{_CALL}: a graph of the backward of an elementwise activation was "
+                    "asked for after the model's forward (create_graph=True): funcgrad's "
+                    "batched activation gives first derivatives only there. Set "
+                    "funcgrad.attribution.ELEMENTWISE = False."
+                )
+            (exact,) = torch.func.vjp(source.forward, source.x)[1](grad)
+            return exact, None, None, None
+        return grad * derivative, None, None, None
 
     @staticmethod
     def jvp(ctx: Any, tangent: torch.Tensor, *_: Any) -> torch.Tensor:
@@ -618,7 +657,8 @@ class _Elementwise(torch.autograd.Function):
 
 
 # transformers.activations' classes whose forward is an elementwise formula of its one input
-# (read in transformers 5.25): 0.5 x (1 + tanh(...)), x sigmoid(1.702 x), F.gelu; torch's
+# (read in transformers 5.25): 0.5 x (1 + tanh(...)), x sigmoid(1.702 x), F.gelu, F.silu
+# (SiLUActivation: ACT2FN["silu"], Llama's, Mistral's, Qwen's); torch's
 # nn.GELU, SiLU, ReLU, Tanh and Sigmoid are elementwise ops.
 _TRANSFORMERS_ELEMENTWISE = (
     "NewGELUActivation",
@@ -626,6 +666,7 @@ _TRANSFORMERS_ELEMENTWISE = (
     "QuickGELUActivation",
     "GELUActivation",
     "GELUTanh",
+    "SiLUActivation",
 )
 
 
@@ -642,6 +683,37 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
     return tuple(kinds)
 
 
+def _library_functions_intact() -> bool:
+    """Whether the functions that the allow-listed forwards look up when they run are torch's
+    own: ``F.gelu``, ``F.silu``, ``F.relu``, ``torch.tanh``, ``sigmoid``, ``pow``, ``erf``,
+    ``relu``, and the names ``F``, ``torch`` and ``nn`` in the two libraries' modules (a
+    replaced one may mix the positions). By identity with torch's C functions, or for
+    torch's Python functions, their code in torch.nn.functional's own file."""
+    functional = torch.nn.functional
+    own = torch._C._VariableFunctions
+    if functional.gelu is not torch._C._nn.gelu or any(
+        getattr(torch, name) is not getattr(own, name)
+        for name in ("tanh", "sigmoid", "pow", "erf", "relu")
+    ):
+        return False
+    for function in (functional.silu, functional.relu):
+        code = getattr(function, "__code__", None)
+        if hasattr(function, "__wrapped__") or (
+            getattr(code, "co_filename", None) != functional.__file__
+        ):
+            return False
+    modules = [sys.modules.get("torch.nn.modules.activation")]
+    activations = sys.modules.get("transformers.activations")
+    if activations is not None:
+        modules.append(activations)
+    expected = {"F": functional, "torch": torch, "nn": torch.nn, "math": math}
+    return all(
+        getattr(module, name, value) is value
+        for module in modules
+        for name, value in expected.items()
+    )
+
+
 def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module], ...]) -> bool:
     """Whether ``module`` is one of ``kinds`` as its library wrote it, so elementwise: its
     exact type (a subclass may mix the positions), its class's own ``forward`` and
@@ -656,11 +728,20 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
     if any(name in vars(module) for name in ("forward", "_call_impl", "_wrapped_call_impl")):
         return False
     # (the class's forward as its library defined it: not replaced on the class, as a hub
-    # kernel's `kernelize` or a monkeypatch may)
+    # kernel's `kernelize` or a monkeypatch may, even one that copies the original's names
+    # with functools.wraps: its code is in the library's own file, and it wraps nothing)
     forward = vars(kind).get("forward")
-    if getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward" or getattr(
-        forward, "__module__", None
-    ) not in ("torch.nn.modules.activation", "transformers.activations"):
+    library = sys.modules.get(kind.__module__)
+    if (
+        getattr(forward, "__qualname__", None) != f"{kind.__qualname__}.forward"
+        or kind.__module__ not in ("torch.nn.modules.activation", "transformers.activations")
+        or getattr(forward, "__module__", None) != kind.__module__
+        or hasattr(forward, "__wrapped__")
+        or library is None
+        or getattr(getattr(forward, "__code__", None), "co_filename", None)
+        != getattr(library, "__file__", 0)
+        or not _library_functions_intact()
+    ):
         return False
     if kind.__call__ is not torch.nn.Module.__call__ or any(
         getattr(kind, name) is not getattr(torch.nn.Module, name)
@@ -671,7 +752,7 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
         return False
     if hasattr(module, "act"):
         act = getattr(module, "act", None)
-        gelu = torch.nn.functional.gelu
+        gelu = torch._C._nn.gelu  # (torch.nn.functional.gelu, where not replaced)
         own = {getattr(kind, name, None) for name in ("_gelu_python", "_gelu_tanh_python")}
         plain = act is gelu or (
             isinstance(act, functools.partial)
@@ -689,14 +770,27 @@ def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     """The model's modules that `_elementwise_activations` replaces (none where a global
     module forward or backward hook is registered: it would be given the detached input)."""
     hooks = torch.nn.modules.module
-    if not ELEMENTWISE or (
-        hooks._global_forward_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
+    if (
+        not ELEMENTWISE
+        or _NESTED.get()
+        or (
+            hooks._global_forward_hooks
+            or hooks._global_backward_hooks
+            or hooks._global_backward_pre_hooks
+        )
     ):
         return []
     kinds = _elementwise_kinds()
     return [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
+
+
+def _differentiation_levels() -> tuple[Any, Any]:
+    """The innermost torch.func transform's level and forward-mode AD's dual level: another
+    pair inside the model's forward than at its start means that the model differentiates
+    through what it runs there itself (``torch.func.grad``, ``jacrev``, ``jvp``,
+    ``torch.autograd.forward_ad``), where `_Elementwise` gives no second derivative."""
+    level = torch._C._functorch.maybe_current_level()
+    return level, torch.autograd.forward_ad._current_level
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -717,11 +811,15 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
     Jacobian is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact
     types, see `_is_elementwise`). The model is not modified; the module's forward pre-hooks
     run, before the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),
-    nor in another thread (module hooks run in every thread). First derivatives only: the
-    replaced backward treats f'(x) as a constant."""
+    nor in another thread (module hooks run in every thread), nor inside a torch.func transform
+    or forward-AD level that the model's forward opened (`_differentiation_levels`). Where
+    the model builds a graph of the backward during its forward (``create_graph=True``), the
+    backward is the module's own vjp at x (`_Elementwise`): x is held until the forward ends."""
     handles = []
     inputs: list[torch.Tensor | None] = []
+    sources: list[_Source] = []
     caller = threading.get_ident()
+    levels = _differentiation_levels()
 
     def detach(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if threading.get_ident() != caller:
@@ -731,6 +829,7 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
             not isinstance(x, torch.Tensor)
             or not x.is_floating_point()
             or _saved_tensor_hooks_active()
+            or _differentiation_levels() != levels
         ):
             inputs.append(None)
             return None
@@ -748,8 +847,9 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
         # ones on gelu_new's formula, measured)
         pull = torch.func.vjp(module.forward, plain)[1]
         (derivative,) = pull(torch.ones_like(output))
+        sources.append(_Source(x, module.forward))
         replaced: torch.Tensor = _Elementwise.apply(  # type: ignore[no-untyped-call]
-            x, output.detach(), derivative
+            x, output.detach(), derivative, sources[-1]
         )
         return replaced
 
@@ -761,6 +861,8 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+        for source in sources:
+            source.x = None
 
 
 def _composed(
@@ -1035,20 +1137,26 @@ def _run_group(
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
     unembedding, _ = _unembedding(args)
     heads = args.target_ids[args.first :]
+    # (inside a transform, or a funcgrad call differentiating its f, the attributions keep
+    # their graph: the activations run their own rules, with second derivatives)
+    token = _NESTED.set(not outside_transforms(()))
     try:
-        fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
+        try:
+            fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
+            with torch.enable_grad():
+                _, grads = fn(x, scaled, direction, sequence, heads, plain)
+            return _formed(mode, grads, direction)
+        except _NotTheLogits as error:
+            # The output layer's input is no split point on this model: the heads read the
+            # logits, on this call and from then on.
+            _LOGITS_ONLY[args.model] = str(error)
+        # (outside the except: an error of this call is not shown as raised while handling it)
+        fn = _composed(args, mode, chunk_size, scaled.dtype, None)
         with torch.enable_grad():
             _, grads = fn(x, scaled, direction, sequence, heads, plain)
         return _formed(mode, grads, direction)
-    except _NotTheLogits as error:
-        # The output layer's input is no split point on this model: the heads read the
-        # logits, on this call and from then on.
-        _LOGITS_ONLY[args.model] = str(error)
-    # (outside the except: an error of this call is not shown as raised while handling it)
-    fn = _composed(args, mode, chunk_size, scaled.dtype, None)
-    with torch.enable_grad():
-        _, grads = fn(x, scaled, direction, sequence, heads, plain)
-    return _formed(mode, grads, direction)
+    finally:
+        _NESTED.reset(token)
 
 
 def _formed(
