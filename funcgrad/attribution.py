@@ -843,8 +843,8 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
         if x is None:
             return None
         plain = args[0]  # (x detached; the output is f(plain), same shape and dtype)
-        # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, 3.5x cheaper than a jvp along
-        # ones on gelu_new's formula, measured)
+        # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, cheaper than a jvp along ones;
+        # docs/benchmarks_attribution.md)
         pull = torch.func.vjp(module.forward, plain)[1]
         (derivative,) = pull(torch.ones_like(output))
         sources.append(_Source(x, module.forward))

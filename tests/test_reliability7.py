@@ -34,6 +34,14 @@ def _losses(model: nn.Module) -> torch.Tensor:
     return (model(x) - y).pow(2).sum(1)
 
 
+def _call(pe: funcgrad.PerExample, call: str, model: nn.Module) -> None:
+    """The per-example call under test: the Gramian, or a weighted backward into .grad."""
+    if call == "gramian":
+        pe.gramian(_losses(model))
+    else:
+        pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+
+
 def _jacobian(model: nn.Module) -> torch.Tensor:
     """The (B, P) per-example gradients, by a loop of torch.autograd.grad."""
     x, y = _data()
@@ -73,10 +81,7 @@ def test_per_example_refuses_a_parametrization_registered_after_hooking(kind, ca
     for p in model.parameters():
         p.grad = None
     with pytest.raises(ValueError, match=r"registered after funcgrad\.per_example hooked"):
-        if call == "gramian":
-            pe.gramian(_losses(model))
-        else:
-            pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+        _call(pe, call, model)
     assert all(p.grad is None for p in model.parameters())
     # the module's parameters left out: the rest is answered, exactly
     rest = [p for name, p in model.named_parameters() if not name.startswith("2.")]
@@ -240,10 +245,7 @@ def test_per_example_refuses_a_module_called_inside_another_that_is_not_its_chil
     model = _Net(as_child=False)
     pe = funcgrad.per_example(model)
     with pytest.raises(ValueError, match=r"'block' .* reads, in its own forward, the output of"):
-        if call == "gramian":
-            pe.gramian(_losses(model))
-        else:
-            pe.backward(_losses(model), weighting=lambda g: torch.ones(B, dtype=g.dtype))
+        _call(pe, call, model)
     assert all(p.grad is None for p in model.parameters())
     pe.remove()
 
