@@ -134,3 +134,163 @@ def test_per_example_signatures_held_are_bounded(monkeypatch):
             pe.gramian((2.0**step * model(_x())).pow(2).sum(1))
             assert len(pe._independent) <= 4
     assert count[0] == 10
+
+
+# -- combine_heads(create_graph=True): the weights' dependence on theta ---------------------
+
+N, M = 3, 4
+
+
+def _f(theta: torch.Tensor) -> torch.Tensor:
+    A = torch.arange(1.0, 1.0 + M * N, dtype=theta.dtype).reshape(M, N) / 7
+    return torch.tanh(A @ theta) + theta.sum() ** 2 / 5
+
+
+HEADS = [
+    lambda y: y.pow(2).sum(),
+    lambda y: (y[0] - 2 * y[1]).sin(),
+    lambda y: y.exp().sum() / 3,
+]
+
+
+def _inverse_norms(G: torch.Tensor) -> torch.Tensor:  # a weighting of G with a graph
+    return G.diagonal().rsqrt()
+
+
+def _solve(G: torch.Tensor) -> torch.Tensor:  # a closed form that mixes G's entries
+    eye = torch.eye(G.shape[0], dtype=G.dtype)
+    return torch.linalg.solve(G + eye, torch.ones(G.shape[0], dtype=G.dtype))
+
+
+def _theta() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(N, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+def _by_hand(
+    theta: torch.Tensor, weighting: Callable[[torch.Tensor], torch.Tensor], level: str = "params"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w(J J^T) @ J`` (level "params") or ``w(V V^T) @ J`` (level "features", V the heads'
+    gradients on y), with J from per-head autograd, create_graph=True throughout."""
+    y = _f(theta)
+    J = torch.stack([torch.autograd.grad(h(y), theta, create_graph=True)[0] for h in HEADS])
+    if level == "params":
+        rows = J
+    else:
+        rows = torch.stack([torch.autograd.grad(h(y), y, create_graph=True)[0] for h in HEADS])
+    weights = weighting(rows @ rows.T)
+    return weights @ J, weights
+
+
+@pytest.mark.parametrize("weighting", [_inverse_norms, _solve], ids=["inverse_norms", "solve"])
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_create_graph_differentiates_the_weights(weighting, level):
+    theta = _theta()
+    fn = funcgrad.combine_heads(_f, HEADS, weighting, level=level, create_graph=True)
+    _, grad, weights = fn(theta)
+    want, want_weights = _by_hand(theta, weighting, level)
+    assert torch.allclose(grad, want, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(weights, want_weights, rtol=1e-10, atol=1e-12)
+    assert weights.requires_grad  # the returned weights keep their graph
+    probe = torch.tensor([0.3, -1.1, 0.7], dtype=torch.float64)
+    got = torch.autograd.grad(grad @ probe + weights.sum(), theta, create_graph=True)[0]
+    ref = torch.autograd.grad(want @ probe + want_weights.sum(), theta, create_graph=True)[0]
+    assert torch.allclose(got, ref, rtol=1e-9, atol=1e-11)
+    # second order: the meta-gradient's own gradient
+    got2 = torch.autograd.grad(got.pow(2).sum(), theta)[0]
+    ref2 = torch.autograd.grad(ref.pow(2).sum(), theta)[0]
+    assert torch.allclose(got2, ref2, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_create_graph_matches_finite_differences(level):
+    fn = funcgrad.combine_heads(_f, HEADS, _solve, level=level, create_graph=True)
+    assert torch.autograd.gradcheck(lambda t: fn(t)[1], (_theta(),))
+    assert torch.autograd.gradgradcheck(lambda t: fn(t)[1], (_theta(),))
+
+
+def test_combine_heads_create_graph_reaches_a_weighting_s_own_leaves():
+    # weights from a learnable vector, not from G: "not used in the graph" before
+    logits = torch.tensor([0.2, -0.4, 1.0], dtype=torch.float64, requires_grad=True)
+    theta = _theta()
+    fn = funcgrad.combine_heads(_f, HEADS, lambda G: torch.softmax(logits, 0), create_graph=True)
+    _, grad, _ = fn(theta)
+    got = torch.autograd.grad(grad.pow(2).sum(), [logits, theta])
+    want, _ = _by_hand(theta, lambda G: torch.softmax(logits, 0))
+    ref = torch.autograd.grad(want.pow(2).sum(), [logits, theta])
+    for a, b in zip(got, ref):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_without_create_graph_builds_no_graph(level):
+    seen = []
+
+    def weighting(G: torch.Tensor) -> torch.Tensor:
+        seen.append(G.requires_grad)
+        return _solve(G)
+
+    theta = _theta()
+    _, grad, weights = funcgrad.combine_heads(_f, HEADS, weighting, level=level)(theta)
+    assert seen == [False] and not grad.requires_grad and not weights.requires_grad
+    want, _ = _by_hand(theta, _solve, level)
+    assert torch.allclose(grad, want.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_combine_heads_inside_torch_func_grad_differentiates_the_weights():
+    # inside a transform the call keeps its results' graph: the weights' too
+    theta = _theta()
+    probe = torch.tensor([0.3, -1.1, 0.7], dtype=torch.float64)
+    fn = funcgrad.combine_heads(_f, HEADS, _solve)
+    got = torch.func.grad(lambda t: fn(t)[1] @ probe)(theta.detach())
+    want, _ = _by_hand(theta, _solve)
+    ref = torch.autograd.grad(want @ probe, theta)[0]
+    assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "UPGradWeighting",
+        "MGDAWeighting",
+        "AlignedMTLWeighting",
+        "DualProjWeighting",
+        "MGDA",
+        "UPGrad",
+    ],
+)
+def test_combine_heads_create_graph_with_torchjd_objects(name):
+    # TorchJD's weightings under create_graph, against the same object by hand: MGDA's and
+    # AlignedMTL's weights carry a graph; UPGrad's and DualProj's are computed under no_grad
+    # (TorchJD's _NonDifferentiable), constants to the meta-gradient in both
+    aggregation = pytest.importorskip("torchjd.aggregation")
+    weighting = getattr(aggregation, name)()
+    by_hand = weighting if name.endswith("Weighting") else weighting.gramian_weighting
+    theta = _theta()
+    _, grad, weights = funcgrad.combine_heads(_f, HEADS, weighting, create_graph=True)(theta)
+    want, want_weights = _by_hand(theta, by_hand)
+    assert torch.allclose(grad, want, rtol=1e-8, atol=1e-10)
+    assert weights.requires_grad == want_weights.requires_grad
+    got = torch.autograd.grad(grad.pow(2).sum(), theta)[0]
+    ref = torch.autograd.grad(want.pow(2).sum(), theta)[0]
+    assert torch.allclose(got, ref, rtol=1e-8, atol=1e-10)
+
+
+def test_combine_heads_create_graph_a_numpy_weighting_gets_a_note():
+    def numpy_weighting(G: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(1 / G.numpy().diagonal() ** 0.5)
+
+    fn = funcgrad.combine_heads(_f, HEADS, numpy_weighting, create_graph=True)
+    with pytest.raises(RuntimeError) as info:
+        fn(_theta())
+    assert any("take its .detach() itself" in note for note in info.value.__notes__)
+
+    def detaching(G: torch.Tensor) -> torch.Tensor:  # the fix the note names
+        return numpy_weighting(G.detach())
+
+    theta = _theta()
+    _, grad, weights = funcgrad.combine_heads(_f, HEADS, detaching, create_graph=True)(theta)
+    want, _ = _by_hand(theta, detaching)
+    assert not weights.requires_grad
+    got = torch.autograd.grad(grad.sum(), theta)[0]
+    assert torch.allclose(got, torch.autograd.grad(want.sum(), theta)[0], rtol=1e-10)
