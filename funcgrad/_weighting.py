@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -350,7 +351,15 @@ def aggregate(
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
-        hook = rule.fn.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        # (this thread's calls only: another thread's call of a shared aggregator fires
+        # this hook too, and its weights were taken for this call's)
+        me = threading.get_ident()
+
+        def capture(_module: Any, _inputs: Any, out: Any) -> None:
+            if threading.get_ident() == me:
+                captured.append(out)
+
+        hook = rule.fn.weighting.register_forward_hook(capture)
     try:
         vector = _call(rule, work, given, call, keep_graph)
     finally:

@@ -294,3 +294,59 @@ def test_combine_heads_create_graph_a_numpy_weighting_gets_a_note():
     assert not weights.requires_grad
     got = torch.autograd.grad(grad.sum(), theta)[0]
     assert torch.allclose(got, torch.autograd.grad(want.sum(), theta)[0], rtol=1e-10)
+
+
+# -- a TorchJD aggregator shared by threads ----------------------------------------------------
+
+
+def test_combine_heads_aggregator_shared_by_two_threads_reports_each_its_own_weights():
+    # An aggregator with hooks runs on the Jacobian, and funcgrad reads its weights by a
+    # forward hook on its weighting, registered for the call. Two threads sharing the
+    # aggregator: each call's hook also caught the other thread's weights, so the thread
+    # whose weighting ran first returned the other's weights (forced here by events).
+    aggregation = pytest.importorskip("torchjd.aggregation")
+    import threading
+
+    aggregator = aggregation.UPGrad()
+    barrier = threading.Barrier(2, timeout=20)
+    first_done, second_done = threading.Event(), threading.Event()
+    local = threading.local()
+
+    def pre_hook(module, args):
+        barrier.wait()  # both calls have registered their hooks
+        if local.order == 1:
+            assert first_done.wait(20)
+
+    def post_hook(module, args, out):
+        if local.order == 0:
+            first_done.set()  # the other thread's weighting runs now, this call's hook live
+            assert second_done.wait(20)
+        else:
+            second_done.set()
+
+    aggregator.register_forward_pre_hook(pre_hook)
+    aggregator.register_forward_hook(post_hook)
+    fn = funcgrad.combine_heads(_f, HEADS, aggregator)
+    thetas = [_theta().detach(), 2 * _theta().detach() + 0.5]
+    results: list = [None, None]
+    errors: list = []
+
+    def run(order: int) -> None:
+        local.order = order
+        try:
+            results[order] = fn(thetas[order])
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    for order in range(2):
+        theta = thetas[order].clone().requires_grad_()
+        want, want_weights = _by_hand(theta, aggregator.gramian_weighting)
+        _, grad, weights = results[order]
+        assert torch.allclose(grad, want.detach(), rtol=1e-8, atol=1e-10)
+        assert torch.allclose(weights, want_weights.detach(), rtol=1e-8, atol=1e-10)
