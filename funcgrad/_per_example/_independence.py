@@ -198,7 +198,10 @@ def _hashable(value: Any) -> Any:
 def _scale(value: Any) -> Any:
     if not isinstance(value, torch.Tensor) or value.dim() or value.device.type != "cpu":
         return None
-    number = float(value.detach())
+    try:
+        number = float(value.detach())
+    except Exception:  # unreadable (a fake tensor): check the call
+        return object()
     if number == 0 or not math.isfinite(number):
         return number.hex() if number == number else "nan"
     return (number > 0, math.frexp(number)[1])
@@ -225,10 +228,15 @@ def _indices(node: Any, attr: str, how: str, batch: int) -> tuple[Any, ...]:
 
 
 def _digest(tensor: torch.Tensor) -> tuple[Any, ...]:
-    data = tensor.detach().cpu().contiguous()
-    blob: Any = data.numpy() if data.numel() else b""  # read in place, no copy
-    digest = hashlib.blake2b(blob, digest_size=16).digest()
-    return (tuple(data.shape), data.dtype, digest)
+    """The index values' digest; where they cannot be read (a tensor subclass, a fake or
+    meta tensor), a new object, so that the signature is new and the call is checked."""
+    try:
+        data = tensor.detach().cpu().contiguous()
+        blob: Any = data.numpy() if data.numel() else b""  # read in place, no copy
+        digest: Any = hashlib.blake2b(blob, digest_size=16).digest()
+    except Exception:  # any failure to read: check the call
+        digest = object()
+    return (tuple(tensor.shape), tensor.dtype, digest)
 
 
 @dataclasses.dataclass
