@@ -350,3 +350,27 @@ def test_combine_heads_aggregator_shared_by_two_threads_reports_each_its_own_wei
         _, grad, weights = results[order]
         assert torch.allclose(grad, want.detach(), rtol=1e-8, atol=1e-10)
         assert torch.allclose(weights, want_weights.detach(), rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", ["transformer", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_per_example_bench_models_are_checked_once_over_new_batches(monkeypatch, variant):
+    # the signature with the ops' arguments stays the same from batch to batch on the
+    # bench's models (padding masks, targets and token ids change): one check, not four
+    if variant == "gpt2":
+        pytest.importorskip("transformers")
+    from funcgrad.bench import _per_example as bench
+
+    count = _count_checks(monkeypatch)
+    criterion = nn.CrossEntropyLoss(reduction="none")
+    torch.manual_seed(0)
+    model, _ = bench._model(variant, 8, True)
+    with funcgrad.per_example(model) as pe:
+        for step in range(4):
+            torch.manual_seed(step + 10)
+            _, (x, y) = bench._model(variant, 8, True)
+            if variant == "gpt2":
+                losses = criterion(model(x).logits[:, :-1].transpose(1, 2), x[:, 1:]).sum(1)
+            else:
+                losses = criterion(model(x), y)
+            pe.backward(losses, weighting=lambda g: g.diagonal().rsqrt())
+    assert count[0] == 1
