@@ -374,3 +374,20 @@ def test_per_example_bench_models_are_checked_once_over_new_batches(monkeypatch,
                 losses = criterion(model(x), y)
             pe.backward(losses, weighting=lambda g: g.diagonal().rsqrt())
     assert count[0] == 1
+
+
+def test_per_example_after_a_refused_mixing_call_the_plain_loss_is_exact(monkeypatch):
+    # a refusal leaves nothing marked as checked: the plain loss again, then the mixing one
+    # again (refused again), then the plain one, exact against the loop throughout
+    count = _count_checks(monkeypatch)
+    plain, mixing = PAIRS["index_select"]
+    model = _model()
+    with funcgrad.per_example(model) as pe:
+        for _ in range(2):
+            gram = pe.gramian(plain(model(_x())).pow(2).sum(1))
+            assert torch.allclose(gram, _gram_loop(model, plain), rtol=1e-10, atol=1e-12)
+            with pytest.raises(ValueError, match="do not treat the examples independently"):
+                pe.gramian(mixing(model(_x())).pow(2).sum(1))
+        gram = pe.gramian(plain(model(_x())).pow(2).sum(1))
+        assert torch.allclose(gram, _gram_loop(model, plain), rtol=1e-10, atol=1e-12)
+    assert count[0] == 3  # the plain signature once, the mixing one on each of its calls

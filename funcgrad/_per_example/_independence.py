@@ -121,7 +121,9 @@ _INDEXERS: dict[str, tuple[str, str]] = {
 }
 # Nodes whose saved 0-dim CPU tensor may be a Python number the loss multiplies by (torch
 # wraps it in a tensor): `lam * out.mean(0)` with lam = 0 on the checked call mixes nothing
-_SCALED = frozenset({"MulBackward0", "DivBackward0", "DivBackward1"})
+# (torch puts the number second, as `other`: only that one is read, as reading a saved
+# tensor runs its saved-tensor unpack hook, save_on_cpu's copy back included)
+_SCALED = frozenset({"MulBackward0", "DivBackward0", "DivBackward2"})
 
 
 def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
@@ -134,10 +136,11 @@ def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
       digest (one host read each on an accelerator). Indices along other dims (a class
       label picked by ``gather(1, y)``, a target) are left out: they cannot move one
       example's row to another, and they change with every batch.
-    - a 0-dim CPU tensor that a ``mul``/``div`` saved (a Python number, or a scale kept on
-      the CPU): whether it is 0, its sign and its binary exponent, so that a term switched
-      on from 0 (a loss weight that ramps up) or grown past the check's tolerance is
-      checked again, and a scale that moves within one power of two is not.
+    - a 0-dim CPU tensor that a ``mul``/``div`` saved as its second operand (a Python
+      number, or a scale kept on the CPU): whether it is 0, its sign and its binary
+      exponent, so that a term switched on from 0 (a loss weight that ramps up) or grown
+      past the check's tolerance is checked again, and a scale that moves within one
+      power of two is not.
 
     Other saved tensors (activations, masks of ``where`` and dropout, a mixing matrix) are
     not held: their values change with every batch (docs/reliability.md)."""
@@ -161,7 +164,7 @@ def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
                 if name in _INDEXERS:
                     entry.append(_indices(node, *_INDEXERS[name], batch))
                 elif name in _SCALED:
-                    entry.extend(_scale(getattr(node, a)) for a in tensors)
+                    entry.append(_scale(node._saved_other))
         except RuntimeError:  # a saved tensor freed by an earlier backward: torch refuses later
             entry = [kind, "freed"]
         parts.append(tuple(entry))
