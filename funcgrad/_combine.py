@@ -114,6 +114,12 @@ class CombinedHeads:
         )
         check = c.resolved_check()
         rule = self.rule
+        # The results' graph, where the call keeps one (create_graph, inside a transform):
+        # also the weights', so that a gradient through `grad` reaches them (their
+        # dependence on the per-head gradients, and on what else the weighting reads).
+        kept = self._create_graph or (  # (as result_graph: dynamo cannot trace the check)
+            not torch.compiler.is_compiling() and not outside_transforms(flat.leaves)
+        )
         if self._one_pullback(rule):
             lin = c.one_pullback(flat)
             values, cotangents = c.cotangents_of(flat)(lin.out)
@@ -122,19 +128,18 @@ class CombinedHeads:
             # it, as autograd's backward of that forward would run.
             with _weighting.no_autocast(cotangents[0].device):
                 weights: torch.Tensor | None
-                weights, coefficients, rows = weigh_features(rule, cotangents, sync, what, _CALL)
+                weights, coefficients, rows = weigh_features(
+                    rule, cotangents, sync, what, _CALL, kept
+                )
                 grads = sync.average(_engine.weighted(lin, coefficients, rows))
             aux = lin.aux
         else:
             values, per_head, aux = c.per_head(flat, check)
             what = "with respect to the differentiated arguments"
             # The global per-head gradients: one k x n all-reduce.
-            weights, grads = weigh_params(rule, sync.average(per_head), sync, what, _CALL)
-        # The global head values, on their graph where the call keeps one (create_graph,
-        # inside a transform), as compose_heads' values.
-        kept = self._create_graph or (  # (as result_graph: dynamo cannot trace the check)
-            not torch.compiler.is_compiling() and not outside_transforms(flat.leaves)
-        )
+            per_head = sync.average(per_head)
+            weights, grads = weigh_params(rule, per_head, sync, what, _CALL, keep_graph=kept)
+        # The global head values, on their graph where the call keeps one, as compose_heads'.
         (values,) = sync.average([values if kept else values.detach()])
         result = (c.keyed(values), c.grad_tree(flat, grads), c.keyed(weights))
         return (*result, flat.rebuild_aux(aux)) if c.has_aux else result
@@ -191,14 +196,19 @@ def combine_heads(
             mode): each rank calls the function on its equal shard, and every rank gets the
             values (averaged), ``grad`` and weights of one call on the whole batch (heads
             are means over the shard, as in DDP). None: nothing is communicated.
-        create_graph: build the graph of ``grad`` (and aux), as for `compose_heads`;
-            by default none is built.
+        create_graph: build the graph of ``grad``, ``weights`` (and aux), as for
+            `compose_heads`, the weights' dependence on the Gramian included; by default
+            none is built.
 
     Returns:
         A function of f's arguments returning ``(values, grad, weights)`` (and aux with
         ``has_aux=True``): ``grad`` has the structure of the differentiated argument(s),
         ``values`` and ``weights`` shape (k,) (dicts for a mapping of heads). ``weights``
-        is detached, and None for a TorchJD aggregator that returns only a vector.
+        is None for a TorchJD aggregator that returns only a vector; it is detached unless
+        the call keeps a graph (``create_graph=True``, or inside a torch.func transform):
+        there the weighting is given the Gramian with its graph, and ``grad`` and
+        ``weights`` keep the weights' dependence on it (a meta-gradient through ``grad``
+        reaches the weighting).
 
     Examples:
         >>> import torch, funcgrad

@@ -37,7 +37,12 @@ _R = TypeVar("_R")
 
 
 def weigh_features(
-    rule: _weighting.Rule, cotangents: Tensors, sync: _sync.Sync, what: str, call: str
+    rule: _weighting.Rule,
+    cotangents: Tensors,
+    sync: _sync.Sync,
+    what: str,
+    call: str,
+    keep_graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Tensors]:
     """(weights, c, R) for the one-pullback path, whose update is the pull of ``c @ R``.
     The weights are all ones without a weighting, else ``weighting(V V^T)`` of the global
@@ -51,15 +56,16 @@ def weigh_features(
         ones = torch.ones(k, dtype=rows.dtype, device=rows.device)
         return ones, ones, cotangents
     if rule.needs_jacobian:  # resolve() refused this with a process group
-        weights, vector = _weighting.aggregate(rule, rows, call)
+        weights, vector = _weighting.aggregate(rule, rows, call, keep_graph=keep_graph)
         assert weights is not None  # "vector" rules are refused at this level
         if vector is None:  # a weighting of V
             return weights, weights, cotangents
         like = tuple(v[0] for v in cotangents)
         one = torch.ones(1, dtype=rows.dtype, device=rows.device)
         return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
-    g = sync.features_gramian(_weighting.gramian([rows]))
-    weights = _weighting.checked_weights(rule, g, [rows], what, call, sync.from_first_rank)
+    g = sync.features_gramian(_weighting.gramian([rows], keep_graph))
+    share = sync.from_first_rank
+    weights = _weighting.checked_weights(rule, g, [rows], what, call, share, keep_graph)
     return weights, weights, cotangents
 
 
@@ -70,6 +76,7 @@ def weigh_params(
     what: str,
     call: str,
     weighed: Sequence[bool] | None = None,
+    keep_graph: bool = False,
 ) -> tuple[torch.Tensor | None, Tensors]:
     """(weights, update) from the global per-task gradient leaves (k, ...), as TorchJD's
     ``jac_to_grad`` computes them: ``weights @ P`` for a weighting; for an aggregator, its
@@ -83,11 +90,12 @@ def weigh_params(
     shaping = [g for g, w in zip(task_grads, weighed) if w]
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
-        g = sync.sum_over_shards(_weighting.gramian(blocks))
-        weights = _weighting.checked_weights(rule, g, blocks, what, call, sync.from_first_rank)
+        g = sync.sum_over_shards(_weighting.gramian(blocks, keep_graph))
+        share = sync.from_first_rank
+        weights = _weighting.checked_weights(rule, g, blocks, what, call, share, keep_graph)
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
-    found, vector = _weighting.aggregate(rule, rows, call, sync.from_first_rank)
+    found, vector = _weighting.aggregate(rule, rows, call, sync.from_first_rank, keep_graph)
     if vector is None:  # a Jacobian weighting: weights only
         assert found is not None  # a Jacobian rule gives weights or an update
         return found, _weighting.weighted_sum(found, task_grads)

@@ -11,6 +11,11 @@ With G the Gramian of the rows of a Jacobian P (k x n) and w = weighting(G), the
 ``w @ P``. When P = V J (V the head cotangents on y, J f's Jacobian), ``w @ P = (w @ V) J``:
 one pullback of f, once w is known. None of this runs under a caller's autocast: the
 Gramian, the weighting and ``w @ P`` are in the task gradients' dtype, float32 or wider.
+
+``keep_graph`` (``combine_heads(create_graph=True)``, or a call inside a torch.func
+transform): the Gramian, the weighting's input and the weights keep their graph, so that a
+gradient through the update ``w @ P`` also reaches ``w``'s dependence on the task gradients
+(and on whatever else the weighting reads). Otherwise all are detached: no graph is built.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -190,11 +196,11 @@ def autocast_on(device: torch.device) -> bool:
 CONCAT_ENTRIES = 1 << 18
 
 
-def gramian(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached): block
-    by block, so that a large k x n Jacobian is never concatenated (a small one is: one
-    product); in float32 or wider, also under autocast."""
-    work = [b.detach().to(work_dtype(b.dtype)) for b in blocks]
+def gramian(blocks: Sequence[torch.Tensor], keep_graph: bool = False) -> torch.Tensor:
+    """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached unless
+    ``keep_graph``): block by block, so that a large k x n Jacobian is never concatenated (a
+    small one is: one product); in float32 or wider, also under autocast."""
+    work = [(b if keep_graph else b.detach()).to(work_dtype(b.dtype)) for b in blocks]
     if len(work) > 1 and sum(b.numel() for b in work) <= CONCAT_ENTRIES:
         work = [torch.cat(work, dim=1)]  # (cat promotes mixed dtypes, as the sum would)
     with no_autocast(work[0].device):
@@ -219,9 +225,11 @@ def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, ca
         )
 
 
-def checked_shape(weights: Any, k: int, source: str, call: str, unit: str = "task") -> torch.Tensor:
+def checked_shape(
+    weights: Any, k: int, source: str, call: str, unit: str = "task", keep_graph: bool = False
+) -> torch.Tensor:
     """The weights returned by a weighting: a real tensor of shape (k,), one per ``unit``
-    (a task, or an example on the per-example path), detached."""
+    (a task, or an example on the per-example path), detached unless ``keep_graph``."""
     if not isinstance(weights, torch.Tensor):
         raise TypeError(
             f"{call}: `weighting` must return a tensor of k = {k} weights from {source}, got "
@@ -238,7 +246,7 @@ def checked_shape(weights: Any, k: int, source: str, call: str, unit: str = "tas
         raise TypeError(
             f"{call}: `weighting` must return real floating-point weights, got {weights.dtype}."
         )
-    return weights.detach()
+    return weights if keep_graph else weights.detach()
 
 
 def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:
@@ -263,33 +271,42 @@ def checked_weights(
     what: str,
     call: str,
     share: Callable[[torch.Tensor], torch.Tensor],
+    keep_graph: bool = False,
 ) -> torch.Tensor:
     """``share(weighting(G))`` (``share``: the first rank's weights on every rank), with G
     and the weights checked for NaN/inf in ONE read of a device value (eager mode): a clear
     error naming the non-finite tasks, or the weighting that returned non-finite weights.
     Where the weighting raises, a non-finite G is the error to see."""
     try:
-        weights = share(weights_from_gramian(rule, g, call))
+        weights = share(weights_from_gramian(rule, g, call, keep_graph=keep_graph))
     except Exception:
         check_gramian(g, blocks, what, call)
         raise
     # (One read: a sum is finite only where every entry is, and where finite entries overflow
     # it, the exact checks below find nothing to refuse.)
-    if values_readable([g]) and not math.isfinite(float(g.sum() + weights.sum())):
+    if values_readable([g]) and not math.isfinite(float((g.sum() + weights.sum()).detach())):
         check_gramian(g, blocks, what, call)
         check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
     return weights
 
 
-def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
-    """``rule.fn(stat)`` on a detached ``stat``, outside autocast, with grad mode on (a
-    weighting may differentiate inside itself, also under a caller's ``torch.no_grad``)."""
+def _call(rule: Rule, stat: torch.Tensor, given: str, call: str, keep_graph: bool) -> Any:
+    """``rule.fn(stat)`` on ``stat`` detached (unless ``keep_graph``), outside autocast, with
+    grad mode on (a weighting may differentiate inside itself, also under a caller's
+    ``torch.no_grad``)."""
     with no_autocast(stat.device), torch.enable_grad():
         try:
-            return rule.fn(stat.detach())
+            return rule.fn(stat if keep_graph else stat.detach())
         except Exception as error:
             name = type(rule.fn).__name__
             error.add_note(f"{call}: raised by the weighting {name}, given {given}.")
+            if keep_graph and stat.requires_grad and values_readable([stat]):
+                error.add_note(
+                    f"{call}: with create_graph=True the weighting is given {given} with its "
+                    "graph, so that the gradient through the update reaches the weights; a "
+                    "weighting that reads it outside torch (.numpy(), a QP solver) must take "
+                    "its .detach() itself, which makes its weights constants there."
+                )
             if not values_readable([stat]) and not torch.compiler.is_compiling():
                 error.add_note(
                     f"{call}: the weighting ran inside a torch.func transform (vmap, grad, "
@@ -302,12 +319,13 @@ def _call(rule: Rule, stat: torch.Tensor, given: str, call: str) -> Any:
 
 
 def weights_from_gramian(
-    rule: Rule, g: torch.Tensor, call: str, unit: str = "task"
+    rule: Rule, g: torch.Tensor, call: str, unit: str = "task", keep_graph: bool = False
 ) -> torch.Tensor:
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
     given = f"the {tuple(g.shape)} Gramian"
-    return checked_shape(_call(rule, g, given, call), g.shape[0], given, call, unit)
+    found = _call(rule, g, given, call, keep_graph)
+    return checked_shape(found, g.shape[0], given, call, unit, keep_graph)
 
 
 def aggregate(
@@ -315,6 +333,7 @@ def aggregate(
     rows: torch.Tensor,
     call: str,
     share: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    keep_graph: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
     ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
@@ -326,14 +345,23 @@ def aggregate(
     given = f"the ({k}, {n}) Jacobian"
     work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        found = checked_shape(_call(rule, work, given, call), k, given, call)
+        found = _call(rule, work, given, call, keep_graph)
+        found = checked_shape(found, k, given, call, keep_graph=keep_graph)
         return check_finite(share(found), given, call), None
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
-        hook = rule.fn.weighting.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        # (this thread's calls only: another thread's call of a shared aggregator fires
+        # this hook too, and its weights were taken for this call's)
+        me = threading.get_ident()
+
+        def capture(_module: Any, _inputs: Any, out: Any) -> None:
+            if threading.get_ident() == me:
+                captured.append(out)
+
+        hook = rule.fn.weighting.register_forward_hook(capture)
     try:
-        vector = _call(rule, work, given, call)
+        vector = _call(rule, work, given, call, keep_graph)
     finally:
         if hook is not None:
             hook.remove()
@@ -343,10 +371,12 @@ def aggregate(
             f"{call}: the aggregator {name} must map the ({k}, {n}) Jacobian to a vector of "
             f"shape ({n},), got {describe(vector)}."
         )
-    weights = checked_shape(captured[-1], k, given, call) if captured else None
+    weights = (
+        checked_shape(captured[-1], k, given, call, keep_graph=keep_graph) if captured else None
+    )
     if weights is not None:
         weights = check_finite(share(weights), given, call)
-    vector = share(vector.detach())
+    vector = share(vector if keep_graph else vector.detach())
     if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
         raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
     return weights, vector

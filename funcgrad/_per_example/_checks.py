@@ -34,7 +34,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
     root = get_gradient_edge(run.losses)
     stack: list[tuple[Any, int]] = [(root.node, root.output_nr)]
     seen: set[Any] = set()
-    kinds: list[type] = []
+    nodes: list[Any] = []
     while stack:
         node, nr = stack.pop()
         use = by_edge.get((node, nr))
@@ -46,7 +46,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
         if node in seen:
             continue
         seen.add(node)
-        kinds.append(type(node))
+        nodes.append(node)
         leaf = getattr(node, "variable", None)
         if isinstance(leaf, torch.Tensor):
             _check_leaf(run, leaf)
@@ -58,7 +58,7 @@ def _recorded_uses(run: _Run) -> list[_Use]:
             "recorded: hook the model before its forward, and compute the losses from "
             "that forward."
         )
-    run.graph_kinds = tuple(kinds)
+    run.graph_nodes = nodes
     return [use for top in run.recorder._uses if id(top) in reached for use in top.walk()]
 
 

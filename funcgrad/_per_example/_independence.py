@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import math
 import re
 import warnings
@@ -51,18 +52,194 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
         # train / eval changes what a module does (dropout drawn or not): a signature
         # checked in one mode is not checked in the other
         tuple(m.training for m in run.recorder.model.modules()),
-        # the ops around the recorded calls: a term that mixes the examples (out.roll(1, 0)
-        # in the loss) added after the checked call, under the same final op, was unchecked
-        run.graph_kinds,
+        # the ops around the recorded calls, with their arguments: a term that mixes the
+        # examples added after the checked call, under the same final op (out.roll(1, 0)),
+        # or with the same ops on other dims (out.flip(0) after out.flip(1)), was unchecked
+        _graph_signature(run.graph_nodes, run.batch),
     ]
     for use in tested:
         leaves = _pytree.tree_leaves((use.args, use.kwargs))
         shapes = tuple((x.shape, x.dtype) for x in leaves if isinstance(x, torch.Tensor))
         parts.append((id(use.module), shapes, tuple(shape for _, shape, _ in use.outputs)))
     key = tuple(parts)
-    if run.check is False and key in run.recorder._independent:
+    checked = run.recorder._independent
+    if run.check is False and key in checked:
         return None
+    if len(checked) >= _SIGNATURES:  # (a scalar that changes on every call: bounded)
+        checked.clear()
     return key
+
+
+_SIGNATURES = 1024  # signatures held as checked, at most (then all are checked again)
+
+# node type -> (its saved non-tensor arguments, its saved tensors): torch names a node's
+# saved argument x `_saved_x`, and one that holds tensors also has `_raw_saved_x`
+_SAVED: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+# Nodes whose saved index tensors say which rows they read: their values, not only their
+# shapes, decide whether the examples mix (out[perm], out.index_select(0, perm), a sort
+# along the examples' dim). node type -> the attribute with the indices, and whether it
+# takes them along `_saved_dim` ("dim"), along the dim of their position in a tuple of
+# indices ("tuple"), or over the whole tensor ("all").
+_INDEXERS: dict[str, tuple[str, str]] = {
+    **{
+        name: ("_saved_index", "dim")
+        for name in (
+            "IndexSelectBackward0",
+            "GatherBackward0",
+            "ScatterBackward0",
+            "ScatterBackward1",
+            "ScatterAddBackward0",
+            "ScatterReduceBackward0",
+            "IndexAddBackward0",
+            "IndexCopyBackward0",
+            "IndexReduceBackward0",
+        )
+    },
+    **{
+        name: ("_saved_indices", "dim")
+        for name in (
+            "SortBackward0",
+            "SortBackward1",
+            "TopkBackward0",
+            "KthvalueBackward0",
+            "MedianBackward1",
+            "NanmedianBackward1",
+            "ModeBackward0",
+            "MaxBackward0",
+            "MinBackward0",
+            "CummaxBackward0",
+            "CumminBackward0",
+        )
+    },
+    "IndexBackward0": ("_saved_indices", "tuple"),
+    "IndexPutBackward0": ("_saved_indices", "tuple"),
+    "TakeBackward0": ("_saved_index", "all"),
+    "EmbeddingBackward0": ("_saved_indices", "all"),
+    "MaskedSelectBackward0": ("_saved_mask", "all"),
+    "MaskedScatterBackward0": ("_saved_mask", "all"),
+}
+# Nodes whose saved 0-dim CPU tensor may be a Python number the loss multiplies by (torch
+# wraps it in a tensor): `lam * out.mean(0)` with lam = 0 on the checked call mixes nothing
+# (torch puts the number second, as `other`: only that one is read, as reading a saved
+# tensor runs its saved-tensor unpack hook, save_on_cpu's copy back included)
+_SCALED = frozenset({"MulBackward0", "DivBackward0", "DivBackward2"})
+
+
+def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
+    """The graph's nodes around the recorded calls (`_recorded_uses`' walk), each as its
+    kind and its saved non-tensor arguments (dims, sizes, flags, numbers), plus what of its
+    saved tensors can decide whether it mixes the examples and is read cheaply:
+
+    - the index tensors of the nodes that read rows by index (`_INDEXERS`), where they
+      index dim 0 or a dim of size ``batch`` (or the whole tensor): their contents, by a
+      digest (one host read each on an accelerator). Indices along other dims (a class
+      label picked by ``gather(1, y)``, a target) are left out: they cannot move one
+      example's row to another, and they change with every batch.
+    - a 0-dim CPU tensor that a ``mul``/``div`` saved as its second operand (a Python
+      number, or a scale kept on the CPU): whether it is 0, its sign and its binary
+      exponent, so that a term switched on from 0 (a loss weight that ramps up) or grown
+      past the check's tolerance is checked again, and a scale that moves within one
+      power of two is not.
+
+    Other saved tensors (activations, masks of ``where`` and dropout, a mixing matrix) are
+    not held: their values change with every batch (docs/reliability.md)."""
+    parts: list[Any] = []
+    for node in nodes:
+        kind = type(node)
+        names = _SAVED.get(kind)
+        if names is None:
+            attrs = dir(kind)
+            held = {a[len("_raw") :] for a in attrs if a.startswith("_raw_saved_")}
+            plain = tuple(a for a in attrs if a.startswith("_saved_") and a not in held)
+            names = _SAVED[kind] = (plain, tuple(sorted(held)))
+        plain, tensors = names
+        if not plain and not tensors:
+            parts.append(kind)
+            continue
+        try:
+            entry: list[Any] = [kind, *(_frozen(getattr(node, a)) for a in plain)]
+            if tensors:
+                name = kind.__name__
+                if name in _INDEXERS:
+                    entry.append(_indices(node, *_INDEXERS[name], batch))
+                elif name in _SCALED:
+                    entry.append(_scale(node._saved_other))
+        except RuntimeError:  # a saved tensor freed by an earlier backward: torch refuses later
+            entry = [kind, "freed"]
+        parts.append(tuple(entry))
+    signature = tuple(parts)
+    try:
+        hash(signature)
+    except TypeError:
+        signature = _hashable(signature)
+    return signature
+
+
+def _frozen(value: Any) -> Any:
+    """A saved argument as a value that equals itself: a float by its hex form (NaN equal
+    to NaN); sizes and dims (tuples of ints, the common case) as they are."""
+    kind = type(value)
+    if kind is float:
+        return value.hex()
+    if kind is list:
+        return tuple(value)
+    return value
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` with whatever does not hash (a list inside a tuple) by its repr."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_hashable(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _scale(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() or value.device.type != "cpu":
+        return None
+    try:
+        number = float(value.detach())
+    except Exception:  # unreadable (a fake tensor): check the call
+        return object()
+    if number == 0 or not math.isfinite(number):
+        return number.hex() if number == number else "nan"
+    return (number > 0, math.frexp(number)[1])
+
+
+def _indices(node: Any, attr: str, how: str, batch: int) -> tuple[Any, ...]:
+    held = getattr(node, attr)
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    if how == "tuple":
+        picked = [
+            (p, t)
+            for p, t in enumerate(held)
+            if t is not None and (p == 0 or (sizes is not None and sizes[p] == batch))
+        ]
+    else:
+        picked = [(0, held)]
+        if how == "dim":
+            ndim = len(sizes) if sizes is not None else held.dim()
+            dim = node._saved_dim % max(ndim, 1)
+            size = sizes[dim] if sizes is not None else held.shape[dim] if held.dim() else 1
+            if dim != 0 and size != batch:
+                picked = []
+    return tuple((p, _digest(t)) for p, t in picked)
+
+
+def _digest(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """The index values' digest; where they cannot be read (a tensor subclass, a fake or
+    meta tensor), a new object, so that the signature is new and the call is checked."""
+    try:
+        data = tensor.detach().cpu().contiguous()
+        blob: Any = data.numpy() if data.numel() else b""  # read in place, no copy
+        digest: Any = hashlib.blake2b(blob, digest_size=16).digest()
+    except Exception:  # any failure to read: check the call
+        digest = object()
+    return (tuple(tensor.shape), tensor.dtype, digest)
 
 
 @dataclasses.dataclass

@@ -97,9 +97,9 @@ class _Run:
         self.device = losses.device
         self.selected = self._select(inputs)
         self._inputs_given = inputs is not None
-        # the kinds of the graph's nodes outside the recorded calls (_recorded_uses' walk):
-        # part of the independence check's signature
-        self.graph_kinds: tuple[type, ...] = ()
+        # the graph's nodes outside the recorded calls (_recorded_uses' walk): their kinds
+        # and saved arguments are part of the independence check's signature
+        self.graph_nodes: list[Any] = []
         first = next(iter(self.selected), None)
         self.dtype = _weighting.work_dtype(first.dtype if first is not None else losses.dtype)
 
