@@ -344,7 +344,7 @@ def measure_fit(
     (start, mid), (_, end) = ((stop + a, stop + b) for a, b in FIT_RANGES)
     # The larger chunk first: a one-time allocation in the first run (cuBLAS's workspace on
     # CUDA) then inflates the cost of a direction, which chunks more than needed, instead of
-    # cancelling it, which chunked nothing (an H200: 2 GiB under a 512 MiB budget).
+    # cancelling it, which chunked nothing (docs/benchmarks_cuda.md).
     second, two = _memory.peak_of(lambda: run(mid, end), device)
     first, one = _memory.peak_of(lambda: run(start, mid), device)
     few, more = mid - start, end - mid
