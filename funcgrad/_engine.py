@@ -236,10 +236,6 @@ class ChunkFit:
         return self.cost is not None
 
     @property
-    def fixed(self) -> int | None:
-        return None if self.cost is None else self.cost[0]
-
-    @property
     def per_direction(self) -> int:
         return 1 if self.cost is None else self.cost[1]
 
