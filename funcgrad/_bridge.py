@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 
 from . import _coords, _engine, _graph, _linearize
 from ._config import CheckMode, resolve_check
-from ._plan import Plan, Request, decide
+from ._plan import Request, decide
 from ._record import Record
 from ._types import ChunkSize, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
 
 _CALL = "funcgrad.grads(outputs, inputs, through=...)"
-
-
-@functools.lru_cache(maxsize=256)
-def once_plan(
-    k: int,
-    n: int,
-    m: int,
-    chunk_size: ChunkSize,
-    call: str,
-    *,
-    hooked: bool = False,
-    last: bool = False,
-    sparse: bool = False,
-) -> Plan:
-    """The plan of a one-shot pull (``grads``, ``backward``): :func:`funcgrad._plan.decide`
-    of a fresh record, which is pure, so each answer is kept (a frozen Plan) for the calls
-    that ask the same."""
-    request = Request(
-        "auto", k, n, m, chunk_size, hooked=hooked, call=call, once=True, last=last, sparse=sparse
-    )
-    return decide(request, Record())
 
 
 def grads(
@@ -134,7 +112,11 @@ def grads(
         # an input) must see the outputs' gradients, not unit directions.
         hooked = graph.hooked or any(x._backward_hooks for x in ins)
         k, n, m = len(outs), _coords.real_size(ins), _coords.real_size(lin.out)
-        plan = once_plan(k, n, m, chunk_size, _CALL, hooked=hooked, sparse=graph.sparse)
+        plan = decide(  # (memoised: a fresh record, the same request each call)
+            Request("auto", k, n, m, chunk_size, hooked=hooked, call=_CALL, once=True,
+                    sparse=graph.sparse),
+            Record(),
+        )  # fmt: skip
         # Where the cotangents themselves go through, that one batched pull is the last: it
         # frees the part below `through`, as torch.autograd.grad would.
         last = hooked or (not retain and plan.strategy == "vjp")

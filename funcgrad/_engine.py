@@ -17,6 +17,7 @@ which builds the linearisation), for every public entry point:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -235,10 +236,6 @@ class ChunkFit:
         return self.cost is not None
 
     @property
-    def fixed(self) -> int | None:
-        return None if self.cost is None else self.cost[0]
-
-    @property
     def per_direction(self) -> int:
         return 1 if self.cost is None else self.cost[1]
 
@@ -343,7 +340,7 @@ def measure_fit(
     (start, mid), (_, end) = ((stop + a, stop + b) for a, b in FIT_RANGES)
     # The larger chunk first: a one-time allocation in the first run (cuBLAS's workspace on
     # CUDA) then inflates the cost of a direction, which chunks more than needed, instead of
-    # cancelling it, which chunked nothing (an H200: 2 GiB under a 512 MiB budget).
+    # cancelling it, which chunked nothing (docs/benchmarks_cuda.md).
     second, two = _memory.peak_of(lambda: run(mid, end), device)
     first, one = _memory.peak_of(lambda: run(start, mid), device)
     few, more = mid - start, end - mid
@@ -384,30 +381,17 @@ def batched(
     if chunk_size == "auto":
         if not may_loop:  # forward mode: all n columns in one batch, or reverse mode
             chunk_size = None
-        else:
+        else:  # the measured directions, unchecked, then the rest in fitted chunks
+            again = functools.partial(batched, fn, what=what, can_vmap=can_vmap, log=log)
 
             def run(start: int, stop: int) -> Tensors:
-                part = [arg[start:stop] for arg in args]
-                return batched(
-                    fn, part, chunk_size=None, check=False, what=what, can_vmap=can_vmap, log=log
-                )
+                return again([arg[start:stop] for arg in args], chunk_size=None, check=False)
 
             measured, chunk = fit_chunk(run, args, batch, what, fit)
             if measured:
                 rest = [arg[measured[-1][1] :] for arg in args]
                 parts = [results for _, _, results in measured]
-                parts.append(
-                    batched(
-                        fn,
-                        rest,
-                        chunk_size=chunk,
-                        check=check,
-                        what=what,
-                        can_vmap=can_vmap,
-                        last_fn=last_fn,
-                        log=log,
-                    )
-                )
+                parts.append(again(rest, chunk_size=chunk, check=check, last_fn=last_fn))
                 return tuple(torch.cat(outputs) for outputs in zip(*parts))
             chunk_size = chunk
     if may_loop and (batch == 1 or chunk_size == 1 or not can_vmap):

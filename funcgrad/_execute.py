@@ -61,7 +61,7 @@ def execute(
         # (the first use of a dispatch mode in a process imports it, about 2 s: a one-time
         # cost that must not be timed against auto's other candidate; docs/planning.md)
         importlib.import_module("torch._dynamo")
-    with _gc_paused(timed):  # (a collection, 4 ms here, must not decide auto's plan)
+    with _gc_paused(timed):  # (a collection must not decide auto's plan: docs/planning.md)
         log = _engine.Log(watch=plan.watch or timed)
         start = time.perf_counter() if timed else 0.0
         forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None

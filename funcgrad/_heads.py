@@ -403,9 +403,17 @@ class Composition:
         return _engine.ChunkFit() if record.fit is None else dataclasses.replace(record.fit)
 
     def _request(
-        self, flat: FlatFunction, record: Record, fit: Any, weighted: bool = False
+        self,
+        flat: FlatFunction,
+        record: Record,
+        fit: Any,
+        weighted: bool = False,
+        check: CheckMode | None = None,
     ) -> Request:
+        """What this call asks :func:`decide` (``check``: resolved already, else here)."""
         fitted = fit.chunk() if fit is not None and fit.measured else None
+        if check is None:
+            check = self.resolved_check()
         return Request(
             self.strategy,
             self.k,
@@ -418,7 +426,7 @@ class Composition:
             eager=flat.readable,
             graph=torch.is_grad_enabled(),
             hooked=flat.hooked,
-            check=bool(self.resolved_check()),
+            check=bool(check),
             call=self.call,
         )
 
@@ -447,7 +455,7 @@ class Composition:
         execute, learn."""
         key, record = self._record(flat)
         fit = self._fit(flat, record)
-        request = self._request(flat, record, fit)
+        request = self._request(flat, record, fit, check=check)
 
         plan = decide(request, record)
 

@@ -352,20 +352,16 @@ def of_graph(
     create_graph: bool = False,
     retain_graph: bool = True,
     what: str = "the backward from `through` to the inputs",
-    by_backward: bool | None = None,
-    compiled: bool = False,
+    by_backward: bool,
+    compiled: bool,
 ) -> Linearization:
     """The backward of an existing graph from ``outputs`` to ``inputs``. Every pull but the
     last retains the graph; the last retains it only with ``retain_graph``. Batched with
     ``torch.func.vmap`` over ``torch.autograd.grad`` (as TorchJD batches), a loop with
     ``create_graph``; by ``.backward()``, one pass per direction, through a reentrant
-    checkpoint (``by_backward``: whether one lies between outputs and inputs, when the
-    caller's walk of the graph found out; None: walk it here, for ``compiled`` too).
-    ``compiled``: a torch.compile'd backward lies between them (a second pass is checked
-    against the first: :func:`repeat_checked`)."""
-    if by_backward is None:
-        scanned = _graph.scan(outputs)
-        by_backward, compiled = scanned.checkpoint, scanned.compiled
+    checkpoint (``by_backward``: whether one lies between outputs and inputs, as the
+    caller's walk of the graph found). ``compiled``: a torch.compile'd backward lies between
+    them (a second pass is checked against the first: :func:`repeat_checked`)."""
     if by_backward and create_graph:
         raise ValueError(
             "funcgrad: create_graph=True cannot go through a reentrant checkpoint "

@@ -81,22 +81,33 @@ class Trial:
 
 
 @dataclasses.dataclass(frozen=True)
-class Record:
-    """What is known of one call signature of a function (or, as ``Records.facts``, of the
-    function): y's size, what f does when it runs, the timed calls, the chunk fit. It holds
-    no tensor, and is replaced whole by :func:`learn`."""
+class Facts:
+    """What f was seen to do when it ran, as a call reports it (:class:`Observations`) and a
+    record holds it (:class:`Record`): each fact only accumulates (:func:`learn`), and a new
+    signature of the function starts from them (:func:`function_facts`)."""
 
-    m: int | None = None  # y's real size (a call's output, or plan()'s runs)
-    shape_tried: bool = False  # plan() ran f on fake tensors for m
-    draws: bool | None = None  # f drew from an explicit torch.Generator (None: not watched)
     random: bool = False  # f draws random numbers: eager autograd, no forward mode
     hooked: bool = False  # f runs a (tensor or module) backward hook: cotangents only
     compiled: bool = False  # f's graph holds a torch.compile'd backward: torch.func
     mutates: bool = False  # torch.func refuses f (a buffer updated in place, ...)
     rnn: bool = False  # f runs an RNN, whose backward vmap batches badly
     slow_path: bool = False  # vmap warned it has no batching rule for an op of f
-    forward_lost: bool = False  # forward mode fell back, or lost its timed call
     threads: bool = False  # part of f ran in another thread: eager autograd only
+
+
+FACTS = tuple(field.name for field in dataclasses.fields(Facts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Record(Facts):
+    """What is known of one call signature of a function (or, as ``Records.facts``, of the
+    function): y's size, what f does when it runs (its :class:`Facts`), the timed calls,
+    the chunk fit. It holds no tensor, and is replaced whole by :func:`learn`."""
+
+    m: int | None = None  # y's real size (a call's output, or plan()'s runs)
+    shape_tried: bool = False  # plan() ran f on fake tensors for m
+    draws: bool | None = None  # f drew from an explicit torch.Generator (None: not watched)
+    forward_lost: bool = False  # forward mode fell back, or lost its timed call
     trials: tuple[Trial, ...] = ()
     settled: Choice | None = None  # what decide settled on (the plan's choice, final)
     prior: Choice | None = None  # what another signature of this function settled on
@@ -104,26 +115,20 @@ class Record:
 
 
 @dataclasses.dataclass(frozen=True)
-class Observations:
-    """What one call saw (:func:`funcgrad._execute.execute`), for :func:`learn`."""
+class Observations(Facts):
+    """What one call saw (:func:`funcgrad._execute.execute`), for :func:`learn`: its
+    :class:`Facts` (where it watched f), y's size, what ran, its times."""
 
     m: int | None = None
     ran: Choice | None = None  # what ran, after any fallback
     seconds: float | None = None  # timed calls: without the unbatched call timing vmap
-    timing: Timing | None = None
-    watched: bool = False
-    generators: bool = False
-    random: bool = False
-    hooked: bool = False
-    compiled: bool = False
-    mutates: bool = False
-    rnn: bool = False
-    slow_path: bool = False
-    forward_failed: bool = False
-    threads: bool = False
+    timing: Timing | None = None  # a batched call timed against one unbatched call
+    watched: bool = False  # f's ops were watched (then ``generators`` is known)
+    generators: bool = False  # f drew from an explicit torch.Generator
+    forward_failed: bool = False  # forward mode fell back on this call
     final: bool = False  # the plan run was final: ``ran`` is what decide settled on
-    fit: Any = None
-    shape_tried: bool = False
+    fit: Any = None  # chunk_size="auto": the working fit, as measured
+    shape_tried: bool = False  # plan() ran f on fake tensors
 
 
 def learn(record: Record, seen: Observations) -> Record:
@@ -132,20 +137,13 @@ def learn(record: Record, seen: Observations) -> Record:
     trials = record.trials
     if seen.seconds is not None and seen.ran is not None:
         trials = (*trials, Trial(seen.ran, seen.seconds, seen.timing))
-    forward_lost = record.forward_lost or seen.forward_failed
     return dataclasses.replace(
         record,
+        **{name: getattr(record, name) or getattr(seen, name) for name in FACTS},
         m=seen.m if seen.m is not None else record.m,
         shape_tried=record.shape_tried or seen.shape_tried,
         draws=seen.generators if record.draws is None and seen.watched else record.draws,
-        random=record.random or seen.random,
-        hooked=record.hooked or seen.hooked,
-        compiled=record.compiled or seen.compiled,
-        mutates=record.mutates or seen.mutates,
-        rnn=record.rnn or seen.rnn,
-        slow_path=record.slow_path or seen.slow_path,
-        forward_lost=forward_lost,
-        threads=record.threads or seen.threads,
+        forward_lost=record.forward_lost or seen.forward_failed,
         trials=trials,
         settled=seen.ran if seen.final and seen.ran is not None else record.settled,
         fit=seen.fit if seen.fit is not None else record.fit,
@@ -160,13 +158,7 @@ def adds_nothing(record: Record, seen: Observations) -> bool:
         and (seen.m is None or seen.m == record.m)
         and (record.shape_tried or not seen.shape_tried)
         and not (record.draws is None and seen.watched)
-        and (record.random or not seen.random)
-        and (record.hooked or not seen.hooked)
-        and (record.compiled or not seen.compiled)
-        and (record.mutates or not seen.mutates)
-        and (record.rnn or not seen.rnn)
-        and (record.slow_path or not seen.slow_path)
-        and (record.threads or not seen.threads)
+        and not any(getattr(seen, name) and not getattr(record, name) for name in FACTS)
         and (record.forward_lost or not seen.forward_failed)
         and (not seen.final or seen.ran is None or seen.ran == record.settled)
         and (seen.fit is None or seen.fit == record.fit)
@@ -177,14 +169,8 @@ def function_facts(record: Record) -> Record:
     """What a new signature of the function starts from: what f does, and what this one
     settled on (not y's size, the timings or the chunk fit, which depend on the shapes)."""
     return Record(
-        random=record.random,
-        hooked=record.hooked,
-        compiled=record.compiled,
-        mutates=record.mutates,
-        rnn=record.rnn,
-        slow_path=record.slow_path,
+        **{name: getattr(record, name) for name in FACTS},
         forward_lost=record.forward_lost,
-        threads=record.threads,
         # None: a new signature's first call is watched again (f may take another branch at
         # other shapes: a hook, a draw).
         draws=None,

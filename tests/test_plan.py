@@ -27,6 +27,7 @@ from funcgrad import _plan, _shape
 from funcgrad._counting import BackwardCounter, counted
 from funcgrad._plan import Request, decide
 from funcgrad._record import (
+    FACTS,
     Choice,
     Observations,
     Record,
@@ -816,6 +817,18 @@ def test_adds_nothing_is_learn_leaving_the_record_as_it_was():
     for record, seen in cases:
         assert adds_nothing(record, seen) == (learn(record, seen) == record), (record, seen)
     assert sum(adds_nothing(r, s) for r, s in cases) > len(cases) // 4  # both answers met
+
+
+def test_every_fact_accumulates_and_seeds_a_new_signature():
+    """Facts are declared once (shared by Record and Observations): each one a call reports
+    is learnt, never unlearnt, and carried to a new signature of the function."""
+    assert set(FACTS) == set(_BOOLS)  # (the tables above are written against this list)
+    for name in FACTS:
+        seen = Observations(**{name: True})
+        learnt = learn(Record(), seen)
+        assert getattr(learnt, name) and not adds_nothing(Record(), seen)
+        assert learn(learnt, Observations()) == learnt and adds_nothing(learnt, seen)
+        assert getattr(function_facts(learnt), name)
 
 
 def test_records_learn_writes_only_what_changes():
