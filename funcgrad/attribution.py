@@ -70,8 +70,8 @@ _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 # takes reverse mode on them from then on, in that mode.
 _NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]
 _NO_FORWARD = weakref.WeakKeyDictionary()
-# Models checked causal (see _check_causal).
-_CAUSAL: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# Models checked causal, with what the check saw of them (see _check_causal).
+_CAUSAL: weakref.WeakKeyDictionary[torch.nn.Module, _Probed] = weakref.WeakKeyDictionary()
 # Models whose output layer (``get_output_embeddings()``) did not give the returned logits
 # (a logit soft-cap after it, say): the heads read the logits on them from then on.
 _LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -407,15 +407,114 @@ def _logits(output: object, call: str) -> torch.Tensor:
     return logits
 
 
-def _check_causal(args: _Args) -> None:
+# The attributes of a module, a config or a namespace that the fingerprints compare by value.
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+@dataclasses.dataclass
+class _Probed:
+    """What the causal probe saw of a model (`_check_causal`): its `_structure`, its modules'
+    and config's plain attributes (`_attributes`), and copies of the namespaces its code may
+    look functions up in (`_namespaces`), each with the live dict it copies."""
+
+    structure: tuple[Any, ...]
+    attributes: tuple[Any, ...]
+    namespaces: list[tuple[Any, dict[str, Any]]]
+
+    def same_namespaces(self) -> bool:
+        """Whether every name of the namespaces still holds the same object (by identity:
+        a value's own ``==`` is never called)."""
+        return all(
+            len(live) == len(copy) and all(live.get(k, live) is v for k, v in copy.items())
+            for live, copy in self.namespaces
+        )
+
+
+def _modules(args: _Args) -> list[torch.nn.Module]:
+    modules = list(args.model.modules())
+    return modules if args.embedding in modules else [*modules, args.embedding]
+
+
+def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
+    """What the model runs, read cheaply (about 70 us on the bench's GPT-2) on every call: the
+    module tree (each module by a weak reference, its type, its class's and its instance's
+    ``forward``), the forward and forward pre-hooks (each module's and the global ones, by
+    their handles' ids), and every buffer by identity and version counter (an in-place
+    change of a mask buffer bumps it)."""
+    hooks = torch.nn.modules.module
+    return (
+        tuple(hooks._global_forward_hooks),
+        tuple(hooks._global_forward_pre_hooks),
+        tuple(
+            (
+                weakref.ref(module),
+                type(module),
+                type(module).forward,
+                module.__dict__.get("forward"),
+                tuple(module._forward_hooks),
+                tuple(module._forward_pre_hooks),
+                tuple((id(b), b._version) for b in module._buffers.values() if b is not None),
+            )
+            for module in modules
+        ),
+    )
+
+
+def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
+    """The plain attributes (bool, int, float, str, None) of every module and of the model's
+    ``config`` (a switch such as ``attn.is_causal = False`` or ``config._attn_implementation =
+    "sdpa"``), about 0.3 ms on the bench's GPT-2: read in forward mode only, whose tangents
+    cannot see what reverse mode's cotangents check on every call."""
+    config = getattr(model, "config", None)
+    owners = [*modules, config] if config is not None else modules
+    return tuple(
+        tuple((k, v) for k, v in vars(owner).items() if type(v) in _SIMPLE)
+        for owner in owners
+        if hasattr(owner, "__dict__")
+    )
+
+
+def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
+    """The namespaces the model's code may look functions up in: ``torch``,
+    ``torch.nn.functional``, ``torch.Tensor``'s methods, and the Python module of each of the
+    model's module classes (``transformers.models.gpt2.modeling_gpt2``: its
+    ``eager_attention_forward``), each with a copy of its names."""
+    sources: dict[int, Any] = {}
+    for owner in (torch, torch.nn.functional, torch.Tensor):
+        sources[id(owner)] = owner
+    for module in modules:
+        source = sys.modules.get(type(module).__module__)
+        if source is not None:
+            sources.setdefault(id(source), source)
+    lives = [vars(source) for source in sources.values()]
+    return [(live, dict(live)) for live in lives]
+
+
+def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     """One teacher-forced forward gives captum's prefix forwards' answers only where position
-    i's logits read positions ``<= i``. Checked once per model: two forwards without
-    gradients, in eval mode (the modules' flags restored after), the second with the last
-    token changed; the logits before it must not move."""
+    i's logits read positions ``<= i``. The probe: three forwards without gradients, in eval
+    mode (the modules' flags restored after), of ``prompt + targets[:-1]``, of the same with
+    its last token changed, and of it without its last token (captum's prefix: a model that
+    reads the sequence's length is not causal either); the logits before the last token must
+    not move. It runs on the first call with a model, and again
+    whenever what the model runs has changed since it last ran: on every call `_structure`
+    (the module tree, forwards, forward hooks, buffers) is compared, and in forward mode also
+    `_attributes` and `_namespaces` (reverse mode checks the gradients of every call
+    instead: `_future_leak`)."""
     model = args.model
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
-    if len(sequence) < 2 or model in _CAUSAL:
+    if len(sequence) < 2:
         return
+    modules = _modules(args)
+    structure = _structure(modules)
+    seen = _CAUSAL.get(model)
+    if seen is not None and seen.structure == structure:
+        if mode == "reverse":
+            return
+        if seen.attributes == _attributes(model, modules) and seen.same_namespaces():
+            return
+    probed = _Probed(structure, _attributes(model, modules), _namespaces(modules))
+    _CAUSAL.pop(model, None)
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -425,24 +524,43 @@ def _check_causal(args: _Args) -> None:
             changed = sequence.clone()
             changed[-1] = (changed[-1] + 1) % vocabulary
             after = _logits(model(changed[None]), _CALL)
+            shorter = _logits(model(sequence[None, :-1]), _CALL)
     finally:
         for module, flag in flags:
             module.training = flag
-    earlier, moved = before[0, :-1], after[0, :-1]
-    if earlier.shape != moved.shape:
+    earlier = before[0, :-1]
+    if earlier.shape != after[0, :-1].shape or earlier.shape != shorter[0].shape:
         return  # (the logits' shape checks name this on the call itself)
-    gap = float((earlier - moved).abs().max())
+    gap = float(
+        torch.maximum((earlier - after[0, :-1]).abs().max(), (earlier - shorter[0]).abs().max())
+    )
     scale = float(earlier.abs().max())
     if not gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0):
         raise ValueError(
             f"{_CALL}: the model is not causal: changing the last token of prompt + "
-            f"targets[:-1] moved the logits at earlier positions (by up to {gap:.3g}, against "
-            f"logits up to {scale:.3g}). One teacher-forced forward equals captum's prefix "
+            f"targets[:-1], or leaving it out, moved the logits at earlier positions (by up "
+            f"to {gap:.3g}, against logits up to {scale:.3g}). One teacher-forced forward "
+            "equals captum's prefix "
             "forwards only where position i reads positions <= i (a causal LM: GPT-2, Llama). "
             "For a bidirectional model (BERT), run captum's loop, or `funcgrad.compose_heads` "
             "on each prefix's forward."
         )
-    _CAUSAL.add(model)
+    _CAUSAL[model] = probed
+
+
+def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
+    """Reverse mode's check of causality, on every call: the (heads, length, d) gradients of
+    the heads ``targets[first:]`` on every position's embedding; head i sits at position
+    ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
+    zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
+    position's gradient is above 1000 eps of the largest (read by the caller, once per
+    call)."""
+    g = grads.detach().abs().amax(-1)  # (heads, length)
+    heads, length = g.shape
+    own = prompt + first - 1 + torch.arange(heads, device=g.device)
+    later = torch.arange(length, device=g.device)[None, :] > own[:, None]
+    leak = torch.where(later, g, 0).amax()
+    return leak > 1e3 * torch.finfo(g.dtype).eps * g.amax()
 
 
 def _refuse_tensor_hooks(output: Any) -> None:
@@ -916,14 +1034,18 @@ def _composed(
         target_ids: torch.Tensor,
         plain: torch.Tensor,
     ) -> torch.Tensor:
-        """With the prompt's embeddings moved by x (by x itself in reverse mode, x of shape
-        (L_in, d); by x times ``direction`` in forward mode, x of shape (L_in,)): the output
-        layer's input at the last T positions, (rows, T, d), or without an output layer the
-        (rows, T) target log-probabilities."""
+        """With the embeddings moved by x (reverse mode: x itself, of shape (length, d), every
+        position's, so that the gradients show what each head reads: `_future_leak`; forward
+        mode: the prompt's by x times ``direction``, x of shape (L_in,)): the output layer's
+        input at the last T positions, (rows, T, d), or without an output layer the (rows, T)
+        target log-probabilities."""
         model, embedding = model_ref(), embedding_ref()
         assert model is not None and embedding is not None
-        moved = x if x.dim() == 2 else x[:, None] * direction
-        embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
+        if x.dim() == 2:
+            embeds = scaled + x
+        else:
+            moved = x[:, None] * direction
+            embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
         # the output layer's (args, kwargs, output, the versions of its input and output)
         layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
@@ -1113,7 +1235,8 @@ def _run(
     """(attributions, gradients or None in forward mode): reverse mode in the groups of
     consecutive targets of `_groups`, each on its own prefix, forward mode at once."""
     if mode == "forward":
-        return _run_group(args, mode, chunk_size)
+        attributions, _, _ = _run_group(args, mode, chunk_size)
+        return attributions, None
     parts = [
         _run_group(
             dataclasses.replace(args, target_ids=args.target_ids[:stop], first=start),
@@ -1122,18 +1245,33 @@ def _run(
         )
         for start, stop in _groups(args)
     ]
-    gradients = [grads for _, grads in parts if grads is not None]
-    return torch.cat([attr for attr, _ in parts]), torch.cat(gradients)
+    leaks = [leak for _, _, leak in parts if leak is not None]
+    # (one host read for every group; NaN gradients are no leak: they are returned as they are)
+    if leaks and bool(torch.stack(leaks).any()):
+        _CAUSAL.pop(args.model, None)
+        raise ValueError(
+            f"{_CALL}: the model is not causal (now): on this call a target's log-probability "
+            "has a nonzero gradient with respect to the embedding of a later position than "
+            "its own (by more than 1000 eps of the largest gradient), so it reads tokens "
+            "captum's prefix forward does not have. Something in the model changed after its "
+            "causal check (a hook, a replaced forward, module or function, a switched "
+            "attribute or config), or it mixes positions in train mode only. One "
+            "teacher-forced forward equals captum's prefix forwards only where position i "
+            "reads positions <= i."
+        )
+    gradients = [grads for _, grads, _ in parts if grads is not None]
+    return torch.cat([attr for attr, _, _ in parts]), torch.cat(gradients)
 
 
 def _run_group(
     args: _Args,
     mode: Literal["reverse", "forward"],
     chunk_size: ChunkSize,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``:
+    (attributions, gradients or None, reverse mode's `_future_leak` or None)."""
     sequence, scaled, direction, plain = _prepare(args)
-    shape = direction.shape[:1] if mode == "forward" else direction.shape
+    shape = direction.shape[:1] if mode == "forward" else scaled.shape[1:]
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
     unembedding, _ = _unembedding(args)
     heads = args.target_ids[args.first :]
@@ -1145,7 +1283,7 @@ def _run_group(
             fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
             with torch.enable_grad():
                 _, grads = fn(x, scaled, direction, sequence, heads, plain)
-            return _formed(mode, grads, direction)
+            return _formed(args, mode, grads, direction)
         except _NotTheLogits as error:
             # The output layer's input is no split point on this model: the heads read the
             # logits, on this call and from then on.
@@ -1154,18 +1292,22 @@ def _run_group(
         fn = _composed(args, mode, chunk_size, scaled.dtype, None)
         with torch.enable_grad():
             _, grads = fn(x, scaled, direction, sequence, heads, plain)
-        return _formed(mode, grads, direction)
+        return _formed(args, mode, grads, direction)
     finally:
         _NESTED.reset(token)
 
 
 def _formed(
-    mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(attributions, gradients or None): forward mode forms the attributions itself."""
+    args: _Args, mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(attributions, gradients or None, `_future_leak` or None): forward mode forms the
+    attributions itself; reverse mode's gradients cover every position, the prompt's kept."""
     if mode == "forward":
-        return grads, None
-    return (grads * direction).sum(-1), grads
+        return grads, None, None
+    prompt = len(args.input_ids)
+    leak = _future_leak(grads, prompt, args.first)
+    grads = grads[:, :prompt]
+    return (grads * direction).sum(-1), grads, leak
 
 
 def _groups(args: _Args) -> list[tuple[int, int]]:
@@ -1358,6 +1500,11 @@ def token_attr(
         on the model, embedding or output layer of a call still running is refused.
         Module backward hooks (full or pre, on a module or global) run in reverse mode only:
         ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
+        Causality is probed (three forwards without gradients) on the first call with a
+        model and whenever its modules, forwards, forward hooks or buffers changed since
+        (in forward mode also its plain attributes, its config and the functions of the
+        namespaces its code reads); reverse mode also checks, on every call, that no
+        target's gradient reaches a later position. A model found not causal is refused.
     """
     args, requested = _validate(
         model,
@@ -1389,7 +1536,7 @@ def _attribute(
     """token_attr's work once its arguments are checked: the mode, the causal check, the
     forward(s) and the pulls (under the model's lock)."""
     chosen, _ = _choose(args, requested, return_gradients, _CALL)
-    _check_causal(args)
+    _check_causal(args, chosen)
     if chosen != "forward" or requested != "auto":
         return _run(args, chosen, chunk_size)
     # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
