@@ -820,7 +820,7 @@ def test_an_error_of_the_model_in_the_forward_mode_pass_is_not_remembered():
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             self.forwards += 1
-            if self.forwards == 3:  # (after the causal probe's two: the forward-mode pass)
+            if self.forwards == 4:  # (after the causal probe's three: the forward-mode pass)
                 raise RuntimeError("the model's own error")
             return super().forward(ids)
 

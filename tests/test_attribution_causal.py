@@ -275,3 +275,30 @@ def test_a_model_that_reads_the_length_is_refused(mode):
     torch.manual_seed(0)
     model = LengthLM().double().eval()
     assert _outcome(model, mode, embedding=model.embed) == "refused"
+
+
+class Counting(TinyLM):
+    """Changes a plain attribute and registers a hook of its own on every forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        self.mix.register_forward_hook(lambda module, args, out: None)
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_what_the_model_changes_itself_during_a_call_is_not_probed_again(mode):
+    """What a call's own forwards change is what the next call compares with: probed once,
+    not on every call (3 + 1 forwards a call, not 3 + 3 + 1)."""
+    torch.manual_seed(0)
+    model = Counting().double().eval()
+    input_ids, target_ids = _ids(5, 4)
+    for _ in range(3):
+        token_attr(model, input_ids, target_ids, embedding=model.embed, mode=mode)
+    assert model.forwards == 3 + 3
+    model.mix.register_forward_hook(lambda module, args, out: _flip(out))  # (the user's)
+    assert _outcome(model, mode, embedding=model.embed) == "refused"
