@@ -386,6 +386,11 @@ def _backward_hooked(args: _Args) -> str | None:
         return "a global module backward hook"
     get = getattr(args.model, "get_output_embeddings", None)
     output_layer = get() if callable(get) else None
+    extra = [args.embedding]
+    if isinstance(output_layer, torch.nn.Module):
+        extra.append(output_layer)
+    if not any(m._backward_hooks or m._backward_pre_hooks for m in (*args.model.modules(), *extra)):
+        return None  # (the common case, without the names)
     named = [*args.model.named_modules(), ("embedding", args.embedding)]
     if isinstance(output_layer, torch.nn.Module):
         named.append(("output layer", output_layer))
@@ -565,13 +570,18 @@ def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     the heads ``targets[first:]`` on every position's embedding; head i sits at position
     ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
     zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
-    position's gradient is above 1000 eps of the largest (read by the caller, once per
-    call)."""
-    g = grads.detach().abs().amax(-1)  # (heads, length)
-    heads, length = g.shape
-    own = prompt + first - 1 + torch.arange(heads, device=g.device)
-    later = torch.arange(length, device=g.device)[None, :] > own[:, None]
+    position's gradient is above 1000 eps of the largest at the positions after the prompt
+    and the group's earlier targets (read by the caller, once per call)."""
+    start = prompt + first  # (the first position after any head's own)
+    heads, length = grads.shape[:2]
+    if length <= start:
+        return torch.zeros((), dtype=torch.bool, device=grads.device)
+    g = grads.detach()[:, start:].abs().amax(-1)  # (heads, length - start)
+    own = torch.arange(heads, device=g.device)  # (head i's own position, less start + 1)
+    later = torch.arange(length - start, device=g.device)[None, :] >= own[:, None]
     leak = torch.where(later, g, 0).amax()
+    # (the scale: the largest gradient at those positions, head i's own earlier ones included;
+    # a causal model's later ones are exact zeros, so any leak there is refused)
     return leak > 1e3 * torch.finfo(g.dtype).eps * g.amax()
 
 
@@ -870,7 +880,6 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
         or library is None
         or getattr(getattr(forward, "__code__", None), "co_filename", None)
         != getattr(library, "__file__", 0)
-        or not _library_functions_intact()
     ):
         return False
     if kind.__call__ is not torch.nn.Module.__call__ or any(
@@ -954,7 +963,9 @@ def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     ):
         return []
     kinds = _elementwise_kinds()
-    return [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
+    found = [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
+    # (checked once per walk, where a module is found: the functions their forwards look up)
+    return found if found and _library_functions_intact() else []
 
 
 def _differentiation_levels() -> tuple[Any, Any]:
