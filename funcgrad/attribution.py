@@ -563,6 +563,7 @@ def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
         seen.structure = _structure(modules)
         if mode == "forward":
             seen.attributes = _attributes(args.model, modules)
+            seen.namespaces = [(live, dict(live)) for live, _ in seen.namespaces]
 
 
 def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
