@@ -163,7 +163,8 @@ class AttributionPlan:
         elementwise: the model's activation modules (their names in
             ``model.named_modules()``) known to be elementwise, whose backward of the T
             cotangents (or forward-mode rule for the L_in tangents) runs as ONE product by
-            their derivative, computed once per forward (``torch.func.vjp`` of ones):
+            their derivative, computed once per forward (torch's one backward op on
+            ones where it has one, else ``torch.func.vjp`` of ones):
             exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
             ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
             ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``,
@@ -991,8 +992,9 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
     """For the length of one forward of the model, every known elementwise activation module
     (`_elementwise_modules`) called on one floating tensor runs on its input detached (no
     graph, no tangents of its own formula), and its output is replaced by
-    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is one ``torch.func.vjp`` of
-    the module's ``forward`` pulling ones back, unbatched, exact for an elementwise f (its
+    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is `_derivative`'s one op
+    where torch has one, else one ``torch.func.vjp`` of the module's ``forward`` pulling ones
+    back, unbatched, exact for an elementwise f (its
     Jacobian is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact
     types, see `_is_elementwise`). The model is not modified; the module's forward pre-hooks
     run, before the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),

@@ -625,9 +625,13 @@ def test_a_replaced_library_function_leaves_the_activation_alone(case, method, m
     model = _model([act])
     assert _elementwise(model) == ()
     if not case.startswith(("F.silu", "F.relu")):
-        # (with F.silu or F.relu replaced by a position-mixing function, token_attr differs
-        # from the per-target loop even with nothing swapped, and from one call to the next:
-        # not this mechanism's; open, see the report)
+        # (F.silu and F.relu are Python functions that dispatch a torch function mode by
+        # their module-global name, `handle_torch_function(relu, ...)`: replaced by a wrapper
+        # that calls the original, under ANY TorchFunctionMode the mode is handed the
+        # wrapper, which applies its change a second time. compose_heads watches a
+        # signature's first call under such a mode (funcgrad/_function.py), so that call
+        # computes relu(g(g(x))) where the loop computes relu(g(x)): wrong on the first call
+        # of each shape, right from the second, for any f, not only token_attr's; open)
         _check(model, method, mode)
 
 
