@@ -202,8 +202,11 @@ def test_reverse_mode_checks_the_gradients_of_every_call():
     assert _outcome(model, "reverse", embedding=model.embed) == "exact"
     model.settings["mix"] = True
     assert _outcome(model, "reverse", embedding=model.embed) == "refused"
-    # refused again, from its own gradients, and the probe on the next change sees it too
+    # refused again, from its own gradients; switched back, exact again (nothing kept)
     assert _outcome(model, "reverse", embedding=model.embed) == "refused"
+    model.settings["mix"] = False
+    assert _outcome(model, "reverse", embedding=model.embed) == "exact"
+    assert _outcome(model, "forward", embedding=model.embed) == "exact"
 
 
 @pytest.mark.xfail(strict=True, reason="documented: forward mode sees structural changes only")
