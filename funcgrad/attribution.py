@@ -1323,7 +1323,8 @@ def _run(
         raise ValueError(
             f"{_CALL}: the model is not causal (now): on this call a target's log-probability "
             "has a nonzero gradient with respect to the embedding of a later position than "
-            "its own (by more than 1000 eps of the largest gradient), so it reads tokens "
+            "its own (by more than 1000 eps of the largest gradient after the prompt), so it "
+            "reads tokens "
             "captum's prefix forward does not have. Something in the model changed after its "
             "causal check (a hook, a replaced forward, module or function, a switched "
             "attribute or config), or it mixes positions in train mode only. One "
