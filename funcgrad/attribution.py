@@ -70,8 +70,8 @@ _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 # takes reverse mode on them from then on, in that mode.
 _NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]
 _NO_FORWARD = weakref.WeakKeyDictionary()
-# Models checked causal (see _check_causal).
-_CAUSAL: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# Models checked causal, with what the check saw of them (see _check_causal).
+_CAUSAL: weakref.WeakKeyDictionary[torch.nn.Module, _Probed] = weakref.WeakKeyDictionary()
 # Models whose output layer (``get_output_embeddings()``) did not give the returned logits
 # (a logit soft-cap after it, say): the heads read the logits on them from then on.
 _LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -163,7 +163,8 @@ class AttributionPlan:
         elementwise: the model's activation modules (their names in
             ``model.named_modules()``) known to be elementwise, whose backward of the T
             cotangents (or forward-mode rule for the L_in tangents) runs as ONE product by
-            their derivative, computed once per forward (``torch.func.vjp`` of ones):
+            their derivative, computed once per forward (torch's one backward op on
+            ones where it has one, else ``torch.func.vjp`` of ones):
             exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
             ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
             ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``,
@@ -386,6 +387,11 @@ def _backward_hooked(args: _Args) -> str | None:
         return "a global module backward hook"
     get = getattr(args.model, "get_output_embeddings", None)
     output_layer = get() if callable(get) else None
+    extra = [args.embedding]
+    if isinstance(output_layer, torch.nn.Module):
+        extra.append(output_layer)
+    if not any(m._backward_hooks or m._backward_pre_hooks for m in (*args.model.modules(), *extra)):
+        return None  # (the common case, without the names)
     named = [*args.model.named_modules(), ("embedding", args.embedding)]
     if isinstance(output_layer, torch.nn.Module):
         named.append(("output layer", output_layer))
@@ -407,15 +413,114 @@ def _logits(output: object, call: str) -> torch.Tensor:
     return logits
 
 
-def _check_causal(args: _Args) -> None:
+# The attributes of a module, a config or a namespace that the fingerprints compare by value.
+_SIMPLE = (bool, int, float, str, type(None))
+
+
+@dataclasses.dataclass
+class _Probed:
+    """What the causal probe saw of a model (`_check_causal`): its `_structure`, its modules'
+    and config's plain attributes (`_attributes`), and copies of the namespaces its code may
+    look functions up in (`_namespaces`), each with the live dict it copies."""
+
+    structure: tuple[Any, ...]
+    attributes: tuple[Any, ...]
+    namespaces: list[tuple[Any, dict[str, Any]]]
+
+    def same_namespaces(self) -> bool:
+        """Whether every name of the namespaces still holds the same object (by identity:
+        a value's own ``==`` is never called)."""
+        return all(
+            len(live) == len(copy) and all(live.get(k, live) is v for k, v in copy.items())
+            for live, copy in self.namespaces
+        )
+
+
+def _modules(args: _Args) -> list[torch.nn.Module]:
+    modules = list(args.model.modules())
+    return modules if args.embedding in modules else [*modules, args.embedding]
+
+
+def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
+    """What the model runs, read cheaply (about 70 us on the bench's GPT-2) on every call: the
+    module tree (each module by a weak reference, its type, its class's and its instance's
+    ``forward``), the forward and forward pre-hooks (each module's and the global ones, by
+    their handles' ids), and every buffer by identity and version counter (an in-place
+    change of a mask buffer bumps it)."""
+    hooks = torch.nn.modules.module
+    return (
+        tuple(hooks._global_forward_hooks),
+        tuple(hooks._global_forward_pre_hooks),
+        tuple(
+            (
+                weakref.ref(module),
+                type(module),
+                type(module).forward,
+                module.__dict__.get("forward"),
+                tuple(module._forward_hooks),
+                tuple(module._forward_pre_hooks),
+                tuple((id(b), b._version) for b in module._buffers.values() if b is not None),
+            )
+            for module in modules
+        ),
+    )
+
+
+def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
+    """The plain attributes (bool, int, float, str, None) of every module and of the model's
+    ``config`` (a switch such as ``attn.is_causal = False`` or ``config._attn_implementation =
+    "sdpa"``), about 0.3 ms on the bench's GPT-2: read in forward mode only, whose tangents
+    cannot see what reverse mode's cotangents check on every call."""
+    config = getattr(model, "config", None)
+    owners = [*modules, config] if config is not None else modules
+    return tuple(
+        tuple((k, v) for k, v in vars(owner).items() if type(v) in _SIMPLE)
+        for owner in owners
+        if hasattr(owner, "__dict__")
+    )
+
+
+def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
+    """The namespaces the model's code may look functions up in: ``torch``,
+    ``torch.nn.functional``, ``torch.Tensor``'s methods, and the Python module of each of the
+    model's module classes (``transformers.models.gpt2.modeling_gpt2``: its
+    ``eager_attention_forward``), each with a copy of its names."""
+    sources: dict[int, Any] = {}
+    for owner in (torch, torch.nn.functional, torch.Tensor):
+        sources[id(owner)] = owner
+    for module in modules:
+        source = sys.modules.get(type(module).__module__)
+        if source is not None:
+            sources.setdefault(id(source), source)
+    lives = [vars(source) for source in sources.values()]
+    return [(live, dict(live)) for live in lives]
+
+
+def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     """One teacher-forced forward gives captum's prefix forwards' answers only where position
-    i's logits read positions ``<= i``. Checked once per model: two forwards without
-    gradients, in eval mode (the modules' flags restored after), the second with the last
-    token changed; the logits before it must not move."""
+    i's logits read positions ``<= i``. The probe: three forwards without gradients, in eval
+    mode (the modules' flags restored after), of ``prompt + targets[:-1]``, of the same with
+    its last token changed, and of it without its last token (captum's prefix: a model that
+    reads the sequence's length is not causal either); the logits before the last token must
+    not move. It runs on the first call with a model, and again
+    whenever what the model runs has changed since it last ran: on every call `_structure`
+    (the module tree, forwards, forward hooks, buffers) is compared, and in forward mode also
+    `_attributes` and `_namespaces` (reverse mode checks the gradients of every call
+    instead: `_future_leak`)."""
     model = args.model
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
-    if len(sequence) < 2 or model in _CAUSAL:
+    if len(sequence) < 2:
         return
+    modules = _modules(args)
+    structure = _structure(modules)
+    seen = _CAUSAL.get(model)
+    if seen is not None and seen.structure == structure:
+        if mode == "reverse":
+            return
+        if seen.attributes == _attributes(model, modules) and seen.same_namespaces():
+            return
+    probed = _Probed(structure, _attributes(model, modules), _namespaces(modules))
+    _CAUSAL.pop(model, None)
     flags = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
@@ -425,24 +530,61 @@ def _check_causal(args: _Args) -> None:
             changed = sequence.clone()
             changed[-1] = (changed[-1] + 1) % vocabulary
             after = _logits(model(changed[None]), _CALL)
+            shorter = _logits(model(sequence[None, :-1]), _CALL)
     finally:
         for module, flag in flags:
             module.training = flag
-    earlier, moved = before[0, :-1], after[0, :-1]
-    if earlier.shape != moved.shape:
+    earlier = before[0, :-1]
+    if earlier.shape != after[0, :-1].shape or earlier.shape != shorter[0].shape:
         return  # (the logits' shape checks name this on the call itself)
-    gap = float((earlier - moved).abs().max())
+    gap = float(
+        torch.maximum((earlier - after[0, :-1]).abs().max(), (earlier - shorter[0]).abs().max())
+    )
     scale = float(earlier.abs().max())
     if not gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0):
         raise ValueError(
             f"{_CALL}: the model is not causal: changing the last token of prompt + "
-            f"targets[:-1] moved the logits at earlier positions (by up to {gap:.3g}, against "
-            f"logits up to {scale:.3g}). One teacher-forced forward equals captum's prefix "
+            f"targets[:-1], or leaving it out, moved the logits at earlier positions (by up "
+            f"to {gap:.3g}, against logits up to {scale:.3g}). One teacher-forced forward "
+            "equals captum's prefix "
             "forwards only where position i reads positions <= i (a causal LM: GPT-2, Llama). "
             "For a bidirectional model (BERT), run captum's loop, or `funcgrad.compose_heads` "
             "on each prefix's forward."
         )
-    _CAUSAL.add(model)
+    _CAUSAL[model] = probed
+
+
+def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
+    """After a call's forwards: what the model changed itself during them (a counter in an
+    attribute, a hook it registers) is what the next call compares with, so that such a
+    model is not probed again on every call; only what changes between calls is."""
+    seen = _CAUSAL.get(args.model)
+    if seen is not None:
+        modules = _modules(args)
+        seen.structure = _structure(modules)
+        if mode == "forward":
+            seen.attributes = _attributes(args.model, modules)
+            seen.namespaces = [(live, dict(live)) for live, _ in seen.namespaces]
+
+
+def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
+    """Reverse mode's check of causality, on every call: the (heads, length, d) gradients of
+    the heads ``targets[first:]`` on every position's embedding; head i sits at position
+    ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
+    zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
+    position's gradient is above 1000 eps of the largest at the positions after the prompt
+    and the group's earlier targets (read by the caller, once per call)."""
+    start = prompt + first  # (the first position after any head's own)
+    heads, length = grads.shape[:2]
+    if length <= start:
+        return torch.zeros((), dtype=torch.bool, device=grads.device)
+    g = grads.detach()[:, start:].abs().amax(-1)  # (heads, length - start)
+    own = torch.arange(heads, device=g.device)  # (head i's own position, less start + 1)
+    later = torch.arange(length - start, device=g.device)[None, :] >= own[:, None]
+    leak = torch.where(later, g, 0).amax()
+    # (the scale: the largest gradient at those positions, head i's own earlier ones included;
+    # a causal model's later ones are exact zeros, so any leak there is refused)
+    return leak > 1e3 * torch.finfo(g.dtype).eps * g.amax()
 
 
 def _refuse_tensor_hooks(output: Any) -> None:
@@ -740,7 +882,6 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
         or library is None
         or getattr(getattr(forward, "__code__", None), "co_filename", None)
         != getattr(library, "__file__", 0)
-        or not _library_functions_intact()
     ):
         return False
     if kind.__call__ is not torch.nn.Module.__call__ or any(
@@ -766,6 +907,49 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
     return True
 
 
+def _derivative(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """f'(x) in one op, where torch has it for ``module`` (an allow-listed activation,
+    `_is_elementwise`, y = f(x)): torch's modules' own backward ops on ones, the very ops
+    their autograd runs (bitwise the vjp of ones); transformers' modules whose forward is
+    ``F.gelu``, ``F.silu`` or the tanh GELU written out (``NewGELUActivation``, GPT-2's,
+    and ``GELUTanh``'s Python form: the same function, with ``math.sqrt(2 / pi)``), torch's
+    derivative of that function (equal to the formula's own backward to rounding, measured
+    on [-30, 30]: 5.1e-15 in float64, 1.1e-6 in float32, where the formula's ``1 + tanh``
+    cancels in its tail and torch's op does not). None for the others (QuickGELU,
+    FastGELU's rounded constant, the erf formula): their own vjp of ones."""
+    aten = torch.ops.aten
+    nn = torch.nn
+    kind = type(module)
+    name = kind.__name__ if kind.__module__ == "transformers.activations" else ""
+    act = getattr(module, "act", None)
+    gelu = torch._C._nn.gelu
+    ones = torch.ones_like(y)
+    # (cast: the ops are typed Any)
+    if kind is nn.GELU:
+        return cast(
+            torch.Tensor, aten.gelu_backward(ones, x, approximate=cast(nn.GELU, module).approximate)
+        )
+    if kind is nn.SiLU or name == "SiLUActivation":
+        return cast(torch.Tensor, aten.silu_backward(ones, x))
+    if kind is nn.ReLU:
+        return cast(torch.Tensor, aten.threshold_backward(ones, y, 0))
+    if kind is nn.Tanh:
+        return cast(torch.Tensor, aten.tanh_backward(ones, y))
+    if kind is nn.Sigmoid:
+        return cast(torch.Tensor, aten.sigmoid_backward(ones, y))
+    if name == "NewGELUActivation" or (
+        name == "GELUTanh"
+        and getattr(act, "__func__", None) is getattr(kind, "_gelu_tanh_python", None)
+    ):
+        return cast(torch.Tensor, aten.gelu_backward(ones, x, approximate="tanh"))
+    if name in ("GELUActivation", "GELUTanh") and act is gelu:
+        return cast(torch.Tensor, aten.gelu_backward(ones, x))
+    if name in ("GELUActivation", "GELUTanh") and isinstance(act, functools.partial):
+        # (`_is_elementwise` checked that the partial is F.gelu's approximate="tanh")
+        return cast(torch.Tensor, aten.gelu_backward(ones, x, approximate="tanh"))
+    return None
+
+
 def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The model's modules that `_elementwise_activations` replaces (none where a global
     module forward or backward hook is registered: it would be given the detached input)."""
@@ -781,7 +965,9 @@ def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
     ):
         return []
     kinds = _elementwise_kinds()
-    return [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
+    found = [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
+    # (checked once per walk, where a module is found: the functions their forwards look up)
+    return found if found and _library_functions_intact() else []
 
 
 def _differentiation_levels() -> tuple[Any, Any]:
@@ -806,8 +992,9 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
     """For the length of one forward of the model, every known elementwise activation module
     (`_elementwise_modules`) called on one floating tensor runs on its input detached (no
     graph, no tangents of its own formula), and its output is replaced by
-    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is one ``torch.func.vjp`` of
-    the module's ``forward`` pulling ones back, unbatched, exact for an elementwise f (its
+    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is `_derivative`'s one op
+    where torch has one, else one ``torch.func.vjp`` of the module's ``forward`` pulling ones
+    back, unbatched, exact for an elementwise f (its
     Jacobian is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact
     types, see `_is_elementwise`). The model is not modified; the module's forward pre-hooks
     run, before the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),
@@ -843,10 +1030,12 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
         if x is None:
             return None
         plain = args[0]  # (x detached; the output is f(plain), same shape and dtype)
-        # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, cheaper than a jvp along ones;
-        # docs/benchmarks_attribution.md)
-        pull = torch.func.vjp(module.forward, plain)[1]
-        (derivative,) = pull(torch.ones_like(output))
+        derivative = _derivative(module, plain, output)
+        if derivative is None:
+            # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, cheaper than a jvp along ones;
+            # docs/benchmarks_attribution.md)
+            pull = torch.func.vjp(module.forward, plain)[1]
+            (derivative,) = pull(torch.ones_like(output))
         sources.append(_Source(x, module.forward))
         replaced: torch.Tensor = _Elementwise.apply(  # type: ignore[no-untyped-call]
             x, output.detach(), derivative, sources[-1]
@@ -916,14 +1105,18 @@ def _composed(
         target_ids: torch.Tensor,
         plain: torch.Tensor,
     ) -> torch.Tensor:
-        """With the prompt's embeddings moved by x (by x itself in reverse mode, x of shape
-        (L_in, d); by x times ``direction`` in forward mode, x of shape (L_in,)): the output
-        layer's input at the last T positions, (rows, T, d), or without an output layer the
-        (rows, T) target log-probabilities."""
+        """With the embeddings moved by x (reverse mode: x itself, of shape (length, d), every
+        position's, so that the gradients show what each head reads: `_future_leak`; forward
+        mode: the prompt's by x times ``direction``, x of shape (L_in,)): the output layer's
+        input at the last T positions, (rows, T, d), or without an output layer the (rows, T)
+        target log-probabilities."""
         model, embedding = model_ref(), embedding_ref()
         assert model is not None and embedding is not None
-        moved = x if x.dim() == 2 else x[:, None] * direction
-        embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
+        if x.dim() == 2:
+            embeds = scaled + x
+        else:
+            moved = x[:, None] * direction
+            embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
         # the output layer's (args, kwargs, output, the versions of its input and output)
         layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
@@ -1113,7 +1306,8 @@ def _run(
     """(attributions, gradients or None in forward mode): reverse mode in the groups of
     consecutive targets of `_groups`, each on its own prefix, forward mode at once."""
     if mode == "forward":
-        return _run_group(args, mode, chunk_size)
+        attributions, _, _ = _run_group(args, mode, chunk_size)
+        return attributions, None
     parts = [
         _run_group(
             dataclasses.replace(args, target_ids=args.target_ids[:stop], first=start),
@@ -1122,18 +1316,34 @@ def _run(
         )
         for start, stop in _groups(args)
     ]
-    gradients = [grads for _, grads in parts if grads is not None]
-    return torch.cat([attr for attr, _ in parts]), torch.cat(gradients)
+    leaks = [leak for _, _, leak in parts if leak is not None]
+    # (one host read for every group; NaN gradients are no leak: they are returned as they are)
+    if leaks and bool(torch.stack(leaks).any()):
+        _CAUSAL.pop(args.model, None)
+        raise ValueError(
+            f"{_CALL}: the model is not causal (now): on this call a target's log-probability "
+            "has a nonzero gradient with respect to the embedding of a later position than "
+            "its own (by more than 1000 eps of the largest gradient after the prompt), so it "
+            "reads tokens "
+            "captum's prefix forward does not have. Something in the model changed after its "
+            "causal check (a hook, a replaced forward, module or function, a switched "
+            "attribute or config), or it mixes positions in train mode only. One "
+            "teacher-forced forward equals captum's prefix forwards only where position i "
+            "reads positions <= i."
+        )
+    gradients = [grads for _, grads, _ in parts if grads is not None]
+    return torch.cat([attr for attr, _, _ in parts]), torch.cat(gradients)
 
 
 def _run_group(
     args: _Args,
     mode: Literal["reverse", "forward"],
     chunk_size: ChunkSize,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``:
+    (attributions, gradients or None, reverse mode's `_future_leak` or None)."""
     sequence, scaled, direction, plain = _prepare(args)
-    shape = direction.shape[:1] if mode == "forward" else direction.shape
+    shape = direction.shape[:1] if mode == "forward" else scaled.shape[1:]
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
     unembedding, _ = _unembedding(args)
     heads = args.target_ids[args.first :]
@@ -1145,7 +1355,7 @@ def _run_group(
             fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
             with torch.enable_grad():
                 _, grads = fn(x, scaled, direction, sequence, heads, plain)
-            return _formed(mode, grads, direction)
+            return _formed(args, mode, grads, direction)
         except _NotTheLogits as error:
             # The output layer's input is no split point on this model: the heads read the
             # logits, on this call and from then on.
@@ -1154,18 +1364,22 @@ def _run_group(
         fn = _composed(args, mode, chunk_size, scaled.dtype, None)
         with torch.enable_grad():
             _, grads = fn(x, scaled, direction, sequence, heads, plain)
-        return _formed(mode, grads, direction)
+        return _formed(args, mode, grads, direction)
     finally:
         _NESTED.reset(token)
 
 
 def _formed(
-    mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(attributions, gradients or None): forward mode forms the attributions itself."""
+    args: _Args, mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(attributions, gradients or None, `_future_leak` or None): forward mode forms the
+    attributions itself; reverse mode's gradients cover every position, the prompt's kept."""
     if mode == "forward":
-        return grads, None
-    return (grads * direction).sum(-1), grads
+        return grads, None, None
+    prompt = len(args.input_ids)
+    leak = _future_leak(grads, prompt, args.first)
+    grads = grads[:, :prompt]
+    return (grads * direction).sum(-1), grads, leak
 
 
 def _groups(args: _Args) -> list[tuple[int, int]]:
@@ -1358,6 +1572,11 @@ def token_attr(
         on the model, embedding or output layer of a call still running is refused.
         Module backward hooks (full or pre, on a module or global) run in reverse mode only:
         ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
+        Causality is probed (three forwards without gradients) on the first call with a
+        model and whenever its modules, forwards, forward hooks or buffers changed since
+        (in forward mode also its plain attributes, its config and the functions of the
+        namespaces its code reads); reverse mode also checks, on every call, that no
+        target's gradient reaches a later position. A model found not causal is refused.
     """
     args, requested = _validate(
         model,
@@ -1389,9 +1608,11 @@ def _attribute(
     """token_attr's work once its arguments are checked: the mode, the causal check, the
     forward(s) and the pulls (under the model's lock)."""
     chosen, _ = _choose(args, requested, return_gradients, _CALL)
-    _check_causal(args)
+    _check_causal(args, chosen)
     if chosen != "forward" or requested != "auto":
-        return _run(args, chosen, chunk_size)
+        result = _run(args, chosen, chunk_size)
+        _seen_after(args, chosen)
+        return result
     # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
     # run; under "auto" that is this function's choice to make: no warning, and reverse
     # mode from the start on this model from then on (plan() says why).
@@ -1411,6 +1632,7 @@ def _attribute(
             warnings.warn_explicit(
                 message.message, message.category, message.filename, message.lineno
             )
+    _seen_after(args, chosen)
     return result
 
 

@@ -125,8 +125,9 @@ def test_gpt2_gelu_backward_is_one_product(mode):
     """GPT-2's ``gelu_new`` is a Python formula: its own backward (reverse mode) or JVP
     (forward mode) runs about a dozen elementwise ops per layer on the batched cotangents or
     tangents; replaced, one product. Counted, the numbers written: ``tanh_backward`` runs on
-    one unbatched tensor per layer (the derivative's vjp), not on the T (reverse) or L_in
-    (forward) directions, and the products (``mul``) write less; the answer is unchanged."""
+    none (the derivative is torch's one ``gelu_backward`` on one unbatched tensor per layer),
+    not on the T (reverse) or L_in (forward) directions, and the products (``mul``) write
+    less; the answer is unchanged."""
     torch.manual_seed(0)
     model = _gpt2()
     assert _elementwise_of(model) == ("transformer.h.0.mlp.act", "transformer.h.1.mlp.act")
@@ -145,7 +146,7 @@ def test_gpt2_gelu_backward_is_one_product(mode):
     directions = 5 if mode == "reverse" else 7  # T cotangents or L_in tangents
     one = 2 * (7 + 5 - 1) * 4 * 32  # 2 layers of (1, L_in + T - 1, 4 d)
     assert ops_before["tanh_backward"] == directions * one
-    assert ops_after["tanh_backward"] == one
+    assert "tanh_backward" not in ops_after and ops_after["gelu_backward"] == one
     assert ops_after["mul"] < 0.8 * ops_before["mul"]  # (0.70 in reverse mode)
 
 
@@ -624,9 +625,13 @@ def test_a_replaced_library_function_leaves_the_activation_alone(case, method, m
     model = _model([act])
     assert _elementwise(model) == ()
     if not case.startswith(("F.silu", "F.relu")):
-        # (with F.silu or F.relu replaced by a position-mixing function, token_attr differs
-        # from the per-target loop even with nothing swapped, and from one call to the next:
-        # not this mechanism's; open, see the report)
+        # (F.silu and F.relu are Python functions that dispatch a torch function mode by
+        # their module-global name, `handle_torch_function(relu, ...)`: replaced by a wrapper
+        # that calls the original, under ANY TorchFunctionMode the mode is handed the
+        # wrapper, which applies its change a second time. compose_heads watches a
+        # signature's first call under such a mode (funcgrad/_function.py), so that call
+        # computes relu(g(g(x))) where the loop computes relu(g(x)): wrong on the first call
+        # of each shape, right from the second, for any f, not only token_attr's; open)
         _check(model, method, mode)
 
 
@@ -665,3 +670,34 @@ def test_llama_silu_matches_captum(method):
     for mode in MODES:
         attr = token_attr(model, input_ids, target_ids, method=method, n_steps=16, mode=mode)
         torch.testing.assert_close(attr, expected, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------- the derivative in one op, where torch has it
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_one_op_derivative_is_the_modules_own(dtype):
+    """f'(x) by torch's backward op on ones equals the module's own eager backward of ones:
+    bitwise for torch's modules (the ops their autograd runs), to rounding for transformers'
+    written-out tanh GELU; the others keep their own vjp (None)."""
+    x = torch.linspace(-8, 8, 4001, dtype=dtype)[None, :, None]
+    ones_op = {"QuickGELUActivation", "FastGELUActivation"}
+    for act in _every_known_activation():
+        y = act(x)
+        leaf = x.clone().requires_grad_()
+        (own,) = torch.autograd.grad(act(leaf), leaf, torch.ones_like(y))  # (eager, as captum)
+        derivative = attribution._derivative(act, x, y)
+        name = type(act).__name__
+        erf_python = name == "GELUActivation" and act.act != torch.nn.functional.gelu
+        if name in ones_op or erf_python:
+            assert derivative is None, act
+            continue
+        assert derivative is not None, act
+        python_tanh = name == "NewGELUActivation" or (
+            name == "GELUTanh" and not isinstance(act.act, functools.partial)
+        )
+        if python_tanh:
+            tolerance = {torch.float32: 2e-6, torch.float64: 1e-14}[dtype]
+            torch.testing.assert_close(derivative, own, rtol=0, atol=tolerance)
+        else:
+            assert torch.equal(derivative, own), act
