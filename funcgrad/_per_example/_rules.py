@@ -111,6 +111,7 @@ class _Dense(_Rows):
 
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
+    kept_swapped = False  # `kept` laid out (B, d, p), not (B, p, d): see `_outer`
 
     def gramian(self) -> torch.Tensor:
         dtype = self.run.dtype
@@ -200,19 +201,22 @@ class _Dense(_Rows):
         in blocks of output features (a Linear: (B, p_block, d) at a time, as many elements
         as a quarter of the rows A and Δ), so that the transient memory stays below that of
         the rows (exact: the Gram is a sum over the weight's entries)."""
-        if isinstance(self, _Conv) or self.writes_whole(rows, width, out):
+        if isinstance(self, _Conv):
             grads = self.weight_per_example()
             if self.keeps(grads, rows, width, out):
-                self.kept = grads
+                self.kept, self.kept_swapped = grads, False
             return reduce(grads)
         a, d = self.rows()
         a = a.to(d.dtype)
+        if self.writes_whole(rows, width, out):
+            grads, swapped = _outer(a, d)
+            if self.keeps(grads, rows, width, out):
+                self.kept, self.kept_swapped = grads, swapped
+            return reduce(grads)
         batch = a.shape[0]
         budget = max(batch * rows * (width + out) // 4, _WHOLE)
         step = max(1, budget // max(1, batch * width))
-        found = [
-            reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
-        ]
+        found = [reduce(_outer(a, d[..., s : s + step])[0]) for s in range(0, out, step)]
         return sum(found[1:], found[0])
 
     def writes_whole(self, rows: int, width: int, out: int) -> bool:
@@ -227,6 +231,7 @@ class _Dense(_Rows):
     def release(self) -> None:
         super().release()
         self.kept = self.unread = self.bias_kept = None
+        self.kept_swapped = False
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
@@ -281,7 +286,8 @@ class _Dense(_Rows):
             return found
         if self.kept is not None:  # w @ the per-example gradients: B·d·p
             kept = self.kept
-            summed = self.oriented(torch.tensordot(weights.to(kept.dtype), kept, dims=1))
+            summed = torch.tensordot(weights.to(kept.dtype), kept, dims=1)
+            summed = self.oriented(summed.T if self.kept_swapped else summed)
             found["weight"] = summed.reshape(self.params["weight"].shape)
             if "bias" in self.params:
                 bias = self.bias_rows()
@@ -314,6 +320,18 @@ class _Dense(_Rows):
         if "bias" in self.params and self.bias_kept is None:
             found["bias"] = d.T @ w
         return found
+
+
+def _outer(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The per-example products ``A_bᵀ Δ_b`` of a (B, T, m) and d (B, T, n), laid out
+    (B, m, n) (then True: swapped from the weight's (B, n, m)) where m ≤ n, else (B, n, m):
+    the Gram and the squared norms read them in either layout, and one thread of this CPU's
+    batched product runs a wide output several times faster than a tall one (the
+    transformer's (B, 128, 64) blocks: 2.2 ms as Δᵀ A, 0.57 ms as Aᵀ Δ, one thread;
+    docs/benchmarks_per_example.md)."""
+    if a.shape[-1] <= d.shape[-1]:
+        return torch.bmm(a.transpose(1, 2), d), True
+    return torch.bmm(d.transpose(1, 2), a), False
 
 
 def _tiny(layer: _Layer, diagonal: bool) -> bool:
