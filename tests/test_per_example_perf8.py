@@ -362,3 +362,39 @@ def test_joined_is_a_view_only_for_adjacent_slices():
         joined = _attention._joined(others)
         assert joined.data_ptr() != base.data_ptr()
         torch.testing.assert_close(joined, torch.cat(others, -1), rtol=0, atol=0)
+
+
+class _Copies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The shapes of the tensors that a clone copies (a ``reshape`` that cannot view),
+    outside the backward (whose own ops, the model's, are not counted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        in_backward = torch._C._current_graph_task_id() != -1
+        if func.overloadpacket is torch.ops.aten.clone and not in_backward:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("call", ["backward", "weighted", "clip"])
+def test_the_update_reads_attention_rows_in_their_memory_order(call):
+    """The update ``Aᵀ (w ⊙ Δ)`` of the packed q/k/v layer (Δ a (T, B, 3·d) tensor) and of
+    the out-projection (A a (T, B, d) tensor) reads them as rows in the order they have in
+    memory: no copy of either (w scales the other one, written in that order); exact."""
+    model = _encoder()
+    x = _tokens(4, 6)
+    expected = _reference(model, x, call)
+    with funcgrad.per_example(model):
+        CALLS["gramian"](model(x))  # the signature's first call (its independence check)
+        losses = model(x)
+        for p in model.parameters():
+            p.grad = None
+        with _Copies() as copies:
+            CALLS[call](losses)
+    found = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    rows = [(4, 6, 3 * WIDTH), (6, 4, 3 * WIDTH), (4, 6, WIDTH), (6, 4, WIDTH)]
+    assert not [shape for shape in copies.shapes if shape in rows]

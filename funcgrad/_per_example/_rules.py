@@ -308,18 +308,43 @@ class _Dense(_Rows):
         a, d = self.unfold(use)
         if self.zero_unread:
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
-        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
-        w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
-        a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
+        a = a.to(d.dtype)
+        w = weights.to(d.dtype)
+        # w scales the narrower of Δ and A, a new tensor either way: it is written in the
+        # row order (b, t) or (t, b) that the other one has in memory already, so that the
+        # other one is read as rows with no copy (attention's [Δq, Δk, Δv] and its
+        # out-projection's input are (T, B, ·) tensors seen as (B, T, ·)); the product sums
+        # over the rows, in either order
+        scale_d = d.shape[-1] <= a.shape[-1]
+        kept = a if scale_d else d
+        examples = w  # (B,)
+        if not kept.is_contiguous() and kept.transpose(0, 1).is_contiguous():
+            a, d, w = a.transpose(0, 1), d.transpose(0, 1), w[None, :, None]
+            by_example = 1  # the rows (t, b)
+        else:
+            w, by_example = w[:, None, None], 0
         found = {}
-        if "weight" in self.params:  # w scales the narrower of Δ and A
-            if d.shape[1] <= a.shape[1]:
-                found["weight"] = self.oriented((d * w[:, None]).T @ a)
+        if "weight" in self.params:
+            if scale_d:
+                found["weight"] = self.oriented(_rows_of(_scaled(d, w)).T @ _rows_of(a))
             else:
-                found["weight"] = self.oriented(d.T @ (a * w[:, None]))
+                found["weight"] = self.oriented(_rows_of(d).T @ _rows_of(_scaled(a, w)))
         if "bias" in self.params and self.bias_kept is None:
-            found["bias"] = d.T @ w
+            # each example's rows summed (a reduction in either order, no copy), then ᵀ w
+            found["bias"] = d.sum(1 - by_example).T @ examples
         return found
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """(R0, R1, k) as (R0·R1, k) rows (a view where its memory allows; R0·R1 = 0 too)."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[-1])
+
+
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x * w``, written contiguous in x's dim order (so that `_rows_of` is a view); an
+    update, never differentiated (``out=`` refuses inputs that require grad)."""
+    with torch.no_grad():
+        return torch.mul(x, w, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def _outer(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, bool]:
