@@ -1,9 +1,9 @@
 """Session 8's cost changes of the per-example rules, each exact in float64 against a
 per-example autograd loop and counted (never timed): self-attention's [Δq, Δk, Δv] read as
 the packed in-projection's one output gradient (no copy to join three, none held beside
-it), and the per-example products ``A_bᵀ Δ_b`` formed in the faster layout (Gram, norms and
-the kept gradients' update read either); with user hooks, a model that mixes the examples,
-one ``per_example`` object reused across shapes and after failures."""
+it), and the update reading A and Δ as rows in their memory order (no copy of attention's
+(T, B, ·) tensors); with user hooks, a model that mixes the examples, one ``per_example``
+object reused across shapes and after failures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import PER_EXAMPLE_CALLS, per_example_jacobian
 from torch import nn
 
 import funcgrad
-from funcgrad._per_example import _attention, _rules
+from funcgrad._per_example import _attention
 
 WIDTH = 8
 
@@ -307,19 +307,10 @@ class Rows(nn.Module):
 @pytest.mark.parametrize("call", ["gramian", "norms", "weighted", "clip"])
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (4, 4)])
 @pytest.mark.parametrize("conv1d", [False, True])
-def test_per_example_products_in_either_layout_are_exact(monkeypatch, call, shape, conv1d):
-    """``A_bᵀ Δ_b`` as (B, d, p) where d ≤ p, else (B, p, d) (`_rules._outer`); the kept
-    gradients' update ``w @ grads`` transposed back to the weight's layout (a Linear's
-    (p, d), Conv1D's (d, p)): exact, and the layout taken is the one said."""
-    layouts: list[bool] = []
-    real = _rules._outer
-
-    def recording(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        found = real(a, d)
-        layouts.append(found[1])
-        return found
-
-    monkeypatch.setattr(_rules, "_outer", recording)
+def test_kept_per_example_gradients_update_exactly(call, shape, conv1d):
+    """A Linear (weight (p, d)) or HF Conv1D (weight (d, p)) whose per-example gradients are
+    kept for the update (``w @ grads``) beside the update that reads its rows in the
+    order they have in memory: exact."""
     width, out = shape
     torch.manual_seed(2)
     model = Rows(width, out, conv1d).double()
@@ -328,22 +319,6 @@ def test_per_example_products_in_either_layout_are_exact(monkeypatch, call, shap
     with funcgrad.per_example(model):
         found = _got(model, x, call)
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)
-    assert layouts and all(swapped == (width <= out) for swapped in layouts)
-
-
-def test_outer_layouts_hold_the_same_products():
-    """`_rules._outer` on d < p and d > p: the products of the per-example rows, laid out
-    as it says."""
-    torch.manual_seed(4)
-    for width, out in ((3, 7), (7, 3)):
-        a = torch.randn(5, 6, width, dtype=torch.float64)
-        d = torch.randn(5, 6, out, dtype=torch.float64)
-        found, swapped = _rules._outer(a, d)
-        expected = torch.einsum("btd,btp->bpd", a, d)
-        assert swapped == (width <= out)
-        torch.testing.assert_close(
-            found.transpose(1, 2) if swapped else found, expected, rtol=1e-12, atol=1e-12
-        )
 
 
 def test_joined_is_a_view_only_for_adjacent_slices():

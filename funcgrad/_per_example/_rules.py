@@ -111,7 +111,6 @@ class _Dense(_Rows):
 
     kind = "linear"
     kept: torch.Tensor | None = None  # materialised per-example weight gradients, if small
-    kept_swapped = False  # `kept` laid out (B, d, p), not (B, p, d): see `_outer`
 
     def gramian(self) -> torch.Tensor:
         dtype = self.run.dtype
@@ -201,22 +200,19 @@ class _Dense(_Rows):
         in blocks of output features (a Linear: (B, p_block, d) at a time, as many elements
         as a quarter of the rows A and Δ), so that the transient memory stays below that of
         the rows (exact: the Gram is a sum over the weight's entries)."""
-        if isinstance(self, _Conv):
+        if isinstance(self, _Conv) or self.writes_whole(rows, width, out):
             grads = self.weight_per_example()
             if self.keeps(grads, rows, width, out):
-                self.kept, self.kept_swapped = grads, False
+                self.kept = grads
             return reduce(grads)
         a, d = self.rows()
         a = a.to(d.dtype)
-        if self.writes_whole(rows, width, out):
-            grads, swapped = _outer(a, d)
-            if self.keeps(grads, rows, width, out):
-                self.kept, self.kept_swapped = grads, swapped
-            return reduce(grads)
         batch = a.shape[0]
         budget = max(batch * rows * (width + out) // 4, _WHOLE)
         step = max(1, budget // max(1, batch * width))
-        found = [reduce(_outer(a, d[..., s : s + step])[0]) for s in range(0, out, step)]
+        found = [
+            reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
+        ]
         return sum(found[1:], found[0])
 
     def writes_whole(self, rows: int, width: int, out: int) -> bool:
@@ -231,7 +227,6 @@ class _Dense(_Rows):
     def release(self) -> None:
         super().release()
         self.kept = self.unread = self.bias_kept = None
-        self.kept_swapped = False
 
     def keeps(self, grads: torch.Tensor, rows: int, width: int, out: int) -> bool:
         """Whether the update reads the per-example gradients (``w @ grads``: B·d·p) rather
@@ -286,8 +281,7 @@ class _Dense(_Rows):
             return found
         if self.kept is not None:  # w @ the per-example gradients: B·d·p
             kept = self.kept
-            summed = torch.tensordot(weights.to(kept.dtype), kept, dims=1)
-            summed = self.oriented(summed.T if self.kept_swapped else summed)
+            summed = self.oriented(torch.tensordot(weights.to(kept.dtype), kept, dims=1))
             found["weight"] = summed.reshape(self.params["weight"].shape)
             if "bias" in self.params:
                 bias = self.bias_rows()
@@ -310,28 +304,34 @@ class _Dense(_Rows):
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
         a = a.to(d.dtype)
         w = weights.to(d.dtype)
-        # w scales the narrower of Δ and A, a new tensor either way: it is written in the
-        # row order (b, t) or (t, b) that the other one has in memory already, so that the
-        # other one is read as rows with no copy (attention's [Δq, Δk, Δv] and its
-        # out-projection's input are (T, B, ·) tensors seen as (B, T, ·)); the product sums
-        # over the rows, in either order
+        # w scales the narrower of Δ and A, a new tensor either way; where the other one is
+        # a (T, B, ·) tensor seen as (B, T, ·) (attention's [Δq, Δk, Δv], its
+        # out-projection's input), the rows are taken in its memory order (t, b), the
+        # scaled one written in that order, so that the other one is read with no copy
+        # (the product sums over the rows, in either order)
         scale_d = d.shape[-1] <= a.shape[-1]
-        kept = a if scale_d else d
-        examples = w  # (B,)
-        if not kept.is_contiguous() and kept.transpose(0, 1).is_contiguous():
-            a, d, w = a.transpose(0, 1), d.transpose(0, 1), w[None, :, None]
-            by_example = 1  # the rows (t, b)
-        else:
-            w, by_example = w[:, None, None], 0
+        other = a if scale_d else d
         found = {}
+        if not other.is_contiguous() and other.transpose(0, 1).is_contiguous():
+            a, d, rows_w = a.transpose(0, 1), d.transpose(0, 1), w[None, :, None]
+            if "weight" in self.params:
+                if scale_d:
+                    found["weight"] = self.oriented(_rows_of(_scaled(d, rows_w)).T @ _rows_of(a))
+                else:
+                    found["weight"] = self.oriented(_rows_of(d).T @ _rows_of(_scaled(a, rows_w)))
+            if "bias" in self.params and self.bias_kept is None:
+                found["bias"] = d.sum(0).T @ w  # each example's rows summed, then ᵀ w
+            return found
+        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
+        w = w[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
+        a, d = _rows_of(a), _rows_of(d)
         if "weight" in self.params:
             if scale_d:
-                found["weight"] = self.oriented(_rows_of(_scaled(d, w)).T @ _rows_of(a))
+                found["weight"] = self.oriented((d * w[:, None]).T @ a)
             else:
-                found["weight"] = self.oriented(_rows_of(d).T @ _rows_of(_scaled(a, w)))
+                found["weight"] = self.oriented(d.T @ (a * w[:, None]))
         if "bias" in self.params and self.bias_kept is None:
-            # each example's rows summed (a reduction in either order, no copy), then ᵀ w
-            found["bias"] = d.sum(1 - by_example).T @ examples
+            found["bias"] = d.T @ w
         return found
 
 
@@ -345,18 +345,6 @@ def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     update, never differentiated (``out=`` refuses inputs that require grad)."""
     with torch.no_grad():
         return torch.mul(x, w, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
-
-
-def _outer(a: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The per-example products ``A_bᵀ Δ_b`` of a (B, T, m) and d (B, T, n), laid out
-    (B, m, n) (then True: swapped from the weight's (B, n, m)) where m ≤ n, else (B, n, m):
-    the Gram and the squared norms read them in either layout, and one thread of this CPU's
-    batched product runs a wide output several times faster than a tall one (the
-    transformer's (B, 128, 64) blocks: 2.2 ms as Δᵀ A, 0.57 ms as Aᵀ Δ, one thread;
-    docs/benchmarks_per_example.md)."""
-    if a.shape[-1] <= d.shape[-1]:
-        return torch.bmm(a.transpose(1, 2), d), True
-    return torch.bmm(d.transpose(1, 2), a), False
 
 
 def _tiny(layer: _Layer, diagonal: bool) -> bool:
