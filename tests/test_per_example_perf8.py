@@ -373,3 +373,31 @@ def test_the_update_reads_attention_rows_in_their_memory_order(call):
     torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
     rows = [(4, 6, 3 * WIDTH), (6, 4, 3 * WIDTH), (4, 6, WIDTH), (6, 4, WIDTH)]
     assert not [shape for shape in copies.shapes if shape in rows]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("call", ["gramian", "norms", "weighted"])
+def test_packed_gradient_of_a_bare_self_attention(monkeypatch, bias, call):
+    """nn.MultiheadAttention called on (x, x, x) with ``need_weights=False``, with and
+    without the in-projection's bias (the projection's output node is then the product's
+    own view), and a causal mask: the packed gradient is found, and exact."""
+    counts = _count_packed(monkeypatch)
+
+    class Bare(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True, bias=bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+            out = self.attention(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)
+            return torch.tanh(out[0]).pow(2).sum((1, 2))
+
+    torch.manual_seed(5)
+    model = Bare().double().eval()
+    x = torch.randn(3, 5, WIDTH, dtype=torch.float64)
+    expected = _reference(model, x, call)
+    with funcgrad.per_example(model):
+        found = _got(model, x, call)
+    torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    assert counts == [1, 0]
