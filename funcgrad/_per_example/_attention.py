@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ._layer import _add, _Layer
 from ._record import _Use
@@ -126,7 +126,8 @@ class _Attention(_Layer):
         edges = [get_gradient_edge(t) for t in heads_qkv]
         if len({(e.node, e.output_nr) for e in edges}) != 3:
             return  # one tensor as two of q, k, v: its edge would get their sum
-        use.inner_edges = edges
+        packed = _packed_edge(heads_qkv, length, batch, width)
+        use.inner_edges = edges if packed is None else [packed]
         # (T·B, d) rows, t-major: to (B, T, d)
         use.inner_input = attended.detach().view(length, batch, width).transpose(0, 1)
 
@@ -140,6 +141,18 @@ class _Attention(_Layer):
         arg = bound.arguments
         inputs = [arg["query"], arg["key"], arg["value"]]
         found = []
+        if len(use.inner_deltas) == 1:  # [Δq, Δk, Δv] (T, B, 3·d): `_packed_edge`
+            packed = use.inner_deltas[0]
+            width = m.embed_dim
+            x = inputs[0]
+            self.check_batched(x, "has an input that")
+            if packed is None:
+                packed = x.new_zeros(x.shape[1], x.shape[0], 3 * width)
+            elif packed.shape != (x.shape[1], x.shape[0], 3 * width):
+                return None  # not the gradient `inner` expected: the recompute instead
+            packed = packed.transpose(0, 1)  # (B, T, 3·d), a view
+            found = [(x, packed[..., i * width : (i + 1) * width]) for i in range(3)]
+            return [*found, (use.inner_input, self.delta(use, 0))]
         for x, d in zip(inputs, use.inner_deltas):
             self.check_batched(x, "has an input that")
             if d is None:
@@ -213,7 +226,7 @@ class _Attention(_Layer):
         merged = shared and all(_same(r[0][0], r[1][0]) and _same(r[0][0], r[2][0]) for r in rows)
         params: list[tuple[str, torch.Tensor, torch.Tensor | None, list[Any]]] = []
         if merged:
-            qkv = [(r[0][0], torch.cat([r[0][1], r[1][1], r[2][1]], -1)) for r in rows]
+            qkv = [(r[0][0], _joined([r[0][1], r[1][1], r[2][1]])) for r in rows]
             params.append(("qkv", m.in_proj_weight, m.in_proj_bias, qkv))
         else:
             for i, part in enumerate(_PARTS):
@@ -290,6 +303,65 @@ class _Attention(_Layer):
             [(part, layer.update(weights)) for part, layer in self.parts()], 0
         )
         return result
+
+
+def _packed_edge(
+    heads: list[torch.Tensor], length: int, batch: int, width: int
+) -> GradientEdge | None:
+    """The gradient edge of the packed in-projection's output ``proj`` (T, B, 3·d), whose
+    gradient is [Δq, Δk, Δv] in one tensor, where the q, k, v heads that the attention node
+    saved were cut from it as ``F.multi_head_attention_forward`` cuts them for
+    self-attention (``_in_projection_packed``: ``proj.unflatten(-1, (3, d)).unsqueeze(0)
+    .transpose(0, -2).squeeze(-2).contiguous()``, then ``[0]``, ``[1]``, ``[2]``, then
+    views), checked node by node with the shapes; else None (the three heads' own edges).
+    Reading Δ there holds the one (T, B, 3·d) gradient that the in-projection's backward
+    reads anyway, not the three heads' gradients beside it (peak memory), and needs no
+    copy to join them."""
+    selects = [_through_views(t.grad_fn) for t in heads]
+    for i, node in enumerate(selects):
+        if (
+            type(node).__name__ != "SelectBackward0"
+            or getattr(node, "_saved_dim", None) != 0
+            or getattr(node, "_saved_index", None) != i
+            or tuple(getattr(node, "_saved_self_sym_sizes", ())) != (3, length, batch, width)
+            or len(node.next_functions) != 1
+        ):
+            return None
+    if len({id(node.next_functions[0][0]) for node in selects}) != 1:
+        return None
+    node = selects[0].next_functions[0][0]
+    for name in ("CloneBackward0", "SqueezeBackward1", "TransposeBackward0", "UnsqueezeBackward0"):
+        if type(node).__name__ != name or len(node.next_functions) != 1:
+            return None
+        node = node.next_functions[0][0]
+    if (
+        type(node).__name__ != "ViewBackward0"
+        or tuple(getattr(node, "_saved_self_sym_sizes", ())) != (length, batch, 3 * width)
+        or len(node.next_functions) != 1
+        or node.next_functions[0][0] is None
+    ):
+        return None
+    below, output_nr = node.next_functions[0]
+    return GradientEdge(below, output_nr)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts, -1)``, as a view where the parts lie side by side in one tensor's
+    memory (the slices of `_packed_edge`'s [Δq, Δk, Δv]), else a copy."""
+    first = parts[0]
+    step = first.shape[-1] * first.stride(-1)
+    adjacent = all(
+        p.shape == first.shape
+        and p.stride() == first.stride()
+        and p.dtype == first.dtype
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and p.storage_offset() == first.storage_offset() + i * step
+        for i, p in enumerate(parts)
+    )
+    if not adjacent or first.stride(-1) != 1:
+        return torch.cat(parts, -1)
+    shape = (*first.shape[:-1], first.shape[-1] * len(parts))
+    return first.as_strided(shape, first.stride(), first.storage_offset())
 
 
 def _attend(

@@ -302,18 +302,49 @@ class _Dense(_Rows):
         a, d = self.unfold(use)
         if self.zero_unread:
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
-        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
-        w = weights.to(d.dtype)[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
-        a, d = a.reshape(-1, a.shape[-1]).to(d.dtype), d.reshape(-1, d.shape[-1])
+        a = a.to(d.dtype)
+        w = weights.to(d.dtype)
+        # w scales the narrower of Δ and A, a new tensor either way; where the other one is
+        # a (T, B, ·) tensor seen as (B, T, ·) (attention's [Δq, Δk, Δv], its
+        # out-projection's input), the rows are taken in its memory order (t, b), the
+        # scaled one written in that order, so that the other one is read with no copy
+        # (the product sums over the rows, in either order)
+        scale_d = d.shape[-1] <= a.shape[-1]
+        other = a if scale_d else d
         found = {}
-        if "weight" in self.params:  # w scales the narrower of Δ and A
-            if d.shape[1] <= a.shape[1]:
+        if not other.is_contiguous() and other.transpose(0, 1).is_contiguous():
+            a, d, rows_w = a.transpose(0, 1), d.transpose(0, 1), w[None, :, None]
+            if "weight" in self.params:
+                if scale_d:
+                    found["weight"] = self.oriented(_rows_of(_scaled(d, rows_w)).T @ _rows_of(a))
+                else:
+                    found["weight"] = self.oriented(_rows_of(d).T @ _rows_of(_scaled(a, rows_w)))
+            if "bias" in self.params and self.bias_kept is None:
+                found["bias"] = d.sum(0).T @ w  # each example's rows summed, then ᵀ w
+            return found
+        # rows (b, t): each example's weight on its T rows (T = 0 or B = 0: no rows)
+        w = w[:, None].expand(d.shape[0], d.shape[1]).reshape(-1)
+        a, d = _rows_of(a), _rows_of(d)
+        if "weight" in self.params:
+            if scale_d:
                 found["weight"] = self.oriented((d * w[:, None]).T @ a)
             else:
                 found["weight"] = self.oriented(d.T @ (a * w[:, None]))
         if "bias" in self.params and self.bias_kept is None:
             found["bias"] = d.T @ w
         return found
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """(R0, R1, k) as (R0·R1, k) rows (a view where its memory allows; R0·R1 = 0 too)."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[-1])
+
+
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x * w``, written contiguous in x's dim order (so that `_rows_of` is a view); an
+    update, never differentiated (``out=`` refuses inputs that require grad)."""
+    with torch.no_grad():
+        return torch.mul(x, w, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
 def _tiny(layer: _Layer, diagonal: bool) -> bool:
