@@ -8,8 +8,7 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize
 from ._config import CheckMode, resolve_check
-from ._plan import Request, decide
-from ._record import Record
+from ._plan import decide_once
 from ._types import ChunkSize, Tensors
 from ._validate import as_tensors, check_chunk_size, check_scalar_outputs
 
@@ -112,11 +111,7 @@ def grads(
         # an input) must see the outputs' gradients, not unit directions.
         hooked = graph.hooked or any(x._backward_hooks for x in ins)
         k, n, m = len(outs), _coords.real_size(ins), _coords.real_size(lin.out)
-        plan = decide(  # (memoised: a fresh record, the same request each call)
-            Request("auto", k, n, m, chunk_size, hooked=hooked, call=_CALL, once=True,
-                    sparse=graph.sparse),
-            Record(),
-        )  # fmt: skip
+        plan = decide_once(k, n, m, chunk_size, _CALL, hooked=hooked, sparse=graph.sparse)
         # Where the cotangents themselves go through, that one batched pull is the last: it
         # frees the part below `through`, as torch.autograd.grad would.
         last = hooked or (not retain and plan.strategy == "vjp")

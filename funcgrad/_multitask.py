@@ -18,8 +18,7 @@ import torch
 
 from . import _coords, _engine, _graph, _linearize, _sync, _weighting
 from ._config import CheckMode, resolve_check
-from ._plan import Request, decide
-from ._record import Record
+from ._plan import decide_once
 from ._types import ChunkSize, InputsLike, Level, ProcessGroupLike, Tensors, Weighting
 from ._validate import (
     as_tensors,
@@ -427,11 +426,7 @@ def backward(
             # graph would fail there after freeing the nodes above it: a loop from the start.
             k, m = len(task.losses), _coords.real_size(lin.out)
             n = _coords.real_size(task.shared)
-            plan = decide(  # (memoised: a fresh record, the same request each call)
-                Request("auto", k, n, m, chunk_size, call=_CALL, once=True, last=last,
-                        sparse=task.graph.sparse),
-                Record(),
-            )  # fmt: skip
+            plan = decide_once(k, n, m, chunk_size, _CALL, last=last, sparse=task.graph.sparse)
 
             def pull() -> Tensors:  # the k cotangents through the shared part, on this rank
                 return _engine.once(plan, lin, cotangents, mode, last)

@@ -318,6 +318,30 @@ def _decide(request: Request, record: Record) -> Plan:
 _memoised = functools.lru_cache(maxsize=1024)(_decide)
 
 
+def decide_once(
+    k: int, n: int, m: int, chunk_size: ChunkSize, call: str, *, hooked: bool = False,
+    last: bool = False, sparse: bool = False,
+) -> Plan:  # fmt: skip
+    """:func:`decide` for a one-shot pull through a recorded graph (``grads``, ``backward``)
+    with a fresh record, memoised on these few numbers and flags (a steady call builds no
+    Request and hashes no Record)."""
+    try:
+        return _decide_once(k, n, m, chunk_size, call, hooked, last, sparse)
+    except TypeError:  # (a symbolic size under tracing does not hash)
+        return _decide_once.__wrapped__(k, n, m, chunk_size, call, hooked, last, sparse)
+
+
+@functools.lru_cache(maxsize=256)
+def _decide_once(
+    k: int, n: int, m: int, chunk_size: ChunkSize, call: str, hooked: bool, last: bool,
+    sparse: bool,
+) -> Plan:  # fmt: skip
+    request = Request(
+        "auto", k, n, m, chunk_size, hooked=hooked, call=call, once=True, last=last, sparse=sparse
+    )
+    return decide(request, Record())
+
+
 def after_f(request: Request, m: int, hooked: bool) -> Request:
     """``request`` once f ran: y's real size ``m`` known, forward mode no longer possible,
     ``hooked`` as f's run found. Memoised as :func:`decide` is: a steady-state call asks the
