@@ -126,7 +126,10 @@ class _Attention(_Layer):
         edges = [get_gradient_edge(t) for t in heads_qkv]
         if len({(e.node, e.output_nr) for e in edges}) != 3:
             return  # one tensor as two of q, k, v: its edge would get their sum
-        packed = _packed_edge(heads_qkv, length, batch, width)
+        # The packed edge lies below the q, k, v heads: the backward reaches it anyway only
+        # where the attention's input needs a gradient (a trainable layer below); else its
+        # nodes (three zero-filled selects, a copy) would run for it alone.
+        packed = _packed_edge(heads_qkv, length, batch, width) if use.upstream else None
         use.inner_edges = edges if packed is None else [packed]
         # (T·B, d) rows, t-major: to (B, T, d)
         use.inner_input = attended.detach().view(length, batch, width).transpose(0, 1)
