@@ -24,6 +24,7 @@ import inspect
 import math
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -417,23 +418,59 @@ def _logits(output: object, call: str) -> torch.Tensor:
 _SIMPLE = (bool, int, float, str, type(None))
 
 
+class _Same:
+    """An object by identity without holding it: a weak reference where the object takes one
+    (then equal only while both are alive and the same object; the model is never kept
+    alive through it), else its ``id`` and type."""
+
+    __slots__ = ("key", "ref")
+
+    def __init__(self, obj: Any) -> None:
+        self.key = (id(obj), type(obj))
+        try:
+            self.ref: Any = weakref.ref(obj)
+        except TypeError:
+            self.ref = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same) or self.key != other.key:
+            return False
+        if self.ref is None or other.ref is None:
+            return self.ref is other.ref
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# The names a namespace is compared on: what code calls or reads functions from (a loop
+# variable, a notebook's ``_`` or ``Out`` are not).
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type, functools.partial)
+# Attributes that cannot change what the probe sees: it runs in eval mode anyway, and
+# ``use_cache`` only adds a cache to the outputs.
+_IGNORED = frozenset({"training", "use_cache"})
+
+
+def _code_names(namespace: dict[str, Any]) -> dict[str, _Same]:
+    return {k: _Same(v) for k, v in namespace.items() if isinstance(v, _CODE)}
+
+
 @dataclasses.dataclass
 class _Probed:
     """What the causal probe saw of a model (`_check_causal`): its `_structure`, its modules'
-    and config's plain attributes (`_attributes`), and copies of the namespaces its code may
-    look functions up in (`_namespaces`), each with the live dict it copies."""
+    and config's plain attributes (`_attributes`), and the functions, classes and modules
+    of the namespaces its code may look names up in (`_namespaces`), each with the live
+    dict it reads; nothing here holds the model (or anything else) alive."""
 
     structure: tuple[Any, ...]
     attributes: tuple[Any, ...]
-    namespaces: list[tuple[Any, dict[str, Any]]]
+    namespaces: list[tuple[Any, dict[str, _Same]]]
 
     def same_namespaces(self) -> bool:
-        """Whether every name of the namespaces still holds the same object (by identity:
-        a value's own ``==`` is never called)."""
-        return all(
-            len(live) == len(copy) and all(live.get(k, live) is v for k, v in copy.items())
-            for live, copy in self.namespaces
-        )
+        """Whether every function, class and module name of the namespaces still holds the
+        same object, and no such name was added (by identity: a value's own ``==`` is never
+        called)."""
+        return all(_code_names(live) == names for live, names in self.namespaces)
 
 
 def _modules(args: _Args) -> list[torch.nn.Module]:
@@ -453,17 +490,23 @@ def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
         tuple(hooks._global_forward_pre_hooks),
         tuple(
             (
-                weakref.ref(module),
+                _Same(module),
                 type(module),
                 type(module).forward,
-                module.__dict__.get("forward"),
-                tuple(module._forward_hooks),
-                tuple(module._forward_pre_hooks),
-                tuple((id(b), b._version) for b in module._buffers.values() if b is not None),
+                _Same(module.__dict__.get("forward")),
+                tuple((k, _Same(h)) for k, h in module._forward_hooks.items()),
+                tuple((k, _Same(h)) for k, h in module._forward_pre_hooks.items()),
+                tuple(_tensor(b) for b in module._buffers.values() if b is not None),
             )
             for module in modules
         ),
     )
+
+
+def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor by identity (weakly), version counter (an in-place change) and storage
+    address and shape (``t.data = other`` changes neither identity nor version)."""
+    return (_Same(t), t._version, t.data_ptr(), t.shape)
 
 
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
@@ -474,13 +517,17 @@ def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple
     config = getattr(model, "config", None)
     owners = [*modules, config] if config is not None else modules
     return tuple(
-        tuple((k, v) for k, v in vars(owner).items() if type(v) in _SIMPLE)
+        tuple(
+            (k, v if type(v) in _SIMPLE else _tensor(v))
+            for k, v in vars(owner).items()
+            if (type(v) in _SIMPLE or isinstance(v, torch.Tensor)) and k not in _IGNORED
+        )
         for owner in owners
         if hasattr(owner, "__dict__")
     )
 
 
-def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
+def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Same]]]:
     """The namespaces the model's code may look functions up in: ``torch``,
     ``torch.nn.functional``, ``torch.Tensor``'s methods, and the Python module of each of the
     model's module classes (``transformers.models.gpt2.modeling_gpt2``: its
@@ -493,7 +540,7 @@ def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any
         if source is not None:
             sources.setdefault(id(source), source)
     lives = [vars(source) for source in sources.values()]
-    return [(live, dict(live)) for live in lives]
+    return [(live, _code_names(live)) for live in lives]
 
 
 def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
@@ -564,7 +611,7 @@ def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
         seen.structure = _structure(modules)
         if mode == "forward":
             seen.attributes = _attributes(args.model, modules)
-            seen.namespaces = [(live, dict(live)) for live, _ in seen.namespaces]
+            seen.namespaces = [(live, _code_names(live)) for live, _ in seen.namespaces]
 
 
 def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:

@@ -305,3 +305,53 @@ def test_what_the_model_changes_itself_during_a_call_is_not_probed_again(mode):
     assert model.forwards == 3 + 3
     model.mix.register_forward_hook(lambda module, args, out: _flip(out))  # (the user's)
     assert _outcome(model, mode, embedding=model.embed) == "refused"
+
+
+# The model a test keeps as a global of this module (as a script or a notebook does).
+KEPT: list[torch.nn.Module] = []
+LOOP_VARIABLE = 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bound_forward", [False, True])
+def test_the_probe_state_keeps_no_model_alive(mode, bound_forward):
+    """A class of this module, the model in one of its globals (the namespace the probe
+    reads), or an instance forward bound to the model (accelerate's hooks): ``del`` frees it."""
+    import gc
+    import weakref
+
+    global KEPT
+    torch.manual_seed(0)
+    model = Counting().double().eval()
+    if bound_forward:
+        model.forward = functools.partial(type(model).forward, model)
+    KEPT = [model]
+    token_attr(model, [1, 2, 3], [4, 5], embedding=model.embed, mode=mode)
+    token_attr(model, [1, 2, 3], [4, 5], embedding=model.embed, mode=mode)
+    assert model in attribution._CAUSAL
+    alive = weakref.ref(model)
+    del model
+    KEPT = []
+    gc.collect()
+    assert alive() is None
+
+
+def test_forward_mode_probes_once_under_changes_that_cannot_matter():
+    """A global of the model's module (a loop variable, a notebook's ``_``), train()/eval()
+    and ``config.use_cache`` toggled between calls: 1 forward a call after the first."""
+    global LOOP_VARIABLE
+    torch.manual_seed(0)
+    model = Counting().double().eval()
+    model.config = transformers.GPT2Config()
+    input_ids, target_ids = _ids(5, 4)
+    token_attr(model, input_ids, target_ids, embedding=model.embed, mode="forward")
+    counts = []
+    for step in range(4):
+        LOOP_VARIABLE = step
+        globals()["_"] = object()
+        model.train(step % 2 == 0)
+        model.config.use_cache = step % 2 == 0
+        before = model.forwards
+        token_attr(model, input_ids, target_ids, embedding=model.embed, mode="forward")
+        counts.append(model.forwards - before)
+    assert counts == [1, 1, 1, 1]
