@@ -355,3 +355,68 @@ def test_forward_mode_probes_once_under_changes_that_cannot_matter():
         token_attr(model, input_ids, target_ids, embedding=model.embed, mode="forward")
         counts.append(model.forwards - before)
     assert counts == [1, 1, 1, 1]
+
+
+class MaskLM(torch.nn.Module):
+    """Causal attention by a mask tensor, kept as a plain attribute or as a buffer."""
+
+    def __init__(self, buffer: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 8)
+        self.q = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, VOCAB)
+        mask = torch.tril(torch.ones(32, 32, dtype=torch.bool))
+        if buffer:
+            self.register_buffer("mask", mask, persistent=False)
+        else:
+            self.mask = mask
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        length = h.shape[1]
+        s = (self.q(h) @ h.transpose(1, 2)).masked_fill(~self.mask[:length, :length], -torch.inf)
+        return self.out(h + s.softmax(-1) @ h)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+
+def _ones() -> torch.Tensor:
+    return torch.ones(32, 32, dtype=torch.bool)
+
+
+def _twice(model):
+    model.register_buffer("mask", torch.tril(_ones()), persistent=False)
+    model.register_buffer("mask", _ones(), persistent=False)
+
+
+def _benign_hook(model):
+    model.handle = model.q.register_forward_hook(lambda module, args, out: None)
+
+
+def _swap_hook(model):
+    model.q._forward_hooks[model.handle.id] = lambda module, args, out: _flip(out)
+
+
+UNMASKINGS = {
+    "attribute replaced": (False, None, lambda m: setattr(m, "mask", _ones())),
+    "attribute filled in place": (False, None, lambda m: m.mask.fill_(True)),
+    "buffer's .data replaced": (True, None, lambda m: setattr(m.mask, "data", _ones())),
+    "buffer replaced twice": (True, None, _twice),
+    "hook swapped in place": (True, _benign_hook, _swap_hook),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("change", UNMASKINGS, ids=list(UNMASKINGS))
+def test_a_mask_made_bidirectional_between_calls_is_seen(change, mode):
+    """Tensor attributes (identity, version, storage), ``.data =``, a recycled id, a hook
+    function swapped under its handle (review28 #2 a-d)."""
+    buffer, prepare, unmask = UNMASKINGS[change]
+    torch.manual_seed(0)
+    model = MaskLM(buffer).double()
+    if prepare is not None:
+        prepare(model)
+    assert _outcome(model, mode) == "exact"
+    unmask(model)
+    assert _outcome(model, mode) == "refused"
