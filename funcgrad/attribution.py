@@ -584,11 +584,19 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     earlier = before[0, :-1]
     if earlier.shape != after[0, :-1].shape or earlier.shape != shorter[0].shape:
         return  # (the logits' shape checks name this on the call itself)
-    gap = float(
-        torch.maximum((earlier - after[0, :-1]).abs().max(), (earlier - shorter[0]).abs().max())
-    )
+    # (the same shape with its last token changed: a causal model's earlier logits are
+    # bitwise the same in any dtype, so the tolerance is float32's 1000 eps even in bf16/fp16,
+    # where 1000 eps is above the logits themselves; the shorter sequence runs other kernels'
+    # blocking, so it is given 1000 eps of the dtype: in half precision that part checks
+    # little, see docs/attribution.md)
     scale = float(earlier.abs().max())
-    if not gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0):
+    changed_gap = float((earlier - after[0, :-1]).abs().max())
+    shorter_gap = float((earlier - shorter[0]).abs().max())
+    gap = max(changed_gap, shorter_gap)
+    if not (
+        changed_gap <= _tolerance(earlier.dtype) * max(scale, 1.0)
+        and shorter_gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0)
+    ):
         raise ValueError(
             f"{_CALL}: the model is not causal: changing the last token of prompt + "
             f"targets[:-1], or leaving it out, moved the logits at earlier positions (by up "
@@ -614,12 +622,19 @@ def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
             seen.namespaces = [(live, _code_names(live)) for live, _ in seen.namespaces]
 
 
+def _tolerance(dtype: torch.dtype) -> float:
+    """1000 eps of ``dtype``, at most float32's: what a causal model gives as exact zeros (a
+    masked position's gradient, an earlier position's logits under a changed last token) stays
+    exact in bf16/fp16, whose own 1000 eps (7.8 and 0.98) would let anything through."""
+    return 1e3 * min(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+
+
 def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     """Reverse mode's check of causality, on every call: the (heads, length, d) gradients of
     the heads ``targets[first:]`` on every position's embedding; head i sits at position
     ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
     zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
-    position's gradient is above 1000 eps of the largest at the positions after the prompt
+    position's gradient is above `_tolerance` of the largest at the positions after the prompt
     and the group's earlier targets (read by the caller, once per call)."""
     start = prompt + first  # (the first position after any head's own)
     heads, length = grads.shape[:2]
@@ -631,7 +646,7 @@ def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     leak = torch.where(later, g, 0).amax()
     # (the scale: the largest gradient at those positions, head i's own earlier ones included;
     # a causal model's later ones are exact zeros, so any leak there is refused)
-    return leak > 1e3 * torch.finfo(g.dtype).eps * g.amax()
+    return leak > _tolerance(g.dtype) * g.amax()
 
 
 def _refuse_tensor_hooks(output: Any) -> None:

@@ -420,3 +420,52 @@ def test_a_mask_made_bidirectional_between_calls_is_seen(change, mode):
     assert _outcome(model, mode) == "exact"
     unmask(model)
     assert _outcome(model, mode) == "refused"
+
+
+def _bert() -> torch.nn.Module:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
+    return transformers.BertForMaskedLM(config).eval()
+
+
+def _bidirectional_gpt2() -> torch.nn.Module:
+    model = _gpt2("sdpa")
+    for block in model.transformer.h:
+        block.attn.is_causal = False
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("make", [_bert, _bidirectional_gpt2], ids=["bert", "gpt2-bidirectional"])
+def test_a_bidirectional_model_in_half_precision_is_refused(make, dtype, mode):
+    """bf16/fp16's own 1000 eps is above the logits (review28 #1): the changed-token probe
+    and the reverse check use float32's, since a causal model's zeros stay exact."""
+    torch.manual_seed(0)
+    model = make().to(dtype)
+    input_ids, target_ids = _ids(6, 5)
+    with pytest.raises(ValueError, match="not causal"):
+        token_attr(model, input_ids, target_ids, mode=mode)
+
+
+@pytest.mark.filterwarnings("ignore:compose_heads")  # (sdpa has no forward-mode rule on CPU)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_causal_models_in_half_precision_are_answered(dtype):
+    """No false refusal in half precision: GPT-2 (eager, sdpa) and Llama, both modes, every
+    method, large embeddings (x300)."""
+    from test_attribution import _llama
+
+    for make in (_gpt2, functools.partial(_gpt2, "sdpa"), _llama):
+        torch.manual_seed(0)
+        model = make().to(dtype)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(300)
+        input_ids, target_ids = _ids(12, 10)
+        for mode in MODES:
+            for method in ("gradient", "grad_x_input", "integrated_gradients"):
+                token_attr(model, input_ids, target_ids, method=method, n_steps=3, mode=mode)
