@@ -890,7 +890,8 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
 def _library_functions_intact() -> bool:
     """Whether the functions that the allow-listed forwards look up when they run are torch's
     own: ``F.gelu``, ``F.silu``, ``F.relu``, ``torch.tanh``, ``sigmoid``, ``pow``, ``erf``,
-    ``relu``, and the names ``F``, ``torch`` and ``nn`` in the two libraries' modules (a
+    ``relu``, ``math.sqrt(2 / math.pi)``, and the names ``F``, ``torch``, ``nn`` and ``math``
+    in the two libraries' modules (a
     replaced one may mix the positions). By identity with torch's C functions, or for
     torch's Python functions, their code in torch.nn.functional's own file."""
     functional = torch.nn.functional
@@ -906,6 +907,10 @@ def _library_functions_intact() -> bool:
             getattr(code, "co_filename", None) != functional.__file__
         ):
             return False
+    # (the tanh GELU's constant, as NewGELUActivation computes it: ``math.sqrt`` and
+    # ``math.pi`` the library's, by their value on the one input the formula reads)
+    if math.pi != 3.141592653589793 or math.sqrt(2.0 / math.pi) != 0.7978845608028654:
+        return False
     modules = [sys.modules.get("torch.nn.modules.activation")]
     activations = sys.modules.get("transformers.activations")
     if activations is not None:
