@@ -543,6 +543,32 @@ def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Sa
     return [(live, _code_names(live)) for live in lives]
 
 
+def _check_rope_threshold(model: torch.nn.Module, shortest: int, longest: int) -> None:
+    """Hugging Face's ``longrope`` and ``dynamic`` rotary embeddings change every position's
+    frequencies once the sequence is longer than ``original_max_position_embeddings``: captum's
+    prefixes (lengths ``shortest`` to ``longest``) on both sides of it run other functions than
+    the one forward of length ``longest`` (the probe's lengths are all on one side). Refused
+    from the config, before anything runs."""
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or rope.get("rope_type") not in ("longrope", "dynamic"):
+        return
+    threshold = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if threshold is None:
+        threshold = getattr(config, "max_position_embeddings", None)
+    if isinstance(threshold, int) and shortest <= threshold < longest:
+        raise ValueError(
+            f"{_CALL}: the model's rotary embedding (config.rope_parameters['rope_type'] = "
+            f"{rope.get('rope_type')!r}) changes its frequencies past "
+            f"original_max_position_embeddings = {threshold} tokens, and captum's prefixes "
+            f"(lengths {shortest} to {longest}) fall on both sides of it: one teacher-forced "
+            "forward does not give their answers. Split the targets at that length, or "
+            "run captum's loop."
+        )
+
+
 def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     """One teacher-forced forward gives captum's prefix forwards' answers only where position
     i's logits read positions ``<= i``. The probe: three forwards without gradients, in eval
@@ -556,6 +582,7 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     instead: `_future_leak`)."""
     model = args.model
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
+    _check_rope_threshold(model, len(args.input_ids), len(sequence))
     if len(sequence) < 2:
         return
     modules = _modules(args)

@@ -469,3 +469,48 @@ def test_causal_models_in_half_precision_are_answered(dtype):
         for mode in MODES:
             for method in ("gradient", "grad_x_input", "integrated_gradients"):
                 token_attr(model, input_ids, target_ids, method=method, n_steps=3, mode=mode)
+
+
+def _phi3_longrope() -> torch.nn.Module:
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 8,
+        "short_factor": [1.0] * 4,
+        "long_factor": [4.0] * 4,
+        "partial_rotary_factor": 1.0,
+    }
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        attn_implementation="eager",
+        original_max_position_embeddings=8,
+        rope_parameters=rope,
+    )
+    return transformers.Phi3ForCausalLM(config).double().eval()
+
+
+@pytest.mark.filterwarnings("ignore:compose_heads")  # (longrope copies into its inv_freq)
+@pytest.mark.parametrize("mode", MODES)
+def test_longrope_prefixes_on_both_sides_of_its_threshold_are_refused(mode):
+    """Phi-3's longrope switches its frequencies past 8 tokens here (review28 #3: 1.9e-4 off
+    with prefixes of 6 to 11 tokens); prefixes all on one side are answered exactly."""
+    torch.manual_seed(0)
+    model = _phi3_longrope()
+    emb = model.get_input_embeddings()
+    for prompt, targets in ((4, 3), (12, 4)):
+        input_ids, target_ids = _ids(prompt, targets)
+        expected, _ = _loop(model, emb, input_ids, target_ids, "grad_x_input")
+        got = token_attr(model, input_ids, target_ids, mode=mode)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    input_ids, target_ids = _ids(6, 6)
+    with pytest.raises(ValueError, match="original_max_position_embeddings = 8"):
+        token_attr(model, input_ids, target_ids, mode=mode)
