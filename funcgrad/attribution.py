@@ -24,6 +24,7 @@ import inspect
 import math
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -417,23 +418,59 @@ def _logits(output: object, call: str) -> torch.Tensor:
 _SIMPLE = (bool, int, float, str, type(None))
 
 
+class _Same:
+    """An object by identity without holding it: a weak reference where the object takes one
+    (then equal only while both are alive and the same object; the model is never kept
+    alive through it), else its ``id`` and type."""
+
+    __slots__ = ("key", "ref")
+
+    def __init__(self, obj: Any) -> None:
+        self.key = (id(obj), type(obj))
+        try:
+            self.ref: Any = weakref.ref(obj)
+        except TypeError:
+            self.ref = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Same) or self.key != other.key:
+            return False
+        if self.ref is None or other.ref is None:
+            return self.ref is other.ref
+        mine = self.ref()
+        return mine is not None and mine is other.ref()
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+# The names a namespace is compared on: what code calls or reads functions from (a loop
+# variable, a notebook's ``_`` or ``Out`` are not).
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type, functools.partial)
+# Attributes that cannot change what the probe sees: it runs in eval mode anyway, and
+# ``use_cache`` only adds a cache to the outputs.
+_IGNORED = frozenset({"training", "use_cache"})
+
+
+def _code_names(namespace: dict[str, Any]) -> dict[str, _Same]:
+    return {k: _Same(v) for k, v in namespace.items() if isinstance(v, _CODE)}
+
+
 @dataclasses.dataclass
 class _Probed:
     """What the causal probe saw of a model (`_check_causal`): its `_structure`, its modules'
-    and config's plain attributes (`_attributes`), and copies of the namespaces its code may
-    look functions up in (`_namespaces`), each with the live dict it copies."""
+    and config's plain attributes (`_attributes`), and the functions, classes and modules
+    of the namespaces its code may look names up in (`_namespaces`), each with the live
+    dict it reads; nothing here holds the model (or anything else) alive."""
 
     structure: tuple[Any, ...]
     attributes: tuple[Any, ...]
-    namespaces: list[tuple[Any, dict[str, Any]]]
+    namespaces: list[tuple[Any, dict[str, _Same]]]
 
     def same_namespaces(self) -> bool:
-        """Whether every name of the namespaces still holds the same object (by identity:
-        a value's own ``==`` is never called)."""
-        return all(
-            len(live) == len(copy) and all(live.get(k, live) is v for k, v in copy.items())
-            for live, copy in self.namespaces
-        )
+        """Whether every function, class and module name of the namespaces still holds the
+        same object, and no such name was added (by identity: a value's own ``==`` is never
+        called)."""
+        return all(_code_names(live) == names for live, names in self.namespaces)
 
 
 def _modules(args: _Args) -> list[torch.nn.Module]:
@@ -453,17 +490,23 @@ def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
         tuple(hooks._global_forward_pre_hooks),
         tuple(
             (
-                weakref.ref(module),
+                _Same(module),
                 type(module),
                 type(module).forward,
-                module.__dict__.get("forward"),
-                tuple(module._forward_hooks),
-                tuple(module._forward_pre_hooks),
-                tuple((id(b), b._version) for b in module._buffers.values() if b is not None),
+                _Same(module.__dict__.get("forward")),
+                tuple((k, _Same(h)) for k, h in module._forward_hooks.items()),
+                tuple((k, _Same(h)) for k, h in module._forward_pre_hooks.items()),
+                tuple(_tensor(b) for b in module._buffers.values() if b is not None),
             )
             for module in modules
         ),
     )
+
+
+def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    """A tensor by identity (weakly), version counter (an in-place change) and storage
+    address and shape (``t.data = other`` changes neither identity nor version)."""
+    return (_Same(t), t._version, t.data_ptr(), t.shape)
 
 
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
@@ -474,13 +517,17 @@ def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple
     config = getattr(model, "config", None)
     owners = [*modules, config] if config is not None else modules
     return tuple(
-        tuple((k, v) for k, v in vars(owner).items() if type(v) in _SIMPLE)
+        tuple(
+            (k, v if type(v) in _SIMPLE else _tensor(v))
+            for k, v in vars(owner).items()
+            if (type(v) in _SIMPLE or isinstance(v, torch.Tensor)) and k not in _IGNORED
+        )
         for owner in owners
         if hasattr(owner, "__dict__")
     )
 
 
-def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any]]]:
+def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Same]]]:
     """The namespaces the model's code may look functions up in: ``torch``,
     ``torch.nn.functional``, ``torch.Tensor``'s methods, and the Python module of each of the
     model's module classes (``transformers.models.gpt2.modeling_gpt2``: its
@@ -493,7 +540,33 @@ def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, Any
         if source is not None:
             sources.setdefault(id(source), source)
     lives = [vars(source) for source in sources.values()]
-    return [(live, dict(live)) for live in lives]
+    return [(live, _code_names(live)) for live in lives]
+
+
+def _check_rope_threshold(model: torch.nn.Module, shortest: int, longest: int) -> None:
+    """Hugging Face's ``longrope`` and ``dynamic`` rotary embeddings change every position's
+    frequencies once the sequence is longer than ``original_max_position_embeddings``: captum's
+    prefixes (lengths ``shortest`` to ``longest``) on both sides of it run other functions than
+    the one forward of length ``longest`` (the probe's lengths are all on one side). Refused
+    from the config, before anything runs."""
+    config = getattr(model, "config", None)
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict) or rope.get("rope_type") not in ("longrope", "dynamic"):
+        return
+    threshold = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if threshold is None:
+        threshold = getattr(config, "max_position_embeddings", None)
+    if isinstance(threshold, int) and shortest <= threshold < longest:
+        raise ValueError(
+            f"{_CALL}: the model's rotary embedding (config.rope_parameters['rope_type'] = "
+            f"{rope.get('rope_type')!r}) changes its frequencies past "
+            f"original_max_position_embeddings = {threshold} tokens, and captum's prefixes "
+            f"(lengths {shortest} to {longest}) fall on both sides of it: one teacher-forced "
+            "forward does not give their answers. Split the targets at that length, or "
+            "run captum's loop."
+        )
 
 
 def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
@@ -509,6 +582,7 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     instead: `_future_leak`)."""
     model = args.model
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
+    _check_rope_threshold(model, len(args.input_ids), len(sequence))
     if len(sequence) < 2:
         return
     modules = _modules(args)
@@ -537,11 +611,19 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     earlier = before[0, :-1]
     if earlier.shape != after[0, :-1].shape or earlier.shape != shorter[0].shape:
         return  # (the logits' shape checks name this on the call itself)
-    gap = float(
-        torch.maximum((earlier - after[0, :-1]).abs().max(), (earlier - shorter[0]).abs().max())
-    )
+    # (the same shape with its last token changed: a causal model's earlier logits are
+    # bitwise the same in any dtype, so the tolerance is float32's 1000 eps even in bf16/fp16,
+    # where 1000 eps is above the logits themselves; the shorter sequence runs other kernels'
+    # blocking, so it is given 1000 eps of the dtype: in half precision that part checks
+    # little, see docs/attribution.md)
     scale = float(earlier.abs().max())
-    if not gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0):
+    changed_gap = float((earlier - after[0, :-1]).abs().max())
+    shorter_gap = float((earlier - shorter[0]).abs().max())
+    gap = max(changed_gap, shorter_gap)
+    if not (
+        changed_gap <= _tolerance(earlier.dtype) * max(scale, 1.0)
+        and shorter_gap <= 1e3 * torch.finfo(earlier.dtype).eps * max(scale, 1.0)
+    ):
         raise ValueError(
             f"{_CALL}: the model is not causal: changing the last token of prompt + "
             f"targets[:-1], or leaving it out, moved the logits at earlier positions (by up "
@@ -564,7 +646,14 @@ def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
         seen.structure = _structure(modules)
         if mode == "forward":
             seen.attributes = _attributes(args.model, modules)
-            seen.namespaces = [(live, dict(live)) for live, _ in seen.namespaces]
+            seen.namespaces = [(live, _code_names(live)) for live, _ in seen.namespaces]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """1000 eps of ``dtype``, at most float32's: what a causal model gives as exact zeros (a
+    masked position's gradient, an earlier position's logits under a changed last token) stays
+    exact in bf16/fp16, whose own 1000 eps (7.8 and 0.98) would let anything through."""
+    return 1e3 * min(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
 
 
 def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
@@ -572,7 +661,7 @@ def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     the heads ``targets[first:]`` on every position's embedding; head i sits at position
     ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
     zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
-    position's gradient is above 1000 eps of the largest at the positions after the prompt
+    position's gradient is above `_tolerance` of the largest at the positions after the prompt
     and the group's earlier targets (read by the caller, once per call)."""
     start = prompt + first  # (the first position after any head's own)
     heads, length = grads.shape[:2]
@@ -584,7 +673,7 @@ def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     leak = torch.where(later, g, 0).amax()
     # (the scale: the largest gradient at those positions, head i's own earlier ones included;
     # a causal model's later ones are exact zeros, so any leak there is refused)
-    return leak > 1e3 * torch.finfo(g.dtype).eps * g.amax()
+    return leak > _tolerance(g.dtype) * g.amax()
 
 
 def _refuse_tensor_hooks(output: Any) -> None:
@@ -828,7 +917,8 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
 def _library_functions_intact() -> bool:
     """Whether the functions that the allow-listed forwards look up when they run are torch's
     own: ``F.gelu``, ``F.silu``, ``F.relu``, ``torch.tanh``, ``sigmoid``, ``pow``, ``erf``,
-    ``relu``, and the names ``F``, ``torch`` and ``nn`` in the two libraries' modules (a
+    ``relu``, ``math.sqrt(2 / math.pi)``, and the names ``F``, ``torch``, ``nn`` and ``math``
+    in the two libraries' modules (a
     replaced one may mix the positions). By identity with torch's C functions, or for
     torch's Python functions, their code in torch.nn.functional's own file."""
     functional = torch.nn.functional
@@ -844,6 +934,10 @@ def _library_functions_intact() -> bool:
             getattr(code, "co_filename", None) != functional.__file__
         ):
             return False
+    # (the tanh GELU's constant, as NewGELUActivation computes it: ``math.sqrt`` and
+    # ``math.pi`` the library's, by their value on the one input the formula reads)
+    if math.pi != 3.141592653589793 or math.sqrt(2.0 / math.pi) != 0.7978845608028654:
+        return False
     modules = [sys.modules.get("torch.nn.modules.activation")]
     activations = sys.modules.get("transformers.activations")
     if activations is not None:

@@ -701,3 +701,20 @@ def test_the_one_op_derivative_is_the_modules_own(dtype):
             torch.testing.assert_close(derivative, own, rtol=0, atol=tolerance)
         else:
             assert torch.equal(derivative, own), act
+
+
+@pytest.mark.parametrize("patch", ["sqrt", "pi"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_patched_math_constant_leaves_the_tanh_gelu_alone(patch, mode, monkeypatch):
+    """NewGELUActivation's forward computes ``math.sqrt(2 / math.pi)`` when it runs; torch's
+    tanh-GELU backward uses the real constant (review28 #5: 1.6e-5 off before)."""
+    import math
+
+    if patch == "sqrt":
+        sqrt = math.sqrt
+        monkeypatch.setattr(math, "sqrt", lambda x: sqrt(x) * 1.05)
+    else:
+        monkeypatch.setattr(math, "pi", 3.0)
+    model = _model([activations.NewGELUActivation()])
+    assert _elementwise(model) == ()
+    _check(model, "grad_x_input", mode)
