@@ -656,3 +656,48 @@ def test_per_example_gpt2_gradient_checkpointing_one_forward_per_call(monkeypatc
             pe.gramian(losses.view(n, -1).sum(1))
             assert forwards[0] == (2 if step == 0 else 1)
     assert count[0] == 1
+
+
+class _Ema:
+    """A stateful weighting: inverse square roots of an EMA of G's diagonal."""
+
+    def __init__(self, detach: bool) -> None:
+        self.ema: torch.Tensor | None = None
+        self.detach = detach
+
+    def __call__(self, G: torch.Tensor) -> torch.Tensor:
+        d = G.diagonal().detach() if self.detach else G.diagonal()
+        self.ema = d if self.ema is None else 0.9 * self.ema + 0.1 * d
+        w = self.ema.rsqrt()
+        return w / w.sum()
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_create_graph_state_kept_across_calls_gets_a_clear_error(level):
+    # review26 R2: under create_graph the weighting gets G with its graph; an EMA of
+    # G.diagonal() kept across calls chained step 2's weights to step 1's freed graph, and
+    # the user's backward raised torch's "backward through the graph a second time", naming
+    # neither the weighting nor the fix. Now the call raises, before anything is written,
+    # with the fix; the detached EMA is exact against the same EMA by hand.
+    theta = _theta()
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(False), level=level, create_graph=True)
+    _, grad, _ = fn(theta)
+    torch.autograd.grad(grad.sum(), theta)
+    with pytest.raises(RuntimeError, match="state kept across calls must be detached"):
+        fn(theta * 1.1)
+    # graphs still held (retain_graph=True): the chain is what was asked, no error
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(False), level=level, create_graph=True)
+    _, grad, _ = fn(theta)
+    torch.autograd.grad(grad.sum(), theta, retain_graph=True)
+    fn(theta * 1.1)
+    # the detached state: exact, step after step
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(True), level=level, create_graph=True)
+    by_hand = _Ema(True)
+    for step in range(3):
+        point = (theta * (1 + 0.1 * step)).detach().requires_grad_()
+        _, grad, _ = fn(point)
+        want, _ = _by_hand(point, by_hand, level)
+        assert torch.allclose(grad, want, rtol=1e-10, atol=1e-12)
+        got = torch.autograd.grad(grad.pow(2).sum(), point)[0]
+        ref = torch.autograd.grad(want.pow(2).sum(), point)[0]
+        assert torch.allclose(got, ref, rtol=1e-8, atol=1e-10)
