@@ -259,8 +259,8 @@ def _indices(node: Any, attr: str, how: str) -> tuple[Any, ...]:
     only where it takes that dim: an index along another dim is not unpacked (a saved
     tensor's unpack hook may run the forward of a checkpointed segment again)."""
     if how == "tuple":  # x[i0, i1, ...]: only i0 indexes the examples' dim
-        first = getattr(node, f"_raw{attr}")[0]
-        held = first.unpack()
+        raws = getattr(node, f"_raw{attr}")
+        held = raws[0].unpack() if raws else None
         return () if held is None else ((0, _digest(held)),)
     if how == "dim":
         dim = node._saved_dim
