@@ -245,13 +245,15 @@ def _saved_constants(node: Any, operands: tuple[str, ...]) -> list[Any]:
 
 
 def _scale(value: Any, ends: bool = False) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() or value.device.type != "cpu":
+    if not isinstance(value, torch.Tensor) or value.ndim or not value.is_cpu:
         return None
     try:
-        number = float(value.detach())
+        number = value.item()  # (a few times cheaper than float(value.detach()))
     except Exception:  # unreadable (a fake tensor): check the call
         return object()
-    return _bucket(number, ends)
+    if isinstance(number, complex):  # (a complex scale: by its modulus)
+        number = abs(number)
+    return _bucket(float(number), ends)
 
 
 def _indices(node: Any, attr: str, how: str) -> tuple[Any, ...]:
