@@ -208,7 +208,9 @@ def combine_heads(
         the call keeps a graph (``create_graph=True``, or inside a torch.func transform):
         there the weighting is given the Gramian with its graph, and ``grad`` and
         ``weights`` keep the weights' dependence on it (a meta-gradient through ``grad``
-        reaches the weighting).
+        reaches the weighting). State a weighting keeps across calls must then be
+        detached (``self.ema = G.diagonal().detach()``): a call whose weights reach an
+        earlier call's freed graph raises, naming the fix.
 
     Examples:
         >>> import torch, funcgrad

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -324,8 +325,73 @@ def weights_from_gramian(
     """``rule.fn(G)``, checked for shape (finiteness is checked once the ranks share them)."""
     assert rule.fn is not None
     given = f"the {tuple(g.shape)} Gramian"
+    tag = None
+    if keep_graph and g.grad_fn is not None and not torch.compiler.is_compiling():
+        tag = next(_GRAMIANS)
+        node: Any = g.grad_fn
+        node.metadata[_TAG] = tag
     found = _call(rule, g, given, call, keep_graph)
+    if tag is not None and isinstance(found, torch.Tensor) and found.grad_fn is not None:
+        _refuse_freed_state(found.grad_fn, tag, type(rule.fn).__name__, call)
     return checked_shape(found, g.shape[0], given, call, unit, keep_graph)
+
+
+# Under keep_graph each call's Gramian node is tagged (its `metadata`), so that weights whose
+# graph reaches an EARLIER call's Gramian (state the weighting keeps across calls: an EMA of
+# G.diagonal()) are found at the call, where that graph is freed
+_TAG = "funcgrad.gramian"
+_GRAMIANS = itertools.count()
+_WALK = 10_000  # nodes of the weights' graph walked, at most
+
+
+def _refuse_freed_state(root: Any, tag: int, name: str, call: str) -> None:
+    """Raise, before anything is written, where the weights' graph (from ``root``) reaches
+    the Gramian of an earlier call whose graph a backward has freed: a backward through
+    this call's results would fail there with torch's "Trying to backward through the
+    graph a second time", which names neither the weighting nor the fix. A graph still
+    held (``retain_graph=True``) chains the calls as asked: nothing is raised."""
+    seen: dict[int, Any] = {}
+    stack = [root]
+    while stack and len(seen) < _WALK:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        held = node.metadata.get(_TAG) if hasattr(node, "metadata") else None
+        if held == tag:
+            continue  # this call's Gramian: its graph is f's, fresh
+        if held is not None:
+            error = _freed(node)
+            if error is not None:
+                raise RuntimeError(
+                    f"{call}: the weights of the weighting {name} depend on the Gramian of an "
+                    "earlier call, whose graph a backward has freed (torch: "
+                    f"{str(error).split('.')[0]}). With create_graph=True the weighting is "
+                    "given G with its graph, so state it keeps across calls (an EMA of "
+                    "G.diagonal()) chains each call's graph to the earlier ones': state kept "
+                    "across calls must be detached (`self.ema = d.detach()`), or the earlier "
+                    "graphs kept with retain_graph=True."
+                ) from error
+            continue
+        stack.extend(edge for edge, _ in node.next_functions)
+
+
+def _freed(node: Any, depth: int = 3) -> RuntimeError | None:
+    """torch's error where ``node`` or a node below it (``depth`` levels) has its saved
+    tensors freed by a backward, else None."""
+    for attr in dir(type(node)):
+        if attr.startswith("_raw_saved_"):
+            try:
+                getattr(node, attr[len("_raw") :])
+            except RuntimeError as error:
+                return error
+    if depth:
+        for edge, _ in node.next_functions:
+            if edge is not None:
+                found = _freed(edge, depth - 1)
+                if found is not None:
+                    return found
+    return None
 
 
 def aggregate(

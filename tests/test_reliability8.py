@@ -4,6 +4,7 @@ autograd with create_graph)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -57,7 +58,31 @@ PAIRS: dict[
     ),
     "number": (lambda o: o + 0.0 * o.mean(0), lambda o: o + 0.5 * o.mean(0)),
     "small number": (lambda o: o + 1e-12 * o.mean(0), lambda o: o + 0.5 * o.mean(0)),
+    # a scale kept as a 0-dim tensor, as the FIRST operand (a ramped loss weight)
+    "tensor first": (lambda o: o + _t(0.0) * o.mean(0), lambda o: o + _t(0.5) * o.mean(0)),
+    "torch.mul first": (
+        lambda o: o + torch.mul(_t(0.0), o.mean(0)),
+        lambda o: o + torch.mul(_t(0.5), o.mean(0)),
+    ),
+    "div first": (lambda o: o + _t(0.0) / o.mean(0), lambda o: o + _t(0.5) / o.mean(0)),
+    # lerp's tensor weight: 0 keeps o alone; and its number weight: 1 takes o alone
+    "lerp tensor": (
+        lambda o: torch.lerp(o, o.mean(0, keepdim=True).expand_as(o), _t(0.0)),
+        lambda o: torch.lerp(o, o.mean(0, keepdim=True).expand_as(o), _t(0.5)),
+    ),
+    "lerp tensor one": (
+        lambda o: torch.lerp(o.mean(0, keepdim=True).expand_as(o), o, _t(1.0)),
+        lambda o: torch.lerp(o.mean(0, keepdim=True).expand_as(o), o, _t(0.75)),
+    ),
+    "lerp number one": (
+        lambda o: torch.lerp(o.mean(0, keepdim=True).expand_as(o), o, 1.0),
+        lambda o: torch.lerp(o.mean(0, keepdim=True).expand_as(o), o, 0.75),
+    ),
 }
+
+
+def _t(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def _gram_loop(model: nn.Module, loss: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -391,3 +416,288 @@ def test_per_example_after_a_refused_mixing_call_the_plain_loss_is_exact(monkeyp
         gram = pe.gramian(plain(model(_x())).pow(2).sum(1))
         assert torch.allclose(gram, _gram_loop(model, plain), rtol=1e-10, atol=1e-12)
     assert count[0] == 3  # the plain signature once, the mixing one on each of its calls
+
+
+# -- review26: what the signature reads, and what it costs ------------------------------------
+
+
+def test_per_example_float_arguments_in_a_schedule_check_once(monkeypatch):
+    # clamp bounds, a leaky_relu slope, a pow exponent, a huber delta, a label smoothing
+    # moving within one power of two cannot move a row: one check over the schedule (each
+    # float was held exactly: every step was checked)
+    count = _count_checks(monkeypatch)
+    model = _model()
+    gen = torch.Generator().manual_seed(3)
+    f = nn.functional
+    with funcgrad.per_example(model) as pe:
+        for step in range(6):
+            s = 1.0 + 0.1 * step  # in [1, 2): one power of two
+            y = torch.randint(0, 4, (B,), generator=gen)
+            out = model(_x())
+            losses = (
+                out.clamp(-2 * s, 2 * s).pow(2).sum(1)
+                + f.leaky_relu(out, 0.125 * s).sum(1)
+                + out.abs().pow(2 * s).sum(1)
+                + f.huber_loss(out, torch.zeros_like(out), reduction="none", delta=s).sum(1)
+                + f.cross_entropy(out, y, reduction="none", label_smoothing=0.0625 * s)
+            )
+            pe.gramian(losses)
+    assert count[0] == 1
+
+
+def test_per_example_a_float_schedule_crossing_zero_is_checked_again(monkeypatch):
+    # the bucket keeps 0 apart: a term switched on by an alpha is checked (and refused)
+    model = _model()
+    with funcgrad.per_example(model) as pe:
+        o = model(_x())
+        pe.gramian(torch.sub(o, o.mean(0), alpha=0.0).pow(2).sum(1))
+        o = model(_x())
+        with pytest.raises(ValueError, match="do not treat the examples independently"):
+            pe.gramian(torch.sub(o, o.mean(0), alpha=0.5).pow(2).sum(1))
+
+
+def test_per_example_indices_along_a_dim_of_the_batch_s_size_are_not_held(monkeypatch):
+    # o.log_softmax(1)[arange(B), y] with C == B: y indexes the classes, not the examples;
+    # it was hashed as it indexes a dim of size B, so every new batch was checked
+    count = _count_checks(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, B)).double()
+    gen = torch.Generator().manual_seed(4)
+    with funcgrad.per_example(model) as pe:
+        for _ in range(5):
+            y = torch.randint(0, B, (B,), generator=gen)
+            out = model(_x())
+            picked = out.log_softmax(1)[torch.arange(B), y]
+            taken = out.gather(1, y[:, None])[:, 0]
+            pe.gramian(picked + taken)
+    assert count[0] == 1
+
+
+def test_per_example_gpt2_sequence_classification_padded_t_equal_b_checks_once(monkeypatch):
+    # GPT-2's pooled logits[arange(B), last non-pad position] with T == B: the positions
+    # index the sequence dim, which has the batch's size: checked on every new batch
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    count = _count_checks(monkeypatch)
+    n = 4
+    config = transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=8, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, num_labels=3, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2ForSequenceClassification(config).double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with funcgrad.per_example(model) as pe:
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(1, 50, (n, n), generator=gen)
+            lengths = torch.randint(1, n + 1, (n,), generator=gen)
+            mask = (torch.arange(n)[None] < lengths[:, None]).long()
+            ids = ids * mask
+            y = torch.randint(0, 3, (n,), generator=gen)
+
+            def losses(ids=ids, mask=mask, y=y) -> torch.Tensor:
+                logits = model(input_ids=ids, attention_mask=mask).logits
+                return nn.functional.cross_entropy(logits, y, reduction="none")
+
+            gram = pe.gramian(losses())
+            if step == 3:
+                held = losses()
+                rows = []
+                for b in range(n):
+                    grads = torch.autograd.grad(
+                        held[b], params, retain_graph=True, allow_unused=True
+                    )
+                    rows.append(
+                        torch.cat(
+                            [
+                                (g if g is not None else torch.zeros_like(p)).flatten()
+                                for g, p in zip(grads, params)
+                            ]
+                        )
+                    )
+                J = torch.stack(rows)
+                assert torch.allclose(gram, J @ J.T, rtol=1e-8, atol=1e-10)
+    assert count[0] == 1
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 4)
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("mask", torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a 0-dim constant and a full constant operand of a mul, an activation times an
+        # activation, a division by a number: each saved under the checkpoint's hooks
+        h = torch.tanh(self.a(x))
+        return self.b(self.scale * (h * self.mask) * h / 3.0)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_per_example_checkpointed_segment_runs_once_per_call(monkeypatch):
+    # reading a mul's saved operand ran the checkpoint's unpack hook, which recomputes the
+    # segment: two forwards of the segment per call instead of one. Now a saved tensor is
+    # read only where it is a constant operand and no hook would run to read it.
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    forwards = [0]
+    model.block.a.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    count = _count_checks(monkeypatch)
+    params = list(model.parameters())
+    with funcgrad.per_example(model) as pe:
+        for step in range(4):
+            x = torch.randn(
+                B, 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64
+            )
+            losses = model(x).pow(2).sum(1)
+            forwards[0] = 0
+            gram = pe.gramian(losses)
+            assert forwards[0] == (2 if step == 0 else 1)  # the check's backward, the one
+            held = model(x).pow(2).sum(1)
+            J = torch.stack(
+                [
+                    torch.cat(
+                        [
+                            g.flatten()
+                            for g in torch.autograd.grad(held[b], params, retain_graph=True)
+                        ]
+                    )
+                    for b in range(B)
+                ]
+            )
+            assert torch.allclose(gram, J @ J.T, rtol=1e-10, atol=1e-12)
+    assert count[0] == 1
+
+
+def test_per_example_signature_unpacks_no_hooked_saved_tensor(monkeypatch):
+    # under save_on_cpu (or checkpointing) each read of a saved tensor runs its unpack hook
+    # (a copy back, a forward again): the signature runs none (a Python number's wrapped
+    # tensor is never hooked, and is still read); it read a mul's second operand
+    from funcgrad._per_example import _independence
+
+    unpacked = [0]
+    during = []
+    signature = _independence._graph_signature
+
+    def counted(*args, **kwargs):
+        before = unpacked[0]
+        result = signature(*args, **kwargs)
+        during.append(unpacked[0] - before)
+        return result
+
+    monkeypatch.setattr(_independence, "_graph_signature", counted)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        unpacked[0] += 1
+        return t
+
+    model = _model()
+    with funcgrad.per_example(model) as pe:
+        for number in (0.0, 0.5):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                o = model(_x())
+                kept = o.detach() * o * _t(0.5) * 2.0 / 3.0
+                losses = (kept + number * o.mean(0)).sum(1)
+            if number == 0.0:
+                pe.gramian(losses)
+            else:  # the number, wrapped and not hooked, is read: the term is checked
+                with pytest.raises(ValueError, match="do not treat the examples independently"):
+                    pe.gramian(losses)
+    assert during == [0, 0]
+
+
+def test_per_example_gpt2_gradient_checkpointing_one_forward_per_call(monkeypatch):
+    # HF GPT-2 under gradient_checkpointing_enable(use_reentrant=False): each block's
+    # forward ran twice per call (the signature's read of a mul's saved operand recomputed
+    # the segment), once on main
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    count = _count_checks(monkeypatch)
+    config = transformers.GPT2Config(
+        vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    with warnings.catch_warnings():  # (transformers 5 renames it; the alias warns)
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    forwards = [0]
+    block = model.transformer.h[0].mlp.c_fc
+    block.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    n, t = 4, 6
+    with funcgrad.per_example(model) as pe:
+        for step in range(4):
+            ids = torch.randint(0, 50, (n, t), generator=torch.Generator().manual_seed(step))
+            logits = model(input_ids=ids).logits
+            losses = nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1), reduction="none"
+            )
+            forwards[0] = 0
+            pe.gramian(losses.view(n, -1).sum(1))
+            assert forwards[0] == (2 if step == 0 else 1)
+    assert count[0] == 1
+
+
+class _Ema:
+    """A stateful weighting: inverse square roots of an EMA of G's diagonal."""
+
+    def __init__(self, detach: bool) -> None:
+        self.ema: torch.Tensor | None = None
+        self.detach = detach
+
+    def __call__(self, G: torch.Tensor) -> torch.Tensor:
+        d = G.diagonal().detach() if self.detach else G.diagonal()
+        self.ema = d if self.ema is None else 0.9 * self.ema + 0.1 * d
+        w = self.ema.rsqrt()
+        return w / w.sum()
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+def test_combine_heads_create_graph_state_kept_across_calls_gets_a_clear_error(level):
+    # review26 R2: under create_graph the weighting gets G with its graph; an EMA of
+    # G.diagonal() kept across calls chained step 2's weights to step 1's freed graph, and
+    # the user's backward raised torch's "backward through the graph a second time", naming
+    # neither the weighting nor the fix. Now the call raises, before anything is written,
+    # with the fix; the detached EMA is exact against the same EMA by hand.
+    theta = _theta()
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(False), level=level, create_graph=True)
+    _, grad, _ = fn(theta)
+    torch.autograd.grad(grad.sum(), theta)
+    with pytest.raises(RuntimeError, match="state kept across calls must be detached"):
+        fn(theta * 1.1)
+    # graphs still held (retain_graph=True): the chain is what was asked, no error
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(False), level=level, create_graph=True)
+    _, grad, _ = fn(theta)
+    torch.autograd.grad(grad.sum(), theta, retain_graph=True)
+    fn(theta * 1.1)
+    # the detached state: exact, step after step
+    fn = funcgrad.combine_heads(_f, HEADS, _Ema(True), level=level, create_graph=True)
+    by_hand = _Ema(True)
+    for step in range(3):
+        point = (theta * (1 + 0.1 * step)).detach().requires_grad_()
+        _, grad, _ = fn(point)
+        want, _ = _by_hand(point, by_hand, level)
+        assert torch.allclose(grad, want, rtol=1e-10, atol=1e-12)
+        got = torch.autograd.grad(grad.pow(2).sum(), point)[0]
+        ref = torch.autograd.grad(want.pow(2).sum(), point)[0]
+        assert torch.allclose(got, ref, rtol=1e-8, atol=1e-10)

@@ -55,7 +55,7 @@ def _independence_due(run: _Run, blocks: list[list[_Layer]]) -> tuple[Any, ...] 
         # the ops around the recorded calls, with their arguments: a term that mixes the
         # examples added after the checked call, under the same final op (out.roll(1, 0)),
         # or with the same ops on other dims (out.flip(0) after out.flip(1)), was unchecked
-        _graph_signature(run.graph_nodes, run.batch),
+        _graph_signature(run.graph_nodes),
     ]
     for use in tested:
         leaves = _pytree.tree_leaves((use.args, use.kwargs))
@@ -120,30 +120,40 @@ _INDEXERS: dict[str, tuple[str, str]] = {
     "MaskedScatterBackward0": ("_saved_mask", "all"),
 }
 # Nodes whose saved 0-dim CPU tensor may be a Python number the loss multiplies by (torch
-# wraps it in a tensor): `lam * out.mean(0)` with lam = 0 on the checked call mixes nothing
-# (torch puts the number second, as `other`: only that one is read, as reading a saved
-# tensor runs its saved-tensor unpack hook, save_on_cpu's copy back included)
-_SCALED = frozenset({"MulBackward0", "DivBackward0", "DivBackward2"})
+# wraps it in a tensor) or a scale kept as a tensor: `lam * out.mean(0)` with lam = 0 on the
+# checked call mixes nothing. node type -> its operands' saved names, in the order of its
+# inputs (`next_functions`): only an operand with no edge (a constant) is read, and only
+# where no saved-tensor hook would run to read it (`_saved_constant`)
+_SCALED: dict[str, tuple[str, ...]] = {
+    "MulBackward0": ("self", "other"),
+    "DivBackward0": ("self", "other"),
+    "DivBackward2": ("self", "other"),
+    "LerpBackward1": ("self", "end", "weight"),
+}
+# Nodes whose float weight takes one input alone at ±1 (held exactly there, `_bucket`)
+_ENDS = frozenset({"LerpBackward0", "LerpBackward1"})
 
 
-def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
+def _graph_signature(nodes: list[Any]) -> tuple[Any, ...]:
     """The graph's nodes around the recorded calls (`_recorded_uses`' walk), each as its
-    kind and its saved non-tensor arguments (dims, sizes, flags, numbers), plus what of its
-    saved tensors can decide whether it mixes the examples and is read cheaply:
+    kind and its saved non-tensor arguments (dims, sizes, flags; a float as `_bucket` holds
+    it), plus what of its saved tensors can decide whether it mixes the examples and is
+    read cheaply:
 
     - the index tensors of the nodes that read rows by index (`_INDEXERS`), where they
-      index dim 0 or a dim of size ``batch`` (or the whole tensor): their contents, by a
-      digest (one host read each on an accelerator). Indices along other dims (a class
-      label picked by ``gather(1, y)``, a target) are left out: they cannot move one
-      example's row to another, and they change with every batch.
-    - a 0-dim CPU tensor that a ``mul``/``div`` saved as its second operand (a Python
-      number, or a scale kept on the CPU): whether it is 0, its sign and its binary
-      exponent, so that a term switched on from 0 (a loss weight that ramps up) or grown
-      past the check's tolerance is checked again, and a scale that moves within one
-      power of two is not.
+      index the examples' dim (dim 0: ``per_example`` takes ``batch_dim=0``) or the whole
+      tensor: their contents, by a digest (one host read each on an accelerator). Indices
+      along other dims (a class label picked by ``gather(1, y)`` or ``o[arange(B), y]``, a
+      sequence position, even where that dim has the batch's size) are left out: they
+      cannot move one example's row to another, and they change with every batch.
+    - a 0-dim CPU tensor that is a constant operand of a ``mul``/``div`` (either one) or
+      the tensor weight of a ``lerp`` (`_saved_constants`): whether it is 0 or ±1, its
+      sign and its binary exponent, so that a term switched on from 0 (a loss weight that
+      ramps up) or grown past the check's tolerance is checked again, and a scale that
+      moves within one power of two is not.
 
     Other saved tensors (activations, masks of ``where`` and dropout, a mixing matrix) are
-    not held: their values change with every batch (docs/reliability.md)."""
+    not read: their values change with every batch (docs/reliability.md)."""
     parts: list[Any] = []
     for node in nodes:
         kind = type(node)
@@ -158,13 +168,14 @@ def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
             parts.append(kind)
             continue
         try:
-            entry: list[Any] = [kind, *(_frozen(getattr(node, a)) for a in plain)]
+            ends = kind.__name__ in _ENDS
+            entry: list[Any] = [kind, *(_frozen(getattr(node, a), ends) for a in plain)]
             if tensors:
                 name = kind.__name__
                 if name in _INDEXERS:
-                    entry.append(_indices(node, *_INDEXERS[name], batch))
+                    entry.append(_indices(node, *_INDEXERS[name]))
                 elif name in _SCALED:
-                    entry.append(_scale(node._saved_other))
+                    entry.extend(_saved_constants(node, _SCALED[name]))
         except RuntimeError:  # a saved tensor freed by an earlier backward: torch refuses later
             entry = [kind, "freed"]
         parts.append(tuple(entry))
@@ -176,15 +187,28 @@ def _graph_signature(nodes: list[Any], batch: int) -> tuple[Any, ...]:
     return signature
 
 
-def _frozen(value: Any) -> Any:
+def _frozen(value: Any, ends: bool = False) -> Any:
     """A saved argument as a value that equals itself: a float by its hex form (NaN equal
     to NaN); sizes and dims (tuples of ints, the common case) as they are."""
     kind = type(value)
     if kind is float:
-        return value.hex()
+        return _bucket(value, ends)
     if kind is list:
-        return tuple(value)
+        return tuple(_bucket(v, ends) if type(v) is float else v for v in value)
     return value
+
+
+def _bucket(number: float, ends: bool = False) -> Any:
+    """A float as the signature holds it: exactly where it is 0 or not finite (a term
+    switched off), or, with ``ends`` (a ``lerp`` weight, which at 1 takes the end alone),
+    ±1; else its sign and its power of two. A float argument (a clamp bound, a slope, an
+    exponent, a delta, a label smoothing, a scale) cannot move one example's row to
+    another; what decides whether a term that mixes them is present is whether it is 0 (or
+    1), and how large it is, for the check's tolerance. So a schedule that moves it within
+    one power of two is one signature, checked once."""
+    if number == 0 or (ends and abs(number) == 1) or not math.isfinite(number):
+        return number.hex() if number == number else "nan"
+    return (number > 0, math.frexp(number)[1])
 
 
 def _hashable(value: Any) -> Any:
@@ -198,36 +222,55 @@ def _hashable(value: Any) -> Any:
     return value
 
 
-def _scale(value: Any) -> Any:
-    if not isinstance(value, torch.Tensor) or value.dim() or value.device.type != "cpu":
+def _saved_constants(node: Any, operands: tuple[str, ...]) -> list[Any]:
+    """The 0-dim CPU scales among ``node``'s constant operands (those with no edge in
+    ``next_functions``), each as `_bucket` holds it. An operand that needs a gradient (an
+    activation) is never read; a constant one is read only where torch keeps it without a
+    saved-tensor hook (``_raw_saved_x.unpack_hook is None``): reading one saved under
+    checkpointing would run the segment's forward again, under ``save_on_cpu`` copy it
+    back. A hooked constant is held as "hooked", its value unseen (docs/reliability.md);
+    a Python number, which torch wraps in a tensor and never hooks, is always read."""
+    found: list[Any] = []
+    for (edge, _), operand in zip(node.next_functions, operands):
+        if edge is not None:
+            continue
+        raw = getattr(node, f"_raw_saved_{operand}", None)
+        if raw is None:
+            continue
+        if raw.unpack_hook is not None:
+            found.append((operand, "hooked"))
+            continue
+        found.append((operand, _scale(getattr(node, f"_saved_{operand}"), operand == "weight")))
+    return found
+
+
+def _scale(value: Any, ends: bool = False) -> Any:
+    if not isinstance(value, torch.Tensor) or value.ndim or not value.is_cpu:
         return None
     try:
-        number = float(value.detach())
+        number = float(value.detach())  # (not .item(): a host read HostReadCounter counts)
     except Exception:  # unreadable (a fake tensor): check the call
         return object()
-    if number == 0 or not math.isfinite(number):
-        return number.hex() if number == number else "nan"
-    return (number > 0, math.frexp(number)[1])
+    return _bucket(number, ends)
 
 
-def _indices(node: Any, attr: str, how: str, batch: int) -> tuple[Any, ...]:
-    held = getattr(node, attr)
-    sizes = getattr(node, "_saved_self_sym_sizes", None)
-    if how == "tuple":
-        picked = [
-            (p, t)
-            for p, t in enumerate(held)
-            if t is not None and (p == 0 or (sizes is not None and sizes[p] == batch))
-        ]
-    else:
-        picked = [(0, held)]
-        if how == "dim":
-            ndim = len(sizes) if sizes is not None else held.dim()
-            dim = node._saved_dim % max(ndim, 1)
-            size = sizes[dim] if sizes is not None else held.shape[dim] if held.dim() else 1
-            if dim != 0 and size != batch:
-                picked = []
-    return tuple((p, _digest(t)) for p, t in picked)
+def _indices(node: Any, attr: str, how: str) -> tuple[Any, ...]:
+    """The digest of ``node``'s index tensor along dim 0 (or over the whole tensor), read
+    only where it takes that dim: an index along another dim is not unpacked (a saved
+    tensor's unpack hook may run the forward of a checkpointed segment again)."""
+    if how == "tuple":  # x[i0, i1, ...]: only i0 indexes the examples' dim
+        raws = getattr(node, f"_raw{attr}")
+        held = raws[0].unpack() if raws else None
+        return () if held is None else ((0, _digest(held)),)
+    if how == "dim":
+        dim = node._saved_dim
+        if dim < 0:
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            ndim = len(sizes) if sizes is not None else getattr(node, attr).dim()
+            dim %= max(ndim, 1)
+        if dim != 0:
+            return ()
+    return ((0, _digest(getattr(node, attr))),)
 
 
 def _digest(tensor: torch.Tensor) -> tuple[Any, ...]:
