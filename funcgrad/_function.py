@@ -110,6 +110,8 @@ def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -
         if type(func) is types.FunctionType:  # (not a bound method: made anew each time)
             _OWN.add(func)
         return func
+    if caller.f_code in _RESOLVED:  # (a mode handing its op on: func was found there)
+        return func
     if caller.f_code is _HANDLE:  # a Python function's handle_torch_function
         dispatcher = caller.f_back
         if dispatcher is None or dispatcher.f_code is code or not _torch_code(dispatcher.f_code):
@@ -637,6 +639,9 @@ class NoOutsideWrites(_Draws):
             raise Writes(getattr(func, "__name__", ""))
         return super().__torch_function__(func, types, args, kwargs)
 
+
+# The modes that hand an op on to another's __torch_function__ (func already resolved)
+_RESOLVED = frozenset((NoOutsideWrites.__torch_function__.__code__,))
 
 _PLAIN, _IN_PLACE, _NORM, _EMBEDDING, _RANDOM = 0, 1, 2, 3, 4
 _WRITE_KINDS: dict[Any, int] = {}

@@ -311,3 +311,27 @@ def test_torch_callables_that_are_not_functions_still_run(strategy):
         values, grads = fn(_x())
         torch.testing.assert_close(values, want_values)
         torch.testing.assert_close(grads, want_grads)
+
+
+def _my_op_kw(x: torch.Tensor, scale: float = 3.0) -> torch.Tensor:
+    if torch.overrides.has_torch_function_unary(x):
+        return torch.overrides.handle_torch_function(_my_op_kw, (x,), x, scale=scale)
+    return scale * x.sin()
+
+
+def test_a_users_own_function_with_keywords_runs_under_every_mode():
+    # (NoOutsideWrites hands an op with keywords on to _Draws: found once, not twice)
+    from funcgrad._function import NoOutsideWrites, _Draws
+
+    x = _x()
+    want = 2.0 * x.sin()
+    for mode in (lambda: _Draws({}), lambda: NoOutsideWrites({}, [x])):
+        with torch.inference_mode(), mode():
+            torch.testing.assert_close(_my_op_kw(x, scale=2.0), want)
+    fn = funcgrad.compose_heads(lambda x: _my_op_kw(x, scale=2.0), HEADS)
+    fn.plan(_x())
+    want_values, want_grads = _reference(lambda x: _my_op_kw(x, scale=2.0), _x())
+    for _ in range(3):
+        values, grads = fn(_x())
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want_grads)
