@@ -60,8 +60,9 @@ _C_TYPES = frozenset(
     )
 )
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# Python functions from torch's own package seen by a mode (the usual op's check: one lookup)
-_OWN: set[Any] = set()
+# Python functions from torch's own package seen by a mode, by id (the usual op's check: one
+# lookup that never hashes the callable, which may be a user's unhashable object), kept alive
+_OWN: dict[int, Any] = {}
 _HANDLE = torch.overrides.handle_torch_function.__code__
 # The namespaces whose attributes torch's C code looks up, by name, at call time, to hand a
 # mode the function called (torch.Tensor's methods and these modules' functions), with
@@ -108,7 +109,7 @@ def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -
             return func
     elif _torch_code(code):
         if type(func) is types.FunctionType:  # (not a bound method: made anew each time)
-            _OWN.add(func)
+            _OWN[id(func)] = func
         return func
     if caller.f_code in _RESOLVED:  # (a mode handing its op on: func was found there)
         return func
@@ -237,7 +238,7 @@ class _Draws(TorchFunctionMode):
         self.threads = threads
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if type(func) not in _C_TYPES and func not in _OWN:  # (a replaced torch function)
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
             func = eager_function(func, sys._getframe(1), args, kwargs)
         kwargs = kwargs or {}
         threads = self.threads
@@ -609,11 +610,14 @@ class NoOutsideWrites(_Draws):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # (Once per op of f: the usual op, no keyword and not a write, costs a dict lookup.)
-        if type(func) not in _C_TYPES and func not in _OWN:  # (a replaced torch function)
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
             func = eager_function(func, sys._getframe(1), args, kwargs)
-        kind = _WRITE_KINDS.get(func)
-        if kind is None:
-            kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
+        try:
+            kind = _WRITE_KINDS.get(func)
+            if kind is None:
+                kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
+        except TypeError:  # (a user's unhashable callable)
+            kind = _write_kind(getattr(func, "__name__", ""))
         if kind == _IN_PLACE:  # (nn.init passes its tensor by keyword)
             first = args[0] if args else next(iter((kwargs or {}).values()), None)
             if self._outside(first):

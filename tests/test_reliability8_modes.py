@@ -6,6 +6,7 @@ autograd per head in float64, on calls 1, 2 and 3."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -335,3 +336,47 @@ def test_a_users_own_function_with_keywords_runs_under_every_mode():
         values, grads = fn(_x())
         torch.testing.assert_close(values, want_values)
         torch.testing.assert_close(grads, want_grads)
+
+
+@dataclasses.dataclass
+class _Scale:
+    # (a user's overridable op as a dataclass instance: eq=True makes it unhashable)
+    s: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.overrides.has_torch_function_unary(x):
+            return torch.overrides.handle_torch_function(self, (x,), x)
+        return x * self.s
+
+
+def test_an_unhashable_users_callable_runs_under_every_entry_point():
+    op = _Scale(3.0)
+    with pytest.raises(TypeError):
+        hash(op)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return op(x).sin()
+
+    want_values, want_grads = _reference(f, _x())
+    fn = funcgrad.compose_heads(f, HEADS)
+    fn.plan(_x())
+    combined = funcgrad.combine_heads(f, HEADS, lambda g: torch.ones(3, dtype=g.dtype))
+    for _ in range(3):
+        values, grads = fn(_x())
+        torch.testing.assert_close(values, want_values)
+        torch.testing.assert_close(grads, want_grads)
+        y, pb = funcgrad.pullback(f, _x())
+        torch.testing.assert_close(y, f(_x()))
+        torch.testing.assert_close(pb(torch.ones(4, dtype=torch.float64))[0], want_grads[0])
+        torch.testing.assert_close(combined(_x())[1], want_grads.sum(0))
+    net = _Net(op)
+    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(6, 4)
+    params = list(net.parameters())
+    rows = []
+    for b in range(6):
+        grads = torch.autograd.grad(net(x[b : b + 1]).sum(), params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    jac = torch.stack(rows)
+    pe = funcgrad.per_example(net)
+    for _ in range(3):
+        torch.testing.assert_close(pe.gramian(net(x)), jac @ jac.T)

@@ -203,7 +203,7 @@ class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
         self.layer = layer
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if type(func) not in _C_TYPES and func not in _OWN:  # (a replaced torch function)
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
             func = eager_function(func, sys._getframe(1), args, kwargs)
         if func is torch.Tensor.register_hook:
             layer = self.layer
@@ -238,7 +238,10 @@ _COUNTED: dict[Any, tuple[int, int]] = {
 
 def _batch_counts(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` is an embedding lookup with ``scale_grad_by_freq`` or ``sparse``."""
-    where = _COUNTED.get(func)
+    try:
+        where = _COUNTED.get(func)
+    except TypeError:  # (a user's unhashable callable)
+        return False
     if where is None:
         return False
     found = [
@@ -399,7 +402,7 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         self.ids = {id(t) for t in self.originals}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if type(func) not in _C_TYPES and func not in _OWN:  # (a replaced torch function)
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
             func = eager_function(func, sys._getframe(1), args, kwargs)
         kwargs = kwargs or {}
         for x in _pytree.tree_leaves((args, kwargs)):
