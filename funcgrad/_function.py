@@ -102,12 +102,19 @@ def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -
     (``_max_pool2d`` dispatching ``max_pool2d``) is called with the arguments it handed the
     mode where they bind to its signature. Anything else is refused
     (:class:`ReplacedTorchFunction`), never run twice."""
-    code = _code_of(func)
-    if code is None:
+    # (a wrapt-style proxy, a callable object carrying __wrapped__ whose type is not torch's,
+    # forwards its wrapped function's __module__ and __code__: a replacement)
+    proxy = (
+        type(func) not in (types.FunctionType, types.MethodType)
+        and hasattr(func, "__wrapped__")
+        and (type(func).__module__ or "").split(".")[0] != "torch"
+    )
+    code = None if proxy else _code_of(func)
+    if code is None and not proxy:
         own = (getattr(func, "__module__", None) or type(func).__module__ or "").split(".")[0]
         if own == "torch":
             return func
-    elif _torch_code(code):
+    elif code is not None and _torch_code(code) and _torch_code(_code_of(_end(func)) or code):
         if type(func) is types.FunctionType:  # (not a bound method: made anew each time)
             _OWN[id(func)] = func
         return func
@@ -128,14 +135,26 @@ def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -
         original, where = _c_original(func)
     if original is None:
         raise ReplacedTorchFunction(
-            f"the torch function {where} was replaced by {_name(func)}, a Python function "
-            "that is not torch's: funcgrad watches f's first call of a shape with a "
-            "TorchFunctionMode, which torch hands the replacement, and calling it would apply "
-            "it twice. Nothing was differentiated or written. Restore torch's function "
-            "around the call, or install the replacement with functools.wraps(original) (or, "
-            "for a C function, after funcgrad is imported: funcgrad then knows the original)."
+            f"the torch function {where} was replaced by a Python function that is not "
+            f"torch's ({type(func).__name__} {_name(func)}): funcgrad watches f's first call "
+            "of a shape with a TorchFunctionMode, which torch hands the replacement, and "
+            "calling it would apply it twice. Nothing was differentiated or written. Restore "
+            "torch's function around the call, or install the replacement with "
+            "functools.wraps(original) (or, for a C function, after funcgrad is imported: "
+            "funcgrad then knows the original)."
         )
     return original
+
+
+def _end(func: Any) -> Any:
+    """The end of ``func``'s ``__wrapped__`` chain (a torch decorator, ``torch.no_grad()`` or
+    ``torch.compiler.disable``, over a user's replacement: the replacement)."""
+    for _ in range(100):
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is None:
+            break
+        func = wrapped
+    return func
 
 
 def _code_of(func: Any) -> types.CodeType | None:
@@ -188,12 +207,29 @@ def _function_of(code: types.CodeType, func: Any) -> Any:
 
 def _c_original(func: Any) -> tuple[Any, str]:
     """The C function whose name's lookup gave ``func`` (or None), and where it lives."""
-    original, where, name = None, _name(func), None
+    where = (
+        f"{getattr(func, '__name__', '?')!r} (looked up by torch's C code: no attribute of "
+        "torch.Tensor nor of torch._C's namespaces holds the replacement)"
+    )
+    original, name = None, None
     for candidate, value in vars(torch.Tensor).items():
         if value is func:
-            name, where = candidate, f"torch.Tensor.{candidate}"
-            original = vars(torch._C.TensorBase).get(candidate)
+            name = candidate
             break
+    else:  # (a descriptor, a wrapt proxy, makes a new object on each lookup: by its name)
+        named = getattr(func, "__name__", None)
+        if isinstance(named, str) and named in vars(torch.Tensor):
+            fresh = getattr(torch.Tensor, named, None)
+            wrapped = getattr(func, "__wrapped__", None)
+            if fresh is func or (
+                wrapped is not None
+                and type(fresh) is type(func)
+                and getattr(fresh, "__wrapped__", None) is wrapped
+            ):
+                name = named
+    if name is not None:
+        where = f"torch.Tensor.{name}"
+        original = vars(torch._C.TensorBase).get(name)
     else:
         for module, originals in _C_NAMESPACES:
             for candidate, value in vars(module).items():
@@ -204,7 +240,11 @@ def _c_original(func: Any) -> tuple[Any, str]:
             if name is not None:
                 break
     if type(original) not in _C_TYPES:
-        wrapped = getattr(func, "__wrapped__", None)  # (functools.wraps of the original)
+        wrapped = func  # (functools.wraps of the original, possibly of another wrapper)
+        for _ in range(100):
+            wrapped = getattr(wrapped, "__wrapped__", None)
+            if wrapped is None or type(wrapped) in _C_TYPES:
+                break
         ok = (
             name is not None
             and type(wrapped) in _C_TYPES

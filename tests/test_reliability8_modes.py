@@ -68,7 +68,31 @@ PATCHES: dict[str, tuple[Any, str, Callable[[Any], Any], Callable[[torch.Tensor]
     # (eager F.gelu is the C function itself and never calls the replacement: a mode was
     # handed it and ran it once)
     "torch._C._nn.gelu": (torch._C._nn, "gelu", _lambda_relu, lambda x: F.gelu(2 * x)),
+    # (a replacement passed through a torch decorator: its code is in torch's folder)
+    "Tensor.exp torch.compiler.disable": (
+        torch.Tensor,
+        "exp",
+        lambda orig: torch.compiler.disable(_tensor_method(orig)),
+        lambda x: (0.5 * x).exp(),
+    ),
+    "F.silu torch.enable_grad": (
+        F,
+        "silu",
+        lambda orig: torch.enable_grad()(_lambda_relu(orig)),
+        lambda x: F.silu(2 * x),
+    ),
 }
+try:  # (wrapt's proxies forward __module__, __code__, __name__ of what they wrap)
+    import wrapt
+
+    def _wrapt(orig: Any) -> Any:
+        return wrapt.FunctionWrapper(orig, lambda w, i, a, k: w(*a, **k) + 1)
+
+    PATCHES["F.silu wrapt"] = (F, "silu", _wrapt, lambda x: F.silu(2 * x))
+    PATCHES["torch._C._nn.gelu wrapt"] = (torch._C._nn, "gelu", _wrapt, lambda x: F.gelu(2 * x))
+    PATCHES["Tensor.exp wrapt"] = (torch.Tensor, "exp", _wrapt, lambda x: (0.5 * x).exp())
+except ImportError:
+    pass
 
 
 @pytest.fixture(params=list(PATCHES))
@@ -237,8 +261,9 @@ def test_an_unresolvable_replacement_is_refused_before_any_backward(monkeypatch)
     fn = funcgrad.combine_heads(
         lambda x: F.gelu(x), HEADS, lambda g: torch.ones(3, dtype=g.dtype), level="params"
     )
-    with pytest.raises(ReplacedTorchFunction, match=r"torch\._C\._nn\.gelu"):
+    with pytest.raises(ReplacedTorchFunction, match=r"torch\._C\._nn\.gelu") as info:
         fn(x)
+    assert "was replaced by a Python function that is not torch's (function " in str(info.value)
     assert x.grad is None
 
 
@@ -248,7 +273,9 @@ def test_a_wrapped_c_function_replaced_before_import_runs_its_original(monkeypat
 
     monkeypatch.setattr(function, "_C_NAMESPACES", ((torch._C._nn, {}),))
     orig = torch._C._nn.gelu
-    monkeypatch.setattr(torch._C._nn, "gelu", functools.wraps(orig)(_lambda_relu(orig)))
+    inner = functools.wraps(orig)(_lambda_relu(orig))
+    # (two libraries' wrappers: the whole __wrapped__ chain is followed)
+    monkeypatch.setattr(torch._C._nn, "gelu", functools.wraps(inner)(_lambda_relu(inner)))
     want_values, want_grads = _reference(F.gelu, _x())
     fn = funcgrad.compose_heads(F.gelu, HEADS)
     for _ in range(3):
