@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
+import os
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -40,6 +44,216 @@ def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
     return torch.no_grad()
 
 
+class ReplacedTorchFunction(TypeError):
+    """A torch function or method that f reached was replaced by a Python function (a patch,
+    a wrapper) that funcgrad's watched run cannot call as eager would (see
+    :func:`eager_function`)."""
+
+
+# The types of torch's C functions and methods: a mode handed one calls what eager calls.
+_C_TYPES = frozenset(
+    (
+        types.BuiltinFunctionType,
+        types.MethodDescriptorType,
+        types.WrapperDescriptorType,
+        types.MethodWrapperType,
+    )
+)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+# Python functions from torch's own package seen by a mode, by id (the usual op's check: one
+# lookup that never hashes the callable, which may be a user's unhashable object), kept alive
+_OWN: dict[int, Any] = {}
+_HANDLE = torch.overrides.handle_torch_function.__code__
+# The namespaces whose attributes torch's C code looks up, by name, at call time, to hand a
+# mode the function called (torch.Tensor's methods and these modules' functions), with
+# their C functions as funcgrad's import found them.
+_C_MODULES = tuple(
+    getattr(torch._C, name) for name in ("_nn", "_linalg", "_fft", "_special", "_nested", "_sparse")
+)
+_C_NAMESPACES = tuple(
+    (module, {k: v for k, v in vars(module).items() if type(v) in _C_TYPES})
+    for module in _C_MODULES
+)
+_FUNCTION_OF: dict[types.CodeType, Any] = {}
+
+
+def _torch_code(code: types.CodeType) -> bool:
+    return code.co_filename.startswith(_TORCH_DIR)
+
+
+def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -> Any:
+    """The function that eager (no mode) would have run where a TorchFunctionMode is handed
+    ``func``, which is not one of torch's C functions nor known to be torch's own Python
+    function; ``caller`` is the frame that called the mode's ``__torch_function__``.
+
+    torch hands a mode the function it finds under the called function's name at call time:
+    a Python torch function (``F.relu``) calls ``handle_torch_function`` with its module's
+    global of its own name, and torch's C code looks its name up on ``torch.Tensor`` (or
+    ``torch._C._nn``, ...). Where a user or a library replaced that name with a wrapper
+    that calls the original, the mode is handed the wrapper, and calling it applies the
+    wrapper a second time (or once where eager never called it). Assumptions, each checked:
+    a Python function dispatched from a frame of torch's own code other than its own was
+    dispatched by that torch function (found by its code object: its ``__wrapped__`` chain,
+    else the one function object with that code); a function dispatched from C is the
+    replacement of an attribute of ``torch.Tensor`` (the original is ``torch._C.TensorBase``'s)
+    or of a C namespace as funcgrad's import found it. A user's own overridable function
+    (one calling ``handle_torch_function`` with itself, from its own frame or from code that
+    is not torch's) is returned as it is. A torch function that dispatched another name
+    (``_max_pool2d`` dispatching ``max_pool2d``) is called with the arguments it handed the
+    mode where they bind to its signature. Anything else is refused
+    (:class:`ReplacedTorchFunction`), never run twice."""
+    # (a wrapt-style proxy, a callable object carrying __wrapped__ whose type is not torch's,
+    # forwards its wrapped function's __module__ and __code__: a replacement)
+    proxy = (
+        type(func) not in (types.FunctionType, types.MethodType)
+        and hasattr(func, "__wrapped__")
+        and (type(func).__module__ or "").split(".")[0] != "torch"
+    )
+    code = None if proxy else _code_of(func)
+    if code is None and not proxy:
+        own = (getattr(func, "__module__", None) or type(func).__module__ or "").split(".")[0]
+        if own == "torch":
+            return func
+    elif code is not None and _torch_code(code) and _torch_code(_code_of(_end(func)) or code):
+        if type(func) is types.FunctionType:  # (not a bound method: made anew each time)
+            _OWN[id(func)] = func
+        return func
+    if caller.f_code in _RESOLVED:  # (a mode handing its op on: func was found there)
+        return func
+    if caller.f_code is _HANDLE:  # a Python function's handle_torch_function
+        dispatcher = caller.f_back
+        if dispatcher is None or dispatcher.f_code is code or not _torch_code(dispatcher.f_code):
+            return func
+        original = _function_of(dispatcher.f_code, func)
+        if original is not None and dispatcher.f_globals.get(dispatcher.f_code.co_name) is not func:
+            try:  # (it dispatched another name than its own: its arguments must fit it)
+                inspect.signature(original).bind(*args, **(kwargs or {}))
+            except (TypeError, ValueError):
+                original = None
+        where = f"{dispatcher.f_code.co_name} ({dispatcher.f_code.co_filename})"
+    else:  # torch's C code looked func up by name
+        original, where = _c_original(func)
+    if original is None:
+        raise ReplacedTorchFunction(
+            f"the torch function {where} was replaced by a Python function that is not "
+            f"torch's ({type(func).__name__} {_name(func)}): funcgrad watches f's first call "
+            "of a shape with a TorchFunctionMode, which torch hands the replacement, and "
+            "calling it would apply it twice. Nothing was differentiated or written. Restore "
+            "torch's function around the call, or install the replacement with "
+            "functools.wraps(original) (or, for a C function, after funcgrad is imported: "
+            "funcgrad then knows the original)."
+        )
+    return original
+
+
+def _end(func: Any) -> Any:
+    """The end of ``func``'s ``__wrapped__`` chain (a torch decorator, ``torch.no_grad()`` or
+    ``torch.compiler.disable``, over a user's replacement: the replacement)."""
+    for _ in range(100):
+        wrapped = getattr(func, "__wrapped__", None)
+        if wrapped is None:
+            break
+        func = wrapped
+    return func
+
+
+def _code_of(func: Any) -> types.CodeType | None:
+    """The code a callable runs: a function's, a bound method's, a partial's function's, or
+    its class's ``__call__`` (a torch ``HigherOrderOperator``); None for C callables."""
+    for _ in range(10):
+        if isinstance(func, functools.partial):
+            func = func.func
+            continue
+        code = getattr(getattr(func, "__func__", func), "__code__", None)
+        if isinstance(code, types.CodeType):
+            return code
+        call = next(
+            (vars(k)["__call__"] for k in type(func).__mro__ if "__call__" in vars(k)), None
+        )
+        code = getattr(call, "__code__", None)
+        return code if isinstance(code, types.CodeType) else None
+    return None
+
+
+def _name(func: Any) -> str:
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+
+
+def _function_of(code: types.CodeType, func: Any) -> Any:
+    """The one function object whose code is ``code`` (a torch function's), or None."""
+    found = _FUNCTION_OF.get(code)
+    if found is not None:
+        return found
+    wrapped = func
+    for _ in range(100):  # (functools.wraps chains)
+        wrapped = getattr(wrapped, "__wrapped__", None)
+        if wrapped is None:
+            break
+        if getattr(wrapped, "__code__", None) is code:
+            found = wrapped
+            break
+    if found is None:
+        functions = [
+            f
+            for f in gc.get_referrers(code)
+            if type(f) is types.FunctionType and f.__code__ is code
+        ]
+        if len(functions) != 1:
+            return None
+        found = functions[0]
+    _FUNCTION_OF[code] = found
+    return found
+
+
+def _c_original(func: Any) -> tuple[Any, str]:
+    """The C function whose name's lookup gave ``func`` (or None), and where it lives."""
+    where = (
+        f"{getattr(func, '__name__', '?')!r} (looked up by torch's C code: no attribute of "
+        "torch.Tensor nor of torch._C's namespaces holds the replacement)"
+    )
+    original, name = None, None
+    for candidate, value in vars(torch.Tensor).items():
+        if value is func:
+            name = candidate
+            break
+    else:  # (a descriptor, a wrapt proxy, makes a new object on each lookup: by its name)
+        named = getattr(func, "__name__", None)
+        if isinstance(named, str) and named in vars(torch.Tensor):
+            fresh = getattr(torch.Tensor, named, None)
+            wrapped = getattr(func, "__wrapped__", None)
+            if fresh is func or (
+                wrapped is not None
+                and type(fresh) is type(func)
+                and getattr(fresh, "__wrapped__", None) is wrapped
+            ):
+                name = named
+    if name is not None:
+        where = f"torch.Tensor.{name}"
+        original = vars(torch._C.TensorBase).get(name)
+    else:
+        for module, originals in _C_NAMESPACES:
+            for candidate, value in vars(module).items():
+                if value is func:
+                    name, where = candidate, f"{module.__name__}.{candidate}"
+                    original = originals.get(candidate)
+                    break
+            if name is not None:
+                break
+    if type(original) not in _C_TYPES:
+        wrapped = func  # (functools.wraps of the original, possibly of another wrapper)
+        for _ in range(100):
+            wrapped = getattr(wrapped, "__wrapped__", None)
+            if wrapped is None or type(wrapped) in _C_TYPES:
+                break
+        ok = (
+            name is not None
+            and type(wrapped) in _C_TYPES
+            and getattr(wrapped, "__name__", 0) == name
+        )
+        original = wrapped if ok else None
+    return original, where
+
+
 class _Draws(TorchFunctionMode):
     """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
     in every torch random op) the first time it is seen, with its state before that draw; and,
@@ -64,6 +278,8 @@ class _Draws(TorchFunctionMode):
         self.threads = threads
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
+            func = eager_function(func, sys._getframe(1), args, kwargs)
         kwargs = kwargs or {}
         threads = self.threads
         if threads is None or not threads.on:
@@ -434,9 +650,14 @@ class NoOutsideWrites(_Draws):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         # (Once per op of f: the usual op, no keyword and not a write, costs a dict lookup.)
-        kind = _WRITE_KINDS.get(func)
-        if kind is None:
-            kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
+            func = eager_function(func, sys._getframe(1), args, kwargs)
+        try:
+            kind = _WRITE_KINDS.get(func)
+            if kind is None:
+                kind = _WRITE_KINDS[func] = _write_kind(getattr(func, "__name__", ""))
+        except TypeError:  # (a user's unhashable callable)
+            kind = _write_kind(getattr(func, "__name__", ""))
         if kind == _IN_PLACE:  # (nn.init passes its tensor by keyword)
             first = args[0] if args else next(iter((kwargs or {}).values()), None)
             if self._outside(first):
@@ -462,6 +683,9 @@ class NoOutsideWrites(_Draws):
             raise Writes(getattr(func, "__name__", ""))
         return super().__torch_function__(func, types, args, kwargs)
 
+
+# The modes that hand an op on to another's __torch_function__ (func already resolved)
+_RESOLVED = frozenset((NoOutsideWrites.__torch_function__.__code__,))
 
 _PLAIN, _IN_PLACE, _NORM, _EMBEDDING, _RANDOM = 0, 1, 2, 3, 4
 _WRITE_KINDS: dict[Any, int] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils import _pytree
 
 from .._errors import describe
+from .._function import _C_TYPES, _OWN, eager_function
 from .._graph import nodes
 from .._types import Tensors
 from ._layer import _add, _Layer
@@ -201,6 +203,8 @@ class _RefuseTensorHooks(torch.overrides.TorchFunctionMode):
         self.layer = layer
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
+            func = eager_function(func, sys._getframe(1), args, kwargs)
         if func is torch.Tensor.register_hook:
             layer = self.layer
             raise ValueError(
@@ -234,7 +238,10 @@ _COUNTED: dict[Any, tuple[int, int]] = {
 
 def _batch_counts(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` is an embedding lookup with ``scale_grad_by_freq`` or ``sparse``."""
-    where = _COUNTED.get(func)
+    try:
+        where = _COUNTED.get(func)
+    except TypeError:  # (a user's unhashable callable)
+        return False
     if where is None:
         return False
     found = [
@@ -395,6 +402,8 @@ class _RefuseOriginals(torch.overrides.TorchFunctionMode):
         self.ids = {id(t) for t in self.originals}
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
+            func = eager_function(func, sys._getframe(1), args, kwargs)
         kwargs = kwargs or {}
         for x in _pytree.tree_leaves((args, kwargs)):
             if id(x) in self.ids and any(x is t for t in self.originals):
