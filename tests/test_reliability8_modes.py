@@ -193,8 +193,8 @@ class _Net(nn.Module):
         return self.use(x * self.w).sum(-1)
 
 
-def test_per_example_matches_a_loop(patched):
-    net = _Net(patched)
+def _assert_gramian_matches_a_loop(net: torch.nn.Module) -> None:
+    """per_example's Gramian on calls 1-3 against a per-example loop of autograd.grad."""
     x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(6, 4)
     params = list(net.parameters())
     rows = []
@@ -205,6 +205,11 @@ def test_per_example_matches_a_loop(patched):
     pe = funcgrad.per_example(net)
     for _ in range(3):
         torch.testing.assert_close(pe.gramian(net(x)), jac @ jac.T)
+
+
+def test_per_example_matches_a_loop(patched):
+    net = _Net(patched)
+    _assert_gramian_matches_a_loop(net)
 
 
 def test_grads_and_backward_match_eager(patched):
@@ -397,13 +402,4 @@ def test_an_unhashable_users_callable_runs_under_every_entry_point():
         torch.testing.assert_close(pb(torch.ones(4, dtype=torch.float64))[0], want_grads[0])
         torch.testing.assert_close(combined(_x())[1], want_grads.sum(0))
     net = _Net(op)
-    x = torch.linspace(-1.0, 1.0, 24, dtype=torch.float64).reshape(6, 4)
-    params = list(net.parameters())
-    rows = []
-    for b in range(6):
-        grads = torch.autograd.grad(net(x[b : b + 1]).sum(), params)
-        rows.append(torch.cat([g.flatten() for g in grads]))
-    jac = torch.stack(rows)
-    pe = funcgrad.per_example(net)
-    for _ in range(3):
-        torch.testing.assert_close(pe.gramian(net(x)), jac @ jac.T)
+    _assert_gramian_matches_a_loop(net)
