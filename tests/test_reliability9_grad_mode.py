@@ -80,3 +80,29 @@ def test_no_grad_on_tensors_that_need_no_gradient_keeps_forward_mode() -> None:
     assert fn.plan(x).strategy == "jacfwd"  # auto's second call: forward mode's timed trial
     for _ in range(3):
         torch.testing.assert_close(fn(x)[1], expected)
+
+
+def _branch_on_grad_mode(x: torch.Tensor) -> torch.Tensor:
+    z = x**2 if x.requires_grad else x**3  # forward mode: x does not require grad
+    return torch.cat([z * j for j in range(1, 13)])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="documented (docs/reliability.md), silently wrong: forward mode runs f in no-grad "
+    "mode on inputs that do not require grad (explicit jacfwd; a branch on either)",
+)
+@pytest.mark.parametrize(
+    ("f", "strategy"),
+    [(_no_grad, "jacfwd"), (_branch_on_grad_mode, "auto")],
+    ids=["jacfwd", "branch"],
+)
+def test_known_limit_forward_mode_and_grad_mode(
+    f: Callable[[torch.Tensor], torch.Tensor], strategy: funcgrad.Strategy
+) -> None:
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy)
+    x = torch.tensor([0.4], dtype=torch.float64)
+    expected = _per_head(f, x)
+    for _ in range(2):  # auto: forward mode is the second call's challenger
+        torch.testing.assert_close(fn(x)[1], expected)
