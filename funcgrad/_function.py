@@ -327,12 +327,12 @@ class _Draws(TorchFunctionMode):
             name = getattr(func, "__name__", "")
             if func is torch.Tensor.register_hook:
                 flat.hooked = True
-            elif flat.grad_on and not flat.no_grad and not torch.is_grad_enabled():
-                flat.no_grad = _requires_grad(args, kwargs) and not _in_function_forward()
             elif name in _RNN_FUNCTIONS:
                 flat.rnn = True
             elif name == "batch_norm" and (args[5] if len(args) > 5 else kwargs.get("training")):
                 flat.norm = True
+            if flat.grad_on and not flat.no_grad and not torch.is_grad_enabled():
+                flat.no_grad = _requires_grad(args, kwargs) and not _in_function_forward()
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
