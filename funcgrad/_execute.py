@@ -154,6 +154,7 @@ def observed(
         slow_path=log is not None and log.slow_path,
         forward_failed=forward_failed,
         threads=flat.threads,
+        no_grad=flat.no_grad,
         final=plan.final,
         fit=fit,
     )

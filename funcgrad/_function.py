@@ -331,10 +331,35 @@ class _Draws(TorchFunctionMode):
                 flat.rnn = True
             elif name == "batch_norm" and (args[5] if len(args) > 5 else kwargs.get("training")):
                 flat.norm = True
+            if flat.grad_on and not flat.no_grad and not torch.is_grad_enabled():
+                flat.no_grad = _requires_grad(args, kwargs) and not _in_function_forward()
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
         return func(*args, **kwargs)
+
+
+def _requires_grad(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a tensor argument of an op (or one in a list of them) requires grad."""
+    for value in (*args, *kwargs.values()):
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+            return True
+    return False
+
+
+_FUNCTION_APPLY = vars(torch.autograd.Function)["apply"].__func__.__code__
+
+
+def _in_function_forward() -> bool:
+    """Whether the op runs inside a custom ``autograd.Function``'s forward (no-grad mode set
+    by torch, its derivative the Function's own ``jvp``): its ``apply`` is on the stack."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _FUNCTION_APPLY:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Threads:
@@ -788,6 +813,11 @@ class FlatFunction:
         # Part of f ran in another thread (seen on a watched run on eager autograd only):
         # torch.func would take it for a constant (see Threads).
         self.threads = False
+        # f ran an op in no-grad mode (torch.no_grad() inside f) on a tensor that requires
+        # grad, in a run that f began in grad mode (reverse mode's): autograd takes its
+        # result for a constant, forward mode differentiates it (see Facts.no_grad).
+        self.grad_on = False
+        self.no_grad = False
 
     # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
     # 3.11, which dynamo cannot trace.)
@@ -823,6 +853,7 @@ class FlatFunction:
         try:
             if watching:
                 threads = _threads_watch(leaves)
+                self.grad_on = torch.is_grad_enabled()
                 with (
                     _Draws(self.generators, self, threads),
                     Random(self),

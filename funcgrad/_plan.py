@@ -454,6 +454,7 @@ def _forward_ok(r: Request, record: Record) -> bool:
         r.forward
         and r.m is not None
         and not (record.random or record.hooked or record.forward_lost or record.threads)
+        and not record.no_grad
     )
 
 
@@ -565,6 +566,7 @@ def _forward_possible(r: Request, record: Record) -> bool:
         and _one_batch(r)
         and 0 < FORWARD_MODE_PENALTY * r.n < r.k
         and not (record.random or record.hooked or record.forward_lost or record.threads)
+        and not record.no_grad
     )
 
 

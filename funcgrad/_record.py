@@ -93,6 +93,7 @@ class Facts:
     rnn: bool = False  # f runs an RNN, whose backward vmap batches badly
     slow_path: bool = False  # vmap warned it has no batching rule for an op of f
     threads: bool = False  # part of f ran in another thread: eager autograd only
+    no_grad: bool = False  # f ran ops in no-grad mode on tensors that require grad: no forward mode
 
 
 FACTS = tuple(field.name for field in dataclasses.fields(Facts))
