@@ -190,8 +190,9 @@ class Log:
 # loaded machine, for longer than the whole call) does not decide a plan. It assumes f's
 # work runs on the calling thread (torch's intra-op threads are waited on by it; a
 # thread f starts itself is not counted), and times the host's side of a GPU call, as
-# wall time without a synchronize did (docs/planning.md).
-clock = time.thread_time
+# wall time without a synchronize did (docs/planning.md). On Windows, whose thread times
+# advance by scheduler ticks (longer than a small call), wall time.
+clock = time.perf_counter if sys.platform == "win32" else time.thread_time
 
 
 def _vmap_measured(
