@@ -185,6 +185,16 @@ class Log:
     slow_path: bool = False
 
 
+# The clock of auto's timed calls and of vmap's measurement: the calling thread's CPU time,
+# not wall time, so that a call the operating system suspends for another process (on a
+# loaded machine, for longer than the whole call) does not decide a plan. It assumes f's
+# work runs on the calling thread (torch's intra-op threads are waited on by it; a
+# thread f starts itself is not counted), and times the host's side of a GPU call, as
+# wall time without a synchronize did (docs/planning.md). On Windows, whose thread times
+# advance by scheduler ticks (longer than a small call), wall time.
+clock = time.perf_counter if sys.platform == "win32" else time.thread_time
+
+
 def _vmap_measured(
     fn: Callable[..., Tensors],
     args: Sequence[torch.Tensor],
@@ -197,12 +207,12 @@ def _vmap_measured(
     backward; an RNN's backward is slow under vmap without saying so). The unbatched call
     runs first: it pays the one-time costs of the shapes (a first backward's kernels and
     buffers), so that a loop is chosen only where it wins against a warm vmap."""
-    start = time.perf_counter()
+    start = clock()
     fn(*(arg[0] for arg in args))
-    single_s = time.perf_counter() - start
-    start = time.perf_counter()
+    single_s = clock() - start
+    start = clock()
     result = _vmap(fn, args, chunk_size, "error", log)
-    batched_s = time.perf_counter() - start
+    batched_s = clock() - start
     directions = args[0].shape[0]
     log.timing = Timing(what, batched_s / directions, single_s, directions=directions)
     return result

@@ -13,7 +13,6 @@ import dataclasses
 import gc
 import importlib
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -63,7 +62,7 @@ def execute(
         importlib.import_module("torch._dynamo")
     with _gc_paused(timed):  # (a collection must not decide auto's plan: docs/planning.md)
         log = _engine.Log(watch=plan.watch or timed)
-        start = time.perf_counter() if timed else 0.0
+        start = _engine.clock() if timed else 0.0
         forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None
         compiled, why = False, None
         if isinstance(forward, tuple):
@@ -82,7 +81,7 @@ def execute(
             log.measure = ran.measure
             values, grads = _reverse(ran, lin, cotangents_of, values_of, check, log, fit)
             aux, engine, compiled = lin.aux, lin.engine, lin.compiled
-        end = time.perf_counter() if timed else 0.0
+        end = _engine.clock() if timed else 0.0
     if why is not None:  # (reverse mode gave the answer: forward mode's own limit it was)
         warnings.warn(
             f"{flat.call}: {why}; used reverse mode instead (f's forward ran once more, with "

@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import re
+import sys
+import time
 import warnings
 
 import pytest
@@ -1031,6 +1034,33 @@ def test_auto_times_its_calls_with_the_garbage_collector_paused():
     finally:
         gc.enable()
     assert gc.isenabled()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="thread times advance by ticks there")
+def test_auto_times_its_calls_in_the_calling_threads_cpu_time():
+    """Time the machine gives to other processes must not decide the plan: on a loaded
+    machine a call is suspended for longer than it runs (a preempted challenger settled the
+    loop, or eager autograd, for good). The timed calls count the calling thread's CPU
+    time, so that f waiting (here a sleep in both timed calls, as a suspension would) adds
+    nothing to the times that settle the plan (quoted in its ``measured``)."""
+    nap = 0.5
+    naps = []
+
+    def f(x):
+        if len(naps) < 2:  # the two timed calls
+            naps.append(nap)
+            time.sleep(nap)
+        return torch.tanh(x) * 2
+
+    fn = funcgrad.compose_heads(f, [lambda y: y.sum(), lambda y: y[0], lambda y: y[1] ** 2])
+    x = torch.randn(3, dtype=torch.float64)
+    for _ in range(3):
+        fn(x)
+    plan = fn.plan(x)
+    assert naps == [nap, nap] and plan.final and not plan.timed
+    quoted = [float(ms) / 1e3 for ms in re.findall(r"([0-9.e+-]+) ms", plan.measured or "")]
+    assert len(quoted) >= 2, plan.measured  # the two timed calls' seconds
+    assert max(quoted) < nap / 2, plan.measured
 
 
 def test_a_new_signature_starts_from_what_the_function_settled_on():
