@@ -17,7 +17,7 @@ from ._function import FlatFunction, HookState, module_of, result_graph
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, after_f, decide
 from ._record import Observations, Record, Records, learn, signature_key
-from ._types import ChunkSize, Strategy, Tensors
+from ._types import ChunkSize, Engine, Strategy, Tensors
 from ._validate import (
     check_argnums_type,
     check_callable,
@@ -343,8 +343,10 @@ class Composition:
         chunk_size: Any,
         check: Any,
         call: str,
+        engine: Engine | None = None,
     ) -> None:
         self.call = call
+        self.engine = engine  # (Request.engine: the caller's engine for an explicit strategy)
         check_callable(f, "f", call)
         check_strategy(strategy, call)
         check_chunk_size(chunk_size, call)
@@ -428,6 +430,7 @@ class Composition:
             hooked=flat.hooked,
             check=bool(check),
             call=self.call,
+            engine=self.engine,
         )
 
     def plan(self, flat: FlatFunction, weighted: bool = False) -> Plan:

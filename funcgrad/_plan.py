@@ -201,7 +201,9 @@ class Request:
     ``hooked``: this call's run of f registered a tensor hook. ``check``: ``check`` is on.
     ``once``: a one-shot pull through a recorded graph (``grads``, ``backward``): nothing is
     timed or learnt; ``last``: its pull frees the graph, so nothing can be recomputed after
-    it; ``sparse``: the graph gives a sparse gradient, which vmap cannot batch.
+    it; ``sparse``: the graph gives a sparse gradient, which vmap cannot batch. ``engine``:
+    the engine an explicit strategy runs on where it may (eager, no graph of the results),
+    as its caller knows f (None: torch.func, see :func:`_choose`).
     """
 
     requested: Strategy
@@ -221,6 +223,7 @@ class Request:
     once: bool = False
     last: bool = False
     sparse: bool = False
+    engine: Engine | None = None
 
 
 def decide(request: Request, record: Record) -> Plan:
@@ -518,12 +521,14 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     signature's one-time costs). Known before timing: f that draws runs on eager autograd;
     an RNN, or an op vmap cannot batch, loops on eager autograd; a compiled backward, or f
     torch.func refuses, leaves one engine. Elsewhere: the shapes, on torch.func (eager
-    autograd for f that draws, where no graph is wanted)."""
+    autograd for f that draws, or where the caller names it, where no graph is wanted)."""
     eager_ok = r.eager and not r.graph
     if r.requested != "auto" or not eager_ok:
         # (torch.func refused f on an earlier call, ``mutates``: an explicit strategy goes
         # to eager autograd at once, as that call fell back to, without running f twice)
-        eager = record.random or (record.mutates and r.requested != "auto")
+        eager = (
+            r.engine == "autograd" or record.random or (record.mutates and r.requested != "auto")
+        )
         engine: Engine = "autograd" if eager and eager_ok else "torch.func"
         return Choice(engine, forward=forward_wins and r.requested == "auto"), False, None
     knows = record.rnn or record.slow_path

@@ -35,7 +35,7 @@ import torch
 
 from . import _linearize, _memory
 from ._errors import FuncgradWarning, describe
-from ._heads import compose_heads, stacked_heads
+from ._heads import ComposedHeads, Composition, stacked_heads
 from ._types import ChunkSize
 from ._validate import check_chunk_size, check_not_inference_mode, outside_transforms
 
@@ -1315,7 +1315,14 @@ def _composed(
         if unembedding_ref is None
         else stacked_heads(unembedded, torch.arange(targets, device=device))
     )
-    fn = compose_heads(f, heads, strategy=strategy, chunk_size=chunk)
+    # (compose_heads with reverse mode on eager autograd where it may run there: the model's
+    # forward then runs without torch.func's wrapping of every op, and `_Elementwise`'s
+    # apply on autograd's own path, not torch.func's Python one; docs/attribution.md)
+    fn: ComposedHeads[tuple[torch.Tensor, Any]] = ComposedHeads(
+        Composition(
+            f, heads, 0, False, strategy, chunk, None, "compose_heads(f, heads)", "autograd"
+        )
+    )
     # The heads' target ids are data of each call, never of the cached heads (which serve
     # every call of these shapes): set for the length of one call (calls run one at a time).
     current: list[torch.Tensor] = []

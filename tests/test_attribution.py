@@ -777,9 +777,12 @@ def test_module_backward_hooks_take_reverse_mode(where):
     handle = hooks[where]()
     try:
         expected, _ = _loop(model, model.embed, input_ids, target_ids, "grad_x_input")
-        # (torch.func cannot run a module backward hook: compose_heads says it falls back)
-        with pytest.warns(funcgrad.FuncgradWarning, match="fell back to eager"):
+        # (reverse mode runs on eager autograd, which runs the hook: no fallback to warn of;
+        # torch's own warning of a global full hook on a module without inputs may come)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             attr = token_attr(model, input_ids, target_ids)
+        assert not [w for w in caught if issubclass(w.category, funcgrad.FuncgradWarning)]
         torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
         plan = funcgrad.attribution.plan(model, input_ids, target_ids)
         assert plan.mode == "reverse" and "backward hook" in plan.why, plan
@@ -789,6 +792,42 @@ def test_module_backward_hooks_take_reverse_mode(where):
     finally:
         handle.remove()
     assert funcgrad.attribution.plan(model, input_ids, target_ids).mode == "forward"
+
+
+class LevelRecordingLM(OutputLayerLM):
+    """Records the innermost torch.func transform level active in each forward that is
+    differentiated (None: none; the causal probe's forwards run without gradients)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(6, VOCAB))
+        self.levels: list[int | None] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        level = torch._C._functorch.maybe_current_level()
+        if torch.is_grad_enabled() or level is not None:
+            self.levels.append(level)
+        return super().forward(ids)
+
+
+@pytest.mark.parametrize("method", ["grad_x_input", "integrated_gradients"])
+def test_reverse_mode_runs_the_model_on_eager_autograd(method):
+    """Reverse mode runs the model's forward on eager autograd, outside any torch.func
+    transform (its ops unwrapped, the activations' autograd.Function on autograd's own path;
+    was inside torch.func.vjp), with the per-target loop's answer; forward mode stays on
+    torch.func (only it has forward mode)."""
+    torch.manual_seed(4)
+    model = LevelRecordingLM().double()
+    input_ids, target_ids = _ids(5, 4)
+    expected, _ = _loop(model, model.embed, input_ids, target_ids, method, n_steps=4)
+    for _ in range(2):  # (the first call of a shape, and a steady one)
+        model.levels.clear()
+        attr = token_attr(model, input_ids, target_ids, method=method, n_steps=4, mode="reverse")
+        torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+        assert model.levels == [None], model.levels
+    model.levels.clear()
+    attr = token_attr(model, input_ids, target_ids, method=method, n_steps=4, mode="forward")
+    torch.testing.assert_close(attr, expected, rtol=0, atol=1e-12)
+    assert len(model.levels) == 1 and model.levels[0] is not None, model.levels
 
 
 def test_fused_attention_falls_back_to_reverse_mode_under_auto():

@@ -576,6 +576,28 @@ def _decided(request, record):
             dataclasses.replace(AUTO, requested="vjp"),
             ("vjp", "autograd", False, False),
         ),
+        # ... or where the caller names eager autograd (token_attr), unless a graph of the
+        # results is wanted or a transform is around the call; forward mode stays on torch.func
+        (
+            Record(),
+            dataclasses.replace(AUTO, requested="vjp", engine="autograd"),
+            ("vjp", "autograd", False, False),
+        ),
+        (
+            Record(),
+            dataclasses.replace(AUTO, requested="vjp", engine="autograd", graph=True),
+            ("vjp", "torch.func", False, False),
+        ),
+        (
+            Record(),
+            dataclasses.replace(AUTO, requested="vjp", engine="autograd", eager=False),
+            ("vjp", "torch.func", False, False),
+        ),
+        (
+            Record(),
+            Request("jacfwd", 30, 2, m=40, engine="autograd"),
+            ("jacfwd", "torch.func", False, False),
+        ),
         # an explicit jacfwd: forward mode, until it fell back on a call of f; then reverse
         # mode at once (the k cotangents), on eager autograd where torch.func refused f too
         (Record(), Request("jacfwd", 30, 2, m=40), ("jacfwd", "torch.func", False, False)),
