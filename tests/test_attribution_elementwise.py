@@ -393,8 +393,8 @@ def test_what_is_returned_is_the_callers_and_the_next_call_is_unchanged():
     kept = attr.clone(), grads.clone()
     attr.mul_(0), grads.add_(1)
     again, grads_again = token_attr(model, input_ids, target_ids, return_gradients=True)
-    # (calls 1 and 2 may round differently, by an ulp on some CPUs: call 1 watches f; what
-    # leaked would be off by the zeroing and the +1 above)
+    # (to 1e-12, not bitwise: an ulp between calls is rounding; what leaked would be off by
+    # the zeroing and the +1 above)
     torch.testing.assert_close((again, grads_again), kept, rtol=1e-12, atol=1e-15)
 
 
