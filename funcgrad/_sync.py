@@ -388,7 +388,7 @@ class GroupSync(Sync):
         assert mine is not None
         if self.rank == 0:
             return mine
-        first = payload[:size].view(mine.shape).to(mine.dtype)
+        first = payload[:size].view(mine.shape).to(mine.device, mine.dtype)
         if not mine.requires_grad:
             return first
         kept = mine.clone()  # its graph (create_graph), with the first rank's values
