@@ -363,7 +363,8 @@ class GroupSync(Sync):
         # broadcast would carry the result alone), so that a rank whose weighting raised
         # does not leave the others waiting in a collective (until the group's timeout).
         if not values_readable([like]):  # (inside a transform: no value can be read)
-            return self.from_first_rank(compute())
+            result = compute()
+            return self.from_first_rank(result) if size else result
         mine: torch.Tensor | None = None
         error: Exception | None = None
         try:
