@@ -64,8 +64,7 @@ def weigh_features(
         one = torch.ones(1, dtype=rows.dtype, device=rows.device)
         return weights, one, _coords.from_coords(vector.to(rows.dtype)[None], like)
     g = sync.features_gramian(_weighting.gramian([rows], keep_graph))
-    share = sync.from_first_rank
-    weights = _weighting.checked_weights(rule, g, [rows], what, call, share, keep_graph)
+    weights = _weighting.checked_weights(rule, g, [rows], what, call, sync, keep_graph)
     return weights, weights, cotangents
 
 
@@ -91,11 +90,10 @@ def weigh_params(
     if not rule.needs_jacobian:  # leaf by leaf, as TorchJD's jac_to_grad does
         blocks = [_coords.to_coords([g], k) for g in shaping]
         g = sync.sum_over_shards(_weighting.gramian(blocks, keep_graph))
-        share = sync.from_first_rank
-        weights = _weighting.checked_weights(rule, g, blocks, what, call, share, keep_graph)
+        weights = _weighting.checked_weights(rule, g, blocks, what, call, sync, keep_graph)
         return weights, _weighting.weighted_sum(weights, task_grads)
     rows = _coords.to_coords(shaping, k)
-    found, vector = _weighting.aggregate(rule, rows, call, sync.from_first_rank, keep_graph)
+    found, vector = _weighting.aggregate(rule, rows, call, sync, keep_graph)
     if vector is None:  # a Jacobian weighting: weights only
         assert found is not None  # a Jacobian rule gives weights or an update
         return found, _weighting.weighted_sum(found, task_grads)

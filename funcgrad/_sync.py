@@ -12,7 +12,8 @@ summed over every rank's shard and ``w @`` its own shard written on each rank.
 ProcessGroup), :class:`DDPSync`, :class:`FSDPSync`. Every call agrees first
 (:meth:`Sync.agree`: local checks and the choices that must match, in one all-gather before
 any backward), so a mistake on one rank is a clear error on every rank, not a hang; the
-weights (or an aggregator's update) are broadcast from the first rank.
+weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, which also makes a
+weighting that raised on one rank an error on every rank), and so is an aggregator's update.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from . import _graph, _weighting
 from ._errors import first_line
 from ._tree import is_differentiable
 from ._types import Tensors
-from ._validate import as_tensors
+from ._validate import as_tensors, values_readable
 
 
 class Sync:
@@ -76,8 +77,15 @@ class Sync:
         return gramian
 
     def from_first_rank(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The first rank's tensor on every rank (the weights, or an aggregator's update)."""
+        """The first rank's tensor on every rank (an aggregator's update)."""
         return tensor
+
+    def first_rank_of(
+        self, compute: Callable[[], torch.Tensor], size: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """The first rank's ``compute()`` (``size`` numbers: the weights) on every rank; where
+        it raises on any rank (a weighting, after the ranks agreed), an error on every rank."""
+        return compute()
 
     # -- the questions backward asks, answered by each policy --------------------------
 
@@ -347,6 +355,47 @@ class GroupSync(Sync):
         dist.broadcast(tensor, src=self.source, group=self.group)
         self.bytes += tensor.numel() * tensor.element_size()
         return tensor
+
+    def first_rank_of(
+        self, compute: Callable[[], torch.Tensor], size: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        # The first rank's result and which ranks raised travel in ONE all-reduce (where a
+        # broadcast would carry the result alone), so that a rank whose weighting raised
+        # does not leave the others waiting in a collective (until the group's timeout).
+        if not values_readable([like]):  # (inside a transform: no value can be read)
+            result = compute()
+            return self.from_first_rank(result) if size else result
+        mine: torch.Tensor | None = None
+        error: Exception | None = None
+        try:
+            mine = compute()
+        except Exception as caught:
+            error = caught
+        payload = torch.zeros(size + self.size, dtype=torch.float64, device=like.device)
+        if mine is None:
+            payload[size + self.rank] = 1
+        elif self.rank == 0:
+            payload[:size].copy_(mine.detach().reshape(-1))  # (every other rank adds zeros)
+        payload = self._sum(payload)
+        flags = payload[size:]
+        if error is not None:
+            raise error
+        if flags.any():  # (one read)
+            failed = flags.nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"{self.call}: the weighting raised on rank(s) {failed} of `process_group` "
+                "(see the error there); every rank stops here, before anything is written."
+            )
+        assert mine is not None
+        if self.rank == 0:
+            return mine
+        first = payload[:size].view(mine.shape).to(mine.device, mine.dtype)
+        if not mine.requires_grad:
+            return first
+        kept = mine.clone()  # its graph (create_graph), with the first rank's values
+        with torch.no_grad():
+            kept.copy_(first)
+        return kept
 
 
 class DDPSync(GroupSync):

@@ -25,14 +25,17 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._errors import describe
 from ._types import Tensors
 from ._validate import check_level, values_readable
+
+if TYPE_CHECKING:
+    from ._sync import Sync
 
 
 def _torchjd_bases(obj: object) -> set[str]:
@@ -271,15 +274,20 @@ def checked_weights(
     blocks: Sequence[torch.Tensor],
     what: str,
     call: str,
-    share: Callable[[torch.Tensor], torch.Tensor],
+    ranks: Sync | None = None,
     keep_graph: bool = False,
 ) -> torch.Tensor:
-    """``share(weighting(G))`` (``share``: the first rank's weights on every rank), with G
-    and the weights checked for NaN/inf in ONE read of a device value (eager mode): a clear
-    error naming the non-finite tasks, or the weighting that returned non-finite weights.
-    Where the weighting raises, a non-finite G is the error to see."""
+    """``weighting(G)`` (with ``ranks``: the first rank's weights on every rank, or an error
+    on every rank where it raised on any), with G and the weights checked for NaN/inf in ONE
+    read of a device value (eager mode): a clear error naming the non-finite tasks, or the
+    weighting that returned non-finite weights. Where the weighting raises, a non-finite G
+    is the error to see."""
+
+    def compute() -> torch.Tensor:
+        return weights_from_gramian(rule, g, call, keep_graph=keep_graph)
+
     try:
-        weights = share(weights_from_gramian(rule, g, call, keep_graph=keep_graph))
+        weights = compute() if ranks is None else ranks.first_rank_of(compute, g.shape[0], g)
     except Exception:
         check_gramian(g, blocks, what, call)
         raise
@@ -398,22 +406,54 @@ def aggregate(
     rule: Rule,
     rows: torch.Tensor,
     call: str,
-    share: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    ranks: Sync | None = None,
     keep_graph: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(weights or None, update or None) from the k x n Jacobian, as TorchJD's
     ``jac_to_grad`` aggregates it: an aggregator is called on the Jacobian, its hooks
     included, and its output is the update (a weighted one's weights are read as its
     weighting returns them, after that weighting's own hooks); a Jacobian weighting gives
-    weights only. Each result is ``share``'d (the first rank's on every rank), then checked
-    to be finite."""
+    weights only. With ``ranks``, each result is the first rank's on every rank (an error on
+    every rank where the aggregator raised on any), then checked to be finite."""
     k, n = rows.shape
     given = f"the ({k}, {n}) Jacobian"
     work = rows.to(work_dtype(rows.dtype))
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
-        found = _call(rule, work, given, call, keep_graph)
-        found = checked_shape(found, k, given, call, keep_graph=keep_graph)
-        return check_finite(share(found), given, call), None
+
+        def weigh() -> torch.Tensor:
+            found = _call(rule, work, given, call, keep_graph)
+            return checked_shape(found, k, given, call, keep_graph=keep_graph)
+
+        found = weigh() if ranks is None else ranks.first_rank_of(weigh, k, work)
+        return check_finite(found, given, call), None
+    results: list[torch.Tensor | None] = []
+
+    def run() -> torch.Tensor:
+        results.extend(_aggregated(rule, work, given, call, keep_graph))
+        return work.new_zeros(0)
+
+    if ranks is None:
+        run()
+    else:  # every rank learns whether it raised on any (then its results are sent)
+        ranks.first_rank_of(run, 0, work)
+    weights, vector = results
+    assert vector is not None
+    if ranks is not None:
+        weights = None if weights is None else ranks.from_first_rank(weights)
+        vector = ranks.from_first_rank(vector)
+    if weights is not None:
+        weights = check_finite(weights, given, call)
+    if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
+        name = type(rule.fn).__name__
+        raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
+    return weights, vector
+
+
+def _aggregated(
+    rule: Rule, work: torch.Tensor, given: str, call: str, keep_graph: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """An aggregator's (weights or None, update) on this rank, checked for shape."""
+    k, n = work.shape
     captured: list[Any] = []
     hook = None
     if rule.kind == "matrix":  # the last hook on its weighting, as jac_to_grad's capture
@@ -431,21 +471,15 @@ def aggregate(
     finally:
         if hook is not None:
             hook.remove()
-    name = type(rule.fn).__name__
     if not isinstance(vector, torch.Tensor) or tuple(vector.shape) != (n,):
         raise ValueError(
-            f"{call}: the aggregator {name} must map the ({k}, {n}) Jacobian to a vector of "
-            f"shape ({n},), got {describe(vector)}."
+            f"{call}: the aggregator {type(rule.fn).__name__} must map the ({k}, {n}) "
+            f"Jacobian to a vector of shape ({n},), got {describe(vector)}."
         )
     weights = (
         checked_shape(captured[-1], k, given, call, keep_graph=keep_graph) if captured else None
     )
-    if weights is not None:
-        weights = check_finite(share(weights), given, call)
-    vector = share(vector if keep_graph else vector.detach())
-    if values_readable([vector]) and not bool(torch.isfinite(vector).all()):
-        raise ValueError(f"{call}: the aggregator {name} returned a non-finite update.")
-    return weights, vector
+    return weights, vector if keep_graph else vector.detach()
 
 
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:

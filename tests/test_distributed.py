@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import rank_group, task_losses
-from torchjd.aggregation import MGDAWeighting, Random, UPGrad, UPGradWeighting
+from torchjd.aggregation import MeanWeighting, MGDAWeighting, Random, UPGrad, UPGradWeighting
 
 import funcgrad
 from funcgrad.bench.ranks import WORLD, spawn_ranks
@@ -349,7 +349,68 @@ def _sync_worker(rank, store):
         _ddp_configurations(rank)
 
 
-@pytest.mark.parametrize("worker", [_agreement_worker, _sync_worker])
+def _raising_on(rank, failing, weighting):
+    """``weighting``, raising on rank ``failing`` (a solver failing there, state that differs)."""
+
+    def pre_hook(module, inputs):
+        if rank == failing:
+            raise RuntimeError("the solver failed on this rank")
+
+    if isinstance(weighting, torch.nn.Module):  # a TorchJD object: the hook runs in its call
+        weighting.register_forward_pre_hook(pre_hook)
+        return weighting
+    return lambda g: pre_hook(None, (g,)) or weighting(g)
+
+
+def _one_rank_failing_worker(rank, store):
+    """A weighting (or aggregator) that raises on ONE rank, after the ranks agreed: its error
+    there, a clear error on the other rank (which waited for its weights in a collective
+    until the group's timeout before), no .grad written anywhere; then the next step runs
+    on the same group and equals one process on the whole batch."""
+    with _group(rank, store):
+        x, y = _data()
+        shard = slice(rank * 4, rank * 4 + 4)
+        cases = [
+            (wrap, level, name, failing)
+            for wrap in ("plain", "ddp")
+            for level in ("params", "features")
+            for name in ("gramian", "aggregator", "jacobian")
+            for failing in (0, 1)
+            if name == "gramian" or (wrap, level) == ("plain", "params")
+        ]
+        for wrap, level, name, failing in cases:
+            message = f"{wrap} {level} {name}, failing on rank {failing}"
+            make = {"gramian": UPGradWeighting, "aggregator": UPGrad, "jacobian": MeanWeighting}
+            weighting = make[name]() if name != "gramian" else lambda g: UPGradWeighting()(g)
+            encoder, heads, run, group = _setting(rank, wrap)
+            params = [*encoder.parameters(), *heads.parameters()]
+            features, losses = task_losses(run, heads, x[shard], y[shard])
+            raising = _raising_on(rank, failing, weighting)
+            expected = (
+                (RuntimeError, "the solver failed on this rank")
+                if rank == failing
+                else (RuntimeError, rf"weighting raised on rank\(s\) \[{failing}\]")
+            )
+            with pytest.raises(expected[0], match=expected[1]):
+                funcgrad.backward(
+                    losses, through=features, weighting=raising, level=level, process_group=group
+                )
+            assert all(p.grad is None for p in params), message
+            # The next step, on the same group: as one process on the whole batch.
+            reference = copy.deepcopy((encoder, heads))
+            features, losses = task_losses(run, heads, x[shard], y[shard])
+            weighting = make[name]()
+            funcgrad.backward(
+                losses, through=features, weighting=weighting, level=level, process_group=group
+            )
+            features, losses = task_losses(*reference, x, y)
+            funcgrad.backward(losses, through=features, weighting=make[name](), level=level)
+            ref_params = [*reference[0].parameters(), *reference[1].parameters()]
+            for p, q in zip(params, ref_params):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-9, msg=message)
+
+
+@pytest.mark.parametrize("worker", [_agreement_worker, _sync_worker, _one_rank_failing_worker])
 def test_two_gloo_ranks(worker, tmp_path):
     spawn_ranks(worker, str(tmp_path / "store"))
 

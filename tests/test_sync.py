@@ -201,6 +201,35 @@ def test_the_ranks_agree_or_every_rank_raises_before_anything_is_sent(one_rank, 
     assert sync.bytes == 0
 
 
+def test_the_first_ranks_weights_come_with_every_ranks_outcome(one_rank, monkeypatch):
+    """The weights and a flag per rank in ONE all-reduce: a weighting that raised on any rank
+    is an error on every rank (before, a rank whose weighting raised left the others waiting
+    in the broadcast of the weights until the group's timeout)."""
+    sync = _sync.policy(one_rank, CALL)
+    g, w = torch.randn(3, 3), torch.rand(3, dtype=torch.float32)
+    assert sync.first_rank_of(lambda: w, 3, g) is w  # the first rank's own, as it is
+    assert sync.bytes == (3 + 1) * 8
+    with pytest.raises(ZeroDivisionError):  # its own error, after telling the others
+        sync.first_rank_of(lambda: 1 / 0, 3, g)
+    assert sync.bytes == 2 * (3 + 1) * 8
+    sync.size, sync.rank = 2, 1  # as rank 1 of two, whose rank 0 ...
+    reduce = dist.all_reduce
+
+    def rank_0_adds(payload, **kwargs):
+        payload[:3] += torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)  # ... sends these
+        payload[3] += failed  # ... raised, or not
+        return reduce(payload, **kwargs)
+
+    monkeypatch.setattr(_sync.dist, "all_reduce", rank_0_adds)
+    failed = 0
+    got = sync.first_rank_of(lambda: w, 3, g)
+    assert got.dtype == torch.float32 and got.tolist() == [0.25, 0.5, 0.25]
+    failed = 1
+    with pytest.raises(RuntimeError, match=r"the weighting raised on rank\(s\) \[0\] of"):
+        sync.first_rank_of(lambda: w, 3, g)
+    assert w.tolist() != [0.25, 0.5, 0.25]  # (the weighting's own tensor is not written)
+
+
 # -- DDPSync: DDP's reducer averages where it wraps exactly the shared leaves -------------------
 
 

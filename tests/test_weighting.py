@@ -86,16 +86,16 @@ def test_finite_check_of_the_gramian_and_weights_is_exact():
     then the exact checks run and find nothing to refuse; one inf or NaN anywhere is refused."""
     rule = _weighting.resolve(lambda g: torch.full((2,), 3e38), "params", "call")
     big = torch.full((2, 2), 3e38)  # (finite, but its sum overflows float32)
-    weights = _weighting.checked_weights(rule, big, [big], "here", "call", lambda t: t)
+    weights = _weighting.checked_weights(rule, big, [big], "here", "call")
     assert torch.equal(weights, torch.full((2,), 3e38))
     for bad in (float("inf"), float("nan")):
         g = big.clone()
         g[1, 0] = bad
         with pytest.raises(ValueError, match="Gramian of the task gradients here is not finite"):
-            _weighting.checked_weights(rule, g, [g], "here", "call", lambda t: t)
+            _weighting.checked_weights(rule, g, [g], "here", "call")
         nan_rule = _weighting.resolve(lambda g, bad=bad: torch.tensor([1.0, bad]), "params", "c")
         with pytest.raises(ValueError, match="non-finite weights"):
-            _weighting.checked_weights(nan_rule, big / 1e38, [big], "here", "c", lambda t: t)
+            _weighting.checked_weights(nan_rule, big / 1e38, [big], "here", "c")
 
 
 def test_gramian_concatenated_or_by_blocks_agree():

@@ -9,7 +9,7 @@ Methods, all from the same initial weights, inputs (each rank its own) and heads
   Linear, then the root, over ``init_device_mesh("cpu", (2,))``): plain FSDP
   ``torch.stack(losses).sum().backward()``, and ``funcgrad.backward(...,
   process_group=<the FSDP encoder>)`` at both levels (features: one backward through FSDP;
-  params: one backward per task, a k x k Gramian all-reduced, k weights broadcast).
+  params: one backward per task, a k x k Gramian all-reduced, then k weights and R flags).
 
 The methods are timed in interleaved rounds (the order rotates every round), each step after
 a barrier. The warm-up step of each method (FSDP's lazy initialisation included) also checks
@@ -26,7 +26,7 @@ spans both ranks), B the bytes of the full buffer:
 - broadcast: B on every rank (what the source sends: an upper bound for the others).
 
 Counted: every collective called through ``torch.distributed``'s Python functions, wrapped
-here (funcgrad's all-reduce of the Gramian or the gradients and broadcast of the weights,
+here (funcgrad's all-reduces of the Gramian or the gradients and of the weights,
 and FSDP2's all-gathers and reduce-scatters, which it calls as ``dist.all_gather_single``
 and ``dist.reduce_scatter_single``), measured on every timed step. Computed: DDP's reducer
 all-reduces the P parameter gradients in C++, unseen by the wrappers, so its rows add
