@@ -140,10 +140,10 @@ _GRAM_ROWS = 32
 def _gram(grads: torch.Tensor) -> torch.Tensor:
     """The upper triangle and diagonal of the per-example gradients' Gram (B, B), its
     lower triangle left 0: every block of G is summed into G, whose lower triangle
-    `_run._gramian` mirrors from the upper one. In row blocks of `_GRAM_ROWS` examples,
-    each against the examples from its first on: (1 + step/B)/2 of the full product's
-    flops (5/8 at B = 128, 9/16 at B = 512; torch has no syrk), measured 15-30% faster
-    on the CPU (docs/benchmarks_per_example.md)."""
+    `_run._gramian` mirrors from the upper one. In row blocks of step = max(`_GRAM_ROWS`,
+    B/8) examples, each against the examples from its first on: (1 + step/B)/2 of the full
+    product's flops (5/8 at B = 128, 9/16 at B = 512; torch has no syrk), 15-30% faster on
+    session 9's CPU where the product is large (docs/benchmarks_per_example.md)."""
     flat = _flat(grads)
     batch = flat.shape[0]
     step = max(_GRAM_ROWS, batch // 8)
