@@ -485,7 +485,8 @@ def _gramian(run: _Run, blocks: list[list[_Layer]]) -> torch.Tensor:
             gram = gram + share
     if gram is None:
         return torch.diag(found)
-    # exactly symmetric: the upper triangle mirrored (a rule's blocks, a ghost block's
-    # square computed in full, a matmul's rounding, may differ across the diagonal by ulps)
+    # exactly symmetric: the upper triangle mirrored (the materialised Grams, `_gram`,
+    # form only it; a ghost block's square computed in full, a matmul's rounding, may
+    # differ across the diagonal by ulps)
     upper = gram.triu(1)
     return upper + upper.T + torch.diag(gram.diagonal())
