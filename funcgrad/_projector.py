@@ -636,13 +636,19 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
     factor of ``A ⊙ f fᵀ + diag(1 - f)``, positive definite as A is), then frees the bounds
     whose multipliers ``(A y)_j`` are negative and binds the free variables that went below
     their bound. Once the face is the optimal one, one round gives the exact answer (a
-    direct solve, not an approximation). Each row keeps, of ``gap`` and every round's
-    answer, the one with the smaller KKT residual: a row that ADMM had finished cannot be
-    made worse. Cost: ``rounds`` batched factors of r matrices m x m, hence m <=
-    `POLISH_MAX`; about 15 ops a round, no read."""
+    direct solve, not an approximation). Each row keeps, of ``gap``, ``y = low`` (feasible,
+    and the answer of a row already optimal) and every round's answer, the one with the
+    smallest KKT residual: a row that ADMM had finished cannot be made worse. Cost:
+    ``rounds`` batched factors of r matrices m x m, hence m <= `POLISH_MAX`; about 15 ops
+    a round, no read."""
     free = torch.sign(gap)
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
     best, least = gap, _residual(A, low, gap)
+    # y = low: on a row already optimal the multipliers are within rounding of 0 and the
+    # rounds can switch those bounds back and forth without ever landing on it.
+    stay = _residual(A, low, torch.zeros_like(gap))
+    better = stay < least
+    best, least = torch.where(better, 0.0, best), torch.where(better, stay, least)
     for _ in range(_POLISH_ROUNDS):
         bound = low - low * free  # low off F, 0 on F
         K = torch.addcmul(eye - eye * free[:, :, None], free[:, :, None] * A, free[:, None, :])
