@@ -43,6 +43,7 @@ import torch
 
 from ._config import CheckMode, resolve_check
 from ._errors import FuncgradWarning
+from ._validate import outside_transforms
 
 # The default iteration count, (4 m + 64) * max(1, sqrt(1e-4 / reg_eps)), from the
 # experiments of docs/projector.md: at the default reg_eps = 1e-4 the hardest Gramians of the
@@ -239,7 +240,12 @@ class DualConeProjector:
             )
         if G.shape[0] == 0:  # no task: the empty answer
             return U.detach().to(device=G.device, dtype=G.dtype).clone()
-        with torch.no_grad():
+        # Inference mode where no torch.func transform runs (it cannot hold inference
+        # tensors): the solver's thousands of small ops skip autograd's dispatch
+        # (docs/benchmarks_projector.md). W is cloned out of it below, so that the caller
+        # gets an ordinary tensor (usable in autograd, writable in place).
+        fast = not torch.compiler.is_compiling() and outside_transforms((U, G))
+        with torch.inference_mode() if fast else torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
             W, converged = solve(gramian, rows, *self._budgets(G.shape[0], G.dtype), tol=self.tol)
@@ -247,7 +253,7 @@ class DualConeProjector:
                 ok = converged.all() & torch.isfinite(G).all() & torch.isfinite(U).all()
                 if not bool(ok):  # the one read, on request
                     W = self._fallback(U, G, W, converged, mode)
-        return W.reshape(U.shape)
+        return W.reshape(U.shape).clone()
 
     def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int]:
         """(MPRGP iterations, ADMM iterations) for a Gramian of size m."""
@@ -630,13 +636,19 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
     factor of ``A ⊙ f fᵀ + diag(1 - f)``, positive definite as A is), then frees the bounds
     whose multipliers ``(A y)_j`` are negative and binds the free variables that went below
     their bound. Once the face is the optimal one, one round gives the exact answer (a
-    direct solve, not an approximation). Each row keeps, of ``gap`` and every round's
-    answer, the one with the smaller KKT residual: a row that ADMM had finished cannot be
-    made worse. Cost: ``rounds`` batched factors of r matrices m x m, hence m <=
-    `POLISH_MAX`; about 15 ops a round, no read."""
+    direct solve, not an approximation). Each row keeps, of ``gap``, ``y = low`` (feasible,
+    and the answer of a row already optimal) and every round's answer, the one with the
+    smallest KKT residual: a row that ADMM had finished cannot be made worse. Cost:
+    ``rounds`` batched factors of r matrices m x m, hence m <= `POLISH_MAX`; about 15 ops
+    a round, no read."""
     free = torch.sign(gap)
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
     best, least = gap, _residual(A, low, gap)
+    # y = low: on a row already optimal the multipliers are within rounding of 0 and the
+    # rounds can switch those bounds back and forth without ever landing on it.
+    stay = _residual(A, low, torch.zeros_like(gap))
+    better = stay < least
+    best, least = torch.where(better, 0.0, best), torch.where(better, stay, least)
     for _ in range(_POLISH_ROUNDS):
         bound = low - low * free  # low off F, 0 on F
         K = torch.addcmul(eye - eye * free[:, :, None], free[:, :, None] * A, free[:, None, :])
