@@ -133,8 +133,11 @@ def _squares(grads: torch.Tensor) -> torch.Tensor:
 
 
 # Rows of G formed by one product of `_gram` (its upper triangle in such row blocks), at
-# least: B / 8 for larger B (fewer, larger products)
+# least: B / 8 for larger B (fewer, larger products); and the size of product (B * B * D
+# multiply-adds) from which the blocks pay for reading the rows again: below it, one product
+# (docs/benchmarks_per_example.md, session 9)
 _GRAM_ROWS = 32
+_GRAM_BLOCKED_FROM = 2**25
 
 
 def _gram(grads: torch.Tensor) -> torch.Tensor:
@@ -142,12 +145,13 @@ def _gram(grads: torch.Tensor) -> torch.Tensor:
     lower triangle left 0: every block of G is summed into G, whose lower triangle
     `_run._gramian` mirrors from the upper one. In row blocks of step = max(`_GRAM_ROWS`,
     B/8) examples, each against the examples from its first on: (1 + step/B)/2 of the full
-    product's flops (5/8 at B = 128, 9/16 at B = 512; torch has no syrk), 15-30% faster on
-    session 9's CPU where the product is large (docs/benchmarks_per_example.md)."""
+    product's flops (5/8 at B = 128, 9/16 at B = 512; torch has no syrk), 2-15% faster on
+    session 9's CPU where the product is large (docs/benchmarks_per_example.md); a small
+    product, or fewer than two blocks, is one product, the whole G."""
     flat = _flat(grads)
     batch = flat.shape[0]
     step = max(_GRAM_ROWS, batch // 8)
-    if batch <= step:
+    if batch < 2 * step or batch * batch * flat.shape[1] < _GRAM_BLOCKED_FROM:
         return flat @ flat.T
     gram = flat.new_zeros(batch, batch)
     for s in range(0, batch, step):
