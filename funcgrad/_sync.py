@@ -12,8 +12,9 @@ summed over every rank's shard and ``w @`` its own shard written on each rank.
 ProcessGroup), :class:`DDPSync`, :class:`FSDPSync`. Every call agrees first
 (:meth:`Sync.agree`: local checks and the choices that must match, in one all-gather before
 any backward), so a mistake on one rank is a clear error on every rank, not a hang; the
-weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, which also makes a
-weighting that raised on one rank an error on every rank), and so is an aggregator's update.
+weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, whose flags make a
+weighting that raised on one rank an error on every rank, :meth:`Sync.check_ranks`), and so
+is an aggregator's update.
 """
 
 from __future__ import annotations
@@ -83,9 +84,10 @@ class Sync:
     def first_rank_of(
         self, compute: Callable[[], torch.Tensor], size: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The first rank's ``compute()`` (``size`` numbers: the weights) on every rank, in
-        ``like``'s dtype, and a flag per rank that raised (None: no other rank), for
-        :meth:`check_ranks` (read with the caller's own read of the weights)."""
+        """The first rank's ``compute()`` (``size`` numbers: the weights) on every rank (with
+        ranks: in ``like``'s dtype, the same on every rank) and a flag per rank that raised
+        (None: no ranks), which the caller passes to :meth:`check_ranks` before it uses the
+        result (after reading them with its own read of the weights, where it has one)."""
         return compute(), None
 
     def check_ranks(self, flags: torch.Tensor | None) -> None:
