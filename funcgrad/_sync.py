@@ -12,8 +12,9 @@ summed over every rank's shard and ``w @`` its own shard written on each rank.
 ProcessGroup), :class:`DDPSync`, :class:`FSDPSync`. Every call agrees first
 (:meth:`Sync.agree`: local checks and the choices that must match, in one all-gather before
 any backward), so a mistake on one rank is a clear error on every rank, not a hang; the
-weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, which also makes a
-weighting that raised on one rank an error on every rank), and so is an aggregator's update.
+weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, whose flags make a
+weighting that raised on one rank an error on every rank, :meth:`Sync.check_ranks`), and so
+is an aggregator's update.
 """
 
 from __future__ import annotations
@@ -82,10 +83,16 @@ class Sync:
 
     def first_rank_of(
         self, compute: Callable[[], torch.Tensor], size: int, like: torch.Tensor
-    ) -> torch.Tensor:
-        """The first rank's ``compute()`` (``size`` numbers: the weights) on every rank; where
-        it raises on any rank (a weighting, after the ranks agreed), an error on every rank."""
-        return compute()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first rank's ``compute()`` (``size`` numbers: the weights) on every rank (with
+        ranks: in ``like``'s dtype, the same on every rank) and a flag per rank that raised
+        (None: no ranks), which the caller passes to :meth:`check_ranks` before it uses the
+        result (after reading them with its own read of the weights, where it has one)."""
+        return compute(), None
+
+    def check_ranks(self, flags: torch.Tensor | None) -> None:
+        """An error on every rank where ``flags`` (of :meth:`first_rank_of`) says that the
+        computation raised on some rank (one read)."""
 
     # -- the questions backward asks, answered by each policy --------------------------
 
@@ -358,13 +365,13 @@ class GroupSync(Sync):
 
     def first_rank_of(
         self, compute: Callable[[], torch.Tensor], size: int, like: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The first rank's result and which ranks raised travel in ONE all-reduce (where a
         # broadcast would carry the result alone), so that a rank whose weighting raised
         # does not leave the others waiting in a collective (until the group's timeout).
         if not values_readable([like]):  # (inside a transform: no value can be read)
             result = compute()
-            return self.from_first_rank(result) if size else result
+            return (self.from_first_rank(result) if size else result), None
         mine: torch.Tensor | None = None
         error: Exception | None = None
         try:
@@ -375,27 +382,31 @@ class GroupSync(Sync):
         if mine is None:
             payload[size + self.rank] = 1
         elif self.rank == 0:
-            payload[:size].copy_(mine.detach().reshape(-1))  # (every other rank adds zeros)
+            payload[:size].copy_(mine.detach().reshape(-1))
+        else:  # -0.0, the exact additive identity (+0.0 would turn the first rank's -0.0 to +0.0)
+            payload[:size] = -0.0
         payload = self._sum(payload)
-        flags = payload[size:]
         if error is not None:
             raise error
-        if flags.any():  # (one read)
-            failed = flags.nonzero().flatten().tolist()
-            raise RuntimeError(
-                f"{self.call}: the weighting raised on rank(s) {failed} of `process_group` "
-                "(see the error there); every rank stops here, before anything is written."
-            )
         assert mine is not None
-        if self.rank == 0:
-            return mine
-        first = payload[:size].view(mine.shape).to(mine.device, mine.dtype)
+        # The same values in the same dtype on every rank (G's, not each rank's weighting's),
+        # so that every rank finds them finite or none.
+        first = payload[:size].view(mine.shape).to(mine.device, like.dtype)
         if not mine.requires_grad:
-            return first
-        kept = mine.clone()  # its graph (create_graph), with the first rank's values
+            return (mine if self.rank == 0 and mine.dtype == like.dtype else first), payload[size:]
+        kept = mine.to(like.dtype).clone()  # its graph (create_graph), with the first rank's values
         with torch.no_grad():
             kept.copy_(first)
-        return kept
+        return kept, payload[size:]
+
+    def check_ranks(self, flags: torch.Tensor | None) -> None:
+        if flags is not None and flags.any():  # (one read)
+            failed = flags.nonzero().flatten().tolist()
+            raise RuntimeError(
+                f"{self.call}: the weighting raised on group rank(s) {failed} of "
+                "`process_group` (see the error there); every rank stops here, before anything "
+                "is written."
+            )
 
 
 class DDPSync(GroupSync):

@@ -286,16 +286,26 @@ def checked_weights(
     def compute() -> torch.Tensor:
         return weights_from_gramian(rule, g, call, keep_graph=keep_graph)
 
+    flags: torch.Tensor | None = None
     try:
-        weights = compute() if ranks is None else ranks.first_rank_of(compute, g.shape[0], g)
+        if ranks is None:
+            weights = compute()
+        else:
+            weights, flags = ranks.first_rank_of(compute, g.shape[0], g)
     except Exception:
         check_gramian(g, blocks, what, call)
         raise
     # (One read: a sum is finite only where every entry is, and where finite entries overflow
-    # it, the exact checks below find nothing to refuse.)
-    if values_readable([g]) and not math.isfinite(float((g.sum() + weights.sum()).detach())):
-        check_gramian(g, blocks, what, call)
-        check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
+    # it, the exact checks below find nothing to refuse; with it, how many ranks raised.)
+    if values_readable([g]):
+        total = (g.sum() + weights.sum()).detach()
+        if flags is not None:  # (NaN where a rank raised)
+            total = torch.where(flags.to(total.device).any(), math.nan, total)
+        if not math.isfinite(float(total)):
+            check_gramian(g, blocks, what, call)
+            if ranks is not None:
+                ranks.check_ranks(flags)
+            check_finite(weights, f"the {tuple(g.shape)} Gramian", call)
     return weights
 
 
@@ -424,7 +434,10 @@ def aggregate(
             found = _call(rule, work, given, call, keep_graph)
             return checked_shape(found, k, given, call, keep_graph=keep_graph)
 
-        found = weigh() if ranks is None else ranks.first_rank_of(weigh, k, work)
+        if ranks is None:
+            return check_finite(weigh(), given, call), None
+        found, flags = ranks.first_rank_of(weigh, k, work)
+        ranks.check_ranks(flags)
         return check_finite(found, given, call), None
     results: list[torch.Tensor | None] = []
 
@@ -435,7 +448,7 @@ def aggregate(
     if ranks is None:
         run()
     else:  # every rank learns whether it raised on any (then its results are sent)
-        ranks.first_rank_of(run, 0, work)
+        ranks.check_ranks(ranks.first_rank_of(run, 0, work)[1])
     weights, vector = results
     assert vector is not None
     if ranks is not None:

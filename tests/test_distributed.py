@@ -389,7 +389,7 @@ def _one_rank_failing_worker(rank, store):
             expected = (
                 (RuntimeError, "the solver failed on this rank")
                 if rank == failing
-                else (RuntimeError, rf"weighting raised on rank\(s\) \[{failing}\]")
+                else (RuntimeError, rf"weighting raised on group rank\(s\) \[{failing}\]")
             )
             with pytest.raises(expected[0], match=expected[1]):
                 funcgrad.backward(

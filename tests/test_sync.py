@@ -204,30 +204,57 @@ def test_the_ranks_agree_or_every_rank_raises_before_anything_is_sent(one_rank, 
 def test_the_first_ranks_weights_come_with_every_ranks_outcome(one_rank, monkeypatch):
     """The weights and a flag per rank in ONE all-reduce: a weighting that raised on any rank
     is an error on every rank (before, a rank whose weighting raised left the others waiting
-    in the broadcast of the weights until the group's timeout)."""
+    in the broadcast of the weights until the group's timeout); the weights arrive bit for bit
+    (a -0.0 stays -0.0) and in G's dtype on every rank (a float64 weight that overflows
+    float32 is inf on every rank, not on the ranks whose weighting returned float32 only)."""
     sync = _sync.policy(one_rank, CALL)
-    g, w = torch.randn(3, 3), torch.rand(3, dtype=torch.float32)
-    assert sync.first_rank_of(lambda: w, 3, g) is w  # the first rank's own, as it is
+    g, w = torch.randn(3, 3, dtype=torch.float32), torch.rand(3, dtype=torch.float32)
+    got, flags = sync.first_rank_of(lambda: w, 3, g)
+    assert got is w and flags is not None and flags.tolist() == [0]  # the first rank's own
+    sync.check_ranks(flags)
     assert sync.bytes == (3 + 1) * 8
     with pytest.raises(ZeroDivisionError):  # its own error, after telling the others
         sync.first_rank_of(lambda: 1 / 0, 3, g)
     assert sync.bytes == 2 * (3 + 1) * 8
+    got, _ = sync.first_rank_of(lambda: torch.tensor([1e39, 0.0, 0.0], dtype=torch.float64), 3, g)
+    assert got.dtype == torch.float32 and got.isinf().tolist() == [True, False, False]
     sync.size, sync.rank = 2, 1  # as rank 1 of two, whose rank 0 ...
     reduce = dist.all_reduce
 
     def rank_0_adds(payload, **kwargs):
-        payload[:3] += torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64)  # ... sends these
+        payload[:3] += torch.tensor(sent, dtype=torch.float64)  # ... sends these
         payload[3] += failed  # ... raised, or not
         return reduce(payload, **kwargs)
 
     monkeypatch.setattr(_sync.dist, "all_reduce", rank_0_adds)
-    failed = 0
-    got = sync.first_rank_of(lambda: w, 3, g)
-    assert got.dtype == torch.float32 and got.tolist() == [0.25, 0.5, 0.25]
+    failed, sent = 0, [-0.0, 0.5, 0.25]
+    got, flags = sync.first_rank_of(lambda: w.double(), 3, g)
+    sync.check_ranks(flags)
+    assert got.dtype == torch.float32 and got.tolist() == sent
+    assert got[0].signbit()  # rank 0's -0.0 (+0.0 from the other ranks turned it to +0.0)
     failed = 1
-    with pytest.raises(RuntimeError, match=r"the weighting raised on rank\(s\) \[0\] of"):
-        sync.first_rank_of(lambda: w, 3, g)
-    assert w.tolist() != [0.25, 0.5, 0.25]  # (the weighting's own tensor is not written)
+    got, flags = sync.first_rank_of(lambda: w, 3, g)
+    with pytest.raises(RuntimeError, match=r"the weighting raised on group rank\(s\) \[0\] of"):
+        sync.check_ranks(flags)
+    assert w.tolist() != sent  # (the weighting's own tensor is not written)
+
+
+@pytest.mark.parametrize("level", ["features", "params"])
+def test_the_ranks_flags_cost_no_host_read_of_their_own(one_rank, level):
+    """A step with a group reads the host 3 times, as before the flags (they are read with the
+    finite check of G and the weights, in its one read)."""
+    import funcgrad
+
+    encoder = nn.Linear(5, 6)
+    heads = nn.ModuleList(nn.Linear(6, 1) for _ in range(3))
+    features = encoder(torch.randn(8, 5))
+    losses = [head(features).pow(2).mean() for head in heads]
+    with funcgrad.HostReadCounter() as counter:
+        funcgrad.backward(
+            losses, through=features, weighting=lambda g: torch.softmax(g.diagonal(), 0),
+            level=level, process_group=one_rank,
+        )  # fmt: skip
+    assert counter.count == 3, [str(read) for read in counter.reads]
 
 
 # -- DDPSync: DDP's reducer averages where it wraps exactly the shared leaves -------------------
