@@ -644,6 +644,7 @@ def _forward_columns(
     # The watched call runs in grad mode, as reverse mode's: the ops that f itself runs in
     # no-grad mode are then the only ones seen in it (Facts.no_grad); no graph is kept.
     watched = flat.watch and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    flat.forward_mode = True
     try:
         with torch.enable_grad() if watched else contextlib.nullcontext():
             stacked = batched(
