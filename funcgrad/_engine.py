@@ -16,6 +16,7 @@ which builds the linearisation), for every public entry point:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -650,15 +651,22 @@ def _forward_columns(
 ) -> tuple[Tensors, Tensors, Tensors] | str | None:
     primals = flat.leaves
     jvp = _linearize.jvp_of(flat)
+    # The watched call runs in grad mode, as reverse mode's: the ops that f itself runs in
+    # no-grad mode are then the only ones seen in it (Facts.no_grad); no graph is kept.
+    watched = flat.watch and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    flat.forward_mode = True
     try:
-        stacked = batched(
-            rng.replaying(jvp) if check else jvp,
-            _coords.unit_rows(primals, 0, _coords.real_size(primals)),
-            chunk_size=None,
-            check=check,
-            what="f's JVP",
-            may_loop=False,
-        )
+        with torch.enable_grad() if watched else contextlib.nullcontext():
+            stacked = batched(
+                rng.replaying(jvp) if check else jvp,
+                _coords.unit_rows(primals, 0, _coords.real_size(primals)),
+                chunk_size=None,
+                check=check,
+                what="f's JVP",
+                may_loop=False,
+            )
+        if watched:
+            stacked = tuple(s.detach() for s in stacked)
     except CannotBatch as error:
         why = f"vmap cannot batch its JVPs in one call ({error})"
     except (RuntimeError, NotImplementedError) as error:

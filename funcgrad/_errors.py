@@ -13,6 +13,12 @@ class BatchingMismatchError(RuntimeError):
     """A vmapped result disagreed with the unbatched reference, with ``check="strict"``."""
 
 
+class ForwardModeNoGradError(ValueError):
+    """An explicit forward-mode request on an f seen running ops in no-grad mode on tensors
+    that carry a tangent: forward mode would differentiate what autograd takes for a
+    constant."""
+
+
 class FuncgradWarning(UserWarning):
     """funcgrad fell back to a slower but correct method; the message says why."""
 

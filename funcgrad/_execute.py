@@ -20,7 +20,7 @@ import torch
 
 from . import _coords, _engine, _linearize
 from ._engine import ChunkFit, CotangentsOf, Log, ValuesOf
-from ._errors import FuncgradWarning
+from ._errors import ForwardModeNoGradError, FuncgradWarning
 from ._function import FlatFunction
 from ._linearize import RandomState
 from ._plan import Plan
@@ -159,6 +159,12 @@ def observed(
     )
 
 
+_NO_GRAD = (
+    "f runs ops in no-grad mode (torch.no_grad() inside f) on tensors that depend on the "
+    "inputs, which forward mode differentiates and autograd takes for constants"
+)
+
+
 def _forward(
     plan: Plan, flat: FlatFunction, cotangents_of: CotangentsOf, check: bool | str
 ) -> tuple[torch.Tensor, Tensors, Tensors, int] | str | None:
@@ -173,6 +179,16 @@ def _forward(
     if flat.hooked:  # f called a module with a backward hook, which forward mode never runs:
         rng.restore()  # reverse mode's plan (an explicit strategy='jacfwd' is refused there)
         return None
+    if flat.no_grad:  # (seen on this watched call: the ops' arguments carried a tangent)
+        if plan.requested == "jacfwd":
+            raise ForwardModeNoGradError(
+                f"{flat.call}: strategy='jacfwd', and f runs ops in no-grad mode "
+                "(torch.no_grad() inside f) on tensors that depend on the inputs. Autograd "
+                "takes what they compute for a constant; forward mode differentiates through "
+                "it, a wrong gradient. Use strategy='vjp' (or 'auto', which sees it)."
+            )
+        rng.restore()
+        return _NO_GRAD
     out, aux, tangents = columns
     m = _coords.real_size(out)
     values, cotangents = cotangents_of(out)

@@ -276,6 +276,10 @@ class _Draws(TorchFunctionMode):
         self.seen = seen
         self.flat = flat
         self.threads = threads
+        # Grad mode as f last set it in Python (no_grad, set_grad_enabled): off where torch
+        # turned it off itself, in a custom autograd.Function's forward.
+        self.grad_mode = torch.is_grad_enabled()
+        self.level = _current_level()  # (a transform's inside f, a nested call's: not f's)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
@@ -331,35 +335,40 @@ class _Draws(TorchFunctionMode):
                 flat.rnn = True
             elif name == "batch_norm" and (args[5] if len(args) > 5 else kwargs.get("training")):
                 flat.norm = True
-            if flat.grad_on and not flat.no_grad and not torch.is_grad_enabled():
-                flat.no_grad = _requires_grad(args, kwargs) and not _in_function_forward()
+            elif name == "_set_grad_enabled" and args:
+                self.grad_mode = bool(args[0])
+            if (
+                flat.grad_on
+                and not flat.no_grad
+                and not torch.is_grad_enabled()
+                and _current_level() == self.level
+            ):
+                # (inside a Function's forward entered in grad mode: its jvp is its own)
+                flat.no_grad = _requires_grad(args, kwargs, flat.forward_mode) and (
+                    not self.grad_mode or torch.is_inference_mode_enabled()
+                )
         generator = kwargs.get("generator")
         if isinstance(generator, torch.Generator) and generator not in self.seen:
             self.seen[generator] = generator.get_state()
         return func(*args, **kwargs)
 
 
-def _requires_grad(args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a tensor argument of an op (or one in a list of them) requires grad."""
+def _requires_grad(args: Any, kwargs: dict[str, Any], forward_mode: bool) -> bool:
+    """Whether a tensor argument of an op (or one in a list of them) requires grad, or in
+    forward mode carries a tangent (a parameter's requires_grad is then no derivative)."""
     for value in (*args, *kwargs.values()):
         values = value if isinstance(value, (list, tuple)) else (value,)
-        if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
-            return True
+        for v in values:
+            if isinstance(v, torch.Tensor) and (
+                _dual(v) if forward_mode else v.requires_grad or _dual(v)
+            ):
+                return True
     return False
 
 
-_FUNCTION_APPLY = vars(torch.autograd.Function)["apply"].__func__.__code__
-
-
-def _in_function_forward() -> bool:
-    """Whether the op runs inside a custom ``autograd.Function``'s forward (no-grad mode set
-    by torch, its derivative the Function's own ``jvp``): its ``apply`` is on the stack."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _FUNCTION_APPLY:
-            return True
-        frame = frame.f_back
-    return False
+def _dual(tensor: torch.Tensor) -> bool:
+    dual = torch.autograd.forward_ad.unpack_dual(tensor)  # type: ignore[no-untyped-call]
+    return dual.tangent is not None
 
 
 class Threads:
@@ -818,6 +827,7 @@ class FlatFunction:
         # result for a constant, forward mode differentiates it (see Facts.no_grad).
         self.grad_on = False
         self.no_grad = False
+        self.forward_mode = False  # (a watched forward-mode call: only tangents count)
 
     # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
     # 3.11, which dynamo cannot trace.)

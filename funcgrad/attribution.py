@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import _linearize, _memory
-from ._errors import FuncgradWarning, describe
+from ._errors import ForwardModeNoGradError, FuncgradWarning, describe
 from ._heads import ComposedHeads, Composition, stacked_heads
 from ._types import ChunkSize
 from ._validate import check_chunk_size, check_not_inference_mode, outside_transforms
@@ -1711,7 +1711,11 @@ def _attribute(
     chosen, _ = _choose(args, requested, return_gradients, _CALL)
     _check_causal(args, chosen)
     if chosen != "forward" or requested != "auto":
-        result = _run(args, chosen, chunk_size)
+        try:
+            result = _run(args, chosen, chunk_size)
+        except ForwardModeNoGradError as error:
+            error.add_note(f"{_CALL}: use mode='reverse' (or 'auto', which sees it).")
+            raise
         _seen_after(args, chosen)
         return result
     # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
@@ -1719,7 +1723,12 @@ def _attribute(
     # mode from the start on this model from then on (plan() says why).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FuncgradWarning)
-        result = _run(args, chosen, chunk_size)
+        try:
+            result = _run(args, chosen, chunk_size)
+        except ForwardModeNoGradError:  # (seen before any result: reverse mode from now on)
+            _NO_FORWARD[args.model] = (args.model.training, "it runs ops in no-grad mode")
+            chosen = "reverse"
+            result = _run(args, chosen, chunk_size)
     failed = _forward_fallback(caught)
     if failed is not None:
         text = str(caught[failed].message)
