@@ -150,13 +150,29 @@ def _gram(grads: torch.Tensor) -> torch.Tensor:
     product, or fewer than two blocks, is one product, the whole G."""
     flat = _flat(grads)
     batch = flat.shape[0]
-    step = max(_GRAM_ROWS, batch // 8)
-    if batch < 2 * step or batch * batch * flat.shape[1] < _GRAM_BLOCKED_FROM:
+    step = _gram_step(batch, flat.shape[1])
+    if step >= batch:
         return flat @ flat.T
     gram = flat.new_zeros(batch, batch)
     for s in range(0, batch, step):
         gram[s : s + step, s:] = flat[s : s + step] @ flat[s:].T
     return gram
+
+
+def _gram_step(batch: int, width: int) -> int:
+    """The rows of G that one product of `_gram` forms for (B, width) gradients: B (one
+    product, the whole G) where the product is small or would make fewer than two blocks."""
+    step = max(_GRAM_ROWS, batch // 8)
+    if batch < 2 * step or batch * batch * width < _GRAM_BLOCKED_FROM:
+        return max(batch, 1)
+    return step
+
+
+def _gram_pairs(batch: int, width: int) -> int:
+    """The entries (b, c) of G that `_gram` forms for (B, width) gradients, each at the cost
+    of ``width`` multiply-adds: B² for one product, about (1 + step/B)/2 of it in blocks."""
+    step = _gram_step(batch, width)
+    return sum(min(step, batch - s) * (batch - s) for s in range(0, batch, step))
 
 
 def _flat(grads: torch.Tensor) -> torch.Tensor:
