@@ -150,13 +150,29 @@ def _gram(grads: torch.Tensor) -> torch.Tensor:
     product, or fewer than two blocks, is one product, the whole G."""
     flat = _flat(grads)
     batch = flat.shape[0]
-    step = max(_GRAM_ROWS, batch // 8)
-    if batch < 2 * step or batch * batch * flat.shape[1] < _GRAM_BLOCKED_FROM:
+    step = _gram_step(batch, flat.shape[1])
+    if step >= batch:
         return flat @ flat.T
     gram = flat.new_zeros(batch, batch)
     for s in range(0, batch, step):
         gram[s : s + step, s:] = flat[s : s + step] @ flat[s:].T
     return gram
+
+
+def _gram_step(batch: int, width: int) -> int:
+    """The rows of G that one product of `_gram` forms for (B, width) gradients: B (one
+    product, the whole G) where the product is small or would make fewer than two blocks."""
+    step = max(_GRAM_ROWS, batch // 8)
+    if batch < 2 * step or batch * batch * width < _GRAM_BLOCKED_FROM:
+        return max(batch, 1)
+    return step
+
+
+def _gram_pairs(batch: int, width: int) -> int:
+    """The entries (b, c) of G that `_gram` forms for (B, width) gradients, each at the cost
+    of ``width`` multiply-adds: B² for one product, about (1 + step/B)/2 of it in blocks."""
+    step = _gram_step(batch, width)
+    return sum(min(step, batch - s) * (batch - s) for s in range(0, batch, step))
 
 
 def _flat(grads: torch.Tensor) -> torch.Tensor:
@@ -231,15 +247,24 @@ class _Layer:
             use.inner_deltas = [None] * len(use.inner_deltas)
             use.inner_input = None
 
-    def fail(self, what: str, got: Any) -> None:
+    def fail(self, what: str, got: Any, shape: tuple[int, ...] = ()) -> None:
+        flattened = ""
+        if self.batch > 0 and len(shape) and shape[0] > self.batch and shape[0] % self.batch == 0:
+            flattened = (
+                f" Its dim 0 is {shape[0]} = B·{shape[0] // self.batch}: the batch flattened "
+                "with another dim, as tokens flattened to (B·T, d) before a layer (Hugging "
+                "Face's OPT does so before its feed-forward Linears and their LayerNorm), "
+                "whose rows no longer say which example they belong to: keep (B, T, d) there "
+                "(reshape back around such layers)."
+            )
         raise ValueError(
             f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) {what} "
             f"{got}, but the losses have B = {self.batch} entries: per-example Gramians need "
             "every hooked module's inputs and outputs batched along dim 0 (batch_first=True "
             "for nn.MultiheadAttention / nn.Transformer*; no reshape of the batch into other "
             "dimensions, no output shared by the whole batch such as positional embeddings "
-            "of shape (T, d): expand them to (B, T, d) first). Fix the module, or leave its "
-            "parameters out with inputs=."
+            f"of shape (T, d): expand them to (B, T, d) first).{flattened} Fix the module, or "
+            "leave its parameters out with inputs=."
         )
 
     def input(self, use: _Use) -> torch.Tensor:
@@ -253,7 +278,7 @@ class _Layer:
 
     def check_batched(self, tensor: torch.Tensor, what: str) -> None:
         if tensor.ndim == 0 or tensor.shape[0] != self.batch:
-            self.fail(what, f"has shape {tuple(tensor.shape)}")
+            self.fail(what, f"has shape {tuple(tensor.shape)}", tuple(tensor.shape))
 
     def check_layout(self) -> None:
         """A module that says which dim is its batch (``batch_first``) has it at dim 0:
@@ -274,7 +299,7 @@ class _Layer:
         for use in self.uses:
             for _, shape, _ in use.outputs:
                 if len(shape) == 0 or shape[0] != self.batch:
-                    self.fail("has an output that", f"has shape {tuple(shape)}")
+                    self.fail("has an output that", f"has shape {tuple(shape)}", tuple(shape))
             if self.kind != "generic":
                 self.input(use)
 

@@ -19,6 +19,7 @@ from ._layer import (
     _ghost,
     _ghost_diagonal,
     _gram,
+    _gram_pairs,
     _Layer,
     _squares,
 )
@@ -131,8 +132,11 @@ class _Dense(_Rows):
         batch = self.batch
         rows, width, out = self.dims()
         # the ghost products on the rows whose Δ is not zero (padding skipped), upper
-        # triangle: about N²/2·(d+p) for N such rows
-        self.materialised_flops = float(batch * rows * width * out + batch * batch * width * out)
+        # triangle: about N²/2·(d+p) for N such rows; the materialised rule's Gram, the
+        # entries that `_gram` forms (its upper triangle, in blocks, where it is large)
+        self.materialised_flops = float(batch * rows * width * out) + self.gram_flops(
+            rows, width, out
+        )
 
         def ghost(live: int) -> float:
             return float(live * (live + rows) // 2) * (width + out + 1)
@@ -207,13 +211,27 @@ class _Dense(_Rows):
             return reduce(grads)
         a, d = self.rows()
         a = a.to(d.dtype)
-        batch = a.shape[0]
-        budget = max(batch * rows * (width + out) // 4, _WHOLE)
-        step = max(1, budget // max(1, batch * width))
+        step = self.feature_step(rows, width, out)
         found = [
             reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
         ]
         return sum(found[1:], found[0])
+
+    def feature_step(self, rows: int, width: int, out: int) -> int:
+        """The output features of one block of `materialised` ((B, step, d) gradients): a
+        quarter of the rows' elements, or `_WHOLE` where that is more."""
+        budget = max(self.batch * rows * (width + out) // 4, _WHOLE)
+        return max(1, budget // max(1, self.batch * width))
+
+    def gram_flops(self, rows: int, width: int, out: int) -> float:
+        """The multiply-adds of the materialised rule's Gram as `materialised` forms it: the
+        entries of G that `_gram` forms (its upper triangle in blocks, where the product is
+        large), for the whole gradients or for each block of output features."""
+        if isinstance(self, _Conv) or self.writes_whole(rows, width, out):
+            return float(_gram_pairs(self.batch, width * out) * width * out)
+        step = self.feature_step(rows, width, out)
+        sizes = [min(step, out - s) * width for s in range(0, out, step)]
+        return float(sum(_gram_pairs(self.batch, size) * size for size in sizes))
 
     def writes_whole(self, rows: int, width: int, out: int) -> bool:
         """Whether the whole (B, p, d) per-example gradients are formed at once: where they
