@@ -113,6 +113,12 @@ class Record(Facts):
     settled: Choice | None = None  # what decide settled on (the plan's choice, final)
     prior: Choice | None = None  # what another signature of this function settled on
     fit: Any = None  # chunk_size="auto": _engine.ChunkFit (a copy; never changed in place)
+    # A steady call's plans (see ``Composition.per_head``): by (grad mode, check), the plans
+    # ``decide`` made for a final call that taught this record nothing, and what that call
+    # saw. Held by the record, so a record that learns (a new one) starts without them.
+    steady: dict[Any, Any] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
 
 @dataclasses.dataclass(frozen=True)

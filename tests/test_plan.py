@@ -1522,3 +1522,52 @@ def test_plan_refuses_clearly_before_a_call_for_f_that_takes_gradients_of_a_capt
         torch.testing.assert_close(grads[i], want, rtol=1e-12, atol=1e-12)
     assert fn.plan(x).f_runs == 1
     assert W.grad is None
+
+
+@pytest.mark.parametrize("heads_kind", ["list", "stacked"])
+def test_a_steady_call_asks_decide_nothing_and_learns_nothing(heads_kind):
+    """Once a signature's plan is final and a call taught its record nothing, the record
+    holds that call's plans: later calls (same grad mode and check) ask ``decide`` nothing
+    (its memo is not even looked up), write no record, run f once, and answer as autograd
+    does per head (float64). A change of ``check`` asks decide again; so does a change of
+    the record (a new signature)."""
+    w = torch.randn(4, 6, dtype=torch.float64)
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        return torch.tanh(w @ x)
+
+    if heads_kind == "list":
+        heads = [lambda y, i=i: (y[i] * y).sum() for i in range(3)]
+        plain = heads
+    else:
+        params = torch.randn(3, 4, dtype=torch.float64)
+        heads = funcgrad.stacked_heads(lambda p, y: torch.sin(p @ y), params)  # type: ignore[assignment]
+        plain = [lambda y, p=p: torch.sin(p @ y) for p in params]
+    fn = funcgrad.compose_heads(f, heads)
+    x = torch.randn(6, dtype=torch.float64)
+    for _ in range(5):  # final by call 3; call 4 taught the record nothing
+        fn(x)
+    records = fn._composition._records
+    record = records.get(next(iter(records._records)))
+    asked = _plan._memoised.cache_info()
+    runs.clear()
+    for _ in range(3):
+        values, grads = fn(x)
+        assert len(runs) == 1
+        runs.clear()
+    assert _plan._memoised.cache_info() == asked  # decide not asked, nor its memo read
+    assert records.get(next(iter(records._records))) is record  # nothing learnt, written
+    expected_values, expected_grads = autograd_reference(f, plain, (x,))
+    torch.testing.assert_close(values, torch.stack(expected_values))
+    torch.testing.assert_close(grads, torch.stack(expected_grads))
+
+    with funcgrad.checking(True):  # another question: decide is asked
+        fn(x)
+    assert _plan._memoised.cache_info() != asked
+    asked = _plan._memoised.cache_info()
+    fn(torch.randn(6, dtype=torch.float64))  # the same record: steady again
+    assert _plan._memoised.cache_info() == asked
+    fn(torch.randn(2, 6, dtype=torch.float64).T[:, 0])  # (same shape; strides are no key)
+    assert _plan._memoised.cache_info() == asked
