@@ -581,14 +581,16 @@ def pullback(
         Memory: the kept basis holds ``r`` images, one per direction, each the size of the
         primals, up to ``max_basis_bytes``; what it keeps of a call (its cotangents and
         answers) are copies of its own (copy-on-write on the CPU), so the caller may change
-        them in place. A primal or ``out`` changed in place that f's graph saved is refused
-        at the next call (see docs/reliability.md). Host reads: none on the first call, one
-        on each later call in the usual cases (see `Pullback`). Rank detection is invariant to each
-        cotangent's scale and runs in float32 for half-precision cotangents; non-finite
-        cotangents, images or products are answered by pulling the cotangents themselves
-        back, so NaN and inf come out as in autograd. Host work beyond f's forward, on
-        eager autograd: one walk of f's graph per call (whether ``out`` is linked outside,
-        a reentrant checkpoint, a compiled backward, whose second pass is then checked).
+        them in place. A tensor that f's graph saved (a primal, ``out``, a captured weight or
+        buffer) changed in place is refused at the next call, on every path (see
+        docs/reliability.md). Host reads: none on the first call, one on each later call in
+        the usual cases (see `Pullback`). Rank detection is invariant to each cotangent's
+        scale and runs in float32 for half-precision cotangents; non-finite cotangents,
+        images or products are answered by pulling the cotangents themselves back, so NaN
+        and inf come out as in autograd. Host work beyond f's forward, on eager autograd:
+        one walk of f's graph per call (whether ``out`` is linked outside, a reentrant
+        checkpoint, a compiled backward, whose second pass is then checked), and one more at
+        the first call that may answer from the kept directions (the saved tensors to watch).
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)
