@@ -255,6 +255,7 @@ class Pullback:
 
 
 _VERSION = operator.attrgetter("_version")
+_Saved: Any = torch._C._autograd.SavedTensor  # (its stub lacks data and unpack_hook)
 
 
 @dataclasses.dataclass
@@ -309,7 +310,7 @@ class _Watched:
                 except RuntimeError:  # (freed: a pass raises its own error)
                     continue
                 packed = packed if isinstance(packed, (tuple, list)) else (packed,)
-                data = [p.data for p in packed if p.unpack_hook is None]
+                data = [p.data for p in packed if isinstance(p, _Saved) and p.unpack_hook is None]
                 if not any(isinstance(t, torch.Tensor) for t in data):
                     continue
                 name = raw.removeprefix("_raw_saved_")
