@@ -365,7 +365,7 @@ _FIX = (
 )
 
 
-def _between(edges: tuple[tuple[Any, ...], ...]) -> set[Any]:
+def _between(edges: tuple[tuple[Any, ...], ...]) -> list[Any]:
     """The autograd nodes that a pull from ``edges[0]`` (f's outputs) into ``edges[1]`` (its
     inputs: gradient edges, or leaf tensors) runs: those on a path to an input's edge."""
     leaves = {id(e) for e in edges[1] if isinstance(e, torch.Tensor)}
@@ -384,13 +384,13 @@ def _between(edges: tuple[tuple[Any, ...], ...]) -> set[Any]:
                 if parent not in seen:
                     seen.add(parent)
                     todo.append(parent)
-    runs: set[Any] = set()
+    runs: dict[Any, None] = {}  # (in the order found: the same error on every run)
     while ends:  # (back up from the inputs' edges)
         for node in into.get(ends.pop(), ()):
             if node not in runs:
-                runs.add(node)
+                runs[node] = None
                 ends.append(node)
-    return runs
+    return list(runs)
 
 
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
