@@ -185,6 +185,8 @@ class Linearization:
     # The graph holds a torch.compile'd backward: its pulls check a second pass against the
     # first (see repeat_checked); the heads are not pulled through f with it (one pass each).
     compiled: bool = False
+    # pullback's graph: the gradient edges its pulls run between (f's outputs, its inputs).
+    edges: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
 
 
 def _plain(outputs: Tensors, inputs: Tensors, cotangents: Any) -> bool:
@@ -536,7 +538,7 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
     if differentiable and (scanned.outside or aux):
         if len(handed) == 1:
             return Linearization(
-                tuple(out), flat.leaves, vjp, not compiled, what, compiled=compiled
+                tuple(out), flat.leaves, vjp, not compiled, what, compiled=compiled, edges=edges
             )
         # Each tensor linked or not on its own, as torch.func's.
         handed = tuple(t if _graph.scan((t,), inputs).outside else t.detach() for t in handed)
@@ -552,6 +554,7 @@ def _eager(flat: FlatFunction, what: str, *, linked: bool = False) -> Linearizat
         attached=tuple(out),
         inputs=inputs,
         compiled=compiled,
+        edges=edges,
     )
 
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
+import re
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
+from torch.autograd.graph import GradientEdge
 
 from . import _coords, _engine, _linearize, _tree
 from ._config import CheckMode, resolve_check
-from ._errors import ReleasedPullbackError, describe
+from ._errors import ReleasedPullbackError, describe, first_line
 from ._function import FlatFunction, HookState, module_of, result_graph
-from ._linearize import Linearization
+from ._linearize import MODIFIED_IN_PLACE, Linearization
 from ._plan import pullback_engine
 from ._record import Observations, Record, Records, signature_key
 from ._types import ChunkSize, Tensors
@@ -79,15 +82,12 @@ class Pullback:
         # The basis and the stats change on every call: one call at a time, whatever the
         # thread (re-entrant: f may call funcgrad, and a head this pullback).
         self._lock = threading.RLock()
-        # On torch.func (an f whose backward is torch.compile'd) vjp_fn reads the storage of
-        # the primals, of out and of aux when it runs, with no version check: a change in
-        # place after pullback returns is refused (on eager autograd, autograd checks what
-        # f's graph saved). Versions are Python ints: no host read.
-        self._watched: tuple[Tensors, tuple[int, ...]] | None = None
-        if lin.engine == "torch.func" and readable:
-            watched = (*flat.leaves, *lin.out, *lin.aux)
-            with contextlib.suppress(RuntimeError):  # (an inference tensor has no version)
-                self._watched = watched, tuple(t._version for t in watched)
+        # A tensor changed in place after pullback returns is refused at the next call (see
+        # _Watched): on eager autograd, f's saved tensors, taken at the first call that may
+        # answer from the basis (one walk of f's graph; none for a pullback used once).
+        func = lin.engine == "torch.func"
+        self._watched = _Watched.of_func(flat, lin) if readable and func else None
+        self._unwatched = readable and lin.edges is not None
         # chunk_size="auto": what a direction through f costs here (measured once, at the
         # first such call; the chunk follows the budget in force at each call).
         self._fit: _engine.ChunkFit | None = None
@@ -128,6 +128,7 @@ class Pullback:
 
     def _release(self) -> None:
         self._lin = None
+        self._watched, self._unwatched = None, False
         self._basis.clear()
         self.stats.kept, self.stats.kept_bytes = 0, 0
 
@@ -193,31 +194,13 @@ class Pullback:
                 f"{call}: this pullback was released (pb.release() freed f's graph); "
                 "build a new one with funcgrad.pullback(f, *primals)."
             )
+        if self._unwatched and self._basis.kept:  # (before: every call ran a pass)
+            assert self._lin.edges is not None
+            self._watched = _Watched.saved(call, self._flat, self._lin.edges)
+            self._unwatched = False
         if self._watched is not None:
-            self._check_unchanged(call)
+            self._watched.check(call, self._flat)
         return _cotangent_leaves(tree, self._out_def, self._out_like, call, batched)
-
-    def _check_unchanged(self, call: str) -> None:
-        assert self._watched is not None
-        tensors, versions = self._watched
-        for index, (t, version) in enumerate(zip(tensors, versions)):
-            if t._version == version:
-                continue
-            primals, outputs = len(self._flat.leaves), len(self._out_like)
-            if index < primals:
-                which = f"primal leaf {index} (of the flattened primals)"
-            elif index < primals + outputs:
-                which = f"leaf {index - primals} of f's output"
-            else:
-                which = f"leaf {index - primals - outputs} of aux"
-            raise RuntimeError(
-                f"{call}: {which} was modified in place after funcgrad.pullback returned "
-                f"(version {version} -> {t._version}). This pullback runs on torch.func (f's "
-                "backward is torch.compile'd), whose vjp_fn reads that storage when it runs, "
-                "with no check: it would mix the old values and the new. Pull back before "
-                "changing it, call funcgrad.pullback again after the change, or change a copy "
-                "(x.clone())."
-            )
 
     def _apply(
         self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
@@ -269,6 +252,178 @@ class Pullback:
             f"{self.stats.vjps} direction(s) pulled through f for {self.stats.cotangents} "
             f"cotangent(s), {self.rank} kept)"
         )
+
+
+_VERSION = operator.attrgetter("_version")
+_Saved: Any = torch._C._autograd.SavedTensor  # (its stub lacks data and unpack_hook)
+
+
+@dataclasses.dataclass
+class _Watched:
+    """Tensors whose in-place change after ``pullback`` returned a call must refuse, and
+    their versions (Python ints: reading them is no host read).
+
+    On eager autograd: every tensor that f's graph saved for the nodes its pulls run (those
+    on a path from f's outputs to an input's gradient edge; not a graph outside f that a
+    captured tensor brings). autograd refuses a pass through a changed one, but an answer
+    from the kept basis runs no pass and would come from the old values. They are taken at
+    the first call that may answer from the basis (a call before runs a pass, so autograd
+    checks it), after torch's own check that none changed since f saved it (:meth:`saved`).
+    On torch.func (an f whose backward is torch.compile'd), taken when ``pullback`` returns:
+    vjp_fn reads the storage of the primals, of out, of aux and of f's own parameters and
+    buffers (f a module or its bound method) with no check, mixing old values and new."""
+
+    tensors: list[torch.Tensor]
+    versions: list[int]
+    names: list[str]  # what each is (torch.func), or which node saved it as what (eager)
+    func: bool  # on torch.func
+
+    @staticmethod
+    def of_func(flat: FlatFunction, lin: Linearization) -> _Watched:
+        named = _named(flat)
+        tensors = [*flat.leaves, *lin.out, *lin.aux, *(t for _, t in named)]
+        names = [f"primal leaf {i} (of the flattened primals)" for i in range(len(flat.leaves))]
+        names += [f"leaf {i} of f's output" for i in range(len(lin.out))]
+        names += [f"leaf {i} of aux" for i in range(len(lin.aux))]
+        names += [f"f's {name!r}" for name, _ in named]
+        return _Watched.built(tensors, names, func=True)
+
+    @staticmethod
+    def built(tensors: list[torch.Tensor], names: list[str], func: bool) -> _Watched:
+        kept = [i for i, t in enumerate(tensors) if not t.is_inference()]  # (no version)
+        tensors, names = [tensors[i] for i in kept], [names[i] for i in kept]
+        return _Watched(tensors, list(map(_VERSION, tensors)), names, func)
+
+    @staticmethod
+    def saved(call: str, flat: FlatFunction, edges: tuple[tuple[Any, ...], ...]) -> _Watched:
+        """The tensors f's graph saved for the pulls between ``edges`` (f's outputs, its
+        inputs), each read once through its node, which raises torch's error where it
+        changed since f saved it (refused here, naming it). Saved tensors with hooks (a
+        non-reentrant checkpoint, ``save_on_cpu``) are left out: reading them runs the
+        unpack hook."""
+        tensors, names = [], []
+        for node in _between(edges):
+            kind = type(node).__name__
+            for raw in _saved_attrs(node):
+                try:
+                    packed = getattr(node, raw)
+                except RuntimeError:  # (freed: a pass raises its own error)
+                    continue
+                packed = packed if isinstance(packed, (tuple, list)) else (packed,)
+                data = [p.data for p in packed if isinstance(p, _Saved) and p.unpack_hook is None]
+                if not any(isinstance(t, torch.Tensor) for t in data):
+                    continue
+                name = raw.removeprefix("_raw_saved_")
+                where = f"{kind} (as {name!r})"
+                try:  # torch's check of the saved version
+                    getattr(node, "saved_tensors" if raw == "_raw_saved_tensors" else raw[4:])
+                except RuntimeError as error:
+                    if MODIFIED_IN_PLACE not in str(error):
+                        raise
+                    t = next(t for t in data if isinstance(t, torch.Tensor))
+                    found = re.search(r"is at version (\d+); expected version (\d+)", str(error))
+                    change = (
+                        first_line(error)
+                        if found is None
+                        else (f"version {found[2]} -> {found[1]}")
+                    )
+                    raise _Watched.changed(call, _which(t, flat), where, change) from None
+                for t in data:
+                    if isinstance(t, torch.Tensor):
+                        tensors.append(t)
+                        names.append(where)
+        return _Watched.built(tensors, names, func=False)
+
+    def check(self, call: str, flat: FlatFunction) -> None:
+        """Refuse a call after any of the tensors changed in place (no read of values)."""
+        if list(map(_VERSION, self.tensors)) == self.versions:
+            return
+        i = next(i for i, t in enumerate(self.tensors) if t._version != self.versions[i])
+        t, change = self.tensors[i], f"version {self.versions[i]} -> {self.tensors[i]._version}"
+        if not self.func:
+            raise _Watched.changed(call, _which(t, flat), self.names[i], change)
+        raise RuntimeError(
+            f"{call}: {self.names[i]} was modified in place after funcgrad.pullback returned "
+            f"({change}). This pullback runs on torch.func (f's backward is torch.compile'd), "
+            "whose vjp_fn reads that storage when it runs, with no check: it would mix the old "
+            f"values and the new. {_FIX}"
+        )
+
+    @staticmethod
+    def changed(call: str, which: str, where: str, change: str) -> RuntimeError:
+        return RuntimeError(
+            f"{call}: a tensor that f's graph saved was modified in place after pullback "
+            f"returned: {which}, saved by {where} ({change}). The pullback is J_f at the "
+            "values f saw: autograd refuses a pass through the changed tensor, and the "
+            f"directions this pullback kept would answer from the old values. {_FIX}"
+        )
+
+
+_FIX = (
+    "Pull back before changing them, call funcgrad.pullback again after the change, or "
+    "change a copy (x.clone())."
+)
+
+
+def _between(edges: tuple[tuple[Any, ...], ...]) -> list[Any]:
+    """The autograd nodes that a pull from ``edges[0]`` (f's outputs) into ``edges[1]`` (its
+    inputs: gradient edges, or leaf tensors) runs: those on a path to an input's edge."""
+    leaves = {id(e) for e in edges[1] if isinstance(e, torch.Tensor)}
+    stops = {e.node for e in edges[1] if isinstance(e, GradientEdge)}
+    into: dict[Any, list[Any]] = {}
+    todo = [e.node for e in edges[0]]
+    seen, ends = set(todo), []
+    while todo:  # (down from the outputs, never past an input's edge)
+        node = todo.pop()
+        if node in stops or id(getattr(node, "variable", None)) in leaves:
+            ends.append(node)
+            continue
+        for parent, _ in node.next_functions:
+            if parent is not None:
+                into.setdefault(parent, []).append(node)
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+    runs: dict[Any, None] = {}  # (in the order found: the same error on every run)
+    while ends:  # (back up from the inputs' edges)
+        for node in into.get(ends.pop(), ()):
+            if node not in runs:
+                runs[node] = None
+                ends.append(node)
+    return list(runs)
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attrs(node: Any) -> tuple[str, ...]:
+    """The names of a node's raw (packed, not unpacked) saved tensors, cached per type."""
+    attrs = _SAVED_ATTRS.get(type(node))
+    if attrs is None:
+        attrs = tuple(a for a in dir(node) if a.startswith("_raw_saved_"))
+        _SAVED_ATTRS[type(node)] = attrs
+    return attrs
+
+
+def _named(flat: FlatFunction) -> list[tuple[str, torch.Tensor]]:
+    """f's parameters and buffers, where f is a module or its bound method."""
+    module = module_of(flat.f)
+    return [] if module is None else [*module.named_parameters(), *module.named_buffers()]
+
+
+def _which(t: torch.Tensor, flat: FlatFunction) -> str:
+    """A changed saved tensor, named where it is a primal leaf or f's parameter or buffer
+    (by storage), with its shape and dtype."""
+    candidates = [(f"primal leaf {i}", p) for i, p in enumerate(flat.leaves)]
+    candidates += [(f"f's {name!r}", p) for name, p in _named(flat)]
+    for name, p in candidates:
+        if t.layout == p.layout == torch.strided and _same_storage(t, p):
+            return f"{name} of shape {tuple(p.shape)} ({p.dtype})"
+    return f"a tensor of shape {tuple(t.shape)} ({t.dtype}) that f captured or computed"
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
 def _cotangent_leaves(
@@ -427,14 +582,16 @@ def pullback(
         Memory: the kept basis holds ``r`` images, one per direction, each the size of the
         primals, up to ``max_basis_bytes``; what it keeps of a call (its cotangents and
         answers) are copies of its own (copy-on-write on the CPU), so the caller may change
-        them in place. A primal or ``out`` changed in place that f's graph saved is refused
-        at the next call (see docs/reliability.md). Host reads: none on the first call, one
-        on each later call in the usual cases (see `Pullback`). Rank detection is invariant to each
-        cotangent's scale and runs in float32 for half-precision cotangents; non-finite
-        cotangents, images or products are answered by pulling the cotangents themselves
-        back, so NaN and inf come out as in autograd. Host work beyond f's forward, on
-        eager autograd: one walk of f's graph per call (whether ``out`` is linked outside,
-        a reentrant checkpoint, a compiled backward, whose second pass is then checked).
+        them in place. A tensor that f's graph saved (a primal, ``out``, a captured weight or
+        buffer) changed in place is refused at the next call, on every path (see
+        docs/reliability.md). Host reads: none on the first call, one on each later call in
+        the usual cases (see `Pullback`). Rank detection is invariant to each cotangent's
+        scale and runs in float32 for half-precision cotangents; non-finite cotangents,
+        images or products are answered by pulling the cotangents themselves back, so NaN
+        and inf come out as in autograd. Host work beyond f's forward, on eager autograd:
+        one walk of f's graph per call (whether ``out`` is linked outside, a reentrant
+        checkpoint, a compiled backward, whose second pass is then checked), and one more at
+        the first call that may answer from the kept directions (the saved tensors to watch).
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)

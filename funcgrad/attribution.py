@@ -706,6 +706,18 @@ def _check_substituted(output: Any, plain: torch.Tensor) -> None:
         )
 
 
+def _ran_twice(layer: torch.nn.Module) -> str:
+    return (
+        f"{_CALL}: the embedding layer ({type(layer).__name__}) ran more than once in one "
+        "forward of the model: the model calls it again (a shared embedding used twice, on "
+        "the previous tokens, say, or the layer run twice), and token_attr replaces its one "
+        "output by the attributed embeddings, so the other runs' outputs would not be "
+        "attributed. Pass `embedding=` a module that the model runs once on the token ids "
+        "(wrap that one use in a module of its own), or attribute with a loop of "
+        "torch.autograd.grad."
+    )
+
+
 def _versions(*tensors: Any) -> tuple[int, ...]:
     """The version counters of ``tensors`` (an in-place change bumps them; -1: none)."""
     return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in tensors)
@@ -1212,18 +1224,25 @@ def _composed(
             moved = x[:, None] * direction
             embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
+        refused: list[ValueError] = []  # (the first run's output, raised after the forward)
         # the output layer's (args, kwargs, output, the versions of its input and output)
         layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
 
-        def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> torch.Tensor:
+        def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
             calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
-            if calls[-1] != tuple(embeds.shape):
-                raise ValueError(
-                    f"{_CALL}: the embedding layer returned {describe(output)}, expected shape "
-                    f"{tuple(embeds.shape)} (batch, length, d): pass `embedding=`, the layer "
-                    "that maps the token ids to their embeddings."
-                )
-            _check_substituted(output, plain)
+            if len(calls) > 1:  # (the cause, whatever this run's output is: named first)
+                raise ValueError(_ran_twice(module))
+            try:
+                if calls[-1] != tuple(embeds.shape):
+                    raise ValueError(
+                        f"{_CALL}: the embedding layer returned {describe(output)}, expected "
+                        f"shape {tuple(embeds.shape)} (batch, length, d): pass `embedding=`, "
+                        "the layer that maps the token ids to their embeddings."
+                    )
+                _check_substituted(output, plain)
+            except ValueError as error:  # (unless the layer runs again: that is the cause)
+                refused.append(error)
+                return None
             return embeds
 
         def detach(module: torch.nn.Module, inputs: Any, kwargs: Any) -> Any:
@@ -1248,11 +1267,12 @@ def _composed(
         finally:
             for handle in handles:
                 handle.remove()
-        if len(calls) != 1:
+        if refused:
+            raise refused[0]
+        if not calls:
             raise ValueError(
-                f"{_CALL}: the embedding layer ran {len(calls)} times in one forward of the "
-                "model, expected once: pass `embedding=`, the layer that maps the token ids to "
-                "their embeddings."
+                f"{_CALL}: the embedding layer did not run in the model's forward: pass "
+                "`embedding=`, the layer that maps the token ids to their embeddings."
             )
         raw = _logits(output, _CALL)
         logits = raw[:, -targets:]
