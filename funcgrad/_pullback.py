@@ -189,14 +189,15 @@ class Pullback:
     # -- internals ---------------------------------------------------------------------
 
     def _check_cotangent(self, tree: Any, call: str, batched: bool) -> Tensors:
-        if self._lin is None:
+        lin = self._lin  # (read once: another thread may release it meanwhile)
+        if lin is None:
             raise ReleasedPullbackError(
                 f"{call}: this pullback was released (pb.release() freed f's graph); "
                 "build a new one with funcgrad.pullback(f, *primals)."
             )
         if self._unwatched and self._basis.kept:  # (before: every call ran a pass)
-            assert self._lin.edges is not None
-            self._watched = _Watched.saved(call, self._flat, self._lin.edges)
+            assert lin.edges is not None
+            self._watched = _Watched.saved(call, self._flat, lin.edges)
             self._unwatched = False
         if self._watched is not None:
             self._watched.check(call, self._flat)
