@@ -492,7 +492,11 @@ _records: weakref.WeakKeyDictionary[Any, Records] = weakref.WeakKeyDictionary()
 
 
 def _threads_of(f: Any) -> bool:
-    """Whether an earlier eager call saw part of f run in another thread (never adds f)."""
+    """Whether an earlier eager call saw part of f run in another thread (never adds f).
+    Not looked up in compiled code: dynamo would guard on the weak dictionary's keys, which
+    a garbage collection changes while it builds the guard (torch raised IndexError)."""
+    if torch.compiler.is_compiling():
+        return False
     try:
         records = _records.get(f)
     except TypeError:
