@@ -561,6 +561,12 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     loop, loop_why = _loop(record, choice.engine) or (False, None)
     if loop_why is not None and not choice.forward:
         why = loop_why if why is None else f"{why}; {loop_why}"
+    if loop and not choice.forward and choice.engine == "torch.func" and first.engine == "autograd":
+        # A loop of unbatched pulls runs on eager autograd where it may: the same pulls,
+        # without torch.func's wrapping of every op, each head pulled through its head and
+        # f at once (the race between the engines timed their vmaps, on cold first calls).
+        choice = Choice("autograd")
+        why = f"{why}; a loop runs on eager autograd"
     return dataclasses.replace(choice, loop=loop and not choice.forward), False, why
 
 
