@@ -565,8 +565,8 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
         # A loop of unbatched pulls runs on eager autograd where it may: the same pulls,
         # without torch.func's wrapping of every op, each head pulled through its head and
         # f at once (the race between the engines timed their vmaps, on cold first calls).
-        choice, eager = Choice("autograd"), "a loop runs on eager autograd"
-        why = eager if why is None else f"{why}; {eager}"
+        choice, on_eager = Choice("autograd"), "a loop runs on eager autograd"
+        why = on_eager if why is None else f"{why}; {on_eager}"
     return dataclasses.replace(choice, loop=loop and not choice.forward), False, why
 
 
