@@ -205,9 +205,9 @@ def _vmap_measured(
 ) -> Tensors:
     """``_vmap``, timed against one unbatched call (one direction more through f), for
     ``log`` (vmap loops inside for ops without a batching rule, such as CPU attention's
-    backward; an RNN's backward is slow under vmap without saying so). The unbatched call
-    runs first: it pays the one-time costs of the shapes (a first backward's kernels and
-    buffers), so that a loop is chosen only where it wins against a warm vmap."""
+    backward; torch.func's decomposed RNN is slow under vmap without saying so). The
+    unbatched call runs first: it pays the one-time costs of the shapes (a first backward's
+    kernels and buffers), so that a loop is chosen only where it wins against a warm vmap."""
     start = clock()
     fn(*(arg[0] for arg in args))
     single_s = clock() - start

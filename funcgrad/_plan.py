@@ -484,12 +484,13 @@ def _chunk(r: Request, chunk: ChunkSize, strategy: str, directions: int) -> Chun
 
 
 def _loop(record: Record, engine: Engine) -> tuple[bool, str | None] | None:
-    """Whether calls on ``engine`` loop over the directions unbatched, and why: f runs an
-    RNN or vmap said it has no batching rule (known before timing), what another signature
-    settled on, else this engine's timed call; None while the question is open (nothing
-    timed it, and nothing known answers it)."""
-    if record.rnn:
-        return True, "f runs an RNN, whose backward vmap batches badly -> a loop"
+    """Whether calls on ``engine`` loop over the directions unbatched, and why: vmap said it
+    has no batching rule (known before timing), what another signature settled on, else
+    this engine's timed call; None while the question is open (nothing timed it, and
+    nothing known answers it). An RNN is not known to loop: on eager autograd its backward
+    batches as well as a loop or better (docs/benchmarks.md), so call 1's timed vmap
+    decides; it is torch.func's decomposed RNN that batches badly (``_choose`` leaves
+    torch.func out)."""
     if record.slow_path:
         return True, "vmap has no batching rule for an op of f's backward (torch warned) -> a loop"
     if record.prior is not None and record.prior.engine == engine:
@@ -518,8 +519,8 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     on), timed; the second, timed too, runs the challenger: forward mode where the shapes
     now choose it, else reverse mode on torch.func. From the third, the faster (the
     challenger must beat the first call by ``CHALLENGER_MARGIN``: that call paid the
-    signature's one-time costs). Known before timing: f that draws runs on eager autograd;
-    an RNN, or an op vmap cannot batch, loops on eager autograd; a compiled backward, or f
+    signature's one-time costs). Known before timing: f that draws, or an RNN, runs on eager
+    autograd; an op vmap cannot batch loops on eager autograd; a compiled backward, or f
     torch.func refuses, leaves one engine. Elsewhere: the shapes, on torch.func (eager
     autograd for f that draws, or where the caller names it, where no graph is wanted)."""
     eager_ok = r.eager and not r.graph
@@ -560,6 +561,12 @@ def _choose(r: Request, record: Record, forward_wins: bool) -> tuple[Choice, boo
     loop, loop_why = _loop(record, choice.engine) or (False, None)
     if loop_why is not None and not choice.forward:
         why = loop_why if why is None else f"{why}; {loop_why}"
+    if loop and not choice.forward and choice.engine == "torch.func" and first.engine == "autograd":
+        # A loop of unbatched pulls runs on eager autograd where it may: the same pulls,
+        # without torch.func's wrapping of every op, each head pulled through its head and
+        # f at once (the race between the engines timed their vmaps, on cold first calls).
+        choice, on_eager = Choice("autograd"), "a loop runs on eager autograd"
+        why = on_eager if why is None else f"{why}; {on_eager}"
     return dataclasses.replace(choice, loop=loop and not choice.forward), False, why
 
 

@@ -21,13 +21,14 @@ from ._types import Engine
 # A loop must beat vmap by this factor a direction, and save this much over the directions
 # of the timed batch, to be chosen: one timed call decides, and on a loaded machine one call
 # can be off by 2x (docs/benchmarks_planner.md); below either, vmap (one call) is kept. The
-# loops that matter by far (no batching rule, an RNN) are known before timing.
+# loops that matter by far (no batching rule) are known before timing.
 LOOP_MARGIN = 0.5
 LOOP_MIN_SAVING_S = 2e-5
-# ... except for a batch of at most FEW_DIRECTIONS: vmap can then save at most one call's
-# fixed cost while it wraps every op, so the loop is chosen wherever it was faster a
-# direction (and saved LOOP_MIN_SAVING_S): a wrong choice costs one call's noise, not 2x.
-FEW_DIRECTIONS = 2
+# ... except for a batch of at most FEW_DIRECTIONS: vmap can then save at most two calls'
+# fixed costs while it wraps every op, so the loop is chosen wherever it was faster a
+# direction (and saved LOOP_MIN_SAVING_S): a wrong choice costs a call's noise, not 2x.
+# (A real model's heads, k = 3: its loop 1.1-1.5x faster a direction, docs/benchmarks.md.)
+FEW_DIRECTIONS = 3
 FEW_LOOP_MARGIN = 1.0
 
 

@@ -205,6 +205,28 @@ def test_real_stacks_case_has_every_model_and_verifies_every_method(tmp_path):
     assert done.returncode == (1 if report["errors"] else 0), done.stderr[-3000:]
 
 
+def test_real_stacks_target_is_auto_over_the_faster_of_the_loop_and_raw_vmap():
+    """Issue 43's target: auto <= 1.1x the faster of the per-task loop and raw vmap(vjp),
+    in the verdicts and as a column of the real-stacks table (synthetic medians, no timing)."""
+    from funcgrad.bench import _real_stacks
+
+    label = "real-stacks gpt2-sdpa k=8"
+    assert (label, "funcgrad auto", ("naive", "torch.func vjp+vmap"), 1.1) in bench.TARGETS
+    medians = {"naive": 10.0, "loop on f": 10.0, "funcgrad auto": 7.0, "torch.func vjp+vmap": 6.0}
+    entry = {
+        "name": "real-stacks", "variant": "gpt2-sdpa", "k": 8, "skipped": {}, "agreement": {},
+        "methods": {m: {"median": t * 1e-3} for m, t in medians.items()},
+    }  # fmt: skip
+    verdicts = [v for v in bench._evaluate_targets({label: entry}) if v["case"] == label]
+    assert [(v["ratio"], v["met"]) for v in verdicts] == [(pytest.approx(7 / 6), False)]
+    assert "the faster of naive, torch.func vjp+vmap" in verdicts[0]["target"]
+    row = next(r for r in bench._real_stacks_markdown({label: entry}) if r.startswith("| gpt2"))
+    assert f"| 0.70 | 1.17 **>{_real_stacks.TARGET}** |" in row
+    del entry["methods"]["torch.func vjp+vmap"]  # (an error cell: the loop alone)
+    verdicts = [v for v in bench._evaluate_targets({label: entry}) if v["case"] == label]
+    assert [(v["ratio"], v["met"]) for v in verdicts] == [(pytest.approx(0.7), True)]
+
+
 def _raises():
     raise RuntimeError("no kernel for this\nsecond line")
 
