@@ -807,7 +807,7 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
         # t = relax * y + (1 - relax) * z + w, y = (z - w) @ M = -(q @ M): two passes
         t = torch.addmm(torch.add(q, z, alpha=2 - _RELAX), q, M, alpha=-_RELAX)
         znew = torch.maximum(lowt, t)
-        if iteration in _ADAPT:
+        if iteration in _ADAPT and iteration < iterations:  # (a last one would go unused)
             y = (t - (1 - _RELAX) * z - (q + z)) / _RELAX
             primal = _norm(y - znew) / _norm(znew).clamp_min(tiny)
             dual = _norm(znew - z) / _norm(znew @ At).clamp_min(tiny)
