@@ -98,10 +98,11 @@ _POLISH_ROUNDS = 8
 # few conjugate-gradient steps (one product each, no factor): 4 in rounds 1-3, 8 in 4-6, then
 # 16. On 87 + 131 Gramians of the tests' families (m = 64-160, UPGrad's rows and rows of
 # both signs, float32) 32 ADMM iterations and 9 rounds converged every row, 8 rounds did
-# not (aligned tasks): 11 is 2 more; about half the time of 256 ADMM + 64 MPRGP iterations
+# not (aligned tasks): 11 is 2 more. 32 + 11 left a row of a random-rank Gramian at m = 56
+# unconverged: 64 ADMM iterations. About 0.6x the time of 256 ADMM + 64 MPRGP iterations
 # at m = 128 and 512 (docs/benchmarks_projector.md).
 _ROUNDS = 11
-_ROUNDS_ADMM = 32
+_ROUNDS_ADMM = 64
 _CG_STEPS = 16
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
@@ -141,7 +142,7 @@ class DualConeProjector:
             it. Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
             inverse and 4 elementwise passes); None: 256 times the same factor (96 times it
-            for m <= 48, 32 times it before ``rounds``).
+            for m <= 48, 64 times it before ``rounds``).
             0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
             are faster, and rows that do not converge come back as NaN (or re-solved, see
             ``check``).
@@ -182,7 +183,7 @@ class DualConeProjector:
         differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
         with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
         passes per iteration; for 11 to 48 tasks, 8 batched Cholesky factors of r matrices
-        m x m besides; in float32 above 48 tasks, 32 + 11 x 3 + 116 products (ADMM, the
+        m x m besides; in float32 above 48 tasks, 64 + 11 x 3 + 116 products (ADMM, the
         rounds, their conjugate-gradient steps).
     """
 

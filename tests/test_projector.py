@@ -406,18 +406,18 @@ def test_float32_clusters_at_large_m(m: int) -> None:
 
 
 def test_float32_active_set_rounds_finish_a_short_admm() -> None:
-    """float32 above POLISH_MAX: 32 ADMM iterations, then `_active_set`'s rounds (face
+    """float32 above POLISH_MAX: 64 ADMM iterations, then `_active_set`'s rounds (face
     solves by conjugate gradients) instead of 256 ADMM and 64 MPRGP iterations. On aligned
     tasks with rows of both signs (the review's repro at m = 64), the short ADMM alone
-    leaves rows unconverged, the rounds finish them, and the default gives quadprog's
+    leaves rows unconverged (9 of 16), the rounds finish them, and the default gives quadprog's
     answer within float32's conditioning, with no MPRGP iteration and no host read."""
     U, G = aligned(64, 1e-3, 3)
     Gr = regularized(G.double(), 1e-4, 1e-4).float()
-    _, converged = solve(Gr, U, max_iter=0, admm_iter=32)
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=64)
     assert not bool(converged.all())
-    _, converged = solve(Gr, U, max_iter=0, admm_iter=32, rounds=11)
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=64, rounds=11)
     assert bool(converged.all())
-    assert funcgrad.DualConeProjector()._budgets(64, torch.float32) == (0, 32, 11)
+    assert funcgrad.DualConeProjector()._budgets(64, torch.float32) == (0, 64, 11)
     assert funcgrad.DualConeProjector()._budgets(64, torch.float64)[2] == 0  # MPRGP there
     with funcgrad.HostReadCounter() as reads:
         W = funcgrad.DualConeProjector(check=False)(U, G)
@@ -427,9 +427,23 @@ def test_float32_active_set_rounds_finish_a_short_admm() -> None:
     _assert_float32_kkt(W, U, G, "aligned m=64")
 
 
+def test_float32_active_set_rounds_need_64_admm_iterations() -> None:
+    """A random-rank Gramian at m = 56 (of the held-out sweep, session 10): after 32 ADMM
+    iterations 11 rounds leave a row unconverged; after the default 64 none."""
+    m = 56
+    torch.set_default_dtype(torch.float32)  # drawn as the sweep drew it (the fixture resets)
+    G, U = random_gramian(1021, m), _rows(m, 1021)
+    assert G.dtype == U.dtype == torch.float32
+    Gr = regularized(G, 1e-4, 1e-4)
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=32, rounds=11)
+    assert not bool(converged.all())
+    W = funcgrad.DualConeProjector(check=False)(U, G)
+    _assert_float32_kkt(W, U, G, "random-rank m=56")
+
+
 def test_float32_default_above_polish_max_costs_fewer_ops() -> None:
     """The rounds' conjugate-gradient steps are one product and about 10 small ops each,
-    where an MPRGP iteration is about 45: about 2,100 ops at m = 128 (session 9's 256 ADMM
+    where an MPRGP iteration is about 45: about 2,300 ops at m = 128 (session 9's 256 ADMM
     and 64 MPRGP iterations: 4,864), with every row converged."""
     m = 128
     G = random_gramian(0, m).float()
