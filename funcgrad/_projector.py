@@ -94,6 +94,16 @@ _EXACT_CHUNK = 1 << 22  # elements of the (2^m, rows, m) intermediate: rows in c
 POLISH_MAX = 48
 _POLISH_ADMM = 96
 _POLISH_ROUNDS = 8
+# float32 above POLISH_MAX: a short ADMM, then `_active_set`'s rounds, whose face solves are a
+# few conjugate-gradient steps (one product each, no factor): 4 in rounds 1-3, 8 in 4-6, then
+# 16. On 87 + 131 Gramians of the tests' families (m = 64-160, UPGrad's rows and rows of
+# both signs, float32) 32 ADMM iterations and 9 rounds converged every row, 8 rounds did
+# not (aligned tasks): 11 is 2 more. 32 + 11 left a row of a random-rank Gramian at m = 56
+# unconverged: 64 ADMM iterations. About 0.6x the time of 256 ADMM + 64 MPRGP iterations
+# at m = 128 and 512 (docs/benchmarks_projector.md).
+_ROUNDS = 11
+_ROUNDS_ADMM = 64
+_CG_STEPS = 16
 _CHECK_EVERY = 32  # ADMM iterations between the (device-side) KKT checks of the rows
 _FREEZE_EVERY = 8  # iterations between the (device-side) convergence checks of the rows
 
@@ -110,11 +120,12 @@ class DualConeProjector:
     For each row u of ``U`` it returns ``argmin_v v^T G v subject to v >= u`` (TorchJD's
     ``torchjd.linalg.DualConeProjector.__call__``), after ``G / trace(G)`` (0 where the trace
     is below ``norm_eps``) and ``G + reg_eps * I``, exactly as ``QuadprogProjector``: ADMM
-    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); for
-    m <= 10 tasks, all 2^m faces at once instead (exact, no iteration, about 100 ops); for
-    11 to 48 tasks, a short ADMM then 4 rounds of exact face solves (no MPRGP). Pass it
-    as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also ``UPGrad``,
-    ``DualProjWeighting``, ``DualProj``), or call it on its own.
+    with one inverse shared by the rows, then MPRGP from its answer (docs/projector.md); in
+    float32, a short ADMM then 11 rounds of an active set method with conjugate-gradient
+    face solves instead; for m <= 10 tasks, all 2^m faces at once (exact, no iteration,
+    about 100 ops); for 11 to 48 tasks, a short ADMM then 8 rounds of exact face solves (no
+    MPRGP). Pass it as ``UPGradWeighting(projector=funcgrad.DualConeProjector())`` (also
+    ``UPGrad``, ``DualProjWeighting``, ``DualProj``), or call it on its own.
 
     Args:
         norm_eps: G is divided by its trace where the trace is at least ``norm_eps``, and
@@ -127,14 +138,18 @@ class DualConeProjector:
         max_iter: MPRGP iterations after ADMM, a fixed count (each one product
             ``(rows, m) @ (m, m)`` and about 30 elementwise passes); None: 64 in float32,
             ``(4 m + 64)`` in float64, times ``max(1, sqrt(1e-4 / reg_eps))``, and 0 for
-            m <= 48 (the exact face solves finish there). 0 skips it. Unused for m <= 10
-            (``admm_iter`` too): those are solved without iterating.
+            m <= 48 (the exact face solves finish there) and after ``rounds``. 0 skips
+            it. Unused for m <= 10 (``admm_iter`` too): those are solved without iterating.
         admm_iter: ADMM iterations first, a fixed count (each one product with a shared
             inverse and 4 elementwise passes); None: 256 times the same factor (96 times it
-            for m <= 48).
+            for m <= 48, 64 times it before ``rounds``).
             0 skips it (MPRGP alone, from ``max(u, 0)``). Fewer iterations
             are faster, and rows that do not converge come back as NaN (or re-solved, see
             ``check``).
+        rounds: for m > 48, rounds of a primal-dual active set method after ADMM, each
+            face solved by up to 16 conjugate-gradient steps (times the same factor; one
+            product each, no factor); None: 11 in float32, 0 in float64 (where MPRGP
+            finishes to float64's tolerance). 0 gives ADMM then MPRGP.
         tol: a row has converged when its KKT residual ``max_j |min(v_j - u_j, (G v)_j)|``
             (on the problem scaled to a mean diagonal of 1 and u to max |u| = 1) is at most
             ``tol * (max |v| + max |u|)``; None: ``16 * eps * sqrt(m)`` for G's dtype.
@@ -167,8 +182,9 @@ class DualConeProjector:
         ``torchjd.linalg.DualConeProjector`` (whatever the import order). The result is not
         differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
         with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
-        passes per iteration; for 11 to 48 tasks, 4 batched Cholesky factors of r matrices
-        m x m besides.
+        passes per iteration; for 11 to 48 tasks, 8 batched Cholesky factors of r matrices
+        m x m besides; in float32 above 48 tasks, 64 + 11 x 3 + 116 products (ADMM, the
+        rounds, their conjugate-gradient steps).
     """
 
     ConvergenceError = ProjectorConvergenceError
@@ -182,6 +198,7 @@ class DualConeProjector:
         admm_iter: int | None = None,
         tol: float | None = None,
         check: CheckMode | None = None,
+        rounds: int | None = None,
     ) -> None:
         call = "funcgrad.DualConeProjector(...)"
         if not _is_number(norm_eps) or not 0.0 <= norm_eps < math.inf:
@@ -192,7 +209,7 @@ class DualConeProjector:
                 f"{reg_eps!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
                 "impractical iteration count; use TorchJD's QuadprogProjector there."
             )
-        for name, value in (("max_iter", max_iter), ("admm_iter", admm_iter)):
+        for name, value in (("max_iter", max_iter), ("admm_iter", admm_iter), ("rounds", rounds)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
@@ -209,6 +226,7 @@ class DualConeProjector:
         self.reg_eps = float(reg_eps)
         self.max_iter = max_iter
         self.admm_iter = admm_iter
+        self.rounds = rounds
         self.tol = tol
         self.check = check
         _register_with_torchjd()
@@ -217,6 +235,7 @@ class DualConeProjector:
         options = {
             "max_iter": self.max_iter,
             "admm_iter": self.admm_iter,
+            "rounds": self.rounds,
             "tol": self.tol,
             "check": self.check,
         }
@@ -248,22 +267,37 @@ class DualConeProjector:
         with torch.inference_mode() if fast else torch.no_grad():
             gramian = regularized(G.detach(), self.norm_eps, self.reg_eps)
             rows = U.detach().to(device=G.device, dtype=G.dtype).reshape(-1, G.shape[0])
-            W, converged = solve(gramian, rows, *self._budgets(G.shape[0], G.dtype), tol=self.tol)
+            mprgp, admm, rounds = self._budgets(G.shape[0], G.dtype)
+            W, converged = solve(
+                gramian, rows, mprgp, admm, self.tol, rounds=rounds, cg_steps=self._cg_steps()
+            )
             if mode is not False:
                 ok = converged.all() & torch.isfinite(G).all() & torch.isfinite(U).all()
                 if not bool(ok):  # the one read, on request
                     W = self._fallback(U, G, W, converged, mode)
         return W.reshape(U.shape).clone()
 
-    def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int]:
-        """(MPRGP iterations, ADMM iterations) for a Gramian of size m."""
-        admm = default_admm_budget(m, self.reg_eps) if self.admm_iter is None else self.admm_iter
-        if self.max_iter is not None:
-            return self.max_iter, admm
-        if dtype == torch.float64 or m <= POLISH_MAX:
-            return default_budget(m, self.reg_eps), admm
+    def _budgets(self, m: int, dtype: torch.dtype) -> tuple[int, int, int]:
+        """(MPRGP iterations, ADMM iterations, active set rounds) for a Gramian of size m."""
         factor = max(1.0, math.sqrt(_BUDGET_REG_EPS / self.reg_eps))
-        return math.ceil(_FINISH_FLOAT32 * factor), admm
+        rounds = self.rounds
+        if rounds is None:
+            rounds = _ROUNDS if dtype != torch.float64 else 0
+        rounds = rounds if m > POLISH_MAX else 0  # (exact face solves up to POLISH_MAX)
+        admm = self.admm_iter
+        if admm is None:
+            admm = (
+                math.ceil(_ROUNDS_ADMM * factor) if rounds else default_admm_budget(m, self.reg_eps)
+            )
+        if self.max_iter is not None:
+            return self.max_iter, admm, rounds
+        if dtype == torch.float64 or m <= POLISH_MAX:
+            return default_budget(m, self.reg_eps), admm, rounds
+        return (0 if rounds else math.ceil(_FINISH_FLOAT32 * factor)), admm, rounds
+
+    def _cg_steps(self) -> int:
+        """The conjugate-gradient steps of a full round (`_active_set`): O(sqrt(cond))."""
+        return math.ceil(_CG_STEPS * max(1.0, math.sqrt(_BUDGET_REG_EPS / self.reg_eps)))
 
     def _fallback(
         self,
@@ -281,11 +315,11 @@ class DualConeProjector:
                 )
         bad = (~converged).nonzero().flatten()
         m = G.shape[0]
-        mprgp, admm = self._budgets(m, G.dtype)
+        mprgp, admm, rounds = self._budgets(m, G.dtype)
         why = (
             f"funcgrad.DualConeProjector(U, G): {bad.numel()} of {W.shape[0]} rows did not "
-            f"reach the tolerance in admm_iter={admm} and max_iter={mprgp} iterations "
-            f"(m = {m}, {G.dtype})"
+            f"reach the tolerance in admm_iter={admm}, rounds={rounds} and max_iter={mprgp} "
+            f"iterations (m = {m}, {G.dtype})"
         )
         if mode == "strict":
             raise ProjectorConvergenceError(
@@ -459,11 +493,14 @@ def solve(
     tol: float | None = None,
     exact_max: int = EXACT_MAX,
     polish_max: int = POLISH_MAX,
+    rounds: int = 0,
+    cg_steps: int = _CG_STEPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(W, converged): for m <= ``exact_max``, `_enumerate`; else ADMM (``admm_iter``
     iterations, None: `default_admm_budget`), then for m <= ``polish_max`` `_polish`'s exact
-    face solves, then MPRGP from that answer (``max_iter``, None: `default_budget`), on every
-    row of U (r, m) with the (regularised) G, no host read; unconverged rows are NaN.
+    face solves, else ``rounds`` of `_active_set` (up to ``cg_steps`` CG steps each), then
+    MPRGP from that answer (``max_iter``, None: `default_budget`), on every row of U (r, m)
+    with the (regularised) G, no host read; unconverged rows are NaN.
 
     Each row is first divided by its max |u| (the problem is positively homogeneous in u:
     the answer for c * u, c > 0, is c times the one for u), so that rows of 1e160 or 1e-18
@@ -473,7 +510,9 @@ def solve(
     rmax = torch.where(rmax > 0, rmax, torch.ones_like(rmax))  # a zero row: W = 0 anyway
     m = G.shape[0]
     admm = default_admm_budget(m) if admm_iter is None else admm_iter
-    increment, converged = _solve(G, U / rmax, max_iter, tol, admm, exact_max, polish_max)
+    increment, converged = _solve(
+        G, U / rmax, max_iter, tol, admm, exact_max, polish_max, rounds, cg_steps
+    )
     return U + increment * rmax, converged  # >= U exactly (the increment is >= 0 or NaN)
 
 
@@ -485,6 +524,8 @@ def _solve(
     admm_iter: int = 0,
     exact_max: int = EXACT_MAX,
     polish_max: int = POLISH_MAX,
+    rounds: int = 0,
+    cg_steps: int = _CG_STEPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     m = G.shape[0]
     budget = default_budget(m) if max_iter is None else max_iter
@@ -509,6 +550,8 @@ def _solve(
                 )
             ]
         )
+    elif rounds:  # inexact face solves (CG) from ADMM's active set
+        gap = _active_set(A, low, gap, rounds, cg_steps)
     dtype = G.dtype
     if budget == 0:  # the ADMM answer, checked (below)
         return _checked(A, low, gap, s, tol)
@@ -643,12 +686,7 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
     a round, no read."""
     free = torch.sign(gap)
     eye = torch.eye(A.shape[0], dtype=A.dtype, device=A.device)
-    best, least = gap, _residual(A, low, gap)
-    # y = low: on a row already optimal the multipliers are within rounding of 0 and the
-    # rounds can switch those bounds back and forth without ever landing on it.
-    stay = _residual(A, low, torch.zeros_like(gap))
-    better = stay < least
-    best, least = torch.where(better, 0.0, best), torch.where(better, stay, least)
+    best, least = _candidates(A, low, gap)
     for _ in range(_POLISH_ROUNDS):
         bound = low - low * free  # low off F, 0 on F
         K = torch.addcmul(eye - eye * free[:, :, None], free[:, :, None] * A, free[:, None, :])
@@ -658,13 +696,65 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
         x = y - low  # exactly 0 off F
         w = y @ A  # the multipliers off F (0 on F up to rounding)
         free = free * (x > 0) + (1 - free) * (w < 0)
-        # Each row keeps its best round: on degenerate rows (multipliers within rounding of
-        # 0 at the optimum) the active set can switch those bounds back and forth, so the
-        # last round need not be the converged one. (NaN compares false: never kept.)
-        x = x.clamp_min(0)
-        residual = _residual(A, low, x)
-        better = residual < least
-        best, least = torch.where(better, x, best), torch.where(better, residual, least)
+        best, least = _keep_better(A, low, x.clamp_min(0), best, least)
+    return best
+
+
+def _candidates(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(best, its residual), of ``gap`` and ``y = low`` (0): on a row already optimal the
+    multipliers are within rounding of 0 and an active set method can switch those bounds
+    back and forth without ever landing on it."""
+    best, least = gap, _residual(A, low, gap)
+    stay = _residual(A, low, torch.zeros_like(gap))
+    better = stay < least
+    return torch.where(better, 0.0, best), torch.where(better, stay, least)
+
+
+def _keep_better(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, best: torch.Tensor, least: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row keeps its best round: on degenerate rows (multipliers within rounding of 0 at
+    the optimum) the active set can switch those bounds back and forth, so the last round
+    need not be the converged one. (NaN compares false: never kept.)"""
+    residual = _residual(A, low, gap)
+    better = residual < least
+    return torch.where(better, gap, best), torch.where(better, residual, least)
+
+
+def _active_set(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, rounds: int, cg_steps: int
+) -> torch.Tensor:
+    """``y - low >= 0`` after ``rounds`` rounds of `_polish`'s primal-dual active set method
+    from ``gap``'s active set, each face solve ``A_FF y_F = -A_FB low_B`` done inexactly by
+    conjugate gradients from the current point: ``cg_steps`` // 4 steps in rounds 1-3,
+    // 2 in rounds 4-6, then ``cg_steps``, each one product of the rows with A (shared, no
+    factor) and about 10 elementwise ops. The face matrices of hard Gramians (clusters,
+    duplicate or aligned tasks: a few large eigenvalues, the rest near reg_eps) are a
+    multiple of the identity plus a low-rank term, on which CG converges in a few steps.
+    Each row keeps its best round (by KKT residual, `_keep_better`); no read."""
+    tiny = torch.finfo(A.dtype).tiny
+    free = torch.sign(gap)
+    best, least = _candidates(A, low, gap)
+    y = low + gap
+    for round_ in range(rounds):
+        y = torch.addcmul(low, y - low, free)  # low off F
+        r = (y @ A).mul_(free).neg_()  # the face's residual, -(A y)_F
+        p = r.clone()
+        rr = _dot(r, r)
+        for _ in range(cg_steps >> max(0, 2 - round_ // 3)):
+            Ap = (p @ A).mul_(free)
+            alpha = rr / _dot(p, Ap).clamp_min_(tiny)
+            y.addcmul_(alpha, p)
+            r.addcmul_(alpha, Ap, value=-1)
+            rr, previous = _dot(r, r), rr
+            p = torch.addcmul(r, rr / previous.clamp_min_(tiny), p)
+        x = y - low
+        w = y @ A  # the multipliers off F
+        free = free * (x > 0) + (1 - free) * (w < 0)
+        y = low + x.clamp_min_(0)
+        best, least = _keep_better(A, low, x, best, least)
     return best
 
 
@@ -718,7 +808,7 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
         # t = relax * y + (1 - relax) * z + w, y = (z - w) @ M = -(q @ M): two passes
         t = torch.addmm(torch.add(q, z, alpha=2 - _RELAX), q, M, alpha=-_RELAX)
         znew = torch.maximum(lowt, t)
-        if iteration in _ADAPT:
+        if iteration in _ADAPT and iteration < iterations:  # (a last one would go unused)
             y = (t - (1 - _RELAX) * z - (q + z)) / _RELAX
             primal = _norm(y - znew) / _norm(znew).clamp_min(tiny)
             dual = _norm(znew - z) / _norm(znew @ At).clamp_min(tiny)

@@ -405,11 +405,77 @@ def test_float32_clusters_at_large_m(m: int) -> None:
         _assert_float32_kkt(W, U, G, name)
 
 
+def test_float32_active_set_rounds_finish_a_short_admm() -> None:
+    """float32 above POLISH_MAX: 64 ADMM iterations, then `_active_set`'s rounds (face
+    solves by conjugate gradients) instead of 256 ADMM and 64 MPRGP iterations. On aligned
+    tasks with rows of both signs (the review's repro at m = 64), the short ADMM alone
+    leaves rows unconverged (9 of 16), the rounds finish them, and the default gives quadprog's
+    answer within float32's conditioning, with no MPRGP iteration and no host read."""
+    U, G = aligned(64, 1e-3, 3)
+    Gr = regularized(G.double(), 1e-4, 1e-4).float()
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=64)
+    assert not bool(converged.all())
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=64, rounds=11)
+    assert bool(converged.all())
+    assert funcgrad.DualConeProjector()._budgets(64, torch.float32) == (0, 64, 11)
+    assert funcgrad.DualConeProjector()._budgets(64, torch.float64)[2] == 0  # MPRGP there
+    with funcgrad.HostReadCounter() as reads:
+        W = funcgrad.DualConeProjector(check=False)(U, G)
+    assert reads.count == 0
+    reference = _quadprog(U.double(), G.double())
+    assert _relative(W.double(), reference) <= 1e-3
+    _assert_float32_kkt(W, U, G, "aligned m=64")
+
+
+def test_float32_active_set_rounds_need_64_admm_iterations() -> None:
+    """A random-rank Gramian at m = 56 (of the held-out sweep, session 10): after 32 ADMM
+    iterations 11 rounds leave a row unconverged; after the default 64 none."""
+    m = 56
+    torch.set_default_dtype(torch.float32)  # drawn as the sweep drew it (the fixture resets)
+    G, U = random_gramian(1021, m), _rows(m, 1021)
+    assert G.dtype == U.dtype == torch.float32
+    Gr = regularized(G, 1e-4, 1e-4)
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=32, rounds=11)
+    assert not bool(converged.all())
+    W = funcgrad.DualConeProjector(check=False)(U, G)
+    _assert_float32_kkt(W, U, G, "random-rank m=56")
+
+
+def test_float32_default_above_polish_max_costs_fewer_ops() -> None:
+    """The rounds' conjugate-gradient steps are one product and about 10 small ops each,
+    where an MPRGP iteration is about 45: about 2,300 ops at m = 128 (session 9's 256 ADMM
+    and 64 MPRGP iterations: 4,864), with every row converged."""
+    m = 128
+    G = random_gramian(0, m).float()
+    project = funcgrad.DualConeProjector(check=False)
+    with _OpCount() as ops:
+        W = project(torch.eye(m) / m, G)
+    assert bool(torch.isfinite(W).all())
+    assert ops.count <= 2600, ops.count
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_active_set_rounds_keep_each_rows_best_on_degenerate_rows(seed: int) -> None:
+    """Rows already optimal on a rank-2 Gramian (multipliers within rounding of 0), float32
+    above POLISH_MAX: `y = low` is a candidate and each row keeps its best round."""
+    m = 64
+    g = torch.Generator().manual_seed(64)
+    J = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(
+        2, 40, generator=g, dtype=torch.float64
+    )
+    G = J @ J.T
+    rows = torch.randn(20, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    U = _quadprog(rows, G)  # each row already optimal: its own answer
+    W = funcgrad.DualConeProjector(check=False)(U.float(), G.float())
+    assert bool(torch.isfinite(W).all())
+    assert _relative(W.double(), _quadprog(U, G)) <= 1e-3
+
+
 def test_convergence_of_a_row_depends_on_the_others() -> None:
     """ADMM's penalty is shared by the rows (docs/projector.md): with fixed budgets, row 15
     converges alone and not in its batch; the rows that converge in both agree."""
     U, G = aligned(256, 1e-2, 1)
-    projector = funcgrad.DualConeProjector(check=False, admm_iter=160, max_iter=64)
+    projector = funcgrad.DualConeProjector(check=False, admm_iter=160, max_iter=64, rounds=0)
     W = projector(U, G)
     alone = torch.cat([projector(U[i : i + 1], G) for i in range(16)])
     assert W[15].isnan().all()
@@ -1066,6 +1132,8 @@ def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) 
         ({"max_iter": 2.0}, "`max_iter` must be an int >= 0"),
         ({"admm_iter": -1}, "`admm_iter` must be an int >= 0"),
         ({"admm_iter": False}, "`admm_iter` must be an int >= 0"),
+        ({"rounds": -1}, "`rounds` must be an int >= 0"),
+        ({"rounds": 2.0}, "`rounds` must be an int >= 0"),
         ({"tol": 0.0}, "`tol` must be a finite number > 0"),
         ({"tol": math.inf}, "`tol` must be a finite number > 0"),
         ({"check": "full"}, "`check` must be None, True, False or 'strict'.*re-solves"),
@@ -1130,6 +1198,7 @@ def test_repr() -> None:
     expected = "DualConeProjector(norm_eps=0.0001, reg_eps=0.0001)"
     assert repr(funcgrad.DualConeProjector()) == expected
     assert "max_iter=5" in repr(funcgrad.DualConeProjector(max_iter=5))
+    assert "rounds=0" in repr(funcgrad.DualConeProjector(rounds=0))
 
 
 def test_no_warning_on_the_steady_path() -> None:

@@ -95,7 +95,9 @@ def projector_case(m: int, quick: bool, source: str) -> Case:
         extra={
             "cond": float(eigenvalues[-1] / eigenvalues[0]),
             "budget": funcgrad._projector.default_budget(m),  # MPRGP's, float64
-            "admm budget": funcgrad._projector.default_admm_budget(m),
+            "admm budget": funcgrad._projector.default_admm_budget(m),  # float64's
+            # (MPRGP, ADMM, active-set rounds) of the timed float32 call
+            "float32 budgets": fast._budgets(m, torch.float32),
             "polish rounds": (
                 funcgrad._projector._POLISH_ROUNDS
                 if funcgrad._projector.EXACT_MAX < m <= funcgrad._projector.POLISH_MAX
