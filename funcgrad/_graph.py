@@ -281,12 +281,7 @@ def _walk_outputs(
 ) -> Walked:
     """:func:`walk` from each output on its own: (each output's nodes, see ``nodes`` there;
     the indices of the targets each reaches other than through a stop edge; whether each
-    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given. One walk
-    from all of them answers for each where two outputs share no edge but stop edges and
-    leaves (the usual case: each head its own nodes); else one walk per output."""
-    walked = _walk_apart(outputs, targets, stops, leaves)
-    if walked is not None:
-        return walked
+    reaches a stop edge; ``ends`` as there), and each output's ``leaves`` if given."""
     parts: list[set[Any]] = []
     bypassing: dict[int, set[int]] = {}
     reaching: list[bool] = []
@@ -298,54 +293,6 @@ def _walk_outputs(
         if found:
             bypassing[i] = found
         reaching.append(bool(stopped))
-    return parts, bypassing, reaching, ends
-
-
-def _walk_apart(
-    outputs: Tensors,
-    targets: dict[Edge, int],
-    stops: dict[Edge, int],
-    leaves: list[dict[Edge, torch.Tensor]] | None,
-) -> Walked | None:
-    """:func:`_walk_outputs` in one walk, each edge but a leaf's owned by the output that
-    reached it first; None as soon as another output reaches it (the walks overlap)."""
-    parts: list[set[Any]] = [set() for _ in outputs]
-    bypassing: dict[int, set[int]] = {}
-    reaching = [False] * len(outputs)
-    ends: list[Any] = []
-    owner: dict[Edge, int] = {}
-    todo = []
-    for i, z in enumerate(outputs):
-        todo.append((edge(z), i))
-    while todo:
-        e, i = todo.pop()
-        if e in stops:
-            reaching[i] = True
-            continue
-        node = e[0]
-        parents = node.next_functions
-        if parents:  # (a leaf, where paths end, may be any output's)
-            if e in owner:  # (met again: ours is walked, another output's overlaps)
-                if owner[e] != i:
-                    return None
-                continue
-            owner[e] = i
-        if e in targets:
-            bypassing.setdefault(i, set()).add(targets[e])
-        if not parents:
-            if leaves is not None and hasattr(node, "variable"):
-                leaves[i].setdefault(e, node.variable)
-            ends.append(node)
-            continue
-        parts[i].add(node)
-        dead = True
-        for parent in parents:
-            if parent[0] is not None:
-                dead = False
-                if owner.get(parent) != i:  # (another's: refused when popped)
-                    todo.append((parent, i))
-        if dead:
-            ends.append(node)
     return parts, bypassing, reaching, ends
 
 

@@ -7,7 +7,6 @@ it freed, before anything is written)."""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 import torch
@@ -93,56 +92,6 @@ def test_check_paths_refuses_what_the_pullback_through_through_would_miss():
     with pytest.raises(ValueError, match=r"`through` does not depend on inputs\[1\]"):
         _graph.check_paths((y.sum(),), (x, u), (y,), False, "call")
     _graph.check_paths((y.sum(),), (x, u), (y,), True, "call")
-
-
-def _walks(call):
-    """How many times ``call()`` runs :func:`funcgrad._graph.walk` (counted by a profile
-    hook, nothing patched)."""
-    count = 0
-
-    def hook(frame, event, _):
-        nonlocal count
-        count += event == "call" and frame.f_code is _graph.walk.__code__
-
-    sys.setprofile(hook)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    return count
-
-
-def test_check_paths_walks_above_through_once_where_the_heads_share_no_node():
-    x = torch.randn(3, requires_grad=True)
-    y = torch.tanh(x * 2)
-    heads = [(y * w).sin().sum() for w in torch.randn(8, 3, requires_grad=True)]
-    # (one walk below `through`; main walked from each output on its own: 1 + 8)
-    assert _walks(lambda: _graph.check_paths(heads, (x,), (y,), False, "call")) == 1
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_one_walk_from_all_outputs_answers_as_a_walk_from_each(seed):
-    rng = random.Random(seed)
-    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
-    y = torch.tanh(x * 2)
-    pool = [y, y * 3, x, w, y.exp()]  # (shared nodes, an input past `through`, a leaf)
-    outputs = []
-    for _ in range(rng.randint(1, 4)):
-        picked = rng.sample(pool, rng.randint(1, 2))
-        z = sum((t * rng.random()).cos() for t in picked).sum()
-        if rng.random() < 0.3:
-            pool.append(z * 1.5)  # (a later output may reuse z's nodes)
-        outputs.append(z if rng.random() < 0.8 else rng.choice(pool).sum())
-    targets, stops = _edges(x), _edges(y)
-    leaves = [{} for _ in outputs]
-    parts, bypassing, reaching, ends = _graph._walk_outputs(outputs, targets, stops, leaves)
-    all_ends: list = []
-    for i, z in enumerate(outputs):
-        mine, nodes = {}, set()
-        found, stopped = _graph.walk([_graph.edge(z)], targets, stops, mine, None, nodes, all_ends)
-        assert (parts[i], bypassing.get(i, set()), reaching[i]) == (nodes, found, bool(stopped))
-        assert leaves[i] == mine
-    assert bool(ends) == bool(all_ends)
 
 
 # -- reentrant checkpoints -------------------------------------------------------------------
