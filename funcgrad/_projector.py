@@ -323,8 +323,8 @@ class DualConeProjector:
         )
         if mode == "strict":
             raise ProjectorConvergenceError(
-                f"{why}. Raise max_iter, or pass check=True to re-solve them with quadprog; "
-                "if neither helps, check that G is symmetric positive semi-definite "
+                f"{why}. Raise rounds or max_iter, or pass check=True to re-solve them with "
+                "quadprog; if neither helps, check that G is symmetric positive semi-definite "
                 "(torch.linalg.eigvalsh(G))."
             )
         try:
@@ -332,11 +332,11 @@ class DualConeProjector:
         except ImportError as error:
             raise ProjectorConvergenceError(
                 f"{why}, and TorchJD's QuadprogProjector, the fallback, cannot be imported "
-                f"({error}). Raise max_iter, or install torchjd[quadprog_projector]."
+                f"({error}). Raise rounds or max_iter, or install torchjd[quadprog_projector]."
             ) from error
         warnings.warn(
             f"{why}; re-solving them with TorchJD's QuadprogProjector (host reads). Raise "
-            "max_iter to stay on the device.",
+            "rounds or max_iter to stay on the device.",
             FuncgradWarning,
             stacklevel=3,
         )
