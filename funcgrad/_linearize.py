@@ -287,8 +287,8 @@ def losses_backward(
     its own root: nothing summed across dtypes or devices), V its one row, and without
     ``retain`` it frees the whole graph above ``through`` (``all_freed``).
 
-    (Measured on the CPU: one backward batched over the k unit cotangents, by
-    ``is_grads_batched``, costs what the k backwards cost, since each head's nodes run
+    (Not one backward batched over the k unit cotangents, by ``is_grads_batched``: it
+    costs what the k backwards cost on the CPU (docs/benchmarks.md), each head's nodes run
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
     if not summed and not any(own):  # (no output's own leaves: the usual heads, k calls)

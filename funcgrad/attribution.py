@@ -1400,14 +1400,9 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
                 f"floating embeddings, got {describe(embeds)}."
             )
         if args.method != "integrated_gradients":
-            return (
-                sequence,
-                embeds,
-                embeds[0, :prompt]
-                if args.method == "grad_x_input"
-                else (torch.ones_like(embeds[0, :prompt])),
-                embeds,
-            )
+            own = embeds[0, :prompt]
+            direction = own if args.method == "grad_x_input" else torch.ones_like(own)
+            return sequence, embeds, direction, embeds
         # captum's baseline: the baseline token at every prompt position it attributes to
         # (skipped tokens and the targets keep theirs), so the path moves the prompt only.
         base_ids = sequence.clone()
