@@ -221,20 +221,18 @@ def autograd_grad(
     cotangents: Any,
     retain_graph: bool,
     create_graph: bool = False,
-    is_grads_batched: bool = False,
     plain: bool | None = None,
     edges: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None,
 ) -> Tensors:
-    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach
-    (with a leading batch dim where the cotangents are batched). ``plain``: the caller's
-    :func:`_plain` of these arguments (None: found out here). ``edges``: what to
-    differentiate from and at instead of the outputs and inputs themselves (each a tensor
-    or a gradient edge taken earlier)."""
+    """``torch.autograd.grad`` with zeros, not None, for inputs the outputs do not reach.
+    ``plain``: the caller's :func:`_plain` of these arguments (None: found out here).
+    ``edges``: what to differentiate from and at instead of the outputs and inputs
+    themselves (each a tensor or a gradient edge taken earlier)."""
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     if isinstance(cotangents, torch.Tensor):
         cotangents = (cotangents,)
     if plain is None:
-        plain = not is_grads_batched and _plain(outputs, inputs, cotangents)
+        plain = _plain(outputs, inputs, cotangents)
     roots, targets = (outputs, inputs) if edges is None else edges  # (torch takes both)
     if plain:
         # k calls of it per call (the losses' backward, the eager per-head pulls):
@@ -260,14 +258,10 @@ def autograd_grad(
             retain_graph=retain_graph,
             create_graph=create_graph,
             allow_unused=True,
-            is_grads_batched=is_grads_batched,
         )
-    if not is_grads_batched:
-        if len(grads) == 1 and grads[0] is not None:  # (the usual case, without a loop)
-            return tuple(grads)
-        return tuple([torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)])
-    k = cotangents[0].shape[0]  # (a tuple by now)
-    return tuple(x.new_zeros((k, *x.shape)) if g is None else g for g, x in zip(grads, inputs))
+    if len(grads) == 1 and grads[0] is not None:  # (the usual case, without a loop)
+        return tuple(grads)
+    return tuple([torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)])
 
 
 def losses_backward(
@@ -293,8 +287,8 @@ def losses_backward(
     its own root: nothing summed across dtypes or devices), V its one row, and without
     ``retain`` it frees the whole graph above ``through`` (``all_freed``).
 
-    (Measured on the CPU: one backward batched over the k unit cotangents, by
-    ``is_grads_batched``, costs what the k backwards cost, since each head's nodes run
+    (Not one backward batched over the k unit cotangents, by ``is_grads_batched``: it
+    costs what the k backwards cost on the CPU (docs/benchmarks.md), each head's nodes run
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
     if not summed and not any(own):  # (no output's own leaves: the usual heads, k calls)
@@ -353,7 +347,6 @@ def of_graph(
     *,
     create_graph: bool = False,
     retain_graph: bool = True,
-    what: str = "the backward from `through` to the inputs",
     by_backward: bool,
     compiled: bool,
 ) -> Linearization:
@@ -370,6 +363,7 @@ def of_graph(
             "(torch.utils.checkpoint with use_reentrant=True); checkpoint with "
             "use_reentrant=False."
         )
+    what = "the backward from `through` to the inputs"
 
     def pull_once(cotangent: Tensors, retain: bool) -> Tensors:
         if by_backward:

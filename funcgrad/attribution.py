@@ -94,6 +94,20 @@ _LOCK = threading.RLock()
 _BUSY: dict[int, torch.nn.Module] = {}
 
 
+def _layer(model: torch.nn.Module, getter: str) -> torch.nn.Module | None:
+    """``model.<getter>()`` where the model has it and it returns a module, else None."""
+    get = getattr(model, getter, None)
+    layer = get() if callable(get) else None
+    return layer if isinstance(layer, torch.nn.Module) else None
+
+
+def _hooked_layers(args: _Args) -> list[tuple[str, torch.nn.Module]]:
+    """The layers a call hooks, named: the embedding layer, and the output layer if any."""
+    output_layer = _layer(args.model, "get_output_embeddings")
+    layers = [("embedding", args.embedding)]
+    return layers if output_layer is None else [*layers, ("output layer", output_layer)]
+
+
 @contextlib.contextmanager
 def _claimed(args: _Args) -> Iterator[None]:
     """Runs one call alone. A call hooks the embedding layer (its output substituted) and the
@@ -106,11 +120,7 @@ def _claimed(args: _Args) -> Iterator[None]:
     two models whose forwards call each other deadlock). The lock is re-entrant: a model's
     forward may call token_attr on another model, but not on the model, the embedding layer
     or the output layer of a call already running (its hooks are installed: refused)."""
-    get = getattr(args.model, "get_output_embeddings", None)
-    output_layer = get() if callable(get) else None
-    modules = [args.model, args.embedding]
-    if isinstance(output_layer, torch.nn.Module):
-        modules.append(output_layer)
+    modules = [args.model, *(layer for _, layer in _hooked_layers(args))]
     with _LOCK:
         busy = [module for module in modules if id(module) in _BUSY]
         if busy:
@@ -243,12 +253,12 @@ def _validate(
     target_ids: object,
     method: object,
     n_steps: object,
-    baseline_id: object,
     embedding: object,
-    skip_ids: object,
     mode: object,
+    chunk_size: object,
     call: str,
-    chunk_size: object = None,
+    baseline_id: object = 0,
+    skip_ids: object = (),
 ) -> tuple[_Args, Mode]:
     check_not_inference_mode(call)
     check_chunk_size(chunk_size, call)
@@ -266,9 +276,8 @@ def _validate(
     if not isinstance(baseline_id, int) or isinstance(baseline_id, bool):
         raise TypeError(f"{call}: `baseline_id` must be an int token id, got {baseline_id!r}.")
     if embedding is None:
-        get = getattr(model, "get_input_embeddings", None)
-        embedding = get() if callable(get) else None
-        if not isinstance(embedding, torch.nn.Module):
+        embedding = _layer(model, "get_input_embeddings")
+        if embedding is None:
             raise ValueError(
                 f"{call}: `model` has no `get_input_embeddings()` returning a module: pass "
                 "`embedding=`, the layer whose output is attributed (e.g. `model.embed`)."
@@ -362,10 +371,7 @@ def _choose(
         return "reverse", f"{hooked} is registered, which forward mode never runs"
     record = _NO_FORWARD.get(args.model)
     failed = record[1] if record is not None and record[0] == args.model.training else None
-    # Measured (docs/benchmarks_attribution.md, 1 thread): at L_in = 16 forward mode took
-    # 1.25x reverse mode's time at T = 32 and 0.28x at T = 128 (grad x input), 1.28x at
-    # T = 32 (integrated gradients, whose reverse mode loops over its cotangents, each a
-    # batch of n_steps sequences): the two cross near T = 2.5 L_in.
+    # (the two modes' times cross near T = 2.5 L_in: docs/benchmarks_attribution.md)
     if FORWARD_FACTOR * prompt < targets and failed is None:
         return "forward", (
             f"{FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g} < T = {targets}: L_in "
@@ -386,20 +392,14 @@ def _backward_hooked(args: _Args) -> str | None:
     hooks = torch.nn.modules.module
     if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
         return "a global module backward hook"
-    get = getattr(args.model, "get_output_embeddings", None)
-    output_layer = get() if callable(get) else None
-    extra = [args.embedding]
-    if isinstance(output_layer, torch.nn.Module):
-        extra.append(output_layer)
-    if not any(m._backward_hooks or m._backward_pre_hooks for m in (*args.model.modules(), *extra)):
+    extra = _hooked_layers(args)
+    modules = (*args.model.modules(), *(m for _, m in extra))
+    if not any(m._backward_hooks or m._backward_pre_hooks for m in modules):
         return None  # (the common case, without the names)
-    named = [*args.model.named_modules(), ("embedding", args.embedding)]
-    if isinstance(output_layer, torch.nn.Module):
-        named.append(("output layer", output_layer))
-    for name, module in named:
+    for name, module in (*args.model.named_modules(), *extra):
         if module._backward_hooks or module._backward_pre_hooks:
             return f"a backward hook on `{name or 'model'}` ({type(module).__name__})"
-    return None
+    return None  # (only where a hook was removed meanwhile, by another thread)
 
 
 def _logits(output: object, call: str) -> torch.Tensor:
@@ -479,11 +479,10 @@ def _modules(args: _Args) -> list[torch.nn.Module]:
 
 
 def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
-    """What the model runs, read cheaply (about 70 us on the bench's GPT-2) on every call: the
-    module tree (each module by a weak reference, its type, its class's and its instance's
-    ``forward``), the forward and forward pre-hooks (each module's and the global ones, by
-    their handles' ids), and every buffer by identity and version counter (an in-place
-    change of a mask buffer bumps it)."""
+    """What the model runs, read cheaply on every call: the module tree (each module by a
+    weak reference, its type, its class's and its instance's ``forward``), the forward and
+    forward pre-hooks (each module's and the global ones, by their handles' ids), and every
+    buffer by identity and version counter (an in-place change of a mask buffer bumps it)."""
     hooks = torch.nn.modules.module
     return (
         tuple(hooks._global_forward_hooks),
@@ -512,7 +511,7 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
     """The plain attributes (bool, int, float, str, None) of every module and of the model's
     ``config`` (a switch such as ``attn.is_causal = False`` or ``config._attn_implementation =
-    "sdpa"``), about 0.3 ms on the bench's GPT-2: read in forward mode only, whose tangents
+    "sdpa"``), dearer to read than `_structure`: read in forward mode only, whose tangents
     cannot see what reverse mode's cotangents check on every call."""
     config = getattr(model, "config", None)
     owners = [*modules, config] if config is not None else modules
@@ -735,9 +734,8 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
     x d numbers (each head's row is d wide at its own position, zeros elsewhere), take at
     most half of `funcgrad.memory_budget`; else None: the heads read the logits, whose
     cotangents go through the model in chunks."""
-    get = getattr(args.model, "get_output_embeddings", None)
-    layer = get() if callable(get) else None
-    if not isinstance(layer, torch.nn.Module):
+    layer = _layer(args.model, "get_output_embeddings")
+    if layer is None:
         return None, "the logits (no get_output_embeddings() returning a module)"
     if args.model in _LOGITS_ONLY:
         return None, f"the logits ({_LOGITS_ONLY[args.model]})"
@@ -768,13 +766,10 @@ def _not_row_wise(layer: torch.nn.Module) -> str | None:
     other module, may mix the rows, a running sum over the positions, say, and the per-row
     heads would be silently wrong). Checked on every call: a hook registered later counts."""
     kind = type(layer)
-    calls = ("forward", "_call_impl", "_wrapped_call_impl")
     if not (
         isinstance(layer, torch.nn.Linear)
         and kind.forward is torch.nn.Linear.forward
-        and kind.__call__ is torch.nn.Module.__call__
-        and all(getattr(kind, name) is getattr(torch.nn.Module, name) for name in calls[1:])
-        and not any(name in vars(layer) for name in calls)
+        and _plain_call(layer)
         and all(
             t is None or type(t) in (torch.Tensor, torch.nn.Parameter)
             for t in (layer.weight, layer.bias)
@@ -802,13 +797,25 @@ def _not_row_wise(layer: torch.nn.Module) -> str | None:
     return None
 
 
+def _plain_call(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` runs torch's own ``Module.__call__`` and its class's
+    ``forward``: ``__call__``, ``_call_impl`` and ``_wrapped_call_impl`` not overridden by the
+    class, and none of them nor ``forward`` replaced on the instance."""
+    kind, base, calls = type(module), torch.nn.Module, ("_call_impl", "_wrapped_call_impl")
+    return (
+        kind.__call__ is base.__call__
+        and all(getattr(kind, name) is getattr(base, name) for name in calls)
+        and not any(name in vars(module) for name in ("forward", *calls))
+    )
+
+
 def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> ChunkSize:
     """The chunk_size given to compose_heads: none in forward mode (the L_in tangents go with
     the one forward); for integrated gradients on the CPU under ``"auto"``, 1: each
     cotangent's pull is already a batch of ``n_steps`` sequences, and one vmap over the T
-    cotangents as well (T x n_steps sequences) is bound by memory traffic, measured 1.25x
-    (T = 8) to 1.7x (T = 32) slower than a loop (docs/benchmarks_attribution.md); one
-    direction at a time is also the least memory "auto" could choose."""
+    cotangents as well (T x n_steps sequences) is bound by memory traffic, slower than a
+    loop (docs/attribution.md, "Memory"); one direction at a time is also the least memory
+    "auto" could choose."""
     if mode == "forward":
         return None
     if chunk_size == "auto" and args.method == "integrated_gradients" and args.n_steps > 1:
@@ -973,7 +980,7 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
     kind = type(module)
     if kind not in kinds or getattr(module, "inplace", False) is not False:
         return False
-    if any(name in vars(module) for name in ("forward", "_call_impl", "_wrapped_call_impl")):
+    if not _plain_call(module):
         return False
     # (the class's forward as its library defined it: not replaced on the class, as a hub
     # kernel's `kernelize` or a monkeypatch may, even one that copies the original's names
@@ -988,11 +995,6 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
         or library is None
         or getattr(getattr(forward, "__code__", None), "co_filename", None)
         != getattr(library, "__file__", 0)
-    ):
-        return False
-    if kind.__call__ is not torch.nn.Module.__call__ or any(
-        getattr(kind, name) is not getattr(torch.nn.Module, name)
-        for name in ("_call_impl", "_wrapped_call_impl")
     ):
         return False
     if module._forward_hooks or module._backward_hooks or module._backward_pre_hooks:
@@ -1019,10 +1021,10 @@ def _derivative(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     their autograd runs (bitwise the vjp of ones); transformers' modules whose forward is
     ``F.gelu``, ``F.silu`` or the tanh GELU written out (``NewGELUActivation``, GPT-2's,
     and ``GELUTanh``'s Python form: the same function, with ``math.sqrt(2 / pi)``), torch's
-    derivative of that function (equal to the formula's own backward to rounding, measured
-    on [-30, 30]: 5.1e-15 in float64, 1.1e-6 in float32, where the formula's ``1 + tanh``
-    cancels in its tail and torch's op does not). None for the others (QuickGELU,
-    FastGELU's rounded constant, the erf formula): their own vjp of ones."""
+    derivative of that function (equal to the formula's own backward to rounding, where
+    the formula's ``1 + tanh`` cancels in its tail and torch's op does not: figures in
+    docs/attribution.md). None for the others (QuickGELU, FastGELU's rounded constant, the
+    erf formula): their own vjp of ones."""
     aten = torch.ops.aten
     nn = torch.nn
     kind = type(module)
@@ -1398,14 +1400,9 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
                 f"floating embeddings, got {describe(embeds)}."
             )
         if args.method != "integrated_gradients":
-            return (
-                sequence,
-                embeds,
-                embeds[0, :prompt]
-                if args.method == "grad_x_input"
-                else (torch.ones_like(embeds[0, :prompt])),
-                embeds,
-            )
+            own = embeds[0, :prompt]
+            direction = own if args.method == "grad_x_input" else torch.ones_like(own)
+            return sequence, embeds, direction, embeds
         # captum's baseline: the baseline token at every prompt position it attributes to
         # (skipped tokens and the targets keep theirs), so the path moves the prompt only.
         base_ids = sequence.clone()
@@ -1417,6 +1414,10 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
         alphas, _ = _quadrature(args)
         scaled = torch.cat([baseline + alpha * (embeds - baseline) for alpha in alphas], dim=0)
         return sequence, scaled, (embeds - baseline)[0, :prompt], embeds
+
+
+# (attributions, gradients or None in forward mode, reverse mode's `_future_leak` or None)
+_Formed: TypeAlias = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _run(
@@ -1456,11 +1457,7 @@ def _run(
     return torch.cat([attr for attr, _, _ in parts]), torch.cat(gradients)
 
 
-def _run_group(
-    args: _Args,
-    mode: Literal["reverse", "forward"],
-    chunk_size: ChunkSize,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _run_group(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> _Formed:
     """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``:
     (attributions, gradients or None, reverse mode's `_future_leak` or None)."""
     sequence, scaled, direction, plain = _prepare(args)
@@ -1471,28 +1468,29 @@ def _run_group(
     # (inside a transform, or a funcgrad call differentiating its f, the attributions keep
     # their graph: the activations run their own rules, with second derivatives)
     token = _NESTED.set(not outside_transforms(()))
+
+    def attempt(layer: torch.nn.Module | None) -> _Formed:
+        fn = _composed(args, mode, chunk_size, scaled.dtype, layer)
+        with torch.enable_grad():
+            _, grads = fn(x, scaled, direction, sequence, heads, plain)
+        return _formed(args, mode, grads, direction)
+
     try:
         try:
-            fn = _composed(args, mode, chunk_size, scaled.dtype, unembedding)
-            with torch.enable_grad():
-                _, grads = fn(x, scaled, direction, sequence, heads, plain)
-            return _formed(args, mode, grads, direction)
+            return attempt(unembedding)
         except _NotTheLogits as error:
             # The output layer's input is no split point on this model: the heads read the
             # logits, on this call and from then on.
             _LOGITS_ONLY[args.model] = str(error)
         # (outside the except: an error of this call is not shown as raised while handling it)
-        fn = _composed(args, mode, chunk_size, scaled.dtype, None)
-        with torch.enable_grad():
-            _, grads = fn(x, scaled, direction, sequence, heads, plain)
-        return _formed(args, mode, grads, direction)
+        return attempt(None)
     finally:
         _NESTED.reset(token)
 
 
 def _formed(
     args: _Args, mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> _Formed:
     """(attributions, gradients or None, `_future_leak` or None): forward mode forms the
     attributions itself; reverse mode's gradients cover every position, the prompt's kept."""
     if mode == "forward":
@@ -1705,12 +1703,12 @@ def token_attr(
         target_ids,
         method,
         n_steps,
-        baseline_id,
         embedding,
-        skip_ids,
         mode,
-        _CALL,
         chunk_size,
+        _CALL,
+        baseline_id,
+        skip_ids,
     )
     with _claimed(args):
         attributions, gradients = _attribute(args, requested, chunk_size, return_gradients)
@@ -1804,7 +1802,7 @@ def plan(
         ('forward', 2, 8)
     """
     args, requested = _validate(
-        model, input_ids, target_ids, method, n_steps, 0, embedding, (), mode, _PLAN_CALL
+        model, input_ids, target_ids, method, n_steps, embedding, mode, chunk_size, _PLAN_CALL
     )
     chosen, why = _choose(args, requested, return_gradients, _PLAN_CALL)
     prompt, targets = len(args.input_ids), len(args.target_ids)

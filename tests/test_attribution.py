@@ -1105,11 +1105,17 @@ def test_sequences_past_the_models_positions_are_refused():
 
 
 @pytest.mark.parametrize("chunk_size", [0, -2, "x", 2.5, True])
-def test_chunk_size_is_checked_by_token_attr(chunk_size):
+def test_chunk_size_is_checked_by_token_attr_and_plan(chunk_size):
     model = TinyLM()
     token_attr(model, [1, 2], [3, 4], embedding=model.embed, chunk_size=1)
     with pytest.raises(ValueError, match=CALL + ".*`chunk_size` must be"):
         token_attr(model, [1, 2], [3, 4], embedding=model.embed, chunk_size=chunk_size)
+    # (plan() reported a chunk_size that token_attr refuses)
+    plan_call = re.escape("funcgrad.attribution.plan(model, input_ids, target_ids)")
+    with pytest.raises(ValueError, match=plan_call + ".*`chunk_size` must be"):
+        funcgrad.attribution.plan(
+            model, [1, 2], [3, 4], embedding=model.embed, chunk_size=chunk_size
+        )
 
 
 def test_inference_mode_is_refused_by_name():
@@ -1233,6 +1239,7 @@ def test_every_class_of_a_classifier_with_compose_heads():
     [
         ({"input_ids": torch.tensor([1.0, 2.0])}, TypeError, "`input_ids` must hold integer"),
         ({"input_ids": torch.ones(2, 3, dtype=torch.long)}, ValueError, r"`input_ids`.*\(2, 3\)"),
+        ({"input_ids": np.array([1, 2])}, TypeError, r"`input_ids` must be a 1-D tensor .*ndarray"),
         ({"target_ids": torch.tensor([], dtype=torch.long)}, ValueError, "T = 0"),
         ({"input_ids": []}, ValueError, "`input_ids` is empty"),
         ({"target_ids": [1, "a"]}, TypeError, "`target_ids` must be"),
@@ -1241,6 +1248,11 @@ def test_every_class_of_a_classifier_with_compose_heads():
         ({"mode": "jacfwd"}, ValueError, "`mode` must be one of"),
         ({"n_steps": 0}, ValueError, "`n_steps` must be a positive int, got 0"),
         ({"baseline_id": 1.5}, TypeError, "`baseline_id` must be an int"),
+        (
+            {"method": "integrated_gradients", "baseline_id": VOCAB},
+            ValueError,
+            rf"`baseline_id` must be a token id in \[0, {VOCAB}\), got {VOCAB}",
+        ),
         ({"embedding": "wte"}, TypeError, "`embedding` must be"),
         ({"mode": "forward", "return_gradients": True}, ValueError, "mode='reverse'"),
         ({"skip_ids": [1, 2, 3]}, ValueError, "skips every prompt token"),
@@ -1268,6 +1280,11 @@ def test_errors_on_the_model():
     flat = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 4), torch.nn.Flatten(0))
     with pytest.raises(ValueError, match=CALL + ".*logits of shape"):
         token_attr(flat, [1, 2], [3], embedding=flat[0])
+    unused = torch.nn.Embedding(VOCAB, 6)  # (not the model's: its hook never runs)
+    with pytest.raises(ValueError, match=CALL + ".*embedding layer did not run"):
+        token_attr(TinyLM(), [1, 2], [3], embedding=unused)
+    with pytest.raises(ValueError, match=CALL + r".*\(1, length, d\) floating embeddings"):
+        token_attr(TinyLM(), [1, 2], [3], embedding=torch.nn.Flatten(0))
 
 
 # ------------------------------------------------------- Hugging Face outputs as pytrees (item 5)

@@ -51,6 +51,15 @@ def test_the_counter_counts_nothing_for_pure_tensor_ops():
     assert counter.count == 0, [str(read) for read in counter.reads]
 
 
+def test_a_counter_counts_one_block_at_a_time():
+    counter = funcgrad.HostReadCounter()
+    with counter, pytest.raises(RuntimeError, match="already counting a block"), counter:
+        pass
+    with counter:  # (usable again once its block is over)
+        bool(torch.tensor(1.0))
+    assert counter.count == 1
+
+
 def test_the_counter_names_the_line_that_reads():
     x = torch.tensor(1.0)
     counter = _count(lambda: x.item())
