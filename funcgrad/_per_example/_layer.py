@@ -235,6 +235,7 @@ class _Layer:
         # formed with the other tiny layers during the backward (`_run._Stream.flush`): its
         # share is in the run's `formed`
         self.grouped = False
+        self.tiny: dict[bool, bool] = {}  # `_rules._tiny`, by `diagonal`
 
     def release(self) -> None:
         """Its share formed during the backward (`_run._Stream`): the plan kept, the rows

@@ -426,17 +426,19 @@ def _install_hooks(recorder: PerExample, model: nn.Module) -> None:
     recorder._handles.append(
         model.register_forward_hook(recorder._leave, with_kwargs=True, always_call=True)
     )
+    embeddings = [module for module in recorder._direct if type(module) is nn.Embedding]
+    if not embeddings:  # no index to expand: the model's call needs no B (a module added
+        return  # later is not hooked at all, `_direct` being fixed here)
     recorder._handles.append(
         model.register_forward_pre_hook(recorder._shared.root, with_kwargs=True)
     )
     recorder._handles.append(
         model.register_forward_hook(recorder._shared.root_done, with_kwargs=True, always_call=True)
     )
-    for module in recorder._direct:
-        if type(module) is nn.Embedding:
-            recorder._handles.append(
-                module.register_forward_pre_hook(recorder._shared.expand, with_kwargs=True)
-            )
+    for module in embeddings:
+        recorder._handles.append(
+            module.register_forward_pre_hook(recorder._shared.expand, with_kwargs=True)
+        )
 
 
 def _check_model(model: Any, batch_dim: int) -> None:

@@ -371,7 +371,15 @@ def _tiny(layer: _Layer, diagonal: bool) -> bool:
     call and a weight, whose rows A and Δ (B·T·(d + p)) and per-example weight gradients
     (B·d·p) hold at most `_TINY` elements each, and for which the materialised rule is no
     dearer than the ghost one with every row read (the rule that such a layer takes alone
-    anyway, save where many rows are unread; exact either way). Shapes alone: no host read."""
+    anyway, save where many rows are unread; exact either way). Shapes alone: no host read;
+    kept on the layer (asked again for G and for the update)."""
+    found = layer.tiny.get(diagonal)
+    if found is None:
+        found = layer.tiny[diagonal] = _tiny_by_shape(layer, diagonal)
+    return found
+
+
+def _tiny_by_shape(layer: _Layer, diagonal: bool) -> bool:
     if type(layer) not in (_Dense, _TransposedDense) or len(layer.uses) != 1:
         return False
     if "weight" not in layer.params:
