@@ -559,9 +559,13 @@ class HookState:
     Cheap where nothing changed: every hook torch registers takes the next id of one
     counter (``torch.utils.hooks.RemovableHandle.next_id``), read once a call; the hook
     dicts are read only where it moved (any hook registered anywhere, a tensor's
-    included). Not seen: a hook dict written without a handle, a submodule holding a
-    hook attached to f after that hook was registered and before the last look, and a
-    tensor hook (f's own: seen on the watched call only).
+    included). Where f is no module (a closure, a function), the modules it calls are not
+    known: then any hook registered since the last call's end (:meth:`settle`) counts as a
+    change (forward mode, unwatched, would not run a backward hook put on one of them).
+    Not seen: a hook dict written without a handle, and a submodule holding a hook
+    attached to f after that hook was registered and before the last look. A hook that
+    f's own run registers (a tensor's, a module backward hook's node) is seen by that run
+    (``FlatFunction.hooked``).
 
     Also the training flags of those submodules, read on every call (one attribute a
     submodule, as last listed): a module put in training mode after its first calls may
@@ -608,11 +612,16 @@ class HookState:
             return moved
         self._counter = counter
         hooks = self._fingerprint()
-        if hooks != self._hooks:
+        if hooks != self._hooks or self._module is None:
             self._hooks = hooks
             moved = True
         self._modes = self._training()
         return moved
+
+    def settle(self) -> None:
+        """At a call's end: the hooks registered during it (by f's run, which saw them,
+        or by the watch) are no change for the next call."""
+        self._counter = RemovableHandle.next_id
 
 
 # The torch functions of nn.RNN, nn.LSTM and nn.GRU (fused on eager autograd; vmap batches
@@ -869,7 +878,9 @@ class FlatFunction:
                     Random(self),
                     _module_hooks_watched(self, _current_level() is not None),
                 ):
+                    counter = RemovableHandle.next_id
                     result = self.f(*args)
+                    self.hooked = self.hooked or RemovableHandle.next_id != counter
                 self.hooked = (
                     self.hooked or module_hook_in_graph(result) or _module_tree_hooked(self.f)
                 )
@@ -879,7 +890,11 @@ class FlatFunction:
                         threads, _tree.flatten(outputs)[0], leaves
                     )
             else:
+                # (Unwatched, a steady call: a hook that f's run registered, on a tensor or
+                # on an autograd node for a module's backward hook, takes a handle's id.)
+                counter = RemovableHandle.next_id
                 result = self.f(*args)
+                self.hooked = self.hooked or RemovableHandle.next_id != counter
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")
             if isinstance(self.f, torch.nn.Module) and isinstance(error, TypeError):

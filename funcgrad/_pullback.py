@@ -635,6 +635,8 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
+    if records is not None:
+        records.hooks.settle()
     # (Unwatched, the call adds to the record only a hook or a compiled backward first seen:
     # adds_nothing's test for these observations, made before building them.)
     if records is not None and (
