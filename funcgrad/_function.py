@@ -560,12 +560,13 @@ class HookState:
     counter (``torch.utils.hooks.RemovableHandle.next_id``), read once a call; the hook
     dicts are read only where it moved (any hook registered anywhere, a tensor's
     included). Where f is no module (a closure, a function), the modules it calls are not
-    known: then any hook registered since the last call's end (:meth:`settle`) counts as a
-    change (forward mode, unwatched, would not run a backward hook put on one of them).
-    Not seen: a hook dict written without a handle, and a submodule holding a hook
-    attached to f after that hook was registered and before the last look. A hook that
-    f's own run registers (a tensor's, a module backward hook's node) is seen by that run
-    (``FlatFunction.hooked``).
+    known: then any hook registered since the last watched call's end (:meth:`settle`)
+    counts as a change, f's own included (a tensor hook that f registers from its k-th
+    call on is seen from call k + 1; another thread's too, which costs one watched call).
+    Not seen: a hook dict written without a handle, a submodule holding a hook attached
+    to f after that hook was registered and before the last look, and where f is a
+    module, a tensor hook of f's own (seen on the watched call only) and a hook on a
+    module it calls but does not own.
 
     Also the training flags of those submodules, read on every call (one attribute a
     submodule, as last listed): a module put in training mode after its first calls may
@@ -619,8 +620,8 @@ class HookState:
         return moved
 
     def settle(self) -> None:
-        """At a call's end: the hooks registered during it (by f's run, which saw them,
-        or by the watch) are no change for the next call."""
+        """At a watched call's end: the hooks registered during it (by f's run, which the
+        watch saw, or by the watch itself) are no change for the next call."""
         self._counter = RemovableHandle.next_id
 
 
@@ -878,9 +879,7 @@ class FlatFunction:
                     Random(self),
                     _module_hooks_watched(self, _current_level() is not None),
                 ):
-                    counter = RemovableHandle.next_id
                     result = self.f(*args)
-                    self.hooked = self.hooked or RemovableHandle.next_id != counter
                 self.hooked = (
                     self.hooked or module_hook_in_graph(result) or _module_tree_hooked(self.f)
                 )
@@ -890,11 +889,7 @@ class FlatFunction:
                         threads, _tree.flatten(outputs)[0], leaves
                     )
             else:
-                # (Unwatched, a steady call: a hook that f's run registered, on a tensor or
-                # on an autograd node for a module's backward hook, takes a handle's id.)
-                counter = RemovableHandle.next_id
                 result = self.f(*args)
-                self.hooked = self.hooked or RemovableHandle.next_id != counter
         except Exception as error:
             error.add_note(f"{self.call}: raised by f, called with {len(args)} argument(s).")
             if isinstance(self.f, torch.nn.Module) and isinstance(error, TypeError):

@@ -480,7 +480,8 @@ class Composition:
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)
         result = execute(plan, flat, replan, *heads, check, fit)
-        self._records.hooks.settle()
+        if flat.watch:
+            self._records.hooks.settle()
         if held is None or result.seen != held[2] or not self._records.is_last(key):
             learnt = self._learn(key, record, result.seen)
             # Final, and it taught the record nothing: the next call with the same record
@@ -498,7 +499,8 @@ class Composition:
         flat.watch = plan.watch
         rng = None if plan.engine == "autograd" else RandomState(flat)
         lin = _linearize.of_function(flat, rng, plan.engine)
-        self._records.hooks.settle()
+        if flat.watch:
+            self._records.hooks.settle()
         seen = observed(flat, plan, lin.engine, m=_coords.real_size(lin.out), compiled=lin.compiled)
         self._learn(key, record, seen)
         return lin

@@ -635,7 +635,7 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if records is not None:
+    if records is not None and flat.watch:
         records.hooks.settle()
     # (Unwatched, the call adds to the record only a hook or a compiled backward first seen:
     # adds_nothing's test for these observations, made before building them.)
