@@ -13,7 +13,7 @@ from . import _coords, _engine, _linearize, _memory, _shape, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._execute import execute, observed
-from ._function import FlatFunction, HookState, module_of, result_graph
+from ._function import FlatFunction, HookState, result_graph
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, after_f, decide
 from ._record import Observations, Record, Records, learn, signature_key
@@ -360,7 +360,7 @@ class Composition:
         # shapes changed by outside state) only costs speed: every strategy computes on the
         # real output.
         self._records = Records()
-        self._records.hooks = HookState(module_of(f))
+        self._records.hooks = HookState(f)
 
     @property
     def k(self) -> int:
@@ -480,8 +480,6 @@ class Composition:
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)
         result = execute(plan, flat, replan, *heads, check, fit)
-        if flat.watch:
-            self._records.hooks.settle()
         if held is None or result.seen != held[2] or not self._records.is_last(key):
             learnt = self._learn(key, record, result.seen)
             # Final, and it taught the record nothing: the next call with the same record
@@ -499,8 +497,6 @@ class Composition:
         flat.watch = plan.watch
         rng = None if plan.engine == "autograd" else RandomState(flat)
         lin = _linearize.of_function(flat, rng, plan.engine)
-        if flat.watch:
-            self._records.hooks.settle()
         seen = observed(flat, plan, lin.engine, m=_coords.real_size(lin.out), compiled=lin.compiled)
         self._learn(key, record, seen)
         return lin

@@ -509,7 +509,7 @@ def _records_of(f: Any) -> Records | None:
         records = _records.get(f)
         if records is None:
             records = _records.setdefault(f, Records())
-            records.hooks = HookState(module_of(f))
+            records.hooks = HookState(f)
         elif records.hooks.changed():  # a hook registered since: watched again
             records.rewatch()
         return records
@@ -635,8 +635,6 @@ def pullback(
         lin = _linearize.on_autograd(flat)
     else:
         lin = _linearize.of_function(flat, _linearize.RandomState(flat))
-    if records is not None and flat.watch:
-        records.hooks.settle()
     # (Unwatched, the call adds to the record only a hook or a compiled backward first seen:
     # adds_nothing's test for these observations, made before building them.)
     if records is not None and (
