@@ -547,10 +547,31 @@ def module_of(f: Any) -> torch.nn.Module | None:
     return owner if isinstance(owner, torch.nn.Module) else None
 
 
+def modules_of(f: Any) -> tuple[torch.nn.Module, ...]:
+    """The nn.Modules that f (a closure, a function) names: those its closure cells and the
+    globals its code names hold (``lambda x: model(x)``)."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    code = getattr(f, "__code__", None)
+    if code is None:
+        return ()
+    cells = [_cell_contents(cell) for cell in f.__closure__ or ()]
+    named = [f.__globals__.get(name) for name in code.co_names]
+    return tuple({id(m): m for m in cells + named if isinstance(m, torch.nn.Module)}.values())
+
+
+def _cell_contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (an empty cell: a name bound later)
+        return None
+
+
 class HookState:
     """Whether the module hooks that can reach f's graph changed since the last look: the
-    global module hooks (forward, backward, pre), and those of every submodule of
-    ``module`` (f's own, where f is a module or a bound method of one: :func:`module_of`).
+    global module hooks (forward, backward, pre), and those of every submodule of f's own
+    module, where f is a module or a bound method of one (:func:`module_of`), else of the
+    modules that f names (:func:`modules_of`: a closure's).
     A plan that settled on f's pullback being linear in the cotangent (``jacrev`` at
     k > m, a reused basis) was made under the hooks f ran with on the watched call; a
     backward hook (or a forward hook that puts a Function on the output) registered
@@ -560,20 +581,24 @@ class HookState:
     counter (``torch.utils.hooks.RemovableHandle.next_id``), read once a call; the hook
     dicts are read only where it moved (any hook registered anywhere, a tensor's
     included). Not seen: a hook dict written without a handle, a submodule holding a
-    hook attached to f after that hook was registered and before the last look, and a
-    tensor hook (f's own: seen on the watched call only).
+    hook attached to f after that hook was registered and before the last look, a module
+    f reaches other than by name (an attribute of an object it holds), and a tensor hook
+    (f's own: seen on the watched call only).
 
-    Also the training flags of those submodules, read on every call (one attribute a
+    Also the training flags of f's own submodules, read on every call (one attribute a
     submodule, as last listed): a module put in training mode after its first calls may
     start drawing random numbers (dropout), which only a watched call sees and sends to
     eager autograd, so that the draws are those of one eager forward (docs/reliability.md).
     Not seen: a submodule attached after the last listing, and draws switched on some
     other way (a flag of f's own)."""
 
-    __slots__ = ("_counter", "_hooks", "_modes", "_module", "_parts")
+    __slots__ = ("_counter", "_hooks", "_modes", "_modules", "_own", "_parts")
 
-    def __init__(self, module: torch.nn.Module | None) -> None:
-        self._module = None if module is None else weakref.ref(module)
+    def __init__(self, f: Any) -> None:
+        own = module_of(f)
+        self._own = own is not None  # (training flags: of f's own submodules only)
+        modules = (own,) if own is not None else modules_of(f)
+        self._modules = tuple(weakref.ref(module) for module in modules)
         self._counter = RemovableHandle.next_id
         self._parts: tuple[torch.nn.Module, ...] = ()
         self._hooks = self._fingerprint()
@@ -587,15 +612,19 @@ class HookState:
             hooks._global_backward_pre_hooks,
             hooks._global_backward_hooks,
         ]
-        module = None if self._module is None else self._module()
-        self._parts = () if module is None else tuple(module.modules())
+        self._parts = tuple(
+            part
+            for ref in self._modules
+            if (module := ref()) is not None
+            for part in module.modules()
+        )
         for part in self._parts:
             dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
         # (Each handle's id is new: the keys tell a hook removed and another added.)
         return tuple(tuple(d) for d in dicts)
 
     def _training(self) -> tuple[bool, ...]:
-        return tuple(part.training for part in self._parts)
+        return tuple(part.training for part in self._parts) if self._own else ()
 
     def changed(self) -> bool:
         """Whether the hooks or the training flags changed since the last call (no host

@@ -13,7 +13,7 @@ from . import _coords, _engine, _linearize, _memory, _shape, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import describe
 from ._execute import execute, observed
-from ._function import FlatFunction, HookState, module_of, result_graph
+from ._function import FlatFunction, HookState, result_graph
 from ._linearize import Linearization, RandomState
 from ._plan import FIT_MIN, FIT_PROBE, Plan, Request, after_f, decide
 from ._record import Observations, Record, Records, learn, signature_key
@@ -360,7 +360,7 @@ class Composition:
         # shapes changed by outside state) only costs speed: every strategy computes on the
         # real output.
         self._records = Records()
-        self._records.hooks = HookState(module_of(f))
+        self._records.hooks = HookState(f)
 
     @property
     def k(self) -> int:

@@ -509,7 +509,7 @@ def _records_of(f: Any) -> Records | None:
         records = _records.get(f)
         if records is None:
             records = _records.setdefault(f, Records())
-            records.hooks = HookState(module_of(f))
+            records.hooks = HookState(f)
         elif records.hooks.changed():  # a hook registered since: watched again
             records.rewatch()
         return records
