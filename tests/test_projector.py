@@ -454,6 +454,37 @@ def test_float32_default_above_polish_max_costs_fewer_ops() -> None:
     assert ops.count <= 2600, ops.count
 
 
+class _ProductCount(TorchDispatchMode):
+    """Counts the (m, m) products and factors: at m = 128 they are most of a call's time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products = 0
+        self.inverses = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket)
+        self.products += name in ("aten.mm", "aten.matmul", "aten.addmm")
+        self.inverses += name in ("aten.linalg_inv_ex", "aten.linalg_lu_factor_ex")
+        return func(*args, **(kwargs or {}))
+
+
+def test_float32_rounds_cost_one_product_a_round_besides_their_cg_steps() -> None:
+    """Each round of `_active_set` costs its CG steps and one more product, ``A y`` at the
+    round's end (its KKT residual and the next round's start): the CG steps keep the whole
+    gradient, so the multipliers need none. ADMM's penalties are factored by Cholesky, not
+    LU. Session 10's rounds took three products besides the CG steps: 221 at m = 128."""
+    m = 128
+    G = random_gramian(0, m).float()
+    with _ProductCount() as count:
+        W = funcgrad.DualConeProjector(check=False)(torch.eye(m) / m, G)
+    assert bool(torch.isfinite(W).all())
+    # ADMM: 64, its 2 checks, 3 rebalances and 4 factors; the candidates 2; the rounds
+    # 116 CG steps + 11; the final check 1
+    assert count.products <= 203, count.products
+    assert count.inverses == 0, count.inverses
+
+
 @pytest.mark.parametrize("seed", [5, 6])
 def test_active_set_rounds_keep_each_rows_best_on_degenerate_rows(seed: int) -> None:
     """Rows already optimal on a rank-2 Gramian (multipliers within rounding of 0), float32
