@@ -664,11 +664,11 @@ def _best_face(
 
 
 def _residual(
-    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, Y: torch.Tensor | None = None
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, AY: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Each row's KKT residual relative to its scale (`_checked`'s test: <= tol), (r, 1);
-    ``Y``, where given, is ``(low + gap) @ A``, already computed."""
-    Y, AY = low + gap, Y
+    ``AY``, where given, is ``(low + gap) @ A``, already computed."""
+    Y = low + gap
     residual = torch.minimum(gap, Y @ A if AY is None else AY).abs().amax(1, keepdim=True)
     scale = Y.abs().amax(1, keepdim=True) + low.abs().amax(1, keepdim=True)
     return residual / scale.clamp_min(torch.finfo(A.dtype).tiny)
@@ -704,12 +704,12 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
 
 
 def _candidates(
-    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, Y: torch.Tensor | None = None
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, AY: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(best, its residual), of ``gap`` and ``y = low`` (0): on a row already optimal the
     multipliers are within rounding of 0 and an active set method can switch those bounds
-    back and forth without ever landing on it. ``Y``: as `_residual`."""
-    best, least = gap, _residual(A, low, gap, Y)
+    back and forth without ever landing on it. ``AY``: as `_residual`."""
+    best, least = gap, _residual(A, low, gap, AY)
     stay = _residual(A, low, torch.zeros_like(gap))
     better = stay < least
     return torch.where(better, 0.0, best), torch.where(better, stay, least)
@@ -721,12 +721,12 @@ def _keep_better(
     gap: torch.Tensor,
     best: torch.Tensor,
     least: torch.Tensor,
-    Y: torch.Tensor | None = None,
+    AY: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row keeps its best round: on degenerate rows (multipliers within rounding of 0 at
     the optimum) the active set can switch those bounds back and forth, so the last round
-    need not be the converged one. (NaN compares false: never kept.) ``Y``: as `_residual`."""
-    residual = _residual(A, low, gap, Y)
+    need not be the converged one. (NaN compares false: never kept.) ``AY``: as `_residual`."""
+    residual = _residual(A, low, gap, AY)
     better = residual < least
     return torch.where(better, gap, best), torch.where(better, residual, least)
 
@@ -807,8 +807,9 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     def factor(rho: torch.Tensor) -> torch.Tensor:
         # At + rho I is positive definite (At is, regularised): a Cholesky factor and one
         # triangular solve give its inverse, L^-T L^-1, cheaper than inv_ex's LU
-        # (docs/benchmarks_projector.md). Were the factor to fail (rounding), M, then the
-        # rows, would be non-finite: NaN rows at the final check, never a wrong answer.
+        # (docs/benchmarks_projector.md). Were the factor to fail (rounding), M would be
+        # wrong and ADMM's answer a poor start: the rounds and the final KKT check still
+        # decide each row (an unconverged one is NaN), never a wrong answer.
         L = torch.linalg.cholesky_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
         root = torch.linalg.solve_triangular(L, eye, upper=False)
         inverse: torch.Tensor = root.T @ root
