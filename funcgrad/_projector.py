@@ -183,7 +183,7 @@ class DualConeProjector:
         differentiable (as TorchJD's). Cost: ``admm_iter + max_iter`` products of the rows
         with an m x m matrix (2 m^3 flops each for UPGrad's m rows), and a few elementwise
         passes per iteration; for 11 to 48 tasks, 8 batched Cholesky factors of r matrices
-        m x m besides; in float32 above 48 tasks, 64 + 11 x 3 + 116 products (ADMM, the
+        m x m besides; in float32 above 48 tasks, about 64 + 11 + 116 products (ADMM, the
         rounds, their conjugate-gradient steps).
     """
 
@@ -663,10 +663,13 @@ def _best_face(
     return gap.clamp_min(0)  # exactly >= 0 (the kept face's x is >= 0 up to rounding)
 
 
-def _residual(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
-    """Each row's KKT residual relative to its scale (`_checked`'s test: <= tol), (r, 1)."""
+def _residual(
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, AY: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's KKT residual relative to its scale (`_checked`'s test: <= tol), (r, 1);
+    ``AY``, where given, is ``(low + gap) @ A``, already computed."""
     Y = low + gap
-    residual = torch.minimum(gap, Y @ A).abs().amax(1, keepdim=True)
+    residual = torch.minimum(gap, Y @ A if AY is None else AY).abs().amax(1, keepdim=True)
     scale = Y.abs().amax(1, keepdim=True) + low.abs().amax(1, keepdim=True)
     return residual / scale.clamp_min(torch.finfo(A.dtype).tiny)
 
@@ -701,24 +704,29 @@ def _polish(A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor) -> torch.Tens
 
 
 def _candidates(
-    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor
+    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, AY: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(best, its residual), of ``gap`` and ``y = low`` (0): on a row already optimal the
     multipliers are within rounding of 0 and an active set method can switch those bounds
-    back and forth without ever landing on it."""
-    best, least = gap, _residual(A, low, gap)
+    back and forth without ever landing on it. ``AY``: as `_residual`."""
+    best, least = gap, _residual(A, low, gap, AY)
     stay = _residual(A, low, torch.zeros_like(gap))
     better = stay < least
     return torch.where(better, 0.0, best), torch.where(better, stay, least)
 
 
 def _keep_better(
-    A: torch.Tensor, low: torch.Tensor, gap: torch.Tensor, best: torch.Tensor, least: torch.Tensor
+    A: torch.Tensor,
+    low: torch.Tensor,
+    gap: torch.Tensor,
+    best: torch.Tensor,
+    least: torch.Tensor,
+    AY: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row keeps its best round: on degenerate rows (multipliers within rounding of 0 at
     the optimum) the active set can switch those bounds back and forth, so the last round
-    need not be the converged one. (NaN compares false: never kept.)"""
-    residual = _residual(A, low, gap)
+    need not be the converged one. (NaN compares false: never kept.) ``AY``: as `_residual`."""
+    residual = _residual(A, low, gap, AY)
     better = residual < least
     return torch.where(better, gap, best), torch.where(better, residual, least)
 
@@ -733,28 +741,31 @@ def _active_set(
     factor) and about 10 elementwise ops. The face matrices of hard Gramians (clusters,
     duplicate or aligned tasks: a few large eigenvalues, the rest near reg_eps) are a
     multiple of the identity plus a low-rank term, on which CG converges in a few steps.
-    Each row keeps its best round (by KKT residual, `_keep_better`); no read."""
+    Each row keeps its best round (by KKT residual, `_keep_better`); no read. The CG steps
+    update the whole gradient ``g = A y`` (not only its face part), so that the multipliers
+    off F come without a product; a round's one other product, ``A y`` at its clamped end
+    point, serves both its KKT residual and the next round's start."""
     tiny = torch.finfo(A.dtype).tiny
     free = torch.sign(gap)
-    best, least = _candidates(A, low, gap)
-    y = low + gap
+    y = low + gap  # low off F (gap is 0 there), and so at every round's start below
+    g = y @ A
+    best, least = _candidates(A, low, gap, g)
     for round_ in range(rounds):
-        y = torch.addcmul(low, y - low, free)  # low off F
-        r = (y @ A).mul_(free).neg_()  # the face's residual, -(A y)_F
-        p = r.clone()
-        rr = _dot(r, r)
+        s = g * free  # the face's gradient, (A y)_F; q: minus the CG direction
+        q, ss = s, _dot(s, s)
         for _ in range(cg_steps >> max(0, 2 - round_ // 3)):
-            Ap = (p @ A).mul_(free)
-            alpha = rr / _dot(p, Ap).clamp_min_(tiny)
-            y.addcmul_(alpha, p)
-            r.addcmul_(alpha, Ap, value=-1)
-            rr, previous = _dot(r, r), rr
-            p = torch.addcmul(r, rr / previous.clamp_min_(tiny), p)
+            Aq = q @ A
+            alpha = ss / _dot(q, Aq).clamp_min_(tiny)
+            y.addcmul_(alpha, q, value=-1)
+            g.addcmul_(alpha, Aq, value=-1)
+            s = g * free
+            ss, previous = _dot(s, s), ss
+            q = torch.addcmul(s, ss / previous.clamp_min_(tiny), q)
         x = y - low
-        w = y @ A  # the multipliers off F
-        free = free * (x > 0) + (1 - free) * (w < 0)
-        y = low + x.clamp_min_(0)
-        best, least = _keep_better(A, low, x, best, least)
+        free = free * (x > 0) + (1 - free) * (g < 0)  # g off F: the multipliers
+        y = low + x.clamp_min_(0)  # 0 off the new F, as the clamp or the old bound set it
+        g = y @ A
+        best, least = _keep_better(A, low, x, best, least, g)
     return best
 
 
@@ -794,7 +805,14 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     tiny = torch.finfo(A.dtype).tiny
 
     def factor(rho: torch.Tensor) -> torch.Tensor:
-        inverse: torch.Tensor = torch.linalg.inv_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
+        # At + rho I is positive definite (At is, regularised): a Cholesky factor and one
+        # triangular solve give its inverse, L^-T L^-1, cheaper than inv_ex's LU
+        # (docs/benchmarks_projector.md). Were the factor to fail (rounding), M would be
+        # wrong and ADMM's answer a poor start: the rounds and the final KKT check still
+        # decide each row (an unconverged one is NaN), never a wrong answer.
+        L = torch.linalg.cholesky_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
+        root = torch.linalg.solve_triangular(L, eye, upper=False)
+        inverse: torch.Tensor = root.T @ root
         return (inverse + inverse.T) * (rho / 2)  # symmetric: rows @ M is M's action
 
     rho = torch.full((), _RHO, dtype=A.dtype, device=A.device)
