@@ -427,17 +427,17 @@ def test_float32_active_set_rounds_finish_a_short_admm() -> None:
     _assert_float32_kkt(W, U, G, "aligned m=64")
 
 
-def test_float32_active_set_rounds_need_64_admm_iterations() -> None:
-    """A random-rank Gramian at m = 49 (of the held-out sweep): after 32 ADMM iterations 11
-    rounds leave a row unconverged; after the default 64 none. (Session 10's was at m = 56,
-    seed 1021; session 11's rounds, the same method up to rounding, finish that one, and
-    leave this one: 1 of 393 Gramians at m = 49, 56 and 64.)"""
+def test_float32_active_set_rounds_need_admm_iterations_first() -> None:
+    """A random-rank Gramian at m = 49 (of the held-out sweep): after 16 ADMM iterations 11
+    rounds leave rows unconverged (13 of 52 here); after the default 64 none. (Whether 32
+    would do is a matter of rounding on this Gramian, 1 of 393 borderline there, so not
+    asserted: docs/benchmarks_projector.md, session 11.)"""
     m = 49
     torch.set_default_dtype(torch.float32)  # drawn as the sweep drew it (the fixture resets)
     G, U = random_gramian(1081, m), _rows(m, 1081)
     assert G.dtype == U.dtype == torch.float32
     Gr = regularized(G, 1e-4, 1e-4)
-    _, converged = solve(Gr, U, max_iter=0, admm_iter=32, rounds=11)
+    _, converged = solve(Gr, U, max_iter=0, admm_iter=16, rounds=11)
     assert not bool(converged.all())
     W = funcgrad.DualConeProjector(check=False)(U, G)
     _assert_float32_kkt(W, U, G, "random-rank m=49")
