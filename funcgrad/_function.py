@@ -548,16 +548,61 @@ def module_of(f: Any) -> torch.nn.Module | None:
 
 
 def modules_of(f: Any) -> tuple[torch.nn.Module, ...]:
-    """The nn.Modules that f (a closure, a function) names: those its closure cells and the
-    globals its code names hold (``lambda x: model(x)``)."""
-    while isinstance(f, functools.partial):
-        f = f.func
-    code = getattr(f, "__code__", None)
-    if code is None:
-        return ()
-    cells = [_cell_contents(cell) for cell in f.__closure__ or ()]
-    named = [f.__globals__.get(name) for name in code.co_names]
-    return tuple({id(m): m for m in cells + named if isinstance(m, torch.nn.Module)}.values())
+    """The nn.Modules that f (a closure, a function) names, read when called (the names'
+    values then: a name rebound later is not followed): those its closure cells and the
+    globals its code names hold (its comprehensions' and nested functions' code included),
+    one level into a list, tuple or dict held there or an object's attributes, a
+    ``functools.partial``'s arguments,
+    and the same of the functions found there (a nested closure, ``__wrapped__``), up to
+    three functions deep (``lambda x: model(x)``, ``partial(run, model)``)."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()
+
+    def hold(value: Any, into: bool) -> list[Any]:
+        if isinstance(value, torch.nn.Module):
+            found[id(value)] = value
+        elif into and isinstance(value, (list, tuple)):
+            return [v for item in value for v in hold(item, False)]
+        elif into and isinstance(value, dict):
+            return [v for item in value.values() for v in hold(item, False)]
+        held = []
+        if into and not isinstance(value, (types.ModuleType, types.FunctionType)):
+            attributes = getattr(value, "__dict__", {}).values()
+            held = [v for item in attributes for v in hold(item, False)]
+        return [value, *held] if callable(value) else held
+
+    def scan(g: Any, depth: int) -> None:
+        if id(g) in seen or depth > 3:
+            return
+        seen.add(id(g))
+        more: list[Any] = []
+        while isinstance(g, functools.partial):
+            for value in (*g.args, *g.keywords.values()):
+                more += hold(value, True)
+            g = g.func
+        more += [w] if (w := getattr(g, "__wrapped__", None)) is not None else []
+        code = getattr(g, "__code__", None)
+        if isinstance(code, types.CodeType):
+            for cell in getattr(g, "__closure__", None) or ():
+                more += hold(_cell_contents(cell), True)
+            names = getattr(g, "__globals__", {})
+            for name in _names(code):
+                more += hold(names.get(name), True)
+        for value in more:
+            if isinstance(value, (types.FunctionType, functools.partial)) or hasattr(
+                value, "__wrapped__"
+            ):
+                scan(value, depth + 1)
+
+    scan(f, 0)
+    return tuple(found.values())
+
+
+def _names(code: types.CodeType) -> list[str]:
+    """The global names a code object and the code objects it holds (comprehensions, nested
+    functions, lambdas) read."""
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [*code.co_names, *(name for c in nested for name in _names(c))]
 
 
 def _cell_contents(cell: Any) -> Any:
@@ -612,13 +657,16 @@ class HookState:
             hooks._global_backward_pre_hooks,
             hooks._global_backward_hooks,
         ]
-        self._parts = tuple(
+        parts = tuple(
             part
             for ref in self._modules
             if (module := ref()) is not None
             for part in module.modules()
         )
-        for part in self._parts:
+        # (kept only for f's own module's training flags: a closure's modules are held by
+        # weak reference alone, so that a record keyed by f keeps no model alive)
+        self._parts = parts if self._own else ()
+        for part in parts:
             dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
         # (Each handle's id is new: the keys tell a hook removed and another added.)
         return tuple(tuple(d) for d in dicts)

@@ -148,3 +148,106 @@ def test_pullback_sees_a_hook_registered_on_a_module_f_calls_after_earlier_pullb
         handle.remove()
     torch.testing.assert_close(first, expected[:4])
     torch.testing.assert_close(every, expected)
+
+
+class _Holder:
+    def __init__(self, net):
+        self.net = net
+
+
+def _run(net, x):
+    return net(x)
+
+
+_GLOBAL_NET = None
+
+
+def _through_global(x):
+    return torch.stack([_GLOBAL_NET(x) for _ in range(1)])[0]  # (a comprehension's code)
+
+
+def _decorated(net):
+    import functools
+
+    def decorate(g):
+        @functools.wraps(g)
+        def wrapper(*args):
+            return g(*args)
+
+        return wrapper
+
+    @decorate
+    def f(x):
+        return net(x)
+
+    return f
+
+
+def _routes():
+    import functools
+
+    def nested(net):
+        inner = lambda x: net(x)  # noqa: E731
+        return lambda x: inner(x)
+
+    def through_list(net):
+        held = [net]
+        return lambda x: held[0](x)
+
+    def through_global(net):
+        global _GLOBAL_NET
+        _GLOBAL_NET = net
+        return _through_global
+
+    return {
+        "a list in a cell": through_list,
+        "partial's argument": lambda net: functools.partial(_run, net),
+        "a nested closure": nested,
+        "functools.wraps": _decorated,
+        "an object's attribute": lambda net: (lambda h: lambda x: h.net(x))(_Holder(net)),
+        "a global in a comprehension": through_global,
+    }
+
+
+@pytest.mark.filterwarnings("ignore::funcgrad.FuncgradWarning")
+@pytest.mark.parametrize("route", list(_routes()))
+def test_a_hook_registered_later_is_seen_on_every_route_to_the_model(route):
+    """Found by session 11's review: the modules a closure named were listed from its cells
+    and its own code's globals only, so a model reached through a list, a partial's
+    argument, a nested closure, a decorator's ``__wrapped__``, an object's attribute or a
+    global named in a comprehension was not watched, and a clamping backward hook
+    registered after the plan settled was silently ignored (0.05-0.5 off)."""
+    torch.manual_seed(0)
+    net = _net()
+    f = _routes()[route](net)
+    heads = _heads(8)
+    fn = funcgrad.compose_heads(f, heads)
+    for _ in range(4):
+        fn(torch.randn(5, dtype=D))
+    handle = net[2].register_full_backward_hook(_clamp)
+    try:
+        for _ in range(2):
+            x = torch.randn(5, dtype=D)
+            torch.testing.assert_close(fn(x)[1], _per_head_autograd(f, heads, x))
+    finally:
+        handle.remove()
+
+
+def test_the_hook_state_keeps_no_model_of_a_closure_alive():
+    """Found by session 11's review of its first fix: the hook state held every submodule of
+    the modules a closure names strongly, so a closure kept on its model (a cycle through
+    the weak key of pullback's records) or a global model rebound stayed alive. Only f's
+    own module's parts are held (their training flags are read each call)."""
+    import gc
+    import weakref
+
+    def build():
+        net = _net()
+        net.f = lambda x: net(x)  # (the value would reach the weak key through net)
+        _, pb = funcgrad.pullback(net.f, torch.randn(5, dtype=D))
+        pb(torch.ones(3, dtype=D))
+        return weakref.ref(net)
+
+    alive = build()
+    gc.collect()
+    assert alive() is None
