@@ -646,7 +646,9 @@ class HookState:
         self._modules = tuple(weakref.ref(module) for module in modules)
         self._counter = RemovableHandle.next_id
         self._parts: tuple[torch.nn.Module, ...] = ()
-        self._hooks = self._fingerprint()
+        # (a closure's modules are first read at the first look: a closure made anew for
+        # each call, with a new record, never pays for reading them)
+        self._hooks = self._fingerprint() if self._own else None
         self._modes = self._training()
 
     def _fingerprint(self) -> tuple[tuple[int, ...], ...]:
@@ -681,7 +683,12 @@ class HookState:
         moved = modes != self._modes
         self._modes = modes
         counter = RemovableHandle.next_id
-        if counter == self._counter:
+        if counter == self._counter and self._hooks is not None:
+            return moved
+        if self._hooks is None:  # the first look at a closure's modules
+            self._hooks = self._fingerprint()
+            moved = counter != self._counter  # (a hook registered since: perhaps on them)
+            self._counter = counter
             return moved
         self._counter = counter
         hooks = self._fingerprint()
