@@ -807,9 +807,10 @@ def _admm(A: torch.Tensor, low: torch.Tensor, iterations: int, tol: float) -> to
     def factor(rho: torch.Tensor) -> torch.Tensor:
         # At + rho I is positive definite (At is, regularised): a Cholesky factor and one
         # triangular solve give its inverse, L^-T L^-1, cheaper than inv_ex's LU
-        # (docs/benchmarks_projector.md). Were the factor to fail (rounding), M would be
-        # wrong and ADMM's answer a poor start: the rounds and the final KKT check still
-        # decide each row (an unconverged one is NaN), never a wrong answer.
+        # (docs/benchmarks_projector.md). Were the factor to fail (rounding), ADMM's
+        # answer would be NaN and so every row's: check=True then warns and solves with
+        # quadprog, check=False returns NaN rows, never a wrong answer (none failed in the
+        # tests' or the review's families).
         L = torch.linalg.cholesky_ex(At + rho * eye)[0]  # rho ~ 1e-3..1
         root = torch.linalg.solve_triangular(L, eye, upper=False)
         inverse: torch.Tensor = root.T @ root
