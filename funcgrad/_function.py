@@ -552,9 +552,9 @@ def modules_of(f: Any) -> tuple[torch.nn.Module, ...]:
     values then: a name rebound later is not followed): those its closure cells and the
     globals its code names hold (its comprehensions' and nested functions' code included),
     one level into a list, tuple or dict held there or an object's attributes, a
-    ``functools.partial``'s arguments,
-    and the same of the functions found there (a nested closure, ``__wrapped__``), up to
-    three functions deep (``lambda x: model(x)``, ``partial(run, model)``)."""
+    ``functools.partial``'s arguments, and the same of the functions found there (a nested
+    closure, ``__wrapped__``), up to three functions deep (``lambda x: model(x)``,
+    ``partial(run, model)``)."""
     found: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()
 
@@ -627,8 +627,8 @@ class HookState:
     dicts are read only where it moved (any hook registered anywhere, a tensor's
     included). Not seen: a hook dict written without a handle, a submodule holding a
     hook attached to f after that hook was registered and before the last look, a module
-    f reaches other than by name (an attribute of an object it holds), and a tensor hook
-    (f's own: seen on the watched call only).
+    f reaches by a longer route than :func:`modules_of` follows, and a tensor hook (f's
+    own: seen on the watched call only).
 
     Also the training flags of f's own submodules, read on every call (one attribute a
     submodule, as last listed): a module put in training mode after its first calls may
@@ -683,12 +683,12 @@ class HookState:
         moved = modes != self._modes
         self._modes = modes
         counter = RemovableHandle.next_id
-        if counter == self._counter and self._hooks is not None:
-            return moved
         if self._hooks is None:  # the first look at a closure's modules
             self._hooks = self._fingerprint()
-            moved = counter != self._counter  # (a hook registered since: perhaps on them)
+            moved = moved or counter != self._counter  # (a hook since: perhaps on them)
             self._counter = counter
+            return moved
+        if counter == self._counter:
             return moved
         self._counter = counter
         hooks = self._fingerprint()

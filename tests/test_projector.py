@@ -118,6 +118,18 @@ def _quadprog(U: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     return linalg.QuadprogProjector()(U, G)
 
 
+def _optimal_rows_on_rank_two(m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """20 rows already optimal (v = u: each its own answer) on a rank-2 Gramian of size m,
+    float64: multipliers within rounding of 0 at the optimum."""
+    g = torch.Generator().manual_seed(m)
+    J = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(
+        2, 40, generator=g, dtype=torch.float64
+    )
+    G = J @ J.T
+    rows = torch.randn(20, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return _quadprog(rows, G), G
+
+
 def _relative(W: torch.Tensor, reference: torch.Tensor) -> float:
     scale = reference.abs().amax().clamp_min(1e-300)
     return float((W - reference).abs().amax() / scale)
@@ -492,13 +504,7 @@ def test_active_set_rounds_keep_each_rows_best_on_degenerate_rows(seed: int) -> 
     """Rows already optimal on a rank-2 Gramian (multipliers within rounding of 0), float32
     above POLISH_MAX: `y = low` is a candidate and each row keeps its best round."""
     m = 64
-    g = torch.Generator().manual_seed(64)
-    J = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(
-        2, 40, generator=g, dtype=torch.float64
-    )
-    G = J @ J.T
-    rows = torch.randn(20, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    U = _quadprog(rows, G)  # each row already optimal: its own answer
+    U, G = _optimal_rows_on_rank_two(m, seed)
     W = funcgrad.DualConeProjector(check=False)(U.float(), G.float())
     assert bool(torch.isfinite(W).all())
     assert _relative(W.double(), _quadprog(U, G)) <= 1e-3
@@ -1470,13 +1476,7 @@ def test_polish_keeps_each_rows_best_round_on_degenerate_rows(seed: int) -> None
     ADMM + MPRGP had none); each row now keeps its best round. Seed 6 still left row 5 NaN
     (no round landed on v = u: fails on main at eaba9aa); v = u is now a candidate too."""
     m = 16
-    g = torch.Generator().manual_seed(16)
-    J = torch.randn(m, 2, generator=g, dtype=torch.float64) @ torch.randn(
-        2, 40, generator=g, dtype=torch.float64
-    )
-    G = J @ J.T
-    rows = torch.randn(20, m, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    U = _quadprog(rows, G)  # each row already optimal: its own answer
+    U, G = _optimal_rows_on_rank_two(m, seed)
     W = funcgrad.DualConeProjector(check=False)(U, G)
     assert bool(torch.isfinite(W).all())
     assert _relative(W, _quadprog(U, G)) <= 1e-8
