@@ -511,8 +511,10 @@ def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
     """The plain attributes (bool, int, float, str, None) of every module and of the model's
     ``config`` (a switch such as ``attn.is_causal = False`` or ``config._attn_implementation =
-    "sdpa"``), dearer to read than `_structure`: read in forward mode only, whose tangents
-    cannot see what reverse mode's cotangents check on every call."""
+    "sdpa"``), and every parameter as `_tensor` reads it (an optimizer step can make a model
+    whose positions mix through a learned matrix non-causal), dearer to read than
+    `_structure`: read in forward mode only, whose tangents cannot see what reverse mode's
+    cotangents check on every call."""
     config = getattr(model, "config", None)
     owners = [*modules, config] if config is not None else modules
     return tuple(
@@ -523,6 +525,8 @@ def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple
         )
         for owner in owners
         if hasattr(owner, "__dict__")
+    ) + tuple(
+        _tensor(p) for module in modules for p in module._parameters.values() if p is not None
     )
 
 
@@ -1693,9 +1697,10 @@ def token_attr(
         ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
         Causality is probed (three forwards without gradients) on the first call with a
         model and whenever its modules, forwards, forward hooks or buffers changed since
-        (in forward mode also its plain attributes, its config and the functions of the
-        namespaces its code reads); reverse mode also checks, on every call, that no
-        target's gradient reaches a later position. A model found not causal is refused.
+        (in forward mode also its plain attributes, its parameters, its config and the
+        functions of the namespaces its code reads); reverse mode also checks, on every call,
+        that no target's gradient reaches a later position. A model found not causal is
+        refused.
     """
     args, requested = _validate(
         model,

@@ -514,3 +514,34 @@ def test_longrope_prefixes_on_both_sides_of_its_threshold_are_refused(mode):
     input_ids, target_ids = _ids(6, 6)
     with pytest.raises(ValueError, match="original_max_position_embeddings = 8"):
         token_attr(model, input_ids, target_ids, mode=mode)
+
+
+class LearnedMixLM(torch.nn.Module):
+    """Positions mixed by a learned matrix, initialised lower-triangular and not masked in the
+    forward: causal until an optimizer step writes its upper triangle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 6)
+        self.mix = torch.nn.Parameter(torch.tril(torch.randn(16, 16)) / 16)
+        self.out = torch.nn.Linear(6, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        length = ids.shape[1]
+        h = torch.tanh(self.embed(ids))
+        return self.out(h + self.mix[:length, :length] @ h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_that_makes_the_model_non_causal_after_a_step_is_seen(mode):
+    """On main forward mode compared no parameter: after the step it answered 27% off the
+    prefix loop (float64), with no error, while reverse mode refused."""
+    torch.manual_seed(0)
+    model = LearnedMixLM().double().eval()
+    assert _outcome(model, mode, embedding=model.embed) == "exact"
+    with torch.no_grad():
+        model.mix.add_(0.5 * torch.ones(16, 16).triu(1))
+    assert _outcome(model, mode, embedding=model.embed) == "refused"
+    with torch.no_grad():
+        model.mix.tril_()  # causal again: probed again, and exact
+    assert _outcome(model, mode, embedding=model.embed) == "exact"
