@@ -233,7 +233,9 @@ def checked_shape(
     weights: Any, k: int, source: str, call: str, unit: str = "task", keep_graph: bool = False
 ) -> torch.Tensor:
     """The weights returned by a weighting: a real tensor of shape (k,), one per ``unit``
-    (a task, or an example on the per-example path), detached unless ``keep_graph``."""
+    (a task, or an example on the per-example path), detached unless ``keep_graph``. A
+    copy: a stateful weighting (TorchJD's ``ExcessMTLWeighting``, ``CRMOGMWeighting``)
+    returns its state tensor itself, which the caller's weights must not alias."""
     if not isinstance(weights, torch.Tensor):
         raise TypeError(
             f"{call}: `weighting` must return a tensor of k = {k} weights from {source}, got "
@@ -250,7 +252,7 @@ def checked_shape(
         raise TypeError(
             f"{call}: `weighting` must return real floating-point weights, got {weights.dtype}."
         )
-    return weights if keep_graph else weights.detach()
+    return weights if keep_graph else weights.detach().clone()
 
 
 def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:

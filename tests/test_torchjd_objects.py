@@ -460,3 +460,27 @@ def test_an_aggregator_that_reports_no_weights_cannot_update_leaves_it_did_not_s
     )
     for leaf, grads in zip(leaves, zip(*per_task)):
         torch.testing.assert_close(leaf.grad, torch.stack(grads).mean(0) / 2)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("name", ["ExcessMTLWeighting", "CRMOGMWeighting"])
+def test_the_returned_weights_do_not_alias_the_weightings_state(name, level):
+    """These two return their state tensor as the weights. On main `backward` returned that
+    tensor itself, so a caller's in-place change of the weights (a scaling for a log) changed
+    the weighting's next weights, with no error."""
+    runs = []
+    for mutate in (False, True):
+        weighting = OBJECTS[name]()
+        *_, losses = _model()
+        seen = []
+        for _ in range(3):
+            features, task_losses = losses()
+            weights = funcgrad.backward(
+                task_losses, through=features, weighting=weighting, level=level
+            )
+            seen.append(weights.clone())
+            if mutate:
+                weights.mul_(100.0)
+        runs.append(seen)
+    for kept, mutated in zip(*runs):
+        torch.testing.assert_close(mutated, kept, rtol=0, atol=0)
