@@ -21,7 +21,7 @@ def real_numel(leaf: torch.Tensor) -> int:
 
 def real_size(leaves: Sequence[torch.Tensor]) -> int:
     """m: the real dimension of the space of ``leaves`` (complex entries count twice)."""
-    return sum(real_numel(leaf) for leaf in leaves)
+    return sum(leaf.numel() * (2 if leaf.is_complex() else 1) for leaf in leaves)
 
 
 def real_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:

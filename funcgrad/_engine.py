@@ -83,12 +83,14 @@ def _vmap_last(
 ) -> Tensors:
     """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
     function over every chunk)."""
+    if chunk_size is None or chunk_size >= args[0].shape[0]:  # (one chunk: no slices)
+        return _vmap(last_fn, args, None, "error", log)
     spans = chunks(args[0].shape[0], chunk_size)
     parts = [
         _vmap(last_fn if i == len(spans) - 1 else fn, [a[s:e] for a in args], None, "error", log)
         for i, (s, e) in enumerate(spans)
     ]
-    return parts[0] if len(parts) == 1 else tuple(torch.cat(outputs) for outputs in zip(*parts))
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def _vmap_watched(
