@@ -78,7 +78,7 @@ class Pullback:
         readable = values_readable(lin.out) if reuse or lin.engine == "torch.func" else False
         if not (reuse and readable):
             self._basis.clear(enabled=False)
-        self._stats = PullbackStats()
+        self.stats = PullbackStats()
         # The basis and the stats change on every call: one call at a time, whatever the
         # thread (re-entrant: f may call funcgrad, and a head this pullback).
         self._lock = threading.RLock()
@@ -91,12 +91,6 @@ class Pullback:
         # chunk_size="auto": what a direction through f costs here (measured once, at the
         # first such call; the chunk follows the budget in force at each call).
         self._fit: _engine.ChunkFit | None = None
-
-    @property
-    def stats(self) -> PullbackStats:
-        """What this pullback has done so far (its kept directions as of now)."""
-        self._stats.kept, self._stats.kept_bytes = self._basis.kept, self._basis.nbytes
-        return self._stats
 
     @property
     def rank(self) -> int:
@@ -115,7 +109,8 @@ class Pullback:
                 return _engine.pull(lin, _coords.from_coords(rows, lin.out), None, False)
 
             with torch.no_grad():
-                self._stats.vjps += self._basis.settle(pull_rows, lin.x_like)
+                self.stats.vjps += self._basis.settle(pull_rows, lin.x_like)
+            self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
         return self._basis.rank
 
     def _locked(self) -> contextlib.AbstractContextManager[Any]:
@@ -135,6 +130,7 @@ class Pullback:
         self._lin = None
         self._watched, self._unwatched = None, False
         self._basis.clear()
+        self.stats.kept, self.stats.kept_bytes = 0, 0
 
     def __call__(self, cotangent: Any, *, create_graph: bool = False) -> tuple[Any, ...]:
         """``J_f(x)^T cotangent``: one tree per primal, as ``torch.func.vjp``'s ``vjp_fn``.
@@ -216,8 +212,8 @@ class Pullback:
                     "This Pullback was released (pb.release()) by another call: pull back before "
                     "releasing it, or call funcgrad.pullback again."
                 )
-            self._stats.calls += 1
-            self._stats.cotangents += cotangents[0].shape[0]
+            self.stats.calls += 1
+            self.stats.cotangents += cotangents[0].shape[0]
             fit = None
             if chunk_size == "auto" and values_readable(cotangents):
                 if self._fit is None:
@@ -238,7 +234,8 @@ class Pullback:
                     check=check,
                     fit=fit,
                 )
-            self._stats.vjps += pulled
+            self.stats.vjps += pulled
+            self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
             return grads
 
     def __repr__(self) -> str:
