@@ -47,7 +47,8 @@ def to_coords(leaves: Sequence[torch.Tensor], batch: int) -> torch.Tensor:
     for leaf in leaves:
         if leaf.is_complex():
             leaf = torch.view_as_real(leaf.resolve_conj())
-        parts.append(leaf.reshape(batch, -1).to(dtype))
+        leaf = leaf.reshape(batch, -1)
+        parts.append(leaf if leaf.dtype == dtype else leaf.to(dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
