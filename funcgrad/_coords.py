@@ -15,10 +15,6 @@ import torch
 from ._types import Tensors
 
 
-def real_numel(leaf: torch.Tensor) -> int:
-    return leaf.numel() * (2 if leaf.is_complex() else 1)
-
-
 def real_size(leaves: Sequence[torch.Tensor]) -> int:
     """m: the real dimension of the space of ``leaves`` (complex entries count twice)."""
     return sum(leaf.numel() * (2 if leaf.is_complex() else 1) for leaf in leaves)
@@ -57,7 +53,7 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> Tensors:
     batch = coords.shape[0]
     leaves, start = [], 0
     for leaf in like:
-        stop = start + real_numel(leaf)
+        stop = start + leaf.numel() * (2 if leaf.is_complex() else 1)
         part = coords[:, start:stop]
         if leaf.is_complex():
             real = part.to(leaf.real.dtype).reshape(batch, *leaf.shape, 2).contiguous()
