@@ -15,13 +15,9 @@ import torch
 from ._types import Tensors
 
 
-def real_numel(leaf: torch.Tensor) -> int:
-    return leaf.numel() * (2 if leaf.is_complex() else 1)
-
-
 def real_size(leaves: Sequence[torch.Tensor]) -> int:
     """m: the real dimension of the space of ``leaves`` (complex entries count twice)."""
-    return sum(real_numel(leaf) for leaf in leaves)
+    return sum(leaf.numel() * (2 if leaf.is_complex() else 1) for leaf in leaves)
 
 
 def real_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -47,7 +43,8 @@ def to_coords(leaves: Sequence[torch.Tensor], batch: int) -> torch.Tensor:
     for leaf in leaves:
         if leaf.is_complex():
             leaf = torch.view_as_real(leaf.resolve_conj())
-        parts.append(leaf.reshape(batch, -1).to(dtype))
+        leaf = leaf.reshape(batch, -1)
+        parts.append(leaf if leaf.dtype == dtype else leaf.to(dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
@@ -56,7 +53,7 @@ def from_coords(coords: torch.Tensor, like: Sequence[torch.Tensor]) -> Tensors:
     batch = coords.shape[0]
     leaves, start = [], 0
     for leaf in like:
-        stop = start + real_numel(leaf)
+        stop = start + leaf.numel() * (2 if leaf.is_complex() else 1)
         part = coords[:, start:stop]
         if leaf.is_complex():
             real = part.to(leaf.real.dtype).reshape(batch, *leaf.shape, 2).contiguous()

@@ -83,12 +83,14 @@ def _vmap_last(
 ) -> Tensors:
     """``_vmap`` whose last chunk maps ``last_fn`` (torch's own ``chunk_size`` would map one
     function over every chunk)."""
+    if chunk_size is None or chunk_size >= args[0].shape[0]:  # (one chunk: no slices)
+        return _vmap(last_fn, args, None, "error", log)
     spans = chunks(args[0].shape[0], chunk_size)
     parts = [
         _vmap(last_fn if i == len(spans) - 1 else fn, [a[s:e] for a in args], None, "error", log)
         for i, (s, e) in enumerate(spans)
     ]
-    return parts[0] if len(parts) == 1 else tuple(torch.cat(outputs) for outputs in zip(*parts))
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
 
 
 def _vmap_watched(
@@ -799,12 +801,13 @@ _LAZY_CLONE = getattr(torch, "_lazy_clone", None)
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` that no one else can write to. On the CPU a copy-on-write one
+    """A detached copy of ``t`` that no one else can write to. On the CPU a copy-on-write one
     (``torch._lazy_clone``): nothing is copied unless ``t`` or the copy is written to later,
     which then copies for itself (measured: a plain clone of the images of 8 directions on
     a 1.3M-parameter MLP took as long as their pullback). Elsewhere, and for a tensor
     subclass, a plain clone (copy-on-write is exercised here on the CPU only)."""
-    if _LAZY_CLONE is not None and t.device.type == "cpu" and type(t) is torch.Tensor:
+    t = t.detach() if t.requires_grad else t  # (no graph to cut otherwise)
+    if _LAZY_CLONE is not None and t.is_cpu and type(t) is torch.Tensor:
         copy: torch.Tensor = _LAZY_CLONE(t)
         return copy
     return t.clone()
@@ -881,14 +884,15 @@ class Basis:
         assert self.held is None and p <= self.m - self.rank
         if len(cotangents) == 1 and cotangents[0].dtype in _PLAIN_WORK:  # (the usual case)
             # to_coords would return a view of the one leaf: the basis's own copy of it
-            coords = _owned(cotangents[0].detach().reshape(p, -1))
+            leaf = cotangents[0]
+            coords = _owned(leaf if leaf.dim() == 2 else leaf.reshape(p, -1))
         else:
             coords = _coords.to_coords(tuple(c.detach() for c in cotangents), p)
             work = _work_dtype(coords.dtype)
             # (a view of the one leaf where to_coords converts and concatenates nothing)
             coords = _owned(coords) if len(cotangents) == 1 and coords.dtype == work else coords
             coords = coords.to(work)
-        self.held = coords, tuple(_owned(image.detach()) for image in images)
+        self.held = coords, tuple(_owned(image) for image in images)
 
     def extension(self, all_rows: bool = True) -> _Extension:
         """The held rows' orthonormal directions outside ``q`` and their pullbacks, derived

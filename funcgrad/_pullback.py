@@ -206,25 +206,19 @@ class Pullback:
     def _apply(
         self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
     ) -> Tensors:
-        with self._locked():
-            return self._apply_locked(cotangents, chunk_size, check, create_graph)
-
-    def _apply_locked(
-        self, cotangents: Tensors, chunk_size: ChunkSize, check: CheckMode, create_graph: bool
-    ) -> Tensors:
-        if self._lin is None:  # (released by another thread since the arguments were checked)
-            raise ReleasedPullbackError(
-                "This Pullback was released (pb.release()) by another call: pull back before "
-                "releasing it, or call funcgrad.pullback again."
-            )
-        self.stats.calls += 1
-        self.stats.cotangents += cotangents[0].shape[0]
-        fit = None
-        if chunk_size == "auto" and values_readable(cotangents):
-            if self._fit is None:
-                self._fit = _engine.ChunkFit()
-            fit = self._fit
-        with result_graph(create_graph, self._flat.leaves):
+        with self._locked(), result_graph(create_graph, self._flat.leaves):
+            if self._lin is None:  # (released by another thread since the arguments were checked)
+                raise ReleasedPullbackError(
+                    "This Pullback was released (pb.release()) by another call: pull back before "
+                    "releasing it, or call funcgrad.pullback again."
+                )
+            self.stats.calls += 1
+            self.stats.cotangents += cotangents[0].shape[0]
+            fit = None
+            if chunk_size == "auto" and values_readable(cotangents):
+                if self._fit is None:
+                    self._fit = _engine.ChunkFit()
+                fit = self._fit
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 lin = self._lin
                 if lin.engine == "autograd":  # (one backward building its graph a direction)
@@ -240,9 +234,9 @@ class Pullback:
                     check=check,
                     fit=fit,
                 )
-        self.stats.vjps += pulled
-        self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
-        return grads
+            self.stats.vjps += pulled
+            self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
+            return grads
 
     def __repr__(self) -> str:
         if self._lin is None:

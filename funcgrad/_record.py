@@ -259,21 +259,21 @@ class Records:
 def signature_key(argnums: Any, in_defs: Any, leaves: Any, others: Any = ()) -> Any:
     """A call signature: the trees, and every leaf's shape, dtype, device and requires_grad
     (a hashable non-tensor leaf by its value, another by its type)."""
-
-    def of(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
-        try:
-            hash(leaf)
-        except TypeError:
-            return type(leaf)
-        return (type(leaf), leaf)
-
     other_leaves, other_def = others if others else ((), None)
     return (
         argnums,
         tuple(in_defs),
-        tuple(of(leaf) for leaf in leaves),
+        tuple(map(_leaf_key, leaves)),
         other_def,
-        tuple(of(leaf) for leaf in other_leaves),
+        tuple(map(_leaf_key, other_leaves)),
     )
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (leaf.shape, leaf.dtype, leaf.device, leaf.requires_grad)
+    try:
+        hash(leaf)
+    except TypeError:
+        return type(leaf)
+    return (type(leaf), leaf)
