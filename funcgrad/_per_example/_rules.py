@@ -173,16 +173,17 @@ class _Dense(_Rows):
         cheaper of the ghost ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised
         ``‖A_bᵀ Δ_b‖²`` (B·T·d·p), fastDP's mixed rule (2T² ≤ dp, about)."""
         dtype = self.run.dtype
+        flat = self.flat()
+        if flat is not None and "weight" in self.params:  # the bias's rows are Δ itself
+            a, d = flat[0].to(dtype), flat[1].to(dtype)
+            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
+            inputs = torch.linalg.vecdot(a, a)
+            return (inputs + 1 if "bias" in self.params else inputs) * torch.linalg.vecdot(d, d)
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         found = self.zero_diagonal() if bias is None else _squares(bias)
         if "weight" not in self.params:
             self.rule = "bias only"
             return found
-        flat = self.flat()
-        if flat is not None:
-            a, d = flat[0].to(dtype), flat[1].to(dtype)
-            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
-            return found + _squares(a) * _squares(d)
         batch = self.batch
         rows, width, out = self.dims()
         self.ghost_flops = float(batch * rows * rows * (width + out))
