@@ -556,7 +556,8 @@ class _Conv(_Dense):
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
-        weight = self.weight
+        # (its shape alone is read: detached, so that no graph is recorded around the kernel)
+        weight = self.weight.detach()
         if groups > 1:
             weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
         grads: tuple[torch.Tensor, ...] = torch.ops.aten.convolution_backward(

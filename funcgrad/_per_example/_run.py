@@ -293,6 +293,7 @@ def _finite(values: torch.Tensor) -> bool:
     """Whether every entry is finite, in one host read and one reduction: the sum is finite
     only where every entry is (NaN and inf carry into it); where finite entries overflow
     it, the entries themselves (``isfinite(x).all()`` costs four passes and their bools)."""
+    values = values.detach()
     return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
 
 
