@@ -169,7 +169,8 @@ class _Dense(_Rows):
         return g if bias is None else g + bias @ bias.T
 
     def diagonal(self) -> torch.Tensor:
-        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example; else per layer the
+        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example (``(‖a_b‖² + 1)
+        ‖Δ_b‖²`` with the bias, whose rows are Δ); else per layer the
         cheaper of the ghost ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised
         ``‖A_bᵀ Δ_b‖²`` (B·T·d·p), fastDP's mixed rule (2T² ≤ dp, about)."""
         dtype = self.run.dtype
@@ -177,8 +178,9 @@ class _Dense(_Rows):
         if flat is not None and "weight" in self.params:  # the bias's rows are Δ itself
             a, d = flat[0].to(dtype), flat[1].to(dtype)
             self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
-            inputs = torch.linalg.vecdot(a, a)
-            return (inputs + 1 if "bias" in self.params else inputs) * torch.linalg.vecdot(d, d)
+            inputs: torch.Tensor = torch.linalg.vecdot(a, a)
+            outputs: torch.Tensor = torch.linalg.vecdot(d, d)
+            return (inputs + 1 if "bias" in self.params else inputs) * outputs
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         found = self.zero_diagonal() if bias is None else _squares(bias)
         if "weight" not in self.params:
