@@ -11,7 +11,7 @@ from torch import nn
 from .._config import CheckMode
 from ._record import _BACKWARD, _GRAMIAN
 from ._recorder import PerExample, _distributed_refusal, _recorder_of
-from ._run import _Run
+from ._run import _Clip, _norms, _Run
 
 
 def per_example(model: nn.Module, *, batch_dim: int = 0) -> PerExample:
@@ -201,25 +201,6 @@ def per_example_norms(
     return _norms(run.execute(retain_graph, write=False)[0])
 
 
-def _norms(gram: torch.Tensor) -> torch.Tensor:
-    """The norms from G's diagonal, its squared norms clamped at 0 first: the ghost rule's
-    ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` sums T² products and may round below 0 where the norm is tiny
-    against ``‖A_b‖ ‖Δ_b‖`` (its absolute error is about eps·‖A_b‖²‖Δ_b‖²)."""
-    return gram.diagonal().clamp_min(0).sqrt()
-
-
-class _Clip:
-    """Opacus's clipping factors, ``min(1, C / (‖g_b‖ + 1e-6))``, from G's diagonal alone."""
-
-    reads_diagonal = True
-
-    def __init__(self, max_norm: float) -> None:
-        self.max_norm = max_norm
-
-    def __call__(self, gram: torch.Tensor) -> torch.Tensor:
-        return (self.max_norm / (_norms(gram) + 1e-6)).clamp(max=1.0)
-
-
 def per_example_clip(
     losses: torch.Tensor,
     max_norm: float,
@@ -273,11 +254,10 @@ def per_example_clip(
             f"each example's gradient norm), got {max_norm!r}."
         )
     recorder = _recorder_of(losses, _CLIP)
-    run = _Run(
-        recorder, losses, inputs, _Clip(float(max_norm)), _CLIP, check, replace=not accumulate
-    )
+    clip = _Clip(float(max_norm))
+    run = _Run(recorder, losses, inputs, clip, _CLIP, check, replace=not accumulate)
     gram, _ = run.execute(retain_graph, write=True)
-    return _norms(gram)
+    return clip.norms if clip.norms is not None else _norms(gram)
 
 
 def backward_from_losses(

@@ -169,20 +169,23 @@ class _Dense(_Rows):
         return g if bias is None else g + bias @ bias.T
 
     def diagonal(self) -> torch.Tensor:
-        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example; else per layer the
+        """G's diagonal alone: ``‖a_b‖² ‖Δ_b‖²`` for one row per example (``(‖a_b‖² + 1)
+        ‖Δ_b‖²`` with the bias, whose rows are Δ); else per layer the
         cheaper of the ghost ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` (B·T²·(d+p)) and the materialised
         ``‖A_bᵀ Δ_b‖²`` (B·T·d·p), fastDP's mixed rule (2T² ≤ dp, about)."""
         dtype = self.run.dtype
+        flat = self.flat()
+        if flat is not None and "weight" in self.params:  # the bias's rows are Δ itself
+            a, d = flat[0].to(dtype), flat[1].to(dtype)
+            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
+            inputs: torch.Tensor = torch.linalg.vecdot(a, a)
+            outputs: torch.Tensor = torch.linalg.vecdot(d, d)
+            return (inputs + 1 if "bias" in self.params else inputs) * outputs
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         found = self.zero_diagonal() if bias is None else _squares(bias)
         if "weight" not in self.params:
             self.rule = "bias only"
             return found
-        flat = self.flat()
-        if flat is not None:
-            a, d = flat[0].to(dtype), flat[1].to(dtype)
-            self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
-            return found + _squares(a) * _squares(d)
         batch = self.batch
         rows, width, out = self.dims()
         self.ghost_flops = float(batch * rows * rows * (width + out))
@@ -555,7 +558,8 @@ class _Conv(_Dense):
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
-        weight = self.weight
+        # (its shape alone is read: detached, so that no graph is recorded around the kernel)
+        weight = self.weight.detach()
         if groups > 1:
             weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
         grads: tuple[torch.Tensor, ...] = torch.ops.aten.convolution_backward(

@@ -4,6 +4,7 @@ apply (``.grad`` written in one place, at the end)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from .. import _per_example as _package
 from .. import _sync, _weighting
 from .._config import CheckMode, resolve_check
 from .._errors import describe
-from .._validate import named_inputs
+from .._validate import named_inputs, values_readable
 from . import _rules
 from ._attention import _Attention
 from ._checks import (
@@ -218,15 +219,16 @@ class _Run:
     def _weigh(
         self, blocks: list[list[_Layer]], need_gramian: bool, write: bool
     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
         plans: list[_LayerPlan] = []
         finite = True
         if need_gramian:
             gram = _gramian(self, blocks)
-            finite = bool(torch.isfinite(gram).all())
+            finite = _finite(gram)
             if not finite and _zero_unread(blocks):  # again, the rows no loss reads zeroed
                 gram = _gramian(self, blocks)
-                finite = bool(torch.isfinite(gram).all())
+                finite = _finite(gram)
+        else:
+            gram = torch.zeros(self.batch, self.batch, dtype=self.dtype, device=self.device)
         for block in blocks:
             plans.extend(layer.planned or layer.plan() for layer in block)
         self.recorder.plan = PerExamplePlan(self.batch, plans)
@@ -240,11 +242,14 @@ class _Run:
             )
         if self.rule.kind == "sum" or not write:
             weights = torch.ones(self.batch, dtype=self.dtype, device=self.device)
+        elif type(self.rule.fn) is _Clip:  # ours: (B,) factors in (0, 1], finite as G is
+            weights = self.rule.fn(gram)
         else:
             weights = _weighting.weights_from_gramian(self.rule, gram, self.call, "example")
-            weights = _weighting.check_finite(
-                weights, f"the {tuple(gram.shape)} Gramian", self.call
-            )
+            if not values_readable([weights]) or not _finite(weights):  # (the message)
+                weights = _weighting.check_finite(
+                    weights, f"the {tuple(gram.shape)} Gramian", self.call
+                )
         update: list[tuple[torch.Tensor, torch.Tensor]] = []
         if write:
             tiny: list[_Layer] = []
@@ -258,6 +263,38 @@ class _Run:
             if tiny:
                 update.extend(_tiny_update(tiny, weights))
         return gram.detach(), weights.detach(), update
+
+
+def _norms(gram: torch.Tensor) -> torch.Tensor:
+    """The norms from G's diagonal, its squared norms clamped at 0 first: the ghost rule's
+    ``<A_b A_bᵀ, Δ_b Δ_bᵀ>`` sums T² products and may round below 0 where the norm is tiny
+    against ``‖A_b‖ ‖Δ_b‖`` (its absolute error is about eps·‖A_b‖²‖Δ_b‖²)."""
+    return gram.diagonal().clamp_min(0).sqrt()
+
+
+class _Clip:
+    """Opacus's clipping factors, ``min(1, C / (‖g_b‖ + 1e-6))``, from G's diagonal alone;
+    the norms kept (`norms`) for the call to return. `_Run._weigh` calls it directly, not
+    through the checks of a user's weighting: its factors have the shape (B,) and G's dtype
+    by construction, and are finite once G is (checked before)."""
+
+    reads_diagonal = True
+
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = max_norm
+        self.norms: torch.Tensor | None = None
+
+    def __call__(self, gram: torch.Tensor) -> torch.Tensor:
+        self.norms = _norms(gram)
+        return (self.max_norm / (self.norms + 1e-6)).clamp(max=1.0)
+
+
+def _finite(values: torch.Tensor) -> bool:
+    """Whether every entry is finite, in one host read and one reduction: the sum is finite
+    only where every entry is (NaN and inf carry into it); where finite entries overflow
+    it, the entries themselves (``isfinite(x).all()`` costs four passes and their bools)."""
+    values = values.detach()
+    return math.isfinite(float(values.sum())) or bool(torch.isfinite(values).all())
 
 
 # -- independence: loss b reads example b alone ----------------------------------------------
