@@ -607,10 +607,12 @@ def _kind(node: Any) -> _Kind:
 
 def _torch_own(function: Any) -> bool:
     """Whether a custom autograd.Function is torch's own (a reentrant checkpoint, a module's
-    backward hook, a collective), whose backward is linear in its cotangent; not the class
-    torch.func generates for a user's Function."""
+    backward hook, a collective) or funcgrad's (``counted``), whose backward is linear in
+    its cotangent; not the class torch.func generates for a user's Function."""
     module = getattr(function, "__module__", None) or ""
-    return module.startswith("torch.") and module != "torch._functorch.autograd_function"
+    return module.startswith(("torch.", "funcgrad.")) and (
+        module != "torch._functorch.autograd_function"
+    )
 
 
 def hook_or_function(starts: Iterable[Any]) -> tuple[bool, bool]:
