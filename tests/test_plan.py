@@ -829,7 +829,15 @@ def test_learn(record, seen, expected):
 
 
 _BOOLS = (
-    "random", "hooked", "custom", "compiled", "mutates", "rnn", "slow_path", "threads", "no_grad"
+    "random",
+    "hooked",
+    "custom",
+    "compiled",
+    "mutates",
+    "rnn",
+    "slow_path",
+    "threads",
+    "no_grad",
 )
 
 
