@@ -182,20 +182,25 @@ def _model(function):
 
 @FUNCTIONS
 @pytest.mark.parametrize("retain_graph", [False, True])
+@pytest.mark.parametrize(
+    ("aggregator", "weighting"),
+    [(tjd.UPGrad, tjd.UPGradWeighting), (tjd.Sum, tjd.Sum)],
+    ids=["UPGrad", "Sum"],
+)
 def test_backward_at_params_level_equals_torchjd_through_a_nonlinear_function(
-    function, retain_graph
+    function, retain_graph, aggregator, weighting
 ):
-    """With retain_graph, backward's pull combined y's unit directions (k > m)."""
+    """The k cotangents pulled, then weighted, as TorchJD (right on main too: a guard)."""
     w, f = _model(function)
     heads = _heads()
     y = f(w)
     mtl_backward([h(y) for h in heads], y)
-    jac_to_grad([w], tjd.UPGrad())
+    jac_to_grad([w], aggregator())
     want, w.grad = w.grad, None
     for call in range(3):
         y = f(w)
         funcgrad.backward(
-            [h(y) for h in heads], through=y, weighting=tjd.UPGradWeighting(),
+            [h(y) for h in heads], through=y, weighting=weighting(),
             retain_graph=retain_graph,
         )  # fmt: skip
         torch.testing.assert_close(w.grad, want, msg=f"call {call + 1}")
