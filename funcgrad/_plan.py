@@ -52,7 +52,8 @@ _CUSTOM = (
 )
 _ASSERTED = (
     "f runs a custom autograd.Function: strategy={!r} assumes its backward is linear in its "
-    "cotangent (as torch.func.{} does); 'auto' would pull each head's cotangent"
+    "cotangent (as torch.func.{} does; jacfwd runs its jvp instead); 'auto' would pull each "
+    "head's cotangent"
 )
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "vjp": (_TORCH_FUNC, _VMAP),
