@@ -146,6 +146,7 @@ def observed(
         generators=bool(flat.generators),
         random=flat.drew,
         hooked=flat.hooked,
+        custom=flat.custom,
         compiled=compiled,
         # (torch.func refused f: eager autograd ran instead; f that draws goes there too)
         mutates=flat.norm or (engine != plan.engine and not flat.drew),

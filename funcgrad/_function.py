@@ -27,7 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _coords, _tree
 from ._errors import describe
-from ._graph import edge, nodes
+from ._graph import edge, hook_or_function, nodes
 from ._types import Tensors
 from ._validate import check_primal_leaves, outside_transforms, values_readable
 
@@ -524,15 +524,16 @@ def _module_tree_hooked(f: Any) -> bool:
     return any(_has_backward_hooks(part) for part in module.modules())
 
 
-def module_hook_in_graph(outputs: Any) -> bool:
+def module_hook_in_graph(outputs: Any) -> tuple[bool, bool]:
     """Whether the autograd graph of ``outputs`` holds a module's backward hook (its own or a
     global one, full or pre: torch puts a ``BackwardHookFunction`` node on the module's
-    inputs and outputs). No torch function names it, so the watch's mode cannot see it; a
-    walk of the graph f built, on a watched eager call, does. Under torch.func such a node
-    makes torch.func refuse f, and the call runs on eager autograd."""
+    inputs and outputs), and a custom autograd.Function not known to be linear in its
+    cotangent (not torch's own: its backward may clamp it). No torch function names
+    either, so the watch's mode cannot see them; a walk of the graph f built, on a watched
+    call, does. Under torch.func a hook node makes torch.func refuse f, and the call runs
+    on eager autograd."""
     leaves, _ = _tree.flatten(outputs)
-    starts = (t.grad_fn for t in leaves if isinstance(t, torch.Tensor))
-    return any(type(node).__name__ == "BackwardHookFunctionBackward" for node in nodes(starts))
+    return hook_or_function(t.grad_fn for t in leaves if isinstance(t, torch.Tensor))
 
 
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -901,6 +902,9 @@ class FlatFunction:
         # f), an RNN, a batch norm in training mode.
         self.drew = False
         self.hooked = False
+        # A custom autograd.Function not known to be linear in its cotangent (a clamp):
+        # under auto, only the cotangents themselves may go through f.
+        self.custom = False
         self.rnn = False
         self.norm = False
         # Part of f ran in another thread (seen on a watched run on eager autograd only):
@@ -954,9 +958,9 @@ class FlatFunction:
                     _module_hooks_watched(self, _current_level() is not None),
                 ):
                     result = self.f(*args)
-                self.hooked = (
-                    self.hooked or module_hook_in_graph(result) or _module_tree_hooked(self.f)
-                )
+                hook, function = module_hook_in_graph(result)
+                self.hooked = self.hooked or hook or _module_tree_hooked(self.f)
+                self.custom = self.custom or function
                 if threads is not None:
                     outputs = result[0] if self.has_aux and isinstance(result, tuple) else result
                     self.threads = self.threads or foreign(

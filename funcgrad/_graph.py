@@ -440,8 +440,9 @@ class Graph:
     # The walk from the outputs met a leaf other than through ``through`` (a head's own
     # parameter): see :meth:`refusing`. (True where unknown: the full search.)
     leaves_above: bool = True
-    # A module's full backward hook runs from ``through`` down (see MODULE_HOOK): it must
-    # see the gradients torch's backward would give it, not ``through``'s unit directions.
+    # A module's full backward hook runs from ``through`` down (see MODULE_HOOK), or a custom
+    # autograd.Function not known to be linear (see _Kind): it must see the gradients
+    # torch's backward would give it, not ``through``'s unit directions.
     hooked: bool = False
 
     @classmethod
@@ -490,7 +491,7 @@ class Graph:
             if kind.embedding and getattr(node, "_saved_sparse", False):
                 sparse = True
             compiled = compiled or kind.compiled
-            hooked = hooked or (kind.hook and node not in heads)
+            hooked = hooked or ((kind.hook or kind.opaque) and node not in heads)
         alone, freed_by_losses = _alone(parts)
         return cls(
             freed,
@@ -571,6 +572,9 @@ class _Kind:
     checkpoint: bool  # a reentrant checkpoint's backward (see REENTRANT_CHECKPOINT)
     compiled: bool  # a torch.compile'd backward (see COMPILED_BACKWARD)
     hook: bool  # a module's full backward hook (see MODULE_HOOK)
+    # A custom autograd.Function not known to be linear in its cotangent (not torch's own,
+    # such as a reentrant checkpoint): its backward may clamp or normalise it.
+    opaque: bool
 
 
 _KINDS: dict[type, _Kind] = {}
@@ -595,9 +599,31 @@ def _kind(node: Any) -> _Kind:
             name == REENTRANT_CHECKPOINT,
             name == COMPILED_BACKWARD,
             name == MODULE_HOOK,
+            custom and not _torch_own(getattr(type(node), "_forward_cls", None)),
         )
         _KINDS[type(node)] = kind
     return kind
+
+
+def _torch_own(function: Any) -> bool:
+    """Whether a custom autograd.Function is torch's own (a reentrant checkpoint, a module's
+    backward hook, a collective) or funcgrad's (``counted``), whose backward is linear in
+    its cotangent; not the class torch.func generates for a user's Function."""
+    module = getattr(function, "__module__", None) or ""
+    return module.startswith(("torch.", "funcgrad.")) and (
+        module != "torch._functorch.autograd_function"
+    )
+
+
+def hook_or_function(starts: Iterable[Any]) -> tuple[bool, bool]:
+    """Whether the nodes reached from ``starts`` hold a module's backward hook (see
+    MODULE_HOOK), and a custom autograd.Function not known to be linear in its cotangent
+    (see :class:`_Kind`): one walk."""
+    hook = function = False
+    for node in nodes(starts):
+        kind = _kind(node)
+        hook, function = hook or kind.hook, function or kind.opaque
+    return hook, function
 
 
 def _custom_saves(node: Any) -> bool:

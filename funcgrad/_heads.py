@@ -470,11 +470,11 @@ class Composition:
         ran: list[Plan] = []
 
         def replan(m: int, hooked: bool) -> Plan:  # y's size known: f ran (no forward mode)
-            if held is not None and m == held[1].m and not hooked:
+            if held is not None and m == held[1].m and not (hooked or flat.custom):
                 ran.append(held[1])
             else:
                 asked = request or self._request(flat, record, fit, check=check)
-                ran.append(decide(after_f(asked, m, hooked), record))
+                ran.append(decide(after_f(asked, m, hooked, flat.custom), record))
             return ran[-1]
 
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)

@@ -46,6 +46,15 @@ _FORWARD = (
 _FORWARD_LOST = (
     "forward mode fell back on an earlier call of f -> reverse mode, the k cotangents pulled back"
 )
+_CUSTOM = (
+    "f runs a custom autograd.Function whose backward may be nonlinear in its cotangent (a "
+    "clamp) -> each head's cotangent is pulled through f, as vmap(vjp) does"
+)
+_ASSERTED = (
+    "f runs a custom autograd.Function: strategy={!r} assumes its backward is linear in its "
+    "cotangent (as torch.func.{} does; jacfwd runs its jvp instead); 'auto' would pull each "
+    "head's cotangent"
+)
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "vjp": (_TORCH_FUNC, _VMAP),
     "loop": (_TORCH_FUNC,),
@@ -198,7 +207,8 @@ class Request:
     force (None: not measured), ``paired``: fitted on two vmapped chunks. ``eager``: outside
     transforms and compiled code (records are kept); ``graph``: a graph of the results is
     wanted (grad mode on). ``forward``: forward mode may still run (False once f ran).
-    ``hooked``: this call's run of f registered a tensor hook. ``check``: ``check`` is on.
+    ``hooked``: this call's run of f registered a tensor hook; ``custom``: it ran a custom
+    autograd.Function not known to be linear in its cotangent. ``check``: ``check`` is on.
     ``once``: a one-shot pull through a recorded graph (``grads``, ``backward``): nothing is
     timed or learnt; ``last``: its pull frees the graph, so nothing can be recomputed after
     it; ``sparse``: the graph gives a sparse gradient, which vmap cannot batch. ``engine``:
@@ -218,6 +228,7 @@ class Request:
     graph: bool = False
     forward: bool = True
     hooked: bool = False
+    custom: bool = False
     check: bool = False
     call: str = "funcgrad"
     once: bool = False
@@ -250,8 +261,11 @@ def _decide(request: Request, record: Record) -> Plan:
     """:func:`decide`, not memoised."""
     r, k, n = request, request.k, request.n
     m = r.m if r.m is not None else 0
-    linear = not (r.hooked or record.hooked)
-    _refuse(r, linear)
+    hooked = r.hooked or record.hooked
+    # (an explicit jacrev or jacfwd asserts a custom Function's linearity, as torch.func's)
+    custom = (r.custom or record.custom) and not hooked
+    linear = not (hooked or custom)
+    _refuse(r, not hooked)
     if r.once:
         return _once(r, linear)
     if r.weighted:
@@ -282,10 +296,14 @@ def _decide(request: Request, record: Record) -> Plan:
         why = _FORWARD_LOST if r.forward else why
     elif r.requested != "auto":
         strategy = r.requested
+        if custom and strategy in ("jacrev", "jacfwd"):
+            why = _ASSERTED.format(strategy, strategy)
     elif choice.forward:
         strategy = "jacfwd"
     else:  # reverse mode: the k > m rule (once f ran, where m was not known before)
         strategy = "jacrev" if r.m is not None and linear and m < k else "vjp"
+        if custom and r.m is not None and m < k:
+            why = _CUSTOM if why is None else f"{why}; {_CUSTOM}"
         if choice.loop:  # the fewer of k pullbacks or m rows, one at a time
             strategy, chunk = ("jacrev", 1) if strategy == "jacrev" else ("loop", None)
     engine = "torch.func" if strategy == "jacfwd" else choice.engine
@@ -345,20 +363,20 @@ def _decide_once(
     return decide(request, Record())
 
 
-def after_f(request: Request, m: int, hooked: bool) -> Request:
+def after_f(request: Request, m: int, hooked: bool, custom: bool = False) -> Request:
     """``request`` once f ran: y's real size ``m`` known, forward mode no longer possible,
-    ``hooked`` as f's run found. Memoised as :func:`decide` is: a steady-state call asks the
-    same every time (docs/performance.md)."""
+    ``hooked`` and ``custom`` as f's run found. Memoised as :func:`decide` is: a
+    steady-state call asks the same every time (docs/performance.md)."""
     if torch.compiler.is_compiling():
-        return _after_f(request, m, hooked)
+        return _after_f(request, m, hooked, custom)
     try:
-        return _after_f_memoised(request, m, hooked)
+        return _after_f_memoised(request, m, hooked, custom)
     except TypeError:  # (a field that does not hash: a symbolic size under tracing)
-        return _after_f(request, m, hooked)
+        return _after_f(request, m, hooked, custom)
 
 
-def _after_f(request: Request, m: int, hooked: bool) -> Request:
-    return dataclasses.replace(request, m=m, forward=False, hooked=hooked)
+def _after_f(request: Request, m: int, hooked: bool, custom: bool) -> Request:
+    return dataclasses.replace(request, m=m, forward=False, hooked=hooked, custom=custom)
 
 
 _after_f_memoised = functools.lru_cache(maxsize=1024)(_after_f)
@@ -457,6 +475,7 @@ def _forward_ok(r: Request, record: Record) -> bool:
         r.forward
         and r.m is not None
         and not (record.random or record.hooked or record.forward_lost or record.threads)
+        and not record.custom
         and not record.no_grad
     )
 
@@ -578,6 +597,7 @@ def _forward_possible(r: Request, record: Record) -> bool:
         and _one_batch(r)
         and 0 < FORWARD_MODE_PENALTY * r.n < r.k
         and not (record.random or record.hooked or record.forward_lost or record.threads)
+        and not record.custom
         and not record.no_grad
     )
 

@@ -634,16 +634,22 @@ def pullback(
     if records is not None and (
         flat.watch
         or flat.hooked > record.hooked
+        or flat.custom > record.custom
         or lin.compiled > record.compiled
         or flat.threads > record.threads
         or not records.is_last(key)
     ):
         seen = Observations(
-            watched=flat.watch, hooked=flat.hooked, compiled=lin.compiled, threads=flat.threads
+            watched=flat.watch,
+            hooked=flat.hooked,
+            custom=flat.custom,
+            compiled=lin.compiled,
+            threads=flat.threads,
         )
         records.learn(key, record, seen)
-    # A tensor hook in f may be nonlinear in its gradient: each cotangent goes through f.
-    hooked = flat.hooked or record.hooked
+    # A tensor hook in f, or a custom autograd.Function's backward, may be nonlinear in its
+    # gradient: each cotangent goes through f.
+    hooked = flat.hooked or record.hooked or flat.custom or record.custom
     pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)

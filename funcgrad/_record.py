@@ -89,6 +89,7 @@ class Facts:
 
     random: bool = False  # f draws random numbers: eager autograd, no forward mode
     hooked: bool = False  # f runs a (tensor or module) backward hook: cotangents only
+    custom: bool = False  # f runs a custom autograd.Function maybe nonlinear: auto, cotangents only
     compiled: bool = False  # f's graph holds a torch.compile'd backward: torch.func
     mutates: bool = False  # torch.func refuses f (a buffer updated in place, ...)
     rnn: bool = False  # f runs an RNN, whose backward vmap batches badly

@@ -15,7 +15,10 @@ Strategy: TypeAlias = Literal["auto", "vjp", "jacrev", "jacfwd", "loop"]
 """How the k head cotangents are pulled back through f: `"vjp"` (the k cotangents), `"jacrev"`
 (the m unit directions of y, then a product), `"jacfwd"` (the n columns of the Jacobian, in
 forward mode), `"loop"` (one unbatched backward per head), or `"auto"` (the fewest passes,
-from the shapes, then measured on the first call on new shapes)."""
+from the shapes, then measured on the first call on new shapes). `"jacrev"` and `"jacfwd"`
+assume f's pullback linear in the cotangent, as `torch.func.jacrev` does; `"auto"` pulls each
+head's cotangent where f runs a backward hook or a custom `autograd.Function` not of torch's
+own."""
 # What a plan runs ("weighted": one pullback of w @ V).
 Executed = Literal["vjp", "jacrev", "jacfwd", "loop", "weighted"]
 Engine = Literal["torch.func", "autograd"]

@@ -828,7 +828,17 @@ def test_learn(record, seen, expected):
     assert learn(record, seen) == expected
 
 
-_BOOLS = ("random", "hooked", "compiled", "mutates", "rnn", "slow_path", "threads", "no_grad")
+_BOOLS = (
+    "random",
+    "hooked",
+    "custom",
+    "compiled",
+    "mutates",
+    "rnn",
+    "slow_path",
+    "threads",
+    "no_grad",
+)
 
 
 def _records_and_observations():
