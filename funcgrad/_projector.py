@@ -747,26 +747,24 @@ def _active_set(
     point, serves both its KKT residual and the next round's start."""
     tiny = torch.finfo(A.dtype).tiny
     free = torch.sign(gap)
-    # y and g = A y share one buffer, and so do the CG direction q and A q: one op steps both
-    state = torch.empty((2, *low.shape), dtype=A.dtype, device=A.device)
-    y, g = state
-    torch.add(low, gap, out=y)  # low off F (gap is 0 there), and so at every round's start
-    torch.mm(y, A, out=g)
+    y = low + gap  # low off F (gap is 0 there), and so at every round's start below
+    g = y @ A
     best, least = _candidates(A, low, gap, g)
-    pair = torch.empty_like(state)
-    q, Aq = pair  # q: minus the CG direction
     for round_ in range(rounds):
-        ss = _dot(torch.mul(g, free, out=q), q)  # q starts as the face's gradient, (A y)_F
+        s = g * free  # the face's gradient, (A y)_F; q: minus the CG direction
+        q, ss = s, _dot(s, s)
         for _ in range(cg_steps >> max(0, 2 - round_ // 3)):
-            torch.mm(q, A, out=Aq)
-            state.addcmul_(ss / _dot(q, Aq).clamp_min_(tiny), pair, value=-1)
+            Aq = q @ A
+            alpha = ss / _dot(q, Aq).clamp_min_(tiny)
+            y.addcmul_(alpha, q, value=-1)
+            g.addcmul_(alpha, Aq, value=-1)
             s = g * free
             ss, previous = _dot(s, s), ss
-            torch.addcmul(s, ss / previous.clamp_min_(tiny), q, out=q)
+            q = torch.addcmul(s, ss / previous.clamp_min_(tiny), q)
         x = y - low
         free = free * (x > 0) + (1 - free) * (g < 0)  # g off F: the multipliers
-        torch.add(low, x.clamp_min_(0), out=y)  # 0 off the new F, by the clamp or the old bound
-        torch.mm(y, A, out=g)
+        y = low + x.clamp_min_(0)  # 0 off the new F, as the clamp or the old bound set it
+        g = y @ A
         best, least = _keep_better(A, low, x, best, least, g)
     return best
 

@@ -457,17 +457,15 @@ def test_float32_active_set_rounds_need_admm_iterations_first() -> None:
 
 def test_float32_default_above_polish_max_costs_fewer_ops() -> None:
     """The rounds' conjugate-gradient steps are one product and about 10 small ops each,
-    where an MPRGP iteration is about 45: about 2,200 ops at m = 128 (session 9's 256 ADMM
-    and 64 MPRGP iterations: 4,864), with every row converged. A CG step steps the iterate
-    and its gradient in one op (one buffer each for (y, A y) and (q, A q)): 2,224, from
-    session 11's 2,336."""
+    where an MPRGP iteration is about 45: about 2,300 ops at m = 128 (session 9's 256 ADMM
+    and 64 MPRGP iterations: 4,864), with every row converged."""
     m = 128
     G = random_gramian(0, m).float()
     project = funcgrad.DualConeProjector(check=False)
     with _OpCount() as ops:
         W = project(torch.eye(m) / m, G)
     assert bool(torch.isfinite(W).all())
-    assert ops.count <= 2250, ops.count
+    assert ops.count <= 2600, ops.count
 
 
 class _ProductCount(TorchDispatchMode):
