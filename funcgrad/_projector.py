@@ -200,36 +200,51 @@ class DualConeProjector:
         check: CheckMode | None = None,
         rounds: int | None = None,
     ) -> None:
-        call = "funcgrad.DualConeProjector(...)"
-        if not _is_number(norm_eps) or not 0.0 <= norm_eps < math.inf:
-            raise ValueError(f"{call}: `norm_eps` must be a finite number >= 0, got {norm_eps!r}.")
-        if not _is_number(reg_eps) or not _MIN_REG_EPS <= reg_eps < math.inf:
-            raise ValueError(
-                f"{call}: `reg_eps` must be a finite number >= {_MIN_REG_EPS:g}, got "
-                f"{reg_eps!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
-                "impractical iteration count; use TorchJD's QuadprogProjector there."
-            )
-        for name, value in (("max_iter", max_iter), ("admm_iter", admm_iter), ("rounds", rounds)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 0
-            ):
-                raise ValueError(f"{call}: `{name}` must be an int >= 0 or None, got {value!r}.")
-        if tol is not None and (not _is_number(tol) or not 0.0 < tol < math.inf):
-            raise ValueError(f"{call}: `tol` must be a finite number > 0 or None, got {tol!r}.")
-        if check is not None and not (check is True or check is False or check == "strict"):
-            raise ValueError(
-                f"{call}: `check` must be None, True, False or 'strict', got {check!r}. "
-                "True reads once per call and re-solves unconverged rows with quadprog; "
-                "'strict' raises instead; False reads nothing (unconverged rows are NaN)."
-            )
-        self.norm_eps = float(norm_eps)
-        self.reg_eps = float(reg_eps)
+        # Each option is checked where it is set (`__setattr__`), here and on later assignment.
+        self.norm_eps = norm_eps
+        self.reg_eps = reg_eps
         self.max_iter = max_iter
         self.admm_iter = admm_iter
         self.rounds = rounds
         self.tol = tol
         self.check = check
         _register_with_torchjd()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Checks an option where it is set, in ``__init__`` and on a later assignment (as
+        TorchJD's projectors' setters do), so a bad value never reaches a call."""
+        call = f"funcgrad.DualConeProjector(...).{name}"
+        if name == "norm_eps":
+            if not _is_number(value) or not 0.0 <= value < math.inf:
+                raise ValueError(f"{call}: `norm_eps` must be a finite number >= 0, got {value!r}.")
+            value = float(value)
+        elif name == "reg_eps":
+            if not _is_number(value) or not _MIN_REG_EPS <= value < math.inf:
+                raise ValueError(
+                    f"{call}: `reg_eps` must be a finite number >= {_MIN_REG_EPS:g}, got "
+                    f"{value!r}. Below it G's conditioning (up to 1 / reg_eps) needs an "
+                    "impractical iteration count; use TorchJD's QuadprogProjector there."
+                )
+            value = float(value)
+        elif name in ("max_iter", "admm_iter", "rounds"):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{call}: `{name}` must be an int >= 0 or None, got {value!r}.")
+        elif name == "tol":
+            if value is not None and (not _is_number(value) or not 0.0 < value < math.inf):
+                raise ValueError(
+                    f"{call}: `tol` must be a finite number > 0 or None, got {value!r}."
+                )
+        elif name == "check" and not (
+            value is None or value is True or value is False or value == "strict"
+        ):
+            raise ValueError(
+                f"{call}: `check` must be None, True, False or 'strict', got {value!r}. "
+                "True reads once per call and re-solves unconverged rows with quadprog; "
+                "'strict' raises instead; False reads nothing (unconverged rows are NaN)."
+            )
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         options = {

@@ -1181,6 +1181,18 @@ def test_call_errors(U: torch.Tensor, G: torch.Tensor, error: type, match: str) 
 def test_constructor_errors(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         funcgrad.DualConeProjector(**kwargs)  # type: ignore[arg-type]
+    # The same check on a later assignment (as TorchJD's setters): the projector keeps its
+    # last good value and its answer.
+    projector = funcgrad.DualConeProjector()
+    ((name, value),) = kwargs.items()
+    before = getattr(projector, name)
+    with pytest.raises(ValueError, match=rf"DualConeProjector\(\.\.\.\)\.{name}: .*{match}"):
+        setattr(projector, name, value)
+    assert getattr(projector, name) == before
+    G = random_gramian(0, 4)
+    torch.testing.assert_close(
+        projector(torch.eye(4), G), funcgrad.DualConeProjector()(torch.eye(4), G)
+    )
 
 
 def _invalid_inputs() -> list[tuple[str, torch.Tensor, torch.Tensor, str]]:
