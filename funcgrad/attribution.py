@@ -505,7 +505,18 @@ def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
     """A tensor by identity (weakly), version counter (an in-place change) and storage
     address and shape (``t.data = other`` changes neither identity nor version)."""
-    return (_Same(t), t._version, t.data_ptr(), t.shape)
+    return (_Same(t), *_storage(t))
+
+
+def _storage(t: torch.Tensor) -> tuple[Any, ...]:
+    """Version, storage address, shape and strides; the type alone for a lazy module's
+    parameter or buffer before its first run, or a sparse tensor (which have no address)."""
+    if (
+        isinstance(t, (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer))
+        or t.layout != torch.strided
+    ):
+        return (type(t),)
+    return (type(t), t._version, t.data_ptr(), t.shape, t.stride(), t.storage_offset())
 
 
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
@@ -526,8 +537,21 @@ def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple
         for owner in owners
         if hasattr(owner, "__dict__")
     ) + tuple(
-        _tensor(p) for module in modules for p in module._parameters.values() if p is not None
+        _parameter(name, p)
+        for module in modules
+        for name, p in module._parameters.items()
+        if p is not None
     )
+
+
+def _parameter(name: str, p: torch.Tensor) -> tuple[Any, ...]:
+    """A parameter by name, ``id``, version, storage address, shape and strides, holding no
+    weak reference (``torch.utils.swap_tensors``, which ``model.float()`` and
+    ``load_state_dict`` use where swapping is on, refuses a tensor with one). A write that
+    skips the version counter (``p.data.add_``, a ``fused=True`` optimizer on the CPU, a
+    NumPy view) is not seen; a lazy module's parameter before its first run is seen by
+    type only."""
+    return (name, id(p), *_storage(p))
 
 
 def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Same]]]:
