@@ -252,7 +252,7 @@ def checked_shape(
         raise TypeError(
             f"{call}: `weighting` must return real floating-point weights, got {weights.dtype}."
         )
-    return weights if keep_graph else weights.detach().clone()
+    return weights.clone() if keep_graph else weights.detach().clone()
 
 
 def check_finite(weights: torch.Tensor, source: str, call: str) -> torch.Tensor:

@@ -484,3 +484,31 @@ def test_the_returned_weights_do_not_alias_the_weightings_state(name, level):
         runs.append(seen)
     for kept, mutated in zip(*runs):
         torch.testing.assert_close(mutated, kept, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["params", "features"])
+@pytest.mark.parametrize("name", ["ExcessMTLWeighting", "CRMOGMWeighting"])
+def test_the_weights_kept_in_the_graph_do_not_alias_the_weightings_state(name, level):
+    """With ``create_graph=True`` the weights keep their graph and were, until session 12's
+    review, the weighting's state tensor itself."""
+    encoder, heads, _ = _model()
+    x = torch.randn(10, 5)
+    runs = []
+    for mutate in (False, True):
+        fn = funcgrad.combine_heads(
+            encoder,
+            [lambda y, h=h: h(y).pow(2).mean() for h in heads],
+            OBJECTS[name](),
+            level=level,
+            create_graph=True,
+        )
+        seen = []
+        for _ in range(3):
+            _, _, weights = fn(x)
+            seen.append(weights.detach().clone())
+            if mutate:
+                with torch.no_grad():
+                    weights.mul_(100.0)
+        runs.append(seen)
+    for kept, mutated in zip(*runs):
+        torch.testing.assert_close(mutated, kept, rtol=0, atol=0)
