@@ -608,10 +608,11 @@ def _kind(node: Any) -> _Kind:
 def _torch_own(function: Any) -> bool:
     """Whether a custom autograd.Function is torch's own (a reentrant checkpoint, a module's
     backward hook, a collective) or funcgrad's (``counted``), whose backward is linear in
-    its cotangent; not the class torch.func generates for a user's Function."""
+    its cotangent; not the class torch.func generates for a user's Function, nor the one
+    ``torch.library.custom_op``'s ``register_autograd`` wraps a user's backward in."""
     module = getattr(function, "__module__", None) or ""
-    return module.startswith(("torch.", "funcgrad.")) and (
-        module != "torch._functorch.autograd_function"
+    return module.startswith(("torch.", "funcgrad.")) and not module.startswith(
+        ("torch._functorch.autograd_function", "torch._library")
     )
 
 
