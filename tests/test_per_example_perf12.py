@@ -116,3 +116,52 @@ def test_a_convolution_records_no_graph_for_its_per_example_gradients():
                 gram = funcgrad.per_example_gramian(losses)
             assert saved == []
             torch.testing.assert_close(gram, rows @ rows.T, rtol=1e-12, atol=1e-12)
+
+
+def test_the_clips_norms_carry_no_graph():
+    """The clip's factors came from the undetached G in session 12's first version: on a
+    module under the generic rule the returned norms held G's graph (4 MiB at B = 64)."""
+
+    class Sine(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x * self.w)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Sine(), torch.nn.Linear(5, 2)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    with funcgrad.per_example(model):
+        for _ in range(3):
+            norms = funcgrad.per_example_clip(model(x).pow(2).sum(-1), 1.0)
+            assert not norms.requires_grad and norms.grad_fn is None
+
+
+def test_the_flat_norms_keep_float32_under_cpu_autocast():
+    """CPU autocast lists `vecdot`: the flat Linear's norms came out in bf16 precision (2.9e-3
+    off, a clipped norm 1.003 C) in session 12's first version; 3.7e-4 as before."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 4),
+    ).float()
+    x = torch.randn(16, 64, dtype=torch.float32)
+    params = list(model.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(x).float().pow(2).sum(1)
+    want = torch.stack(
+        [
+            torch.cat(
+                [g.flatten().double() for g in torch.autograd.grad(loss, params, retain_graph=True)]
+            )
+            for loss in losses
+        ]
+    ).norm(dim=1)
+    with funcgrad.per_example(model), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = funcgrad.per_example_norms(model(x).float().pow(2).sum(1))
+    assert float(((got.double() - want) / want).abs().max()) < 1e-3

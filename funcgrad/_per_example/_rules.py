@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import describe
+from .._weighting import no_autocast
 from ._layer import (
     _BLOCK,
     _add,
@@ -178,8 +179,9 @@ class _Dense(_Rows):
         if flat is not None and "weight" in self.params:  # the bias's rows are Δ itself
             a, d = flat[0].to(dtype), flat[1].to(dtype)
             self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
-            inputs: torch.Tensor = torch.linalg.vecdot(a, a)
-            outputs: torch.Tensor = torch.linalg.vecdot(d, d)
+            with no_autocast(a.device):  # (CPU autocast lists vecdot: bf16 norms)
+                inputs: torch.Tensor = torch.linalg.vecdot(a, a)
+                outputs: torch.Tensor = torch.linalg.vecdot(d, d)
             return (inputs + 1 if "bias" in self.params else inputs) * outputs
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         found = self.zero_diagonal() if bias is None else _squares(bias)

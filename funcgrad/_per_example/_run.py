@@ -243,7 +243,7 @@ class _Run:
         if self.rule.kind == "sum" or not write:
             weights = torch.ones(self.batch, dtype=self.dtype, device=self.device)
         elif type(self.rule.fn) is _Clip:  # ours: (B,) factors in (0, 1], finite as G is
-            weights = self.rule.fn(gram)
+            weights = self.rule.fn(gram.detach())  # (the norms it keeps are returned)
         else:
             weights = _weighting.weights_from_gramian(self.rule, gram, self.call, "example")
             if not values_readable([weights]) or not _finite(weights):  # (the message)
