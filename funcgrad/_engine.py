@@ -805,11 +805,14 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     (``torch._lazy_clone``): nothing is copied unless ``t`` or the copy is written to later,
     which then copies for itself (measured: a plain clone of the images of 8 directions on
     a 1.3M-parameter MLP took as long as their pullback). Elsewhere, and for a tensor
-    subclass, a plain clone (copy-on-write is exercised here on the CPU only)."""
+    subclass, a plain clone (copy-on-write is exercised here on the CPU only), as for memory
+    torch did not allocate (``from_numpy``, ``frombuffer``, DLPack, shared memory), whose
+    storage it cannot share."""
     t = t.detach() if t.requires_grad else t  # (no graph to cut otherwise)
     if _LAZY_CLONE is not None and t.is_cpu and type(t) is torch.Tensor:
-        copy: torch.Tensor = _LAZY_CLONE(t)
-        return copy
+        with contextlib.suppress(RuntimeError):
+            copy: torch.Tensor = _LAZY_CLONE(t)
+            return copy
     return t.clone()
 
 

@@ -242,3 +242,23 @@ def test_on_torch_func_a_tensor_a_closure_captures_is_not_seen():
     w.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place"):
         pb(v1 + v2)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["pb(v)", "pb.many"])
+def test_a_cotangent_in_memory_torch_did_not_allocate_is_pulled(many):
+    """A cotangent from NumPy (or shared memory, DLPack) has a storage torch cannot share
+    copy-on-write: holding it raised "Expected storage != nullptr" after f's pull had run
+    (session 12's review)."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.float64)
+    x = torch.randn(3, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(w @ x)
+
+    _, pb = funcgrad.pullback(f, x)
+    rows = torch.randn(2, 4, dtype=torch.float64).numpy()
+    for call in range(3):
+        (got,) = pb.many(torch.from_numpy(rows)) if many else pb(torch.from_numpy(rows[0]))
+        expected = torch.stack([autograd_vjp(f, x, torch.from_numpy(row).clone()) for row in rows])
+        torch.testing.assert_close(got, expected if many else expected[0], msg=f"call {call + 1}")
