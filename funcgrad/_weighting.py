@@ -305,6 +305,7 @@ def checked_weights(
     # it, the exact checks below find nothing to refuse; with it, how many ranks raised.)
     if values_readable([g]):
         total = g.sum() + weights.sum()
+        total = total.detach() if total.requires_grad else total  # (float() warns)
         if flags is not None:  # (NaN where a rank raised)
             total = torch.where(flags.to(total.device).any(), math.nan, total)
         if not math.isfinite(float(total)):
