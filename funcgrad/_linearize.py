@@ -291,29 +291,30 @@ def losses_backward(
     costs what the k backwards cost on the CPU (docs/benchmarks.md), each head's nodes run
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
+    ones = _ones(outputs)
     if not summed and not any(own):  # (no output's own leaves: the usual heads, k calls)
         plain = _plain(outputs, through, None)
         pulled = [
-            autograd_grad(z, through, None, retain or not free, create_graph, plain=plain)
-            for z, free in zip(outputs, alone, strict=True)
+            autograd_grad(z, through, one, retain or not free, create_graph, plain=plain)
+            for z, one, free in zip(outputs, ones, alone, strict=True)
         ]
         cotangents = tuple(torch.stack([row[j] for row in pulled]) for j in range(len(through)))
         return cotangents, (), (), False
     leaves = tuple({id(x): x for mine in own for x in mine}.values())
     if summed:  # (all the outputs as roots of one backward: no sum built, on any devices)
         grads = autograd_grad(
-            tuple(outputs), leaves + through, None, retain_graph=retain, create_graph=create_graph
+            tuple(outputs), leaves + through, ones, retain_graph=retain, create_graph=create_graph
         )
         return tuple(g[None] for g in grads[len(leaves) :]), leaves, grads[: len(leaves)], True
     index = {id(x): i for i, x in enumerate(leaves)}
     sums: list[Any] = [None] * len(leaves)
     rows: list[Tensors] = []
     plain = _plain(outputs, through + leaves, None)  # (once for the k calls)
-    for z, mine, free in zip(outputs, own, alone, strict=True):
+    for z, one, mine, free in zip(outputs, ones, own, alone, strict=True):
         row = autograd_grad(
             z,
             through + mine,
-            None,
+            one,
             retain_graph=retain or not free,
             create_graph=create_graph,
             plain=plain,
@@ -324,6 +325,21 @@ def losses_backward(
             sums[i] = g if sums[i] is None else sums[i] + g
     cotangents = tuple(torch.stack([row[j] for row in rows]) for j in range(len(through)))
     return cotangents, leaves, tuple(sums), False
+
+
+def _ones(outputs: Tensors) -> list[Any]:
+    """The unit cotangent of each scalar output, as the views of one tensor of ones (two ops,
+    not one per output) where all are 0-dim of one floating dtype and device; else None each
+    (each then gets torch's own, or its error). The views share no element, so a backward
+    that writes into its cotangent changes no other's."""
+    z = outputs[0] if outputs else None
+    if (
+        z is not None
+        and z.dtype.is_floating_point
+        and all(o.dim() == 0 and o.dtype == z.dtype and o.device == z.device for o in outputs)
+    ):
+        return list(torch.ones(len(outputs), dtype=z.dtype, device=z.device).unbind())
+    return [None] * len(outputs)
 
 
 def backward_grad(outputs: Any, inputs: Tensors, cotangents: Any, retain_graph: bool) -> Tensors:

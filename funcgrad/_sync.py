@@ -123,8 +123,9 @@ class Sync:
     def write(self, leaves: Sequence[torch.Tensor], update: Tensors) -> None:
         """``.grad += update`` on the shared leaves (see :func:`accumulate`), then their
         post-accumulate-grad hooks, once each."""
-        for leaf, u in zip(leaves, update):
-            accumulate(leaf, u)
+        with _ACCUMULATING:  # (see accumulate)
+            for leaf, u in zip(leaves, update):
+                _accumulate(leaf, u)
         post_accumulate(leaves)
 
 
@@ -170,11 +171,12 @@ def _accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
         return
     # (no data_ptr() here: on a copy-on-write tensor it makes the copy)
     whole = (
-        grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+        _copy_on_write(grad)
+        and grad.untyped_storage().nbytes() == grad.nbytes
         and (grad._base is None or grad.is_contiguous())  # (a view of all its storage)
         and _obeys_layout(grad, leaf)
     )
-    clone = _lazy_clone(grad) if whole and _copy_on_write(grad) else None
+    clone = _lazy_clone(grad) if whole else None
     leaf.grad = clone if clone is not None else _in_layout_of(grad, leaf)
 
 
@@ -187,7 +189,7 @@ def _copy_on_write(grad: torch.Tensor) -> bool:
     case, is then taken as it is), and a tensor someone else still holds is copied by
     whichever side writes first. On the CPU and for plain tensors only (where it is
     exercised); elsewhere the first ``.grad`` is a plain clone."""
-    return _LAZY_CLONE is not None and grad.device.type == "cpu" and type(grad) is torch.Tensor
+    return _LAZY_CLONE is not None and grad.is_cpu and type(grad) is torch.Tensor
 
 
 def _lazy_clone(grad: torch.Tensor) -> torch.Tensor | None:

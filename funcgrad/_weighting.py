@@ -204,11 +204,17 @@ def gramian(blocks: Sequence[torch.Tensor], keep_graph: bool = False) -> torch.T
     """``sum_b b @ b.T`` over column blocks (k, m_b) of the task gradients (detached unless
     ``keep_graph``): block by block, so that a large k x n Jacobian is never concatenated (a
     small one is: one product); in float32 or wider, also under autocast."""
-    work = [(b if keep_graph else b.detach()).to(work_dtype(b.dtype)) for b in blocks]
+    work = [_as_work(b if keep_graph or not b.requires_grad else b.detach()) for b in blocks]
     if len(work) > 1 and sum(b.numel() for b in work) <= CONCAT_ENTRIES:
         work = [torch.cat(work, dim=1)]  # (cat promotes mixed dtypes, as the sum would)
     with no_autocast(work[0].device):
         return sum((b @ b.T for b in work[1:]), work[0] @ work[0].T)
+
+
+def _as_work(b: torch.Tensor) -> torch.Tensor:
+    """``b`` in its work dtype (itself where that is its dtype: no op)."""
+    dtype = work_dtype(b.dtype)
+    return b if b.dtype == dtype else b.to(dtype)
 
 
 def check_gramian(g: torch.Tensor, blocks: Sequence[torch.Tensor], what: str, call: str) -> None:
@@ -300,7 +306,8 @@ def checked_weights(
     # (One read: a sum is finite only where every entry is, and where finite entries overflow
     # it, the exact checks below find nothing to refuse; with it, how many ranks raised.)
     if values_readable([g]):
-        total = (g.sum() + weights.sum()).detach()
+        total = g.sum() + weights.sum()
+        total = total.detach() if total.requires_grad else total  # (float() warns)
         if flags is not None:  # (NaN where a rank raised)
             total = torch.where(flags.to(total.device).any(), math.nan, total)
         if not math.isfinite(float(total)):
@@ -429,7 +436,7 @@ def aggregate(
     every rank where the aggregator raised on any), then checked to be finite."""
     k, n = rows.shape
     given = f"the ({k}, {n}) Jacobian"
-    work = rows.to(work_dtype(rows.dtype))
+    work = _as_work(rows)
     if rule.kind == "jacobian":  # a weighting of the Jacobian: weights, no update
 
         def weigh() -> torch.Tensor:
@@ -500,8 +507,11 @@ def _aggregated(
 def weighted_sum(weights: torch.Tensor, grads: Sequence[torch.Tensor]) -> Tensors:
     """``sum_i w_i grads_i`` leaf by leaf, for per-task gradient leaves (k, ...), in their
     dtype (also under autocast)."""
-    k = weights.shape[0]  # (a matrix-vector product per leaf: cheaper than tensordot's)
+    k = weights.shape[0]  # (a vector-matrix product per leaf: cheaper than tensordot's)
     with no_autocast(weights.device):
         return tuple(
-            torch.mv(g.reshape(k, -1).T, weights.to(g.dtype)).view(g.shape[1:]) for g in grads
+            (
+                (weights if weights.dtype == g.dtype else weights.to(g.dtype)) @ g.reshape(k, -1)
+            ).view(g.shape[1:])
+            for g in grads
         )

@@ -897,3 +897,36 @@ def test_pullback_through_a_compiled_backward_checks_its_second_pass(wrong):
     _, again = funcgrad.pullback(f, x)
     assert again._lin.engine == "torch.func"
     torch.testing.assert_close(again(v[1])[0], 2 * v[1] * x.cos())
+
+
+class _WritesIntoItsCotangent(torch.autograd.Function):
+    """Identity whose backward doubles its cotangent in place (allowed: it is its own)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(2)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_losses_backward_builds_the_unit_cotangents_in_one_tensor(mixed):
+    # k scalar losses of one dtype: one tensor of ones, not one ones_like per loss; each
+    # loss's cotangents as autograd's own (float64), also where a backward writes into its
+    # cotangent, and with losses of two dtypes (one ones_like each).
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    y = x.sin()
+    losses = [(y * i).sum() for i in range(1, 5)]
+    losses[1] = _WritesIntoItsCotangent.apply(losses[1])
+    if mixed:
+        losses[2] = losses[2].float()
+    want = [torch.autograd.grad(z, y, retain_graph=True)[0] for z in losses]
+    with torch.autograd.profiler.profile() as prof:
+        (v,), _, _, _ = _linearize.losses_backward(losses, (y,), [()] * 4, [False] * 4, retain=True)
+    ops = [e.name for e in prof.function_events if e.cpu_parent is None]
+    assert ops.count("aten::ones_like") == (4 if mixed else 0), ops
+    assert ops.count("aten::ones") == (0 if mixed else 1), ops
+    for row, w in zip(v, want):
+        torch.testing.assert_close(row, w)

@@ -337,3 +337,29 @@ def test_weighted_sum_leaf_by_leaf_and_the_checks_of_weights():
         _weighting.checked_shape(torch.ones(3, dtype=torch.long), 3, "G", CALL)
     with pytest.raises(ValueError, match=r"non-finite weights from G: expected 3 finite .* at 1 "):
         _weighting.check_finite(torch.tensor([1.0, float("nan"), 1.0]), "G", CALL)
+
+
+def _aten_ops(fn):
+    """The top-level aten ops one call of ``fn`` dispatches (counted, not timed)."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return [e.name for e in prof.function_events if e.cpu_parent is None]
+
+
+def test_gramian_and_weighted_sum_make_no_no_op_ops():
+    # Task gradients that need no grad, in their work dtype: nothing to detach or convert
+    # (each such op costs a dispatch per block, per call, and changes nothing).
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(3, *s, generator=gen, dtype=torch.float64) for s in [(4, 2), (5,)]]
+    blocks = [g.reshape(3, -1) for g in grads]
+    weights = torch.randn(3, generator=gen, dtype=torch.float64)
+    ops = _aten_ops(lambda: _weighting.gramian(blocks))
+    assert "aten::detach" not in ops and "aten::to" not in ops, ops
+    ops = _aten_ops(lambda: _weighting.weighted_sum(weights, grads))
+    assert "aten::to" not in ops and "aten::numpy_T" not in ops, ops
+    rows = torch.cat(blocks, dim=1)
+    torch.testing.assert_close(_weighting.gramian(blocks), rows @ rows.T)
+    update = _weighting.weighted_sum(weights.float(), grads)  # (w converted to each dtype)
+    for g, u in zip(grads, update):
+        torch.testing.assert_close(u, torch.tensordot(weights, g, dims=1))
+        assert u.dtype == g.dtype
