@@ -291,7 +291,7 @@ def losses_backward(
     costs what the k backwards cost on the CPU (docs/benchmarks.md), each head's nodes run
     either way, and it would need a second backward to free the graph and a host read to
     give autograd's NaN/inf, where a zero cotangent meets an infinite derivative.)"""
-    ones = _ones(outputs)
+    ones = _ones(outputs, create_graph)
     if not summed and not any(own):  # (no output's own leaves: the usual heads, k calls)
         plain = _plain(outputs, through, None)
         pulled = [
@@ -327,14 +327,17 @@ def losses_backward(
     return cotangents, leaves, tuple(sums), False
 
 
-def _ones(outputs: Tensors) -> list[Any]:
+def _ones(outputs: Tensors, create_graph: bool) -> list[Any]:
     """The unit cotangent of each scalar output, as the views of one tensor of ones (two ops,
     not one per output) where all are 0-dim of one floating dtype and device; else None each
     (each then gets torch's own, or its error). The views share no element, so a backward
-    that writes into its cotangent changes no other's."""
+    that writes into its cotangent changes no other's value; but they share one version
+    counter, so where a graph is built (which may save a cotangent, and a later head's
+    backward may write into its own) each gets torch's own."""
     z = outputs[0] if outputs else None
     if (
-        z is not None
+        not create_graph
+        and z is not None
         and z.dtype.is_floating_point
         and all(o.dim() == 0 and o.dtype == z.dtype and o.device == z.device for o in outputs)
     ):

@@ -930,3 +930,21 @@ def test_losses_backward_builds_the_unit_cotangents_in_one_tensor(mixed):
     assert ops.count("aten::ones") == (0 if mixed else 1), ops
     for row, w in zip(v, want):
         torch.testing.assert_close(row, w)
+
+
+def test_a_head_writing_into_its_cotangent_leaves_second_order_intact():
+    """With the k unit cotangents as views of one tensor (one version counter), a head whose
+    hook scales its cotangent in place broke the graph of an earlier head that saved its own
+    (review of session 12): `create_graph` gives each torch's own."""
+    torch.manual_seed(0)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    y = x.sin()
+    z1, z2 = (y * a).sum(), (y * y).sum()
+    z2.register_hook(lambda g: g.mul_(3))
+    want = [torch.autograd.grad(z, x, create_graph=True, retain_graph=True)[0] for z in (z1, z2)]
+    (got,) = funcgrad.grads([z1, z2], x, through=y, create_graph=True)
+    torch.testing.assert_close(got[1], want[1])
+    torch.testing.assert_close(
+        torch.autograd.grad(got[0].sum(), a)[0], torch.autograd.grad(want[0].sum(), a)[0]
+    )
