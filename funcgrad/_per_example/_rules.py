@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._errors import describe
-from .._weighting import no_autocast
 from ._layer import (
     _BLOCK,
     _add,
@@ -179,9 +178,8 @@ class _Dense(_Rows):
         if flat is not None and "weight" in self.params:  # the bias's rows are Δ itself
             a, d = flat[0].to(dtype), flat[1].to(dtype)
             self.rule = "ghost ‖A_b‖²‖Δ_b‖²"
-            with no_autocast(a.device):  # (CPU autocast lists vecdot: bf16 norms)
-                inputs: torch.Tensor = torch.linalg.vecdot(a, a)
-                outputs: torch.Tensor = torch.linalg.vecdot(d, d)
+            inputs: torch.Tensor = torch.linalg.vecdot(a, a)  # (autocast off: _Run.execute)
+            outputs: torch.Tensor = torch.linalg.vecdot(d, d)
             return (inputs + 1 if "bias" in self.params else inputs) * outputs
         bias = self.bias_rows().to(dtype) if "bias" in self.params else None
         found = self.zero_diagonal() if bias is None else _squares(bias)

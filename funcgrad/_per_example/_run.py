@@ -160,6 +160,12 @@ class _Run:
     # Execute ---------------------------------------------------------------------------
 
     def execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        # Autocast off: a caller's region is for its forward; under it the Gram products and
+        # the norms would run in bf16/fp16 (and a clipped norm exceed C).
+        with _weighting.no_autocast(self.device):
+            return self._execute(retain_graph, write)
+
+    def _execute(self, retain_graph: bool, write: bool) -> tuple[torch.Tensor, torch.Tensor]:
         recorder = self.recorder
         self.writes = write
         done: list[_Use] | None = None
