@@ -90,6 +90,7 @@ ALLOWED_READS = {
     "stacked_heads": 0,
     "pullback + pb(v)": 0,
     "pullback + pb.many(V)": 0,
+    "pb(v), a Pullback reused": 1,
     "combine_heads features": 1,
     "combine_heads params": 1,
     "grads": 0,

@@ -6,7 +6,8 @@ answer:
 
 - ``compose_heads``, ``stacked_heads`` and ``combine_heads``: ``torch.func.vjp`` once,
   ``jacrev`` over the stacked heads (the k cotangents in one call), ``vmap(vjp_fn)``;
-- ``pullback``: ``torch.func.vjp`` and its ``vjp_fn`` (``vmap(vjp_fn)`` for ``pb.many``);
+- ``pullback``: ``torch.func.vjp`` and its ``vjp_fn`` (``vmap(vjp_fn)`` for ``pb.many``),
+  and a held Pullback called again against the held ``vjp_fn``;
 - ``grads`` and ``backward(level="params")``: ``torch.autograd.grad(...,
   is_grads_batched=True)`` for the per-task cotangents and for the Jacobian;
 - ``backward(level="features")``: the LibMTL recipe, batched (the per-task gradients on a
@@ -158,6 +159,14 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
 
     points["pullback + pb(v)"] = EntryPoint(pullback_one, vjp_one, "vjp + vjp_fn(v)")
     points["pullback + pb.many(V)"] = EntryPoint(pullback_many, vjp_many, "vjp + vmap(vjp_fn)")
+
+    # One Pullback called again and again (its directions kept), as a torch.func user calls
+    # the vjp_fn they hold.
+    _, held = funcgrad.pullback(f, x)
+    _, held_vjp_fn = vjp(f, x)
+    points["pb(v), a Pullback reused"] = EntryPoint(
+        lambda: held(v1), lambda: held_vjp_fn(v1), "vjp_fn(v) of a held vjp"
+    )
 
     # combine_heads at both levels, on the same problem.
     for level in ("features", "params"):
