@@ -151,17 +151,7 @@ def test_the_flat_norms_keep_float32_under_cpu_autocast():
         torch.nn.Linear(64, 4),
     ).float()
     x = torch.randn(16, 64, dtype=torch.float32)
-    params = list(model.parameters())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = model(x).float().pow(2).sum(1)
-    want = torch.stack(
-        [
-            torch.cat(
-                [g.flatten().double() for g in torch.autograd.grad(loss, params, retain_graph=True)]
-            )
-            for loss in losses
-        ]
-    ).norm(dim=1)
+    want = _autocast_rows(model, x).norm(dim=1)
     with funcgrad.per_example(model), torch.autocast("cpu", dtype=torch.bfloat16):
         got = funcgrad.per_example_norms(model(x).float().pow(2).sum(1))
     assert float(((got.double() - want) / want).abs().max()) < 1e-3
@@ -175,18 +165,18 @@ def test_the_gramian_is_float32_under_cpu_autocast():
         torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)
     ).float()
     x = torch.randn(16, 64, dtype=torch.float32)
-    params = list(model.parameters())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = model(x).float().pow(2).sum(1)
-    rows = torch.stack(
-        [
-            torch.cat(
-                [g.flatten().double() for g in torch.autograd.grad(loss, params, retain_graph=True)]
-            )
-            for loss in losses
-        ]
-    )
+    rows = _autocast_rows(model, x)
     want = rows @ rows.T
     with funcgrad.per_example(model), torch.autocast("cpu", dtype=torch.bfloat16):
         got = funcgrad.per_example_gramian(model(x).float().pow(2).sum(1))
     assert float((got.double() - want).norm() / want.norm()) < 1e-3
+
+
+def _autocast_rows(model, x):
+    """The per-example gradients (float64) of the losses formed under CPU bf16 autocast."""
+
+    def losses(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().pow(2).sum(1)
+
+    return per_example_jacobian(model, losses).double()
