@@ -1,16 +1,12 @@
 """Attribution with many targets: every target token's attribution from one forward.
 
-``funcgrad.attribution.token_attr`` gives what captum 0.9's ``LLMGradientAttribution`` gives
-(``.token_attr``: one row per target token, one column per prompt token) with the model run
-once (or once per integration step, batched), instead of once per target. It is a thin
-composition of `funcgrad.compose_heads`: f is the model, fed the output of its embedding
-layer (a forward hook substitutes it, as captum's layer methods do), and the heads are the
-log-probabilities of the target tokens under teacher forcing.
-
-Why one forward is enough: in a causal LM, position i's logits read positions ``<= i`` only.
-So the teacher-forced forward of ``prompt + targets[:-1]`` computes, at position
-``len(prompt) + i - 1``, the same logits as captum's forward of ``prompt + targets[:i]``, and
-the same gradient with respect to every earlier embedding.
+``token_attr`` gives captum 0.9's ``LLMGradientAttribution(...).token_attr`` (one row per
+target, one column per prompt token) with the model run once (once per integration step,
+batched), not once per target: `funcgrad.compose_heads` of the model, fed its embedding
+layer's output (a forward hook substitutes it, as captum's layer methods do), and the
+targets' teacher-forced log-probabilities. In a causal LM position i reads positions
+``<= i``, so the forward of ``prompt + targets[:-1]`` gives at position ``L_in + i - 1``
+captum's logits (and gradients) of ``prompt + targets[:i]``.
 """
 
 from __future__ import annotations
@@ -62,23 +58,18 @@ forward-mode rule), else reverse mode."""
 METHODS: tuple[Method, ...] = ("gradient", "grad_x_input", "integrated_gradients")
 MODES: tuple[Mode, ...] = ("auto", "reverse", "forward")
 _CALL = "funcgrad.attribution.token_attr(model, input_ids, target_ids)"
-# "auto" takes forward mode where FORWARD_FACTOR x L_in < T (see _choose).
-FORWARD_FACTOR = 2.5
+FORWARD_FACTOR = 2.5  # "auto": forward mode where FORWARD_FACTOR x L_in < T (`_choose`)
 _PLAN_CALL = "funcgrad.attribution.plan(model, input_ids, target_ids)"
 
-# Models on which forward mode failed (a fused attention kernel without a forward-mode
-# rule), with the training flag they had (in train mode dropout's draws may be why): "auto"
-# takes reverse mode on them from then on, in that mode.
+# Per model, weakly: forward mode failed (with the training flag then: "auto" takes reverse
+# mode in that flag from then on); checked causal (`_check_causal`); the output layer did not
+# give the returned logits (a soft-cap after it: the heads read the logits from then on);
+# the last _COMPOSED_PER_MODEL composed functions per shapes (what compose_heads learns on a
+# first call serves the later ones).
 _NO_FORWARD: weakref.WeakKeyDictionary[torch.nn.Module, tuple[bool, str]]
 _NO_FORWARD = weakref.WeakKeyDictionary()
-# Models checked causal, with what the check saw of them (see _check_causal).
 _CAUSAL: weakref.WeakKeyDictionary[torch.nn.Module, _Probed] = weakref.WeakKeyDictionary()
-# Models whose output layer (``get_output_embeddings()``) did not give the returned logits
-# (a logit soft-cap after it, say): the heads read the logits on them from then on.
 _LOGITS_ONLY: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-# One composed function per model, embedding and shapes, so that what compose_heads learns on
-# a first call (chunk_size="auto"'s measurement) serves the later calls; the last
-# _COMPOSED_PER_MODEL shapes per model (each holds its heads' (T, rows, T) weights).
 _COMPOSED: weakref.WeakKeyDictionary[
     torch.nn.Module,
     collections.OrderedDict[
@@ -87,11 +78,8 @@ _COMPOSED: weakref.WeakKeyDictionary[
 ]
 _COMPOSED = weakref.WeakKeyDictionary()
 _COMPOSED_PER_MODEL = 16
-# One call at a time, whatever the model (see _claimed).
-_LOCK = threading.RLock()
-# The modules of the calls running now (in this thread: a call made from a model's forward),
-# by id: a call hooks them, so another call on any of them is refused.
-_BUSY: dict[int, torch.nn.Module] = {}
+_LOCK = threading.RLock()  # one call at a time, whatever the model (`_claimed`)
+_BUSY: dict[int, torch.nn.Module] = {}  # the hooked modules of the calls running, by id
 
 
 def _layer(model: torch.nn.Module, getter: str) -> torch.nn.Module | None:
@@ -110,16 +98,10 @@ def _hooked_layers(args: _Args) -> list[tuple[str, torch.nn.Module]]:
 
 @contextlib.contextmanager
 def _claimed(args: _Args) -> Iterator[None]:
-    """Runs one call alone. A call hooks the embedding layer (its output substituted) and the
-    output layer (its input detached) for the length of one forward, and the heads then call
-    the output layer: those hooks are the modules', run by every thread and by every model
-    that shares the layers (a wrapper and its base model, PEFT), so two calls at once would
-    run each other's (another call's embeddings substituted, the heads' rows detached:
-    refused, wrong, or functorch's internal asserts). So all calls run one at a time, under
-    one lock for every model (a lock per model let a wrapper and its base run together, and
-    two models whose forwards call each other deadlock). The lock is re-entrant: a model's
-    forward may call token_attr on another model, but not on the model, the embedding layer
-    or the output layer of a call already running (its hooks are installed: refused)."""
+    """Runs one call alone: its module hooks run in every thread and for every model sharing
+    the layers (a wrapper and its base, PEFT), so all calls share one re-entrant lock (one
+    per model let a wrapper and its base race, and deadlocks two models calling each other);
+    a call on a module of a call still running (from its forward) is refused."""
     modules = [args.model, *(layer for _, layer in _hooked_layers(args))]
     with _LOCK:
         busy = [module for module in modules if id(module) in _BUSY]
@@ -158,12 +140,10 @@ class AttributionPlan:
             the input, the baseline and the ``n_steps`` scaled inputs for each target).
         why: the reason for the mode.
         heads_read: where the heads (of the largest group, see ``forwards``) split from
-            the model: the input of its output layer
-            (``get_output_embeddings()``; head i applies the layer to its own position and
-            the cotangents are d wide), or the logits (no output layer, one that is not a
-            plain ``torch.nn.Linear`` without hooks, which may mix the positions, or one
-            whose output the model changes before returning it: the cotangents are a
-            vocabulary wide).
+            the model: the input of its output layer (``get_output_embeddings()``; head i
+            applies the layer to its own position: d-wide cotangents), or the logits (no
+            output layer, one that is not a plain ``torch.nn.Linear`` without hooks, or one
+            whose output the model changes: vocabulary-wide cotangents).
         chunk_size: the most cotangents pulled back together (`funcgrad.compose_heads`'
             argument): None in forward mode; 1 for integrated gradients on the CPU under
             ``"auto"`` (a loop: each pull is already a batch of ``n_steps`` sequences).
@@ -171,20 +151,13 @@ class AttributionPlan:
             1, or in reverse mode where T is well above L_in, a few groups of consecutive
             targets, each group's forward on its own prefix (so that the heads' backward
             runs over a shorter sequence, as captum's prefixes do).
-        elementwise: the model's activation modules (their names in
-            ``model.named_modules()``) known to be elementwise, whose backward of the T
-            cotangents (or forward-mode rule for the L_in tangents) runs as ONE product by
-            their derivative, computed once per forward (torch's one backward op on
-            ones where it has one, else ``torch.func.vjp`` of ones):
-            exact types from an allow-list (torch's ``GELU``, ``SiLU``, ``ReLU``, ``Tanh``,
-            ``Sigmoid``; transformers' ``NewGELUActivation``, ``GELUActivation``,
-            ``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``,
-            ``SiLUActivation``) whose forward, and the torch functions it looks up, are
-            their library's own code, not in place, without a forward or backward hook of
-            their own, and no global module forward or backward hook registered; not inside
-            a checkpointed region or a torch.func transform that the model's forward opens
-            (checked as they run), nor in a call inside a torch.func transform. The others
-            run their own rules.
+        elementwise: the names (in ``model.named_modules()``) of the activation modules
+            known to be elementwise, whose backward of the T cotangents (or forward-mode
+            rule for the L_in tangents) runs as ONE product by their derivative, computed
+            once per forward: exact types from an allow-list (torch's ``GELU``, ``SiLU``,
+            ``ReLU``, ``Tanh``, ``Sigmoid``; transformers' GELU and SiLU activations) as
+            their library wrote them, without hooks (docs/attribution.md lists what keeps a
+            module on its own rules).
     """
 
     mode: Literal["reverse", "forward"]
@@ -218,8 +191,7 @@ class _Args:
 
 
 def _ids(value: object, name: str, call: str) -> torch.Tensor:
-    """A 1-D integer tensor of token ids from a tensor of shape (n,) or (1, n), or a sequence
-    of ints."""
+    """A 1-D int64 copy of token ids given as a (n,) or (1, n) tensor or a sequence of ints."""
     if isinstance(value, Sequence) and not isinstance(value, str | bytes):
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise TypeError(
@@ -243,8 +215,7 @@ def _ids(value: object, name: str, call: str) -> torch.Tensor:
             f"{call}: `{name}` must have shape (n,) or (1, n) (one sequence), got "
             f"{describe(value)}. Attribute one sequence per call."
         )
-    # (a copy: the user's tensor is never held, nor read after it is given back)
-    return value.to(dtype=torch.long, copy=True)
+    return value.to(dtype=torch.long, copy=True)  # (the user's tensor is never held)
 
 
 def _validate(
@@ -336,9 +307,8 @@ def _validate(
 
 
 def _quadrature(args: _Args) -> tuple[list[float], list[float]]:
-    """(alphas, step sizes) as captum's ``gausslegendre``: numpy's nodes and weights mapped to
-    [0, 1]; the step sizes rounded to float32 as captum rounds them (``torch.tensor(
-    step_sizes).float()``), even where the model runs in float64."""
+    """(alphas, step sizes) as captum's ``gausslegendre``, its step sizes rounded to float32
+    as captum rounds them, whatever the model's dtype."""
     if args.method != "integrated_gradients":
         return [1.0], [1.0]
     nodes, weights = np.polynomial.legendre.leggauss(args.n_steps)
@@ -371,7 +341,6 @@ def _choose(
         return "reverse", f"{hooked} is registered, which forward mode never runs"
     record = _NO_FORWARD.get(args.model)
     failed = record[1] if record is not None and record[0] == args.model.training else None
-    # (the two modes' times cross near T = 2.5 L_in: docs/benchmarks_attribution.md)
     if FORWARD_FACTOR * prompt < targets and failed is None:
         return "forward", (
             f"{FORWARD_FACTOR:g} x L_in = {FORWARD_FACTOR * prompt:g} < T = {targets}: L_in "
@@ -386,9 +355,8 @@ def _choose(
 
 
 def _backward_hooked(args: _Args) -> str | None:
-    """What module backward hook (full or pre, on a module of the model, its embedding or
-    output layer, or global) is registered, or None: reverse mode runs them (as captum's
-    backward does), forward mode never does."""
+    """The module backward hook (full or pre; the model's, its layers' or global) registered,
+    or None: reverse mode runs them (as captum does), forward mode never does."""
     hooks = torch.nn.modules.module
     if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
         return "a global module backward hook"
@@ -414,14 +382,12 @@ def _logits(output: object, call: str) -> torch.Tensor:
     return logits
 
 
-# The attributes of a module, a config or a namespace that the fingerprints compare by value.
-_SIMPLE = (bool, int, float, str, type(None))
+_SIMPLE = (bool, int, float, str, type(None))  # attributes the fingerprints compare by value
 
 
 class _Same:
-    """An object by identity without holding it: a weak reference where the object takes one
-    (then equal only while both are alive and the same object; the model is never kept
-    alive through it), else its ``id`` and type."""
+    """An object by identity without keeping it alive: a weak reference where it takes one,
+    else its ``id`` and type."""
 
     __slots__ = ("key", "ref")
 
@@ -443,12 +409,9 @@ class _Same:
     __hash__ = None  # type: ignore[assignment]
 
 
-# The names a namespace is compared on: what code calls or reads functions from (a loop
-# variable, a notebook's ``_`` or ``Out`` are not).
+# A namespace is compared on its names of these types (not a loop variable, nor ``Out``).
 _CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType, type, functools.partial)
-# Attributes that cannot change what the probe sees: it runs in eval mode anyway, and
-# ``use_cache`` only adds a cache to the outputs.
-_IGNORED = frozenset({"training", "use_cache"})
+_IGNORED = frozenset({"training", "use_cache"})  # (the probe runs in eval mode, without cache)
 
 
 def _code_names(namespace: dict[str, Any]) -> dict[str, _Same]:
@@ -457,19 +420,16 @@ def _code_names(namespace: dict[str, Any]) -> dict[str, _Same]:
 
 @dataclasses.dataclass
 class _Probed:
-    """What the causal probe saw of a model (`_check_causal`): its `_structure`, its modules'
-    and config's plain attributes (`_attributes`), and the functions, classes and modules
-    of the namespaces its code may look names up in (`_namespaces`), each with the live
-    dict it reads; nothing here holds the model (or anything else) alive."""
+    """What the causal probe saw of a model (`_check_causal`): `_structure`, `_attributes`
+    and `_namespaces` (each with its live dict), holding nothing alive."""
 
     structure: tuple[Any, ...]
     attributes: tuple[Any, ...]
     namespaces: list[tuple[Any, dict[str, _Same]]]
 
     def same_namespaces(self) -> bool:
-        """Whether every function, class and module name of the namespaces still holds the
-        same object, and no such name was added (by identity: a value's own ``==`` is never
-        called)."""
+        """Whether the namespaces' code names still hold the same objects (by identity), no
+        name added."""
         return all(_code_names(live) == names for live, names in self.namespaces)
 
 
@@ -479,10 +439,8 @@ def _modules(args: _Args) -> list[torch.nn.Module]:
 
 
 def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
-    """What the model runs, read cheaply on every call: the module tree (each module by a
-    weak reference, its type, its class's and its instance's ``forward``), the forward and
-    forward pre-hooks (each module's and the global ones, by their handles' ids), and every
-    buffer by identity and version counter (an in-place change of a mask buffer bumps it)."""
+    """What the model runs, cheap to read on every call: each module (weakly), its type and
+    forwards, its and the global forward (pre-)hooks, and its buffers (`_tensor`)."""
     hooks = torch.nn.modules.module
     return (
         tuple(hooks._global_forward_hooks),
@@ -503,14 +461,13 @@ def _structure(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
 
 
 def _tensor(t: torch.Tensor) -> tuple[Any, ...]:
-    """A tensor by identity (weakly), version counter (an in-place change) and storage
-    address and shape (``t.data = other`` changes neither identity nor version)."""
+    """A tensor by identity (weakly) and `_storage` (``t.data = other`` keeps the first)."""
     return (_Same(t), *_storage(t))
 
 
 def _storage(t: torch.Tensor) -> tuple[Any, ...]:
-    """Version, storage address, shape and strides; the type alone for a lazy module's
-    parameter or buffer before its first run, or a sparse tensor (which have no address)."""
+    """Version, storage address, shape and strides; the type alone where there is no address
+    (an uninitialized lazy parameter or buffer, a sparse tensor)."""
     if (
         isinstance(t, (torch.nn.UninitializedParameter, torch.nn.UninitializedBuffer))
         or t.layout != torch.strided
@@ -520,12 +477,9 @@ def _storage(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple[Any, ...]:
-    """The plain attributes (bool, int, float, str, None) of every module and of the model's
-    ``config`` (a switch such as ``attn.is_causal = False`` or ``config._attn_implementation =
-    "sdpa"``), and every parameter as `_tensor` reads it (an optimizer step can make a model
-    whose positions mix through a learned matrix non-causal), dearer to read than
-    `_structure`: read in forward mode only, whose tangents cannot see what reverse mode's
-    cotangents check on every call."""
+    """The plain attributes of every module and of ``config`` (``attn.is_causal = False``),
+    and every `_parameter` (a learned mixing matrix can turn non-causal): dearer than
+    `_structure`, read in forward mode only (reverse mode checks every call: `_future_leak`)."""
     config = getattr(model, "config", None)
     owners = [*modules, config] if config is not None else modules
     return tuple(
@@ -545,20 +499,15 @@ def _attributes(model: torch.nn.Module, modules: list[torch.nn.Module]) -> tuple
 
 
 def _parameter(name: str, p: torch.Tensor) -> tuple[Any, ...]:
-    """A parameter by name, ``id``, version, storage address, shape and strides, holding no
-    weak reference (``torch.utils.swap_tensors``, which ``model.float()`` and
-    ``load_state_dict`` use where swapping is on, refuses a tensor with one). A write that
-    skips the version counter (``p.data.add_``, a ``fused=True`` optimizer on the CPU, a
-    NumPy view) is not seen; a lazy module's parameter before its first run is seen by
-    type only."""
+    """A parameter by name, ``id`` and `_storage`, with no weak reference (which
+    ``torch.utils.swap_tensors`` refuses). A write that skips the version counter
+    (``p.data.add_``, a fused CPU optimizer) is not seen."""
     return (name, id(p), *_storage(p))
 
 
 def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Same]]]:
-    """The namespaces the model's code may look functions up in: ``torch``,
-    ``torch.nn.functional``, ``torch.Tensor``'s methods, and the Python module of each of the
-    model's module classes (``transformers.models.gpt2.modeling_gpt2``: its
-    ``eager_attention_forward``), each with a copy of its names."""
+    """``torch``, ``torch.nn.functional``, ``torch.Tensor`` and the Python module of each of
+    the model's module classes, each with a copy of its code names (`_code_names`)."""
     sources: dict[int, Any] = {}
     for owner in (torch, torch.nn.functional, torch.Tensor):
         sources[id(owner)] = owner
@@ -571,11 +520,9 @@ def _namespaces(modules: list[torch.nn.Module]) -> list[tuple[Any, dict[str, _Sa
 
 
 def _check_rope_threshold(model: torch.nn.Module, shortest: int, longest: int) -> None:
-    """Hugging Face's ``longrope`` and ``dynamic`` rotary embeddings change every position's
-    frequencies once the sequence is longer than ``original_max_position_embeddings``: captum's
-    prefixes (lengths ``shortest`` to ``longest``) on both sides of it run other functions than
-    the one forward of length ``longest`` (the probe's lengths are all on one side). Refused
-    from the config, before anything runs."""
+    """Refuses, from the config, a ``longrope`` or ``dynamic`` rotary embedding whose
+    threshold length (past which every position's frequencies change) falls among captum's
+    prefix lengths, ``shortest`` to ``longest`` (the probe's lengths cannot see it)."""
     config = getattr(model, "config", None)
     rope = getattr(config, "rope_parameters", None)
     if not isinstance(rope, dict) or rope.get("rope_type") not in ("longrope", "dynamic"):
@@ -597,16 +544,11 @@ def _check_rope_threshold(model: torch.nn.Module, shortest: int, longest: int) -
 
 
 def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
-    """One teacher-forced forward gives captum's prefix forwards' answers only where position
-    i's logits read positions ``<= i``. The probe: three forwards without gradients, in eval
-    mode (the modules' flags restored after), of ``prompt + targets[:-1]``, of the same with
-    its last token changed, and of it without its last token (captum's prefix: a model that
-    reads the sequence's length is not causal either); the logits before the last token must
-    not move. It runs on the first call with a model, and again
-    whenever what the model runs has changed since it last ran: on every call `_structure`
-    (the module tree, forwards, forward hooks, buffers) is compared, and in forward mode also
-    `_attributes` and `_namespaces` (reverse mode checks the gradients of every call
-    instead: `_future_leak`)."""
+    """Refuses a model whose logits at position i read positions after i. The probe: three
+    forwards without gradients, in eval mode (flags restored), of ``prompt + targets[:-1]``,
+    of it with its last token changed and of it without its last token; the earlier logits
+    must not move. Run on a model's first call and whenever `_structure` (in forward mode also
+    `_attributes`, `_namespaces`) changed since (reverse mode also checks `_future_leak`)."""
     model = args.model
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
     _check_rope_threshold(model, len(args.input_ids), len(sequence))
@@ -638,11 +580,8 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
     earlier = before[0, :-1]
     if earlier.shape != after[0, :-1].shape or earlier.shape != shorter[0].shape:
         return  # (the logits' shape checks name this on the call itself)
-    # (the same shape with its last token changed: a causal model's earlier logits are
-    # bitwise the same in any dtype, so the tolerance is float32's 1000 eps even in bf16/fp16,
-    # where 1000 eps is above the logits themselves; the shorter sequence runs other kernels'
-    # blocking, so it is given 1000 eps of the dtype: in half precision that part checks
-    # little, see docs/attribution.md)
+    # (a changed last token: bitwise the same earlier logits, so `_tolerance`; the shorter
+    # sequence runs other blocking: 1000 eps of the dtype, see docs/attribution.md)
     scale = float(earlier.abs().max())
     changed_gap = float((earlier - after[0, :-1]).abs().max())
     shorter_gap = float((earlier - shorter[0]).abs().max())
@@ -664,9 +603,8 @@ def _check_causal(args: _Args, mode: Literal["reverse", "forward"]) -> None:
 
 
 def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
-    """After a call's forwards: what the model changed itself during them (a counter in an
-    attribute, a hook it registers) is what the next call compares with, so that such a
-    model is not probed again on every call; only what changes between calls is."""
+    """After a call's forwards, record what the model changed itself during them (a counter,
+    a hook), so that only changes between calls trigger a new probe."""
     seen = _CAUSAL.get(args.model)
     if seen is not None:
         modules = _modules(args)
@@ -677,19 +615,16 @@ def _seen_after(args: _Args, mode: Literal["reverse", "forward"]) -> None:
 
 
 def _tolerance(dtype: torch.dtype) -> float:
-    """1000 eps of ``dtype``, at most float32's: what a causal model gives as exact zeros (a
-    masked position's gradient, an earlier position's logits under a changed last token) stays
-    exact in bf16/fp16, whose own 1000 eps (7.8 and 0.98) would let anything through."""
+    """1000 eps of ``dtype``, at most float32's (a causal model's exact zeros stay exact in
+    bf16/fp16, whose own 1000 eps would let anything through)."""
     return 1e3 * min(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
 
 
 def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
-    """Reverse mode's check of causality, on every call: the (heads, length, d) gradients of
-    the heads ``targets[first:]`` on every position's embedding; head i sits at position
-    ``prompt + first + i - 1``, and in a causal model its gradient at every later position is
-    zero (masked attention gives exact zeros). A 0-dim bool tensor, True where some later
-    position's gradient is above `_tolerance` of the largest at the positions after the prompt
-    and the group's earlier targets (read by the caller, once per call)."""
+    """Reverse mode's causality check on every call, a 0-dim bool tensor: whether a head of
+    ``targets[first:]`` (head i at position ``prompt + first + i - 1``) has a gradient at a
+    later position above `_tolerance` of the largest after ``prompt + first``; ``grads`` is
+    (heads, length, d). A causal model's are exact zeros."""
     start = prompt + first  # (the first position after any head's own)
     heads, length = grads.shape[:2]
     if length <= start:
@@ -698,8 +633,6 @@ def _future_leak(grads: torch.Tensor, prompt: int, first: int) -> torch.Tensor:
     own = torch.arange(heads, device=g.device)  # (head i's own position, less start + 1)
     later = torch.arange(length - start, device=g.device)[None, :] >= own[:, None]
     leak = torch.where(later, g, 0).amax()
-    # (the scale: the largest gradient at those positions, head i's own earlier ones included;
-    # a causal model's later ones are exact zeros, so any leak there is refused)
     return leak > _tolerance(g.dtype) * g.amax()
 
 
@@ -714,11 +647,8 @@ def _refuse_tensor_hooks(output: Any) -> None:
 
 
 def _check_substituted(output: Any, plain: torch.Tensor) -> None:
-    """The layer's own output in the model's forward, which the hook replaces, must be the
-    embeddings of the ids computed outside the model (``plain``): else the model changed the
-    ids before the layer (a pre-hook, a remap), the layer reads something other than the ids
-    (position embeddings), or it draws, and the attribution would be of other embeddings than
-    captum's. A tensor hook on it would be dropped with it."""
+    """Refuses a layer output (replaced by the hook) other than ``plain``, the ids' embeddings
+    computed outside the model, or one with a tensor hook (dropped with it)."""
     _refuse_tensor_hooks(output)
     real = output.detach()
     gap = (real - plain).abs().max()
@@ -746,7 +676,7 @@ def _ran_twice(layer: torch.nn.Module) -> str:
 
 
 def _versions(*tensors: Any) -> tuple[int, ...]:
-    """The version counters of ``tensors`` (an in-place change bumps them; -1: none)."""
+    """The version counters of ``tensors`` (-1 for a non-tensor)."""
     return tuple(t._version if isinstance(t, torch.Tensor) else -1 for t in tensors)
 
 
@@ -755,13 +685,10 @@ class _NotTheLogits(Exception):
 
 
 def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
-    """(the layer, or None; where the heads split from the model, as
-    `AttributionPlan.heads_read` says it): the model's output layer,
-    ``get_output_embeddings()`` (Hugging Face: ``lm_head``), where it has one that has not
-    failed `_composed`'s check before, and the T heads' cotangents on its input, T x rows x T
-    x d numbers (each head's row is d wide at its own position, zeros elsewhere), take at
-    most half of `funcgrad.memory_budget`; else None: the heads read the logits, whose
-    cotangents go through the model in chunks."""
+    """(the output layer or None, `AttributionPlan.heads_read`): ``get_output_embeddings()``
+    where it is row-wise, has not failed `_composed`'s check, and the heads' T x rows x T x d
+    cotangents on its input fit half of `funcgrad.memory_budget`; else the heads read the
+    logits."""
     layer = _layer(args.model, "get_output_embeddings")
     if layer is None:
         return None, "the logits (no get_output_embeddings() returning a module)"
@@ -785,14 +712,9 @@ def _unembedding(args: _Args) -> tuple[torch.nn.Module | None, str]:
 
 
 def _not_row_wise(layer: torch.nn.Module) -> str | None:
-    """Why head i may not apply the output layer to its own row alone, or None where it may.
-    The model calls the layer once on all T rows, the heads once per row: the two agree for a
-    layer that maps each row on its own, which only a plain ``torch.nn.Linear`` guarantees
-    (``F.linear`` on the last dimension): its own ``forward`` and ``__call__`` (neither
-    overridden by a subclass nor replaced on the instance, as accelerate's hooks replace
-    ``forward``), plain weights, no hook on it and no global module hook (a hook, or any
-    other module, may mix the rows, a running sum over the positions, say, and the per-row
-    heads would be silently wrong). Checked on every call: a hook registered later counts."""
+    """Why head i may not apply the output layer to its own row alone, or None: only a plain
+    ``torch.nn.Linear`` maps each row on its own (its own ``forward`` and `_plain_call`,
+    plain weights, no hook of its own nor global one). Checked on every call."""
     kind = type(layer)
     if not (
         isinstance(layer, torch.nn.Linear)
@@ -826,9 +748,8 @@ def _not_row_wise(layer: torch.nn.Module) -> str | None:
 
 
 def _plain_call(module: torch.nn.Module) -> bool:
-    """Whether calling ``module`` runs torch's own ``Module.__call__`` and its class's
-    ``forward``: ``__call__``, ``_call_impl`` and ``_wrapped_call_impl`` not overridden by the
-    class, and none of them nor ``forward`` replaced on the instance."""
+    """Whether calling ``module`` runs torch's own ``Module.__call__`` (not overridden by the
+    class) and its class's ``forward`` (neither replaced on the instance)."""
     kind, base, calls = type(module), torch.nn.Module, ("_call_impl", "_wrapped_call_impl")
     return (
         kind.__call__ is base.__call__
@@ -838,12 +759,9 @@ def _plain_call(module: torch.nn.Module) -> bool:
 
 
 def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> ChunkSize:
-    """The chunk_size given to compose_heads: none in forward mode (the L_in tangents go with
-    the one forward); for integrated gradients on the CPU under ``"auto"``, 1: each
-    cotangent's pull is already a batch of ``n_steps`` sequences, and one vmap over the T
-    cotangents as well (T x n_steps sequences) is bound by memory traffic, slower than a
-    loop (docs/attribution.md, "Memory"); one direction at a time is also the least memory
-    "auto" could choose."""
+    """compose_heads' chunk_size: None in forward mode; 1 for integrated gradients on the
+    CPU under ``"auto"`` (each pull is already a batch of ``n_steps``: docs/attribution.md,
+    "Memory")."""
     if mode == "forward":
         return None
     if chunk_size == "auto" and args.method == "integrated_gradients" and args.n_steps > 1:
@@ -852,10 +770,8 @@ def _chunk(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSi
 
 
 def _forward_kwargs(model: torch.nn.Module, targets: int) -> dict[str, Any]:
-    """What the model's forward is also given where it takes it (Hugging Face's causal LMs
-    do): ``logits_to_keep=T``, the logits of the last T positions only, and
-    ``use_cache=False``, no key-value cache (which copies every layer's keys and values,
-    with their tangents in forward mode and their cotangents in reverse mode)."""
+    """``logits_to_keep=T`` and ``use_cache=False``, where the model's forward takes them
+    (Hugging Face's causal LMs)."""
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):  # (a forward without a signature)
@@ -866,22 +782,18 @@ def _forward_kwargs(model: torch.nn.Module, targets: int) -> dict[str, Any]:
 
 # ----------------------------------------------------------- elementwise activations, batched
 
-# False: the activations run their own backward and forward-mode rules (an A/B switch for
-# measurements; see `_elementwise_activations`).
-ELEMENTWISE = True
+ELEMENTWISE = True  # False: activations run their own rules (`_elementwise_activations`)
 
-# True while token_attr runs inside a torch.func transform or a funcgrad call that
-# differentiates its f: its attributions keep their graph, whose second derivatives the
-# batched activations do not give (they are not applied).
+# True inside a torch.func transform or a funcgrad call differentiating its f: the
+# attributions keep their graph, so the activations run their own rules.
 _NESTED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "funcgrad_attribution_nested", default=False
 )
 
 
 class _Source:
-    """What `_Elementwise`'s backward needs where a graph of it is built: the activation's
-    input ``x`` and its ``forward``, held only while the model's forward runs (cleared by
-    `_elementwise_activations` on exit, so that x is not kept for the backward)."""
+    """The activation's input and ``forward``, for `_Elementwise`'s backward under
+    create_graph; x is cleared when the model's forward ends."""
 
     def __init__(self, x: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.x: torch.Tensor | None = x
@@ -889,14 +801,10 @@ class _Source:
 
 
 class _Elementwise(torch.autograd.Function):
-    """``y = f(x)`` for an ELEMENTWISE f (output i depends on input i alone) whose derivative
-    ``f'(x)`` is given: the backward of a batch of cotangents is one product ``cot * f'(x)``
-    and forward mode's tangents are ``t * f'(x)``, where f's own rules (GPT-2's ``gelu_new``
-    is a Python formula) run a dozen elementwise ops on every batched cotangent or tangent.
-    Only x is differentiable: y and f'(x) are values, computed without a graph. Where a graph
-    of the backward is built (``create_graph=True``: the model differentiates through the
-    activation inside its own forward), the backward is f's own vjp at x, with its graph
-    (exact second derivatives); it refuses once x is gone (after the forward)."""
+    """``y = f(x)`` for an elementwise f with ``f'(x)`` given: backward ``cot * f'(x)`` and
+    forward mode ``t * f'(x)``, one product each (f's own rules may run a dozen ops per
+    batched direction). Only x is differentiable. Under ``create_graph=True`` the backward is
+    f's own vjp at x (exact second derivatives), refused once x is gone."""
 
     generate_vmap_rule = True
 
@@ -934,10 +842,7 @@ class _Elementwise(torch.autograd.Function):
         return tangent * derivative
 
 
-# transformers.activations' classes whose forward is an elementwise formula of its one input
-# (read in transformers 5.25): 0.5 x (1 + tanh(...)), x sigmoid(1.702 x), F.gelu, F.silu
-# (SiLUActivation: ACT2FN["silu"], Llama's, Mistral's, Qwen's); torch's
-# nn.GELU, SiLU, ReLU, Tanh and Sigmoid are elementwise ops.
+# transformers.activations' classes whose forward is elementwise (read in transformers 5.25).
 _TRANSFORMERS_ELEMENTWISE = (
     "NewGELUActivation",
     "FastGELUActivation",
@@ -949,8 +854,7 @@ _TRANSFORMERS_ELEMENTWISE = (
 
 
 def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
-    """The activation modules known to be elementwise, by exact type: torch's and, where
-    transformers is imported (a model holding its classes imported it), transformers'."""
+    """The activation types known to be elementwise: torch's, and transformers' if imported."""
     nn = torch.nn
     kinds: list[type[torch.nn.Module]] = [nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid]
     activations = sys.modules.get("transformers.activations")
@@ -962,12 +866,9 @@ def _elementwise_kinds() -> tuple[type[torch.nn.Module], ...]:
 
 
 def _library_functions_intact() -> bool:
-    """Whether the functions that the allow-listed forwards look up when they run are torch's
-    own: ``F.gelu``, ``F.silu``, ``F.relu``, ``torch.tanh``, ``sigmoid``, ``pow``, ``erf``,
-    ``relu``, ``math.sqrt(2 / math.pi)``, and the names ``F``, ``torch``, ``nn`` and ``math``
-    in the two libraries' modules (a
-    replaced one may mix the positions). By identity with torch's C functions, or for
-    torch's Python functions, their code in torch.nn.functional's own file."""
+    """Whether the functions the allow-listed forwards look up at run time (``F.gelu``,
+    ``F.silu``, ``torch.tanh``, ..., and the names ``F``, ``torch``, ``nn``, ``math`` in the
+    two libraries' modules) are still torch's own (a replaced one may mix the positions)."""
     functional = torch.nn.functional
     own = torch._C._VariableFunctions
     if functional.gelu is not torch._C._nn.gelu or any(
@@ -981,8 +882,7 @@ def _library_functions_intact() -> bool:
             getattr(code, "co_filename", None) != functional.__file__
         ):
             return False
-    # (the tanh GELU's constant, as NewGELUActivation computes it: ``math.sqrt`` and
-    # ``math.pi`` the library's, by their value on the one input the formula reads)
+    # (NewGELUActivation's constant, by value)
     if math.pi != 3.141592653589793 or math.sqrt(2.0 / math.pi) != 0.7978845608028654:
         return False
     modules = [sys.modules.get("torch.nn.modules.activation")]
@@ -998,21 +898,15 @@ def _library_functions_intact() -> bool:
 
 
 def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module], ...]) -> bool:
-    """Whether ``module`` is one of ``kinds`` as its library wrote it, so elementwise: its
-    exact type (a subclass may mix the positions), its class's own ``forward`` and
-    ``__call__`` (none replaced on the instance or the class), not in place
-    (``inplace=True`` overwrites its input), no forward or backward hook of its own (a
-    forward hook is given the input, which `_elementwise_activations` detaches; forward
-    pre-hooks run before it and are kept), and its ``act`` (transformers' GELUActivation and
-    GELUTanh pick a function at init) one of the library's own."""
+    """Whether ``module`` is exactly one of ``kinds`` as its library wrote it: `_plain_call`,
+    its class's own ``forward`` (code in the library's file), not in place, no forward or
+    backward hook of its own (pre-hooks are kept), and its ``act`` the library's own."""
     kind = type(module)
     if kind not in kinds or getattr(module, "inplace", False) is not False:
         return False
     if not _plain_call(module):
         return False
-    # (the class's forward as its library defined it: not replaced on the class, as a hub
-    # kernel's `kernelize` or a monkeypatch may, even one that copies the original's names
-    # with functools.wraps: its code is in the library's own file, and it wraps nothing)
+    # (not replaced on the class, by `kernelize` or a functools.wraps copy, say)
     forward = vars(kind).get("forward")
     library = sys.modules.get(kind.__module__)
     if (
@@ -1044,15 +938,9 @@ def _is_elementwise(module: torch.nn.Module, kinds: tuple[type[torch.nn.Module],
 
 
 def _derivative(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-    """f'(x) in one op, where torch has it for ``module`` (an allow-listed activation,
-    `_is_elementwise`, y = f(x)): torch's modules' own backward ops on ones, the very ops
-    their autograd runs (bitwise the vjp of ones); transformers' modules whose forward is
-    ``F.gelu``, ``F.silu`` or the tanh GELU written out (``NewGELUActivation``, GPT-2's,
-    and ``GELUTanh``'s Python form: the same function, with ``math.sqrt(2 / pi)``), torch's
-    derivative of that function (equal to the formula's own backward to rounding, where
-    the formula's ``1 + tanh`` cancels in its tail and torch's op does not: figures in
-    docs/attribution.md). None for the others (QuickGELU, FastGELU's rounded constant, the
-    erf formula): their own vjp of ones."""
+    """f'(x) in one op for an allow-listed activation (y = f(x)): torch's own backward op on
+    ones (bitwise the vjp of ones for torch's modules; for transformers' tanh GELU formula,
+    equal to rounding: docs/attribution.md); None where torch has none (QuickGELU, ...)."""
     aten = torch.ops.aten
     nn = torch.nn
     kind = type(module)
@@ -1087,8 +975,8 @@ def _derivative(module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
 
 
 def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The model's modules that `_elementwise_activations` replaces (none where a global
-    module forward or backward hook is registered: it would be given the detached input)."""
+    """The model's modules that `_elementwise_activations` replaces (none under a global
+    module hook, which would see the detached input)."""
     hooks = torch.nn.modules.module
     if (
         not ELEMENTWISE
@@ -1102,42 +990,30 @@ def _elementwise_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Mod
         return []
     kinds = _elementwise_kinds()
     found = [(name, m) for name, m in model.named_modules() if _is_elementwise(m, kinds)]
-    # (checked once per walk, where a module is found: the functions their forwards look up)
     return found if found and _library_functions_intact() else []
 
 
 def _differentiation_levels() -> tuple[Any, Any]:
-    """The innermost torch.func transform's level and forward-mode AD's dual level: another
-    pair inside the model's forward than at its start means that the model differentiates
-    through what it runs there itself (``torch.func.grad``, ``jacrev``, ``jvp``,
-    ``torch.autograd.forward_ad``), where `_Elementwise` gives no second derivative."""
+    """The torch.func and forward-AD levels: other ones inside the model's forward mean that
+    it differentiates there itself, where `_Elementwise` gives no second derivative."""
     level = torch._C._functorch.maybe_current_level()
     return level, torch.autograd.forward_ad._current_level
 
 
 def _saved_tensor_hooks_active() -> bool:
-    """Whether saved-tensor hooks are active: torch.utils.checkpoint's (non-reentrant), which
-    recompute the forward in the backward, without this call's hooks (a recomputed graph
-    other than the one saved: wrong gradients), or others. True where torch cannot say."""
+    """Whether saved-tensor hooks are active (a checkpoint recomputes the forward without
+    this call's hooks); True where torch cannot say."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top is None or top(False) is not None
 
 
 @contextlib.contextmanager
 def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
-    """For the length of one forward of the model, every known elementwise activation module
-    (`_elementwise_modules`) called on one floating tensor runs on its input detached (no
-    graph, no tangents of its own formula), and its output is replaced by
-    ``_Elementwise.apply(input, output, f'(input))``: f'(input) is `_derivative`'s one op
-    where torch has one, else one ``torch.func.vjp`` of the module's ``forward`` pulling ones
-    back, unbatched, exact for an elementwise f (its
-    Jacobian is diagonal). ASSUMPTION: the module is elementwise (an allow-list of exact
-    types, see `_is_elementwise`). The model is not modified; the module's forward pre-hooks
-    run, before the detach. Not applied inside a checkpointed region (`_saved_tensor_hooks_active`),
-    nor in another thread (module hooks run in every thread), nor inside a torch.func transform
-    or forward-AD level that the model's forward opened (`_differentiation_levels`). Where
-    the model builds a graph of the backward during its forward (``create_graph=True``), the
-    backward is the module's own vjp at x (`_Elementwise`): x is held until the forward ends."""
+    """For one forward, each `_elementwise_modules` module called on one floating tensor runs
+    on it detached, and its output becomes ``_Elementwise.apply(x, y, f'(x))``, f'(x) from
+    `_derivative` or one vjp of ones (exact: the Jacobian is diagonal). ASSUMPTION: the
+    allow-listed modules are elementwise (`_is_elementwise`). Not applied in another thread,
+    under saved-tensor hooks (checkpoint), nor inside a transform the forward opened."""
     handles = []
     inputs: list[torch.Tensor | None] = []
     sources: list[_Source] = []
@@ -1167,9 +1043,7 @@ def _elementwise_activations(model: torch.nn.Module) -> Iterator[None]:
             return None
         plain = args[0]  # (x detached; the output is f(plain), same shape and dtype)
         derivative = _derivative(module, plain, output)
-        if derivative is None:
-            # (J^T 1 = f'(x) for a diagonal Jacobian: a vjp, cheaper than a jvp along ones;
-            # docs/benchmarks_attribution.md)
+        if derivative is None:  # (J^T 1 = f'(x) for a diagonal Jacobian)
             pull = torch.func.vjp(module.forward, plain)[1]
             (derivative,) = pull(torch.ones_like(output))
         sources.append(_Source(x, module.forward))
@@ -1198,15 +1072,10 @@ def _composed(
     unembedding: torch.nn.Module | None,
 ) -> Callable[..., Any]:
     """compose_heads of the model (fed embeddings through a hook) and the T heads, cached per
-    model, embedding, method, shapes and split point.
-
-    The split point between f (the model) and the heads: with an output layer
-    (``unembedding``), f returns that layer's input at the last T positions, shape (rows, T,
-    d), and head i applies the layer to its own position's row only, then the log-softmax.
-    So the T cotangents pulled back through f are (rows, T, d), not (rows, T, vocabulary),
-    and the output layer's backward runs on one position per head, not on every position.
-    Without one, f returns the (rows, T) target log-probabilities and the heads weigh them.
-    """
+    model, embedding, method, shapes and split point. With an output layer (``unembedding``)
+    f returns its (rows, T, d) input at the last T positions and head i applies the layer to
+    its own row (d-wide cotangents, one position per head); without, f returns the (rows, T)
+    target log-probabilities."""
     prompt, targets = len(args.input_ids), len(args.target_ids) - args.first
     _, steps = _quadrature(args)
     key = (
@@ -1224,7 +1093,6 @@ def _composed(
     )
     cache = _COMPOSED.setdefault(args.model, collections.OrderedDict())
     found = cache.get(key)
-    # (an id is reused once its module is freed: the entry serves only the same embedding)
     if found is not None and found[0]() is args.embedding:
         cache.move_to_end(key)
         return found[1]
@@ -1241,11 +1109,9 @@ def _composed(
         target_ids: torch.Tensor,
         plain: torch.Tensor,
     ) -> torch.Tensor:
-        """With the embeddings moved by x (reverse mode: x itself, of shape (length, d), every
-        position's, so that the gradients show what each head reads: `_future_leak`; forward
-        mode: the prompt's by x times ``direction``, x of shape (L_in,)): the output layer's
-        input at the last T positions, (rows, T, d), or without an output layer the (rows, T)
-        target log-probabilities."""
+        """The model on the embeddings moved by x: every position's by x, (length, d), in
+        reverse mode (for `_future_leak`); the prompt's by x (L_in,) times ``direction`` in
+        forward mode."""
         model, embedding = model_ref(), embedding_ref()
         assert model is not None and embedding is not None
         if x.dim() == 2:
@@ -1255,8 +1121,7 @@ def _composed(
             embeds = torch.cat([scaled[:, :prompt] + moved, scaled[:, prompt:]], dim=1)
         calls: list[tuple[int, ...]] = []
         refused: list[ValueError] = []  # (the first run's output, raised after the forward)
-        # the output layer's (args, kwargs, output, the versions of its input and output)
-        layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []
+        layer: list[tuple[Any, Any, Any, tuple[int, ...]]] = []  # (args, kwargs, out, versions)
 
         def substitute(module: torch.nn.Module, inputs: Any, output: Any) -> Any:
             calls.append(tuple(output.shape) if isinstance(output, torch.Tensor) else ())
@@ -1276,9 +1141,7 @@ def _composed(
             return embeds
 
         def detach(module: torch.nn.Module, inputs: Any, kwargs: Any) -> Any:
-            # The heads apply the layer to its input themselves: the model's own call of it
-            # runs on the values alone, with no graph (reverse mode) and no tangents (forward
-            # mode: L_in tangents of (rows, T, vocabulary) logits otherwise).
+            # (the heads apply the layer themselves: the model's own call needs no derivative)
             layer.append((inputs, kwargs, None, ()))
             return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in inputs), kwargs
 
@@ -1315,10 +1178,8 @@ def _composed(
         if output_layer is None:
             chosen = target_ids.expand(rows, -1)[..., None]
             return logits.log_softmax(-1).gather(-1, chosen)[..., 0]
-        # The heads recompute the logits as output_layer(its input): they are the logits
-        # returned only where the layer ran once, on one tensor, and returned them as they are.
-        # (changed in place after the layer ran, the logits or the layer's input, by the
-        # model: the same tensor, other values; a detached input shares its version counter)
+        # The heads' output_layer(input) are the logits returned only where the layer ran
+        # once, on one tensor, and neither was changed after (in place: by version counter).
         inputs, kwargs, returned, versions = layer[0] if len(layer) == 1 else ((), {}, None, ())
         inputs = tuple(inputs)
         hidden = inputs[0] if len(inputs) == 1 and not kwargs else None
@@ -1342,19 +1203,14 @@ def _composed(
     chunk = _chunk(args, mode, chunk_size)
 
     def weighed(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Head i on the (rows, T) log-probabilities: the sum over the steps of step_size *
-        log p(target i) (one step, of size 1, without integration); p is (rows, T)."""
+        """Head i: the step-size-weighted sum of the (rows, T) log-probabilities."""
         return (p * y).sum()
 
     def unembedded(position: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Head i on the output layer's (rows, T, d) input: the layer on position i's row of
-        every step, log-softmax, target i's entry (of this call's targets), weighed by the
-        step sizes."""
+        """Head i: log p(target i) from the layer on position i's row, weighed by step sizes."""
         target = current[0].gather(0, position.reshape(1)).reshape(1, 1, 1)
         output_layer = unembedding_ref() if unembedding_ref is not None else None
         assert output_layer is not None
-        # (gather, not index_select: vmap batches the heads' gather and its backward, where
-        # index_select's backward loops over the T heads)
         row = y.gather(1, position.expand(rows, 1, y.shape[-1]))
         logits: torch.Tensor = output_layer(row)  # (rows, 1, V)
         chosen = logits.log_softmax(-1).gather(-1, target.expand(rows, 1, 1))
@@ -1365,17 +1221,13 @@ def _composed(
         if unembedding_ref is None
         else stacked_heads(unembedded, torch.arange(targets, device=device))
     )
-    # (compose_heads with reverse mode on eager autograd where it may run there: the model's
-    # forward then runs without torch.func's wrapping of every op, and `_Elementwise`'s
-    # apply on autograd's own path, not torch.func's Python one; docs/attribution.md)
+    # (reverse mode on eager autograd where it may run there: docs/attribution.md)
     fn: ComposedHeads[tuple[torch.Tensor, Any]] = ComposedHeads(
         Composition(
             f, heads, 0, False, strategy, chunk, None, "compose_heads(f, heads)", "autograd"
         )
     )
-    # The heads' target ids are data of each call, never of the cached heads (which serve
-    # every call of these shapes): set for the length of one call (calls run one at a time).
-    current: list[torch.Tensor] = []
+    current: list[torch.Tensor] = []  # this call's target ids (the cached heads serve all)
 
     def call(*arguments: Any) -> Any:
         current.append(arguments[4])  # (f's target_ids: the heads' own, a copy of the user's)
@@ -1391,9 +1243,8 @@ def _composed(
 
 
 def _embed(args: _Args, ids: torch.Tensor) -> Any:
-    """The layer's output on ``ids``, detached. Computed with gradients on, as in captum's
-    forward, so that a forward hook registering a tensor hook where its output requires grad
-    does so here, and is refused."""
+    """The layer's output on ``ids``, detached; computed with gradients on, as captum's, so
+    that a tensor hook a forward hook registers is refused."""
     try:
         with torch.enable_grad():
             embeds = args.embedding(ids)
@@ -1409,11 +1260,9 @@ def _embed(args: _Args, ids: torch.Tensor) -> Any:
 
 
 def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sequence, scaled, direction, plain): the teacher-forced ids ``prompt +
-    targets[:-1]``; the embeddings of every row of the batch (the integration path's points,
-    else the input's); what the attributions multiply the gradients by (ones, the input's
-    embeddings, or the input's minus the baseline's), each as captum forms them; and the
-    sequence's own embeddings, which the layer must produce inside the model."""
+    """(sequence, scaled, direction, plain), as captum forms them: the ids ``prompt +
+    targets[:-1]``; every row's embeddings (the path's points); what the gradients are
+    multiplied by; the sequence's own embeddings, which the layer must produce in the model."""
     prompt = len(args.input_ids)
     sequence = torch.cat([args.input_ids, args.target_ids[:-1]])
     with torch.no_grad():
@@ -1431,8 +1280,7 @@ def _prepare(args: _Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
             own = embeds[0, :prompt]
             direction = own if args.method == "grad_x_input" else torch.ones_like(own)
             return sequence, embeds, direction, embeds
-        # captum's baseline: the baseline token at every prompt position it attributes to
-        # (skipped tokens and the targets keep theirs), so the path moves the prompt only.
+        # (captum's baseline: the baseline token at every attributed prompt position)
         base_ids = sequence.clone()
         replaced = torch.full_like(args.input_ids, args.baseline_id)
         if args.kept is not None:
@@ -1453,8 +1301,7 @@ def _run(
     mode: Literal["reverse", "forward"],
     chunk_size: ChunkSize,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(attributions, gradients or None in forward mode): reverse mode in the groups of
-    consecutive targets of `_groups`, each on its own prefix, forward mode at once."""
+    """(attributions, gradients or None in forward mode); reverse mode by `_groups`."""
     if mode == "forward":
         attributions, _, _ = _run_group(args, mode, chunk_size)
         return attributions, None
@@ -1467,7 +1314,6 @@ def _run(
         for start, stop in _groups(args)
     ]
     leaks = [leak for _, _, leak in parts if leak is not None]
-    # (one host read for every group; NaN gradients are no leak: they are returned as they are)
     if leaks and bool(torch.stack(leaks).any()):
         _CAUSAL.pop(args.model, None)
         raise ValueError(
@@ -1486,15 +1332,12 @@ def _run(
 
 
 def _run_group(args: _Args, mode: Literal["reverse", "forward"], chunk_size: ChunkSize) -> _Formed:
-    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``:
-    (attributions, gradients or None, reverse mode's `_future_leak` or None)."""
+    """One forward of ``prompt + targets[:-1]`` and the heads of ``targets[first:]``."""
     sequence, scaled, direction, plain = _prepare(args)
     shape = direction.shape[:1] if mode == "forward" else scaled.shape[1:]
     x = torch.zeros(shape, dtype=scaled.dtype, device=scaled.device)
     unembedding, _ = _unembedding(args)
     heads = args.target_ids[args.first :]
-    # (inside a transform, or a funcgrad call differentiating its f, the attributions keep
-    # their graph: the activations run their own rules, with second derivatives)
     token = _NESTED.set(not outside_transforms(()))
 
     def attempt(layer: torch.nn.Module | None) -> _Formed:
@@ -1506,9 +1349,7 @@ def _run_group(args: _Args, mode: Literal["reverse", "forward"], chunk_size: Chu
     try:
         try:
             return attempt(unembedding)
-        except _NotTheLogits as error:
-            # The output layer's input is no split point on this model: the heads read the
-            # logits, on this call and from then on.
+        except _NotTheLogits as error:  # (the heads read the logits from now on)
             _LOGITS_ONLY[args.model] = str(error)
         # (outside the except: an error of this call is not shown as raised while handling it)
         return attempt(None)
@@ -1519,8 +1360,7 @@ def _run_group(args: _Args, mode: Literal["reverse", "forward"], chunk_size: Chu
 def _formed(
     args: _Args, mode: Literal["reverse", "forward"], grads: torch.Tensor, direction: torch.Tensor
 ) -> _Formed:
-    """(attributions, gradients or None, `_future_leak` or None): forward mode forms the
-    attributions itself; reverse mode's gradients cover every position, the prompt's kept."""
+    """`_Formed` from compose_heads' result (forward mode: the attributions themselves)."""
     if mode == "forward":
         return grads, None, None
     prompt = len(args.input_ids)
@@ -1530,13 +1370,9 @@ def _formed(
 
 
 def _groups(args: _Args) -> list[tuple[int, int]]:
-    """The reverse mode's groups of consecutive targets, as (start, stop): each group runs
-    its own forward, of ``prompt + targets[:stop - 1]``, and pulls its heads back through it,
-    so that a head's backward runs over its group's prefix, not the whole sequence (captum's
-    prefixes, in a few forwards). G equal groups, G (at most 8) the least of the cost
-    ``sum over groups of length x (1 + heads)``, counting a forward and a head's backward
-    over a token alike; more than one group only where that saves 10% (T well above L_in:
-    at L_in = 16, T = 32, four groups, 0.81x one's cost)."""
+    """Reverse mode's groups of consecutive targets, (start, stop), each with its own forward
+    of ``prompt + targets[:stop - 1]`` (a head's backward runs over its group's prefix): the
+    G <= 8 equal groups of least ``sum of length x (1 + heads)``, if that saves 10%."""
     prompt, targets = len(args.input_ids), len(args.target_ids)
 
     def bounds(count: int) -> list[tuple[int, int]]:
@@ -1551,8 +1387,7 @@ def _groups(args: _Args) -> list[tuple[int, int]]:
 
 
 def _forward_fallback(caught: list[warnings.WarningMessage]) -> int | None:
-    """The index of compose_heads' warning that forward mode could not run (an op without a
-    forward-mode rule, such as fused attention) among ``caught``, or None."""
+    """The index in ``caught`` of compose_heads' warning that forward mode could not run."""
     for index, message in enumerate(caught):
         text = str(message.message)
         if issubclass(message.category, FuncgradWarning) and "used reverse mode instead" in text:
@@ -1561,14 +1396,12 @@ def _forward_fallback(caught: list[warnings.WarningMessage]) -> int | None:
 
 
 def _why_not_forward(text: str) -> str:
-    """The error inside compose_heads' fallback warning: "... in one call (<error>); used
-    reverse mode instead ..."."""
+    """The error inside compose_heads' fallback warning (its first 200 characters)."""
     inner = text.split(" call (", 1)[-1].rsplit("); used reverse mode", 1)[0]
     return inner[:200]
 
 
-# token_attr's keyword arguments besides return_gradients, for its overloads (one list: the
-# implementation's signature below names each of them with its default).
+# token_attr's keyword arguments besides return_gradients, for its overloads.
 class _TokenAttrOptions(TypedDict, total=False):
     method: Method
     n_steps: int
@@ -1693,38 +1526,24 @@ def token_attr(
         2)) forwards. The cotangents start at the output layer's input (Hugging Face's
         ``get_output_embeddings()``), d wide, where that layer is a plain
         ``torch.nn.Linear`` without hooks or a replaced ``forward`` (row by row: checked on
-        every call) and the model returns its output unchanged as its logits (not changed
-        in place either: checked on every forward), else at the logits; the model's own
-        call of that layer runs on its input detached (no graph, no tangents). Hugging Face
-        models are called with ``logits_to_keep=T`` and ``use_cache=False``. Where T is
-        well above L_in, reverse mode runs a few groups of consecutive targets, each on its
-        own prefix (``plan().forwards``). In forward mode (under ``"auto"`` where ``2.5 L_in < T``),
-        the L_in tangents go through with that forward, whatever T.
-        Activation modules known to be elementwise (an allow-list of exact types: GPT-2's
-        ``gelu_new``, torch's GELU, SiLU, ReLU, Tanh, Sigmoid, ...) run their batched
-        backward, or forward-mode rule, as one product by their derivative, computed once
-        per forward (``plan().elementwise`` names them; `AttributionPlan` says what keeps
-        a module on its own rules).
+        every call) and the model returns its output unchanged as its logits, else at the
+        logits. Hugging Face models are called with ``logits_to_keep=T`` and
+        ``use_cache=False``. Where T is well above L_in, reverse mode runs a few groups of
+        consecutive targets, each on its own prefix (``plan().forwards``). In forward mode
+        (under ``"auto"`` where ``2.5 L_in < T``), the L_in tangents go through with that
+        forward, whatever T. Allow-listed elementwise activations run their batched
+        backward, or forward-mode rule, as one product by their derivative
+        (``plan().elementwise``).
         Forward mode needs forward-mode rules for every op: fused attention kernels
         (``attn_implementation="sdpa"``) lack them; ``"auto"`` then falls back to reverse
-        mode and remembers it for the model (``plan`` says so). An error of the model's own
-        in that pass is not remembered: its warning is kept, and reverse mode gives the
-        answer.
-        GPT-2's gradient summed over the embedding dimension (``method="gradient"``) is zero
-        up to rounding: every pre-LayerNorm block ignores a shift of a token's residual.
-        All calls of ``token_attr`` run one at a time, whatever the model, under one lock
-        (a call hooks the embedding and output layers, and module hooks run in every thread
-        and for every model sharing the layers); the model must not run in another thread
-        meanwhile. A model's forward may call ``token_attr`` on another model, but a call
-        on the model, embedding or output layer of a call still running is refused.
-        Module backward hooks (full or pre, on a module or global) run in reverse mode only:
-        ``"auto"`` takes it where one is registered, and ``mode="forward"`` is refused.
-        Causality is probed (three forwards without gradients) on the first call with a
-        model and whenever its modules, forwards, forward hooks or buffers changed since
-        (in forward mode also its plain attributes, its parameters, its config and the
-        functions of the namespaces its code reads); reverse mode also checks, on every call,
-        that no target's gradient reaches a later position. A model found not causal is
-        refused.
+        mode and remembers it for the model (``plan`` says so). Module backward hooks run
+        in reverse mode only: ``"auto"`` takes it where one is registered, and
+        ``mode="forward"`` is refused.
+        All calls of ``token_attr`` run one at a time, under one lock (the model must not
+        run in another thread meanwhile). Causality is probed (three forwards without
+        gradients) on the first call with a model and whenever what it runs changed since;
+        reverse mode also checks, on every call, that no target's gradient reaches a later
+        position. A model found not causal is refused. docs/attribution.md says more.
     """
     args, requested = _validate(
         model,
@@ -1753,8 +1572,7 @@ def token_attr(
 def _attribute(
     args: _Args, requested: Mode, chunk_size: ChunkSize, return_gradients: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """token_attr's work once its arguments are checked: the mode, the causal check, the
-    forward(s) and the pulls (under the model's lock)."""
+    """token_attr once its arguments are checked: mode, causal check, forwards, pulls."""
     chosen, _ = _choose(args, requested, return_gradients, _CALL)
     _check_causal(args, chosen)
     if chosen != "forward" or requested != "auto":
@@ -1765,9 +1583,8 @@ def _attribute(
             raise
         _seen_after(args, chosen)
         return result
-    # compose_heads falls back to reverse mode, with a warning, where forward mode cannot
-    # run; under "auto" that is this function's choice to make: no warning, and reverse
-    # mode from the start on this model from then on (plan() says why).
+    # Under "auto", compose_heads' fallback to reverse mode is this function's choice: no
+    # warning, and reverse mode on this model from then on (plan() says why).
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", FuncgradWarning)
         try:
