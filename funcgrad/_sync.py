@@ -129,25 +129,17 @@ class Sync:
         post_accumulate(leaves)
 
 
-# .grad is read and written by one accumulate at a time: two threads calling backward on
-# shared parameters (Hogwild-style) lost one's update where both saw .grad None, or added
-# into it at once; torch's AccumulateGrad holds a lock per leaf for the same reason.
+# One accumulate at a time (two threads' backwards on shared parameters, Hogwild-style, lost
+# an update), as torch's AccumulateGrad holds a lock per leaf.
 _ACCUMULATING = threading.RLock()
 
 
 def accumulate(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """``leaf.grad += grad``, as autograd's AccumulateGrad does without ``create_graph``
-    (docs/reliability.md, ".grad presets"). A first ``.grad`` is never ``grad`` itself: a
-    gradient from autograd may be a tensor that someone else holds (a tensor hook that logs
-    it, a custom Function whose backward returns a tensor it keeps), which torch's
-    AccumulateGrad copies (by its use count) and the next accumulation would write into.
-    Where ``grad`` spans its whole storage (not a row of the k stacked per-task gradients,
-    which would keep all k alive) with the leaf's strides, on the CPU, the leaf gets a
-    copy-on-write clone of it (:func:`_copy_on_write`), which costs nothing unless both
-    sides live on and one is written (autograd hands one tensor to both leaves of a sum:
-    each gets its own clone); else a copy in the leaf's layout (sparse: a copy of its
-    rows). Every ``.grad`` made here is its own, whatever else holds ``grad``'s storage. One
-    thread at a time (``_ACCUMULATING``)."""
+    (docs/reliability.md, ".grad presets"), one thread at a time. A first ``.grad`` is its
+    own, never ``grad`` (which someone else may hold, a hook that logs it, say): a
+    copy-on-write clone (:func:`_copy_on_write`) where ``grad`` spans its whole storage with
+    the leaf's strides on the CPU, else a copy in the leaf's layout."""
     with _ACCUMULATING:
         _accumulate(leaf, grad)
 
@@ -184,18 +176,14 @@ _LAZY_CLONE: Any = getattr(torch, "_lazy_clone", None)
 
 
 def _copy_on_write(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` can be given a copy-on-write clone (``torch._lazy_clone``, same
-    strides): no copy is made while only one side is alive (a fresh gradient, the usual
-    case, is then taken as it is), and a tensor someone else still holds is copied by
-    whichever side writes first. On the CPU and for plain tensors only (where it is
-    exercised); elsewhere the first ``.grad`` is a plain clone."""
+    """Whether ``grad`` can be given a copy-on-write clone (``torch._lazy_clone``: copied only
+    when one of two live sides writes): plain CPU tensors only (where it is exercised)."""
     return _LAZY_CLONE is not None and grad.is_cpu and type(grad) is torch.Tensor
 
 
 def _lazy_clone(grad: torch.Tensor) -> torch.Tensor | None:
-    """``torch._lazy_clone(grad)``, or None where torch cannot share the storage (memory
-    torch did not allocate: ``from_numpy``, ``frombuffer``, DLPack, shared memory), which
-    then gets a plain copy."""
+    """``torch._lazy_clone(grad)``, or None where torch cannot share the storage (memory it
+    did not allocate: ``from_numpy``, DLPack, shared memory)."""
     try:
         return cast(torch.Tensor, _LAZY_CLONE(grad))
     except RuntimeError:
@@ -220,10 +208,9 @@ def _in_layout_of(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
 
 
 def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None:
-    """Before anything runs or is written: a ValueError for a ``.grad`` that torch's own
-    backward cannot accumulate into either: an expanded (stride-0) one, where torch raises
-    "more than one element of the written-to tensor refers to a single memory location"
-    after it wrote other leaves. ``leaves``: (name, leaf) pairs for the message."""
+    """Before anything runs: a ValueError for a ``.grad`` (of the (name, leaf) pairs) that
+    torch's own backward cannot accumulate into either, and refuses only after writing
+    other leaves: not floating, an inference tensor, expanded (stride 0)."""
     for name, leaf in leaves:
         grad = leaf.grad
         if grad is not None and not is_differentiable(grad):
@@ -255,9 +242,8 @@ def check_presets(leaves: Sequence[tuple[str, torch.Tensor]], call: str) -> None
 
 @contextlib.contextmanager
 def post_accumulate_held(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Around backwards whose ``.grad`` is not the call's final one (FSDP's one backward per
-    task): the leaves' post-accumulate-grad hooks are held back (each hook dict emptied,
-    the same dict torch reads, and refilled after); :func:`post_accumulate` fires them."""
+    """Holds back the leaves' post-accumulate-grad hooks (the dicts torch reads emptied, then
+    refilled) around backwards whose ``.grad`` is not final (FSDP's one per task)."""
     held = [(leaf, dict(leaf._post_accumulate_grad_hooks or {})) for leaf in leaves]
     for leaf, hooks in held:
         if hooks:
@@ -271,10 +257,8 @@ def post_accumulate_held(leaves: Sequence[torch.Tensor]) -> Iterator[None]:
 
 
 def post_accumulate(leaves: Sequence[torch.Tensor]) -> None:
-    """Fire each leaf's post-accumulate-grad hooks (``register_post_accumulate_grad_hook``)
-    once, in order, after every ``.grad`` of the call holds its final value: torch fires
-    them once per leaf its backward writes, and optimizers-in-backward and FSDP rely on
-    them. A leaf given twice fires once."""
+    """Fire each leaf's post-accumulate-grad hooks once, in order, on its final ``.grad``, as
+    torch's backward does (optimizers-in-backward and FSDP rely on them)."""
     seen: set[int] = set()
     for leaf in leaves:
         hooks = leaf._post_accumulate_grad_hooks
@@ -412,13 +396,10 @@ class GroupSync(Sync):
 
 
 class DDPSync(GroupSync):
-    """The ranks of a DistributedDataParallel encoder. Where the DDP module's parameters are
-    exactly the shared leaves, its reducer averages the shared gradients of the one backward
-    that funcgrad runs through it (its bucketing and communication hooks apply). Otherwise
-    (a DDP module wrapping part of the shared model, a side branch outside it, ``inputs=`` a
-    subset, heads inside it), DDP's backward would leave some gradients un-averaged, so
-    funcgrad averages every gradient itself, as for a ProcessGroup, and runs no backward
-    through DDP's reducer."""
+    """The ranks of a DistributedDataParallel encoder: where its parameters are exactly the
+    shared leaves, its reducer averages the one backward funcgrad runs through it (its
+    communication hooks apply); otherwise funcgrad averages every gradient itself, as for a
+    ProcessGroup, and runs no backward through the reducer."""
 
     reduces_backward = True
 
@@ -562,12 +543,10 @@ class FSDPSync(GroupSync):
 
     @contextlib.contextmanager
     def collecting(self) -> Iterator[None]:
-        """Each ``dL_i/dfeatures`` fires FSDP's pre-backward hook on the features (an
-        all-gather, then a reshard at its end): during these k backwards, resharding is put
-        off and none is FSDP's last backward (its public ``set_reshard_after_backward``,
-        ``set_is_last_backward``), so what they gathered stays for the real backward; then
-        each setting, read from FSDP's private state, is put back (where that is not found,
-        nothing is changed: only communication is saved, never correctness)."""
+        """During the k backwards of ``dL_i/dfeatures`` (each fires FSDP's pre-backward
+        all-gather), resharding is put off and none is FSDP's last backward, so what they
+        gathered stays for the real backward; the settings, read from FSDP's private state,
+        are put back after (where not found, nothing is changed: it only saves traffic)."""
         settings = _backward_settings(self.module)
         root: Any = self.module
         if settings is not None:
@@ -591,9 +570,8 @@ class FSDPSync(GroupSync):
 
     @contextlib.contextmanager
     def _grads_set_aside(self) -> Iterator[list[Any]]:
-        """FSDP accumulates into ``.grad``: the ``.grad`` held before the body is set aside,
-        and added to whatever ``.grad`` the body leaves. If the body raises (possibly after
-        some layers' reduce-scatter), FSDP is reset and every ``.grad`` is as it was."""
+        """The ``.grad`` held before the body, set aside and added to what the body leaves; if
+        the body raises, FSDP is reset and every ``.grad`` is as it was."""
         params = self._trained()
         held = [p.grad for p in params]
         for p in params:
@@ -622,10 +600,8 @@ class FSDPSync(GroupSync):
         self, outputs: Tensors, cotangents: Tensors, retain_graph: bool, pull: Callable[[], Tensors]
     ) -> Tensors:
         """Each sharded parameter's local shard of the k averaged per-task gradients,
-        (k, *shard shape): one backward through FSDP per task (each all-gathers the
-        parameters and reduce-scatters the gradients, as a plain FSDP backward does; FSDP
-        offers no batched backward). Each one's ``.grad`` is read and cleared, so the
-        ``.grad`` held before ends as it was."""
+        (k, *shard shape): one FSDP backward per task (FSDP has no batched backward), each
+        ``.grad`` read and cleared."""
         k = cotangents[0].shape[0]
         with self._grads_set_aside() as params:
             rows: list[list[torch.Tensor]] = [[] for _ in params]
@@ -679,10 +655,8 @@ class FSDPSync(GroupSync):
         post_accumulate([p for p, reached in zip(self._trained(), self._reached) if reached])
 
 
-# The sharded parameters of each FSDP module, the objects its optimizer holds: after the
-# forward, a root keeps its unsharded parameters registered until its backward, and FSDP's
-# public way back to the sharded ones, ``reshard()``, frees them (one more all-gather in the
-# backward): done once per module, the first time.
+# The sharded parameters of each FSDP module (its optimizer's): after a forward the root
+# holds the unsharded ones, and ``reshard()`` (one more all-gather) is run once per module.
 _SHARDED: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
 
@@ -759,9 +733,8 @@ def _reduces_gradients(module: torch.nn.Module) -> bool:
 def check_fsdp_leaves(
     shared: Sequence[torch.Tensor], own: Sequence[Sequence[torch.Tensor]], sync: Sync
 ) -> None:
-    """A leaf that is an FSDP2 parameter (gathered for the forward) gets its gradient only
-    through FSDP's own backward: refuse it where funcgrad would compute and write it
-    itself (FSDP would never see it, and the sharded parameter would get nothing)."""
+    """Refuse an FSDP2 parameter among the leaves whose gradients funcgrad writes itself:
+    only FSDP's own backward reaches the sharded parameter."""
     if "torch.distributed.fsdp" not in sys.modules or not dist.is_initialized():
         return
     from torch.distributed._composable_state import _module_state_mapping
