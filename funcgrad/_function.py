@@ -33,12 +33,10 @@ from ._validate import check_primal_leaves, outside_transforms, values_readable
 
 
 def result_graph(create_graph: bool, leaves: Sequence[torch.Tensor]) -> Any:
-    """The context the entry points compute their results in: ``torch.no_grad()``, so that no
-    graph of the results is built (``torch.autograd.grad``'s ``create_graph=False``), unless
-    ``create_graph`` or a torch.func transform is active around the call (``torch.func.grad``
-    differentiates through the results; its levels need their graph). torch.func's own
-    transforms inside ignore the outer ``no_grad``: f and the heads are still differentiated,
-    and f sees grad mode enabled inside ``vjp``."""
+    """The context the entry points compute their results in: ``torch.no_grad()`` (no graph
+    of the results, as ``create_graph=False``), unless ``create_graph`` or a torch.func
+    transform around the call needs that graph. (torch.func's transforms inside ignore the
+    outer ``no_grad``: f still sees grad mode enabled inside ``vjp``.)"""
     if create_graph or (not torch.compiler.is_compiling() and not outside_transforms(leaves)):
         return contextlib.nullcontext()
     return torch.no_grad()
@@ -60,13 +58,11 @@ _C_TYPES = frozenset(
     )
 )
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# Python functions from torch's own package seen by a mode, by id (the usual op's check: one
-# lookup that never hashes the callable, which may be a user's unhashable object), kept alive
+# torch's own Python functions seen by a mode, by id (never hashes a user's callable), kept
 _OWN: dict[int, Any] = {}
 _HANDLE = torch.overrides.handle_torch_function.__code__
-# The namespaces whose attributes torch's C code looks up, by name, at call time, to hand a
-# mode the function called (torch.Tensor's methods and these modules' functions), with
-# their C functions as funcgrad's import found them.
+# The namespaces torch's C code looks function names up in at call time (besides
+# torch.Tensor), with their C functions as funcgrad's import found them.
 _C_MODULES = tuple(
     getattr(torch._C, name) for name in ("_nn", "_linalg", "_fft", "_special", "_nested", "_sparse")
 )
@@ -82,28 +78,20 @@ def _torch_code(code: types.CodeType) -> bool:
 
 
 def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -> Any:
-    """The function that eager (no mode) would have run where a TorchFunctionMode is handed
-    ``func``, which is not one of torch's C functions nor known to be torch's own Python
-    function; ``caller`` is the frame that called the mode's ``__torch_function__``.
+    """The function eager would have run where a TorchFunctionMode is handed ``func`` (not
+    torch's C function nor its known Python one); ``caller``: the frame that called the
+    mode's ``__torch_function__``.
 
-    torch hands a mode the function it finds under the called function's name at call time:
-    a Python torch function (``F.relu``) calls ``handle_torch_function`` with its module's
-    global of its own name, and torch's C code looks its name up on ``torch.Tensor`` (or
-    ``torch._C._nn``, ...). Where a user or a library replaced that name with a wrapper
-    that calls the original, the mode is handed the wrapper, and calling it applies the
-    wrapper a second time (or once where eager never called it). Assumptions, each checked:
-    a Python function dispatched from a frame of torch's own code other than its own was
-    dispatched by that torch function (found by its code object: its ``__wrapped__`` chain,
-    else the one function object with that code); a function dispatched from C is the
-    replacement of an attribute of ``torch.Tensor`` (the original is ``torch._C.TensorBase``'s)
-    or of a C namespace as funcgrad's import found it. A user's own overridable function
-    (one calling ``handle_torch_function`` with itself, from its own frame or from code that
-    is not torch's) is returned as it is. A torch function that dispatched another name
-    (``_max_pool2d`` dispatching ``max_pool2d``) is called with the arguments it handed the
-    mode where they bind to its signature. Anything else is refused
-    (:class:`ReplacedTorchFunction`), never run twice."""
-    # (a wrapt-style proxy, a callable object carrying __wrapped__ whose type is not torch's,
-    # forwards its wrapped function's __module__ and __code__: a replacement)
+    torch hands a mode what it finds under the called name at call time (a Python torch
+    function's module global, or ``torch.Tensor``'s / a C namespace's attribute), so a
+    replacement that wraps the original would run twice. Assumptions, each checked: a Python
+    function dispatched from torch's own code was dispatched by that torch function (found by
+    its code: ``__wrapped__`` chain, else the one function with that code; called only where
+    the arguments bind to it); one dispatched from C replaced an attribute of
+    ``torch.Tensor`` (original: ``torch._C.TensorBase``'s) or of a C namespace as funcgrad's
+    import found it. A user's own overridable function is returned as it is; anything else
+    is refused (:class:`ReplacedTorchFunction`), never run twice."""
+    # (a wrapt-style proxy forwards its wrapped function's __module__ and __code__)
     proxy = (
         type(func) not in (types.FunctionType, types.MethodType)
         and hasattr(func, "__wrapped__")
@@ -147,8 +135,7 @@ def eager_function(func: Any, caller: types.FrameType, args: Any, kwargs: Any) -
 
 
 def _end(func: Any) -> Any:
-    """The end of ``func``'s ``__wrapped__`` chain (a torch decorator, ``torch.no_grad()`` or
-    ``torch.compiler.disable``, over a user's replacement: the replacement)."""
+    """The end of ``func``'s ``__wrapped__`` chain (under a torch decorator: the user's)."""
     for _ in range(100):
         wrapped = getattr(func, "__wrapped__", None)
         if wrapped is None:
@@ -158,8 +145,8 @@ def _end(func: Any) -> Any:
 
 
 def _code_of(func: Any) -> types.CodeType | None:
-    """The code a callable runs: a function's, a bound method's, a partial's function's, or
-    its class's ``__call__`` (a torch ``HigherOrderOperator``); None for C callables."""
+    """The code a callable runs (through methods, partials, its class's ``__call__``); None
+    for C callables."""
     for _ in range(10):
         if isinstance(func, functools.partial):
             func = func.func
@@ -255,16 +242,10 @@ def _c_original(func: Any) -> tuple[Any, str]:
 
 
 class _Draws(TorchFunctionMode):
-    """Records each ``torch.Generator`` passed to a torch function (``generator=``, keyword-only
-    in every torch random op) the first time it is seen, with its state before that draw; and,
-    given ``flat``, whether f registered a tensor hook (``flat.hooked``; a module's backward
-    hook is found in the graph: :func:`module_hook_in_graph`), ran an RNN
-    (``flat.rnn``) or a batch norm in training mode (``flat.norm``: torch.func refuses its
-    running statistics' update).
-
-    Given ``threads`` (a :class:`Threads`, on eager autograd only), also the autograd node
-    of every tensor a torch function returns, and every tensor with a node that reaches a
-    torch function without one of them having returned it (see :func:`foreign`)."""
+    """Records each ``torch.Generator`` passed (``generator=``) the first time, with its state
+    before that draw; given ``flat``, whether f registered a tensor hook (``flat.hooked``),
+    ran an RNN (``flat.rnn``) or a training batch norm (``flat.norm``); given ``threads``
+    (eager autograd only), the nodes of what torch functions return (see :func:`foreign`)."""
 
     def __init__(
         self,
@@ -276,8 +257,7 @@ class _Draws(TorchFunctionMode):
         self.seen = seen
         self.flat = flat
         self.threads = threads
-        # Grad mode as f last set it in Python (no_grad, set_grad_enabled): off where torch
-        # turned it off itself, in a custom autograd.Function's forward.
+        # (grad mode as f last set it; torch turns it off itself in a Function's forward)
         self.grad_mode = torch.is_grad_enabled()
         self.level = _current_level()  # (a transform's inside f, a nested call's: not f's)
 
@@ -288,8 +268,7 @@ class _Draws(TorchFunctionMode):
         threads = self.threads
         if threads is None or not threads.on:
             return self._watched(func, types, args, kwargs)
-        # (Inlined: once per op of f on a watched call. The usual op takes tensors whose
-        # nodes an op returned, and returns one tensor.)
+        # (Threads.check and .made inlined: once per op of f on a watched call)
         if _current_level() is not None:  # a transform inside f: see Threads
             threads.off()
             return self._watched(func, types, args, kwargs)
@@ -314,8 +293,7 @@ class _Draws(TorchFunctionMode):
                 threads.plain[id(result)] = weakref.ref(result)
         else:
             threads.made(result)
-        # In place (``__setitem__``, ``mul_``, ``out=``): the node of the tensor written
-        # into, and of its base where it is a view, is new, and no op returned it.
+        # (in place, ``mul_``, ``out=``: the written tensor's and its base's nodes are new)
         for value in args:
             if isinstance(value, torch.Tensor):
                 threads.written(value)
@@ -372,30 +350,20 @@ def _dual(tensor: torch.Tensor) -> bool:
 
 
 class Threads:
-    """What a watched run of f on eager autograd needs to tell whether part of f ran in
-    another thread: torch.func's transforms, like a TorchFunctionMode, hold for the calling
-    thread only, so a worker thread's ops on f's inputs are invisible to both, and under
-    torch.func its result is a constant (a silently wrong gradient). On eager autograd the
-    worker's ops are recorded as any others, so a tensor that reaches one of f's ops (or
-    f's output) on the calling thread with an autograd node that no torch function there
-    returned, and whose graph reaches this call's own differentiated leaves, was computed
-    during the call by code the mode did not see: another thread. Tensors f captures
-    (parameters, buffers, tensors computed before the call, in an earlier call included)
-    cannot reach this call's leaves (fresh leaves, or fresh views of the primals).
-
-    Off (``on`` False, no evidence) for the rest of the call once f runs a torch.func
-    transform itself (a nested funcgrad call, vmap): the tensors such a transform returns
-    are unwrapped outside any torch function, so they would look foreign."""
+    """Whether part of f ran in another thread, on a watched run on eager autograd (torch.func
+    and modes hold for the calling thread only: under torch.func a worker's result is a
+    constant, a silently wrong gradient). ASSUMPTION: a tensor that reaches f's ops or output
+    with a node no torch function on this thread returned, and whose graph reaches this
+    call's fresh leaves, was made by another thread (captured tensors cannot reach them).
+    Off (``on`` False) once f runs a torch.func transform itself (its results would look
+    foreign)."""
 
     __slots__ = ("nodes", "on", "plain", "unseen")
 
     def __init__(self, leaves: Sequence[torch.Tensor]) -> None:
-        # (The nodes are held until the call ends: a node's Python object may otherwise be
-        # freed and another made for the same node, which would look unseen.)
+        # (held until the call ends: a freed node object's replacement would look unseen)
         self.nodes: set[Any] = {t.grad_fn for t in leaves if t.grad_fn is not None}
-        # The tensors returned without a node (weakly: id -> the tensor), for the output of
-        # an autograd.Function, whose apply no mode sees: its forward's own result (made
-        # without grad), given its node by apply afterwards.
+        # (returned without a node, weakly: an autograd.Function's output gets one later)
         self.plain: dict[int, weakref.ref[torch.Tensor]] = {}
         self.unseen: list[torch.Tensor] = []
         self.on = True
@@ -427,10 +395,8 @@ class Threads:
             self.nodes.add(base.grad_fn)
 
     def unseen_tensor(self, value: torch.Tensor, node: Any) -> None:
-        """``value``'s node, ``node``, was not returned by a watched torch function: kept,
-        unless ``value`` is an autograd.Function's output (its forward returned it, or
-        wrote into it: ``mark_dirty``), or a view whose base's node was seen (torch makes
-        a view's node anew once its base was written into in place)."""
+        """Keep ``value``, whose ``node`` no watched function returned, unless it is an
+        autograd.Function's output or a view of a seen base (whose node torch remade)."""
         if isinstance(node, BackwardCFunction):
             ref = self.plain.get(id(value))
             if ref is not None and ref() is value:
@@ -472,14 +438,10 @@ def foreign(threads: Threads, outputs: Sequence[Any], leaves: Sequence[torch.Ten
 
 @contextlib.contextmanager
 def _module_hooks_watched(flat: FlatFunction, transformed: bool) -> Iterator[None]:
-    """For a watched call under a torch.func transform (``transformed``: forward mode above
-    all, where nothing requires grad, so no hook node enters any graph and
-    :func:`module_hook_in_graph` cannot see it), a global module forward pre-hook, for the
-    calling thread only, that sets ``flat.hooked`` where f calls a module with a backward
-    hook (its own or a global one; full, pre or old-style) on a differentiated positional
-    input (one that requires grad or is a torch.func wrapper). Not on eager autograd, where
-    the graph shows the hook: a global module hook makes each call of a
-    ``torch.compile(module)`` warn."""
+    """Under a torch.func transform (``transformed``: no hook node enters a graph there), a
+    global module forward pre-hook, for the calling thread, setting ``flat.hooked`` where f
+    calls a module with a backward hook on a differentiated positional input. Not on eager
+    autograd, where the graph shows the hook (and it would make ``torch.compile`` warn)."""
     if not transformed:
         yield
         return
@@ -514,10 +476,9 @@ def _has_backward_hooks(module: torch.nn.Module) -> bool:
 
 
 def _module_tree_hooked(f: Any) -> bool:
-    """Whether f is a module (:func:`module_of`) any of whose submodules has a backward
-    hook, or a global one is registered: an old-style ``register_backward_hook`` puts a
-    hook on an autograd node, which neither the watch's mode nor a walk of the graph can
-    see (so on modules that f calls without owning them, it is not seen)."""
+    """Whether f is a module (:func:`module_of`) with a backward hook on a submodule, or a
+    global one: an old-style hook sits on a node that neither the mode nor a graph walk
+    sees (not seen on modules that f calls without owning them)."""
     module = module_of(f)
     if module is None:
         return False
@@ -525,13 +486,9 @@ def _module_tree_hooked(f: Any) -> bool:
 
 
 def module_hook_in_graph(outputs: Any) -> tuple[bool, bool]:
-    """Whether the autograd graph of ``outputs`` holds a module's backward hook (its own or a
-    global one, full or pre: torch puts a ``BackwardHookFunction`` node on the module's
-    inputs and outputs), and a custom autograd.Function not known to be linear in its
-    cotangent (not torch's own: its backward may clamp it). No torch function names
-    either, so the watch's mode cannot see them; a walk of the graph f built, on a watched
-    call, does. Under torch.func a hook node makes torch.func refuse f, and the call runs
-    on eager autograd."""
+    """Whether the graph of ``outputs`` holds a module's backward hook node, and a custom
+    autograd.Function not known to be linear in its cotangent (not torch's own): no torch
+    function names either, so only a walk of the graph (on a watched call) sees them."""
     leaves, _ = _tree.flatten(outputs)
     return hook_or_function(t.grad_fn for t in leaves if isinstance(t, torch.Tensor))
 
@@ -549,13 +506,10 @@ def module_of(f: Any) -> torch.nn.Module | None:
 
 
 def modules_of(f: Any) -> tuple[torch.nn.Module, ...]:
-    """The nn.Modules that f (a closure, a function) names, read when called (the names'
-    values then: a name rebound later is not followed): those its closure cells and the
-    globals its code names hold (its comprehensions' and nested functions' code included),
-    one level into a list, tuple or dict held there or an object's attributes, a
-    ``functools.partial``'s arguments, and the same of the functions found there (a nested
-    closure, ``__wrapped__``), up to three functions deep (``lambda x: model(x)``,
-    ``partial(run, model)``)."""
+    """The nn.Modules that f names now (a name rebound later is not followed): in its
+    closure cells and the globals its code (nested code included) reads, one level into a
+    container or an object's attributes, a partial's arguments, and the same of the
+    functions found there, up to three deep (``lambda x: model(x)``, ``partial(run, m)``)."""
     found: dict[int, torch.nn.Module] = {}
     seen: set[int] = set()
 
@@ -614,29 +568,15 @@ def _cell_contents(cell: Any) -> Any:
 
 
 class HookState:
-    """Whether the module hooks that can reach f's graph changed since the last look: the
-    global module hooks (forward, backward, pre), and those of every submodule of f's own
-    module, where f is a module or a bound method of one (:func:`module_of`), else of the
-    modules that f names (:func:`modules_of`: a closure's).
-    A plan that settled on f's pullback being linear in the cotangent (``jacrev`` at
-    k > m, a reused basis) was made under the hooks f ran with on the watched call; a
-    backward hook (or a forward hook that puts a Function on the output) registered
-    later would be silently ignored, so the caller watches f again when they changed.
-
-    Cheap where nothing changed: every hook torch registers takes the next id of one
-    counter (``torch.utils.hooks.RemovableHandle.next_id``), read once a call; the hook
-    dicts are read only where it moved (any hook registered anywhere, a tensor's
-    included). Not seen: a hook dict written without a handle, a submodule holding a
-    hook attached to f after that hook was registered and before the last look, a module
-    f reaches by a longer route than :func:`modules_of` follows, and a tensor hook (f's
-    own: seen on the watched call only).
-
-    Also the training flags of f's own submodules, read on every call (one attribute a
-    submodule, as last listed): a module put in training mode after its first calls may
-    start drawing random numbers (dropout), which only a watched call sees and sends to
-    eager autograd, so that the draws are those of one eager forward (docs/reliability.md).
-    Not seen: a submodule attached after the last listing, and draws switched on some
-    other way (a flag of f's own)."""
+    """Whether the module hooks that can reach f's graph (global ones, and those of the
+    submodules of :func:`module_of` f, else of :func:`modules_of` f), or the training flags
+    of f's own submodules, changed since the last look: a plan made under the hooks and
+    draws of the watched call (a linear pullback, eager autograd for dropout) is then
+    watched again (docs/reliability.md). Cheap: the hook dicts are read only where
+    ``RemovableHandle.next_id`` moved. Not seen: a hook dict written without a handle, a
+    submodule holding a hook attached after the last look, a module reached by a longer
+    route than :func:`modules_of` follows, a tensor hook (seen on the watched call only),
+    a submodule attached after the last listing, draws switched on some other way."""
 
     __slots__ = ("_counter", "_hooks", "_modes", "_modules", "_own", "_parts")
 
@@ -647,8 +587,7 @@ class HookState:
         self._modules = tuple(weakref.ref(module) for module in modules)
         self._counter = RemovableHandle.next_id
         self._parts: tuple[torch.nn.Module, ...] = ()
-        # (a closure's modules are first read at the first look: a closure made anew for
-        # each call, with a new record, never pays for reading them)
+        # (a closure's modules are read at the first look: a fresh closure never pays)
         self._hooks = self._fingerprint() if self._own else None
         self._modes = self._training()
 
@@ -666,8 +605,7 @@ class HookState:
             if (module := ref()) is not None
             for part in module.modules()
         )
-        # (kept only for f's own module's training flags: a closure's modules are held by
-        # weak reference alone, so that a record keyed by f keeps no model alive)
+        # (f's own module's only: a closure's are held weakly, keeping no model alive)
         self._parts = parts if self._own else ()
         for part in parts:
             dicts.extend(getattr(part, name) for name in _MODULE_HOOKS)
@@ -709,10 +647,8 @@ _current_level = torch._C._functorch.maybe_current_level
 
 
 def _threads_watch(leaves: Sequence[torch.Tensor]) -> Threads | None:
-    """A :class:`Threads` where f runs on eager autograd (no torch.func transform active, no
-    leaf a functorch wrapper, some leaf requiring grad, none fake), else None: under
-    torch.func a worker's result is a plain tensor like any captured one, so nothing can be
-    told there."""
+    """A :class:`Threads` where f runs on eager autograd (no transform, no functorch or fake
+    leaf, some leaf requiring grad), else None (nothing can be told under torch.func)."""
     if _current_level() is not None or not any(t.requires_grad for t in leaves):
         return None
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) or is_fake(t) for t in leaves):
@@ -747,14 +683,10 @@ _IN_PLACE_DUNDERS = frozenset(
 
 
 class NoOutsideWrites(_Draws):
-    """:class:`_Draws`, and f stopped (:class:`Writes`, before the op runs) where it would
-    write into a tensor it did not make in this run: under ``torch.inference_mode``, every
-    tensor f makes is an inference tensor, so a write into any other (an argument, a
-    captured buffer or counter) is one that must not happen. Writes are told by the torch
-    function: an in-place method or function (a trailing underscore, ``x[i] = ...``,
-    ``+=``), an ``out=`` tensor, a batch or instance norm that updates running statistics.
-    A TorchFunctionMode costs time on every op; ``torch.func.vjp``, which refuses such writes at
-    the dispatcher, costs as much again on a Python loop of small ops."""
+    """:class:`_Draws`, and f stopped (:class:`Writes`, before the op runs) where, under
+    ``torch.inference_mode``, it would write into a tensor it did not make in this run (not
+    an inference tensor, or an argument): in place (trailing underscore, ``x[i] = ...``,
+    ``+=``), ``out=``, ``inplace=True``, a norm's running statistics, ``max_norm``."""
 
     def __init__(self, seen: dict[torch.Generator, torch.Tensor], args: Sequence[Any]) -> None:
         super().__init__(seen)
@@ -768,7 +700,6 @@ class NoOutsideWrites(_Draws):
         )
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        # (Once per op of f: the usual op, no keyword and not a write, costs a dict lookup.)
         if type(func) not in _C_TYPES and id(func) not in _OWN:  # (a replaced torch function)
             func = eager_function(func, sys._getframe(1), args, kwargs)
         try:
@@ -865,8 +796,7 @@ class FlatFunction:
         )
         self.in_defs: list[Any] = []
         self.counts: list[int] = []
-        # Every differentiated argument a bare tensor: its tree is its one leaf (no flatten,
-        # no unflatten). (Not in compiled code, where dynamo traces the trees it built.)
+        # (every differentiated argument a bare tensor: no flatten; not in compiled code)
         self._bare = not torch.compiler.is_compiling() and all(
             _tree.is_differentiable(args[a]) for a in argnums
         )
@@ -890,36 +820,25 @@ class FlatFunction:
         self._out_tree: Any = None
         self._aux_def: Any = None
         self._aux_static: list[Any] = []
-        # The explicit generators f drew from in this call, with their state before its first
-        # draw (RandomState restores them before a re-run of f), recorded while ``watch``
-        # (a TorchFunctionMode costs time on every op, so a caller that knows f draws from none
-        # turns it off). Not in compiled code, where generators' states cannot be read.
+        # While ``watch`` (off where a caller knows f draws from none; never in compiled
+        # code): the generators f drew from, with their state before its first draw (for a
+        # re-run of f), and what the run saw: random draws, a tensor hook, a custom Function
+        # not known to be linear, an RNN, a training batch norm, part of f in another thread
+        # (see Threads), an op in no-grad mode on a tensor requiring grad in a run begun in
+        # grad mode (autograd's constant, forward mode's derivative: see Facts.no_grad).
         self.watch = True
         self.generators: dict[torch.Generator, torch.Tensor] = {}
-        # What a watched run of f saw: random draws (then torch.func may draw other numbers
-        # than eager for some ops, such as dropout on a non-contiguous tensor), a tensor hook
-        # (it may be nonlinear in its gradient: only the cotangents themselves may go through
-        # f), an RNN, a batch norm in training mode.
         self.drew = False
         self.hooked = False
-        # A custom autograd.Function not known to be linear in its cotangent (a clamp):
-        # under auto, only the cotangents themselves may go through f.
         self.custom = False
         self.rnn = False
         self.norm = False
-        # Part of f ran in another thread (seen on a watched run on eager autograd only):
-        # torch.func would take it for a constant (see Threads).
         self.threads = False
-        # f ran an op in no-grad mode (torch.no_grad() inside f) on a tensor that requires
-        # grad, in a run that f began in grad mode (reverse mode's): autograd takes its
-        # result for a constant, forward mode differentiates it (see Facts.no_grad).
         self.grad_on = False
         self.no_grad = False
         self.forward_mode = False  # (a watched forward-mode call: only tangents count)
 
-    # (Looked up once a call, by hand: functools.cached_property takes a lock in Python
-    # 3.11, which dynamo cannot trace.)
-    @property
+    @property  # (by hand: functools.cached_property takes a lock dynamo cannot trace)
     def n(self) -> int:
         """The real size of the differentiated leaves (complex entries count twice)."""
         if self._n is None:
@@ -985,16 +904,14 @@ class FlatFunction:
                     f"{describe(result)}. Return `out, aux` or pass has_aux=False."
                 )
             result, aux = result
-        # (A Python bool, for compiled code too, where the tree specs are dynamo's own and
-        # cannot be compared with _tree.LEAF.)
+        # (a bool: in compiled code the tree specs are dynamo's, not comparable with LEAF)
         self.out_bare = _tree.is_differentiable(result)
         if self.out_bare and not torch.compiler.is_compiling():  # (usual)
             self.out_def = _tree.LEAF
             return (result,) if not self.has_aux else self._with_aux((result,), aux)
         out_leaves, self.out_def = _tree.flatten(result)
-        # (In compiled code, the output's tree itself, whose spec outputs() makes again: a
-        # dynamo tree spec carried over a graph break unflattens a dict wrongly, and so
-        # does one unflattened under torch.func there.)
+        # (compiled: the tree itself, re-specced by outputs(): a dynamo spec carried over a
+        # graph break, or used under torch.func, unflattens a dict wrongly)
         if torch.compiler.is_compiling():
             self._out_tree = result
         if not out_leaves:
