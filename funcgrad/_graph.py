@@ -654,16 +654,12 @@ def spend(
     torch_answers: bool = False,
 ) -> None:
     """After ``call`` ran ``graph``'s backward without ``retain_graph``: mark the nodes it
-    frees as spent (a later funcgrad call raises before any pass, on every rank: see
-    :func:`spent`), and hook the nodes funcgrad kept alive (the heads' part a later loss
-    shares, the shared part for its batched pulls) so that any later backward, the user's
-    own included, raises as torch's would, before it writes (see :meth:`Graph.refusing`).
-
-    ``shared_freed``: the last pass freed the part below ``through`` itself;
-    ``heads_freed``: the nodes above ``through`` that the outputs' backward freed (see
-    :func:`funcgrad._linearize.losses_backward`). ``torch_answers``: no other process must
-    refuse with this one; then, where torch freed every node and none needs a hook, nothing
-    is marked (a later call gives its own message for torch's error: :func:`spent_if_raising`)."""
+    frees as spent (:func:`spent`: a later call raises before any pass, on every rank), and
+    hook the nodes funcgrad kept alive so that any later backward raises as torch's would,
+    before it writes (:meth:`Graph.refusing`). ``shared_freed``: the last pass freed the part
+    below ``through``; ``heads_freed``: the nodes above it the outputs' backward freed;
+    ``torch_answers``: no other process must refuse with this one, so where torch freed
+    every node and none needs a hook, nothing is marked (:func:`spent_if_raising`)."""
 
     def refuse(_: Any) -> None:
         raise RuntimeError(SECOND_BACKWARD.format(call=call))
@@ -676,9 +672,8 @@ def spend(
 
         return hook
 
-    # Where a pass freed nodes for real, torch raises at them itself: only the nodes funcgrad
-    # kept alive need a hook. (The caller knows which: reading a saved tensor to find out
-    # would run its unpack hook, a non-reentrant checkpoint's recomputation.)
+    # (torch raises itself at the nodes a pass really freed, which the caller names: reading
+    # a saved tensor to find out would run its unpack hook)
     hooked = [
         (node, below)
         for node, below in graph.refusing().items()
@@ -701,11 +696,9 @@ def spend(
 def spent_if_raising(
     graph: Graph, call: str, *, freed: bool, error: type[RuntimeError] = RuntimeError
 ) -> Iterator[None]:
-    """Around ``call``'s passes through ``graph`` and what follows them (``freed``: without
-    retain_graph, they free parts of it): where the body raises, the graph counts as spent
-    (see :func:`spend`), so that a retry, or the user's own backward, raises up front. torch's
-    refusal of saved tensors an earlier backward freed (a graph that a call which left no
-    mark, or the user's own backward, freed) is raised as ``error`` with funcgrad's message."""
+    """Where the body (``call``'s passes through ``graph``; ``freed``: without retain_graph)
+    raises, the graph counts as spent (:func:`spend`), and torch's refusal of saved tensors
+    an earlier backward freed is raised as ``error`` with funcgrad's message."""
     try:
         yield
     except BaseException as caught:
@@ -732,11 +725,9 @@ SECOND_BACKWARD = (
 
 @contextlib.contextmanager
 def hooks_fired(through: Tensors) -> Iterator[None]:
-    """Around the passes that start at ``through`` with the cotangents the losses' backward
-    gave it: those already went through ``through``'s tensor hooks and ``retain_grad()``,
-    once per loss as in torch, so the user's hooks are held back (out of the dict autograd
-    reads, then put back in order) and a retained ``.grad`` is restored. torch's own hooks
-    stay (FSDP's pre-backward all-gather acts on every backward)."""
+    """Around the passes from ``through`` with the cotangents that already went through its
+    tensor hooks (once per loss, as in torch): the user's hooks are held back (then put back
+    in order) and a retained ``.grad`` restored; torch's own (FSDP's) stay."""
     held = []
     for t in through:
         hooks = t._backward_hooks or {}
