@@ -787,13 +787,8 @@ class FlatFunction:
         call: str,
         hint: str = "pass it through a non-differentiated argument (see `argnums`)",
     ) -> None:
-        self.f, self.args, self.argnums, self.has_aux, self.call = (
-            f,
-            list(args),
-            argnums,
-            has_aux,
-            call,
-        )
+        self.f, self.args, self.argnums, self.has_aux = f, list(args), argnums, has_aux
+        self.call = call
         self.in_defs: list[Any] = []
         self.counts: list[int] = []
         # (every differentiated argument a bare tensor: no flatten; not in compiled code)
