@@ -1,20 +1,11 @@
-"""Sync policies: every collective funcgrad makes, in one place (docs/scaling.md).
-
-DDP's convention: each loss is a mean over an equal local shard and the global loss the
-ranks' average, so the global task gradient is the average of the local ones. Features
-level: the global Gramian is ``(1/R^2) sum_r V_r V_r^T`` (one all-reduce of k x k numbers),
-then one backward of ``w @ V_r``, averaged by DDP's reducer, FSDP's reduce-scatter or one
-flat buffer here. Params level: one all-reduce of the k x P per-task gradients; under FSDP2,
-which alone computes its parameters' gradients, one FSDP backward per task, the Gramian
-summed over every rank's shard and ``w @`` its own shard written on each rank.
+"""Sync policies: every collective funcgrad makes, in one place (docs/scaling.md says what
+each level sends).
 
 :class:`Sync` (no distribution: every collective the identity), :class:`GroupSync` (a
 ProcessGroup), :class:`DDPSync`, :class:`FSDPSync`. Every call agrees first
-(:meth:`Sync.agree`: local checks and the choices that must match, in one all-gather before
-any backward), so a mistake on one rank is a clear error on every rank, not a hang; the
-weights are the first rank's on every rank (:meth:`Sync.first_rank_of`, whose flags make a
-weighting that raised on one rank an error on every rank, :meth:`Sync.check_ranks`), and so
-is an aggregator's update.
+(:meth:`Sync.agree`, one all-gather before any backward), so a mistake on one rank is a
+clear error on every rank, not a hang; the weights (and an aggregator's update) are the
+first rank's on every rank (:meth:`Sync.first_rank_of`, :meth:`Sync.check_ranks`).
 """
 
 from __future__ import annotations
