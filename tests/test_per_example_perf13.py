@@ -2,7 +2,8 @@
 and counted (never timed): on the CPU, the per-example gradients of a convolution of stride
 and dilation 1 on at most 4 input channels (an image's first layer) are ONE grouped
 convolution of the input with each example's output gradients as the kernel, where the
-grouped weight-gradient kernel with 3 channels a group was slow."""
+grouped weight-gradient kernel with 3 channels a group was slow; and a convolution's
+per-example gradients and update under a caller's CPU autocast (which main refused)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,35 @@ def test_a_first_convolution_on_few_channels_takes_one_convolution_with_the_exam
     grouped = [call for call in mode.calls if call[1] == 5]
     want = [("aten.convolution", 5), ("aten.convolution_backward", 5)]
     assert sorted(grouped) == want, mode.calls
+
+
+@pytest.mark.parametrize("channels", [3, 6])
+def test_a_convolution_under_cpu_autocast_is_close_to_the_loop(channels):
+    """Under a caller's CPU bf16 autocast, Δ is bf16 and the recorded input float32: the
+    grouped weight-gradient kernel refused the pair on main (oneDNN "could not create a
+    primitive descriptor"), for the G, the norms and the clip; both forms now run in the
+    wider dtype. The (float32) G and the clipped update against the loop on the same
+    autocast losses, with both forms: 3 input channels (the input as kernel) and 6 (the
+    grouped kernel)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(channels, 5, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(5 * 64, 2)
+    ).float()  # (autocast casts float32 alone; the tests' default dtype is float64)
+    x = torch.randn(6, channels, 8, 8, dtype=torch.float32)
+
+    def losses_of(m: nn.Module) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x).float().pow(2).sum(1)
+
+    rows = per_example_jacobian(model, losses_of).double()
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(losses_of(model))
+        for p in model.parameters():
+            p.grad = None
+        funcgrad.per_example_clip(losses_of(model), 1.0)
+    want = rows @ rows.T
+    assert float((gram.double() - want).norm() / want.norm()) < 1e-3  # 2.3e-4 here
+    factors = (1.0 / (rows.norm(dim=1) + 1e-6)).clamp(max=1)
+    update = factors @ rows
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    assert float((grads - update).norm() / update.norm()) < 1e-2  # bf16 Δ: 2.5e-3 here

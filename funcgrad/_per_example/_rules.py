@@ -560,8 +560,12 @@ class _Conv(_Dense):
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
+        # in the wider of the two dtypes (under a caller's autocast: Δ in bf16, the
+        # recorded input in float32, which the kernel refused)
+        dtype = torch.promote_types(d.dtype, x.dtype)
+        d, x = d.to(dtype), x.to(dtype)
         # (its shape alone is read: detached, so that no graph is recorded around the kernel)
-        weight = self.weight.detach()
+        weight = self.weight.detach().to(dtype)
         if groups > 1:
             weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
         grads: tuple[torch.Tensor, ...] = torch.ops.aten.convolution_backward(
@@ -606,9 +610,10 @@ class _Conv(_Dense):
         if dims == 1:  # as a Conv2d of height 1
             x, d, padding, kernel = x.unsqueeze(2), d.unsqueeze(2), [0, *padding], (1, *kernel)
         batch, channels, out = x.shape[0], x.shape[1], d.shape[1]
+        dtype = torch.promote_types(d.dtype, x.dtype)  # (as `backward_weight`)
         grads = F.conv2d(
-            x.transpose(0, 1).to(d.dtype),  # (C, B, H, W), in Δ's dtype (as `_Dense`'s A)
-            d.reshape(batch * out, 1, *d.shape[2:]),
+            x.transpose(0, 1).to(dtype),  # (C, B, H, W)
+            d.reshape(batch * out, 1, *d.shape[2:]).to(dtype),
             padding=tuple(padding),
             groups=batch,
         )  # (C, B·p, kh, kw)
