@@ -606,9 +606,8 @@ class _Conv(_Dense):
         input's channels as the batch, the examples as the groups (the same sums over the
         output positions as the weight gradient's, in another order)."""
         dims, _, padding, _ = self.geometry()
-        kernel = self.weight.shape[2:]
         if dims == 1:  # as a Conv2d of height 1
-            x, d, padding, kernel = x.unsqueeze(2), d.unsqueeze(2), [0, *padding], (1, *kernel)
+            x, d, padding = x.unsqueeze(2), d.unsqueeze(2), [0, *padding]
         batch, channels, out = x.shape[0], x.shape[1], d.shape[1]
         dtype = torch.promote_types(d.dtype, x.dtype)  # (as `backward_weight`)
         grads = F.conv2d(
@@ -616,7 +615,7 @@ class _Conv(_Dense):
             d.reshape(batch * out, 1, *d.shape[2:]).to(dtype),
             padding=tuple(padding),
             groups=batch,
-        )  # (C, B·p, kh, kw)
+        )  # (C, B·p, kh, kw): the kernel's size, at stride and dilation 1
         grads = grads.reshape(channels, batch, out, -1).permute(1, 2, 0, 3)
         return grads.reshape(batch, -1)
 
