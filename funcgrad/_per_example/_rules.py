@@ -25,6 +25,8 @@ from ._layer import (
 )
 from ._record import _shared_use, _Use
 
+_FEW_CHANNELS = 4  # a convolution's input channels: at most this many, its per-example
+# gradients are formed by `_Conv.by_output_kernel` on the CPU
 _PAIRS = 1 << 18  # elements: the Embedding's pair products, at least this many a block
 _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient this
 # small is formed in one product, never in blocks of output features; a larger one in
@@ -558,8 +560,12 @@ class _Conv(_Dense):
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
+        # in the wider of the two dtypes (under a caller's autocast: Δ in bf16, the
+        # recorded input in float32, which the kernel refused)
+        dtype = torch.promote_types(d.dtype, x.dtype)
+        d, x = d.to(dtype), x.to(dtype)
         # (its shape alone is read: detached, so that no graph is recorded around the kernel)
-        weight = self.weight.detach()
+        weight = self.weight.detach().to(dtype)
         if groups > 1:
             weight = weight.repeat(groups, *([1] * (weight.ndim - 1)))
         grads: tuple[torch.Tensor, ...] = torch.ops.aten.convolution_backward(
@@ -572,11 +578,46 @@ class _Conv(_Dense):
         found = []
         for use in self.uses:  # the examples as the groups of one convolution
             x, d = self.input(use), self.delta(use)
+            if self.input_as_kernel(x):
+                found.append(self.by_output_kernel(x, d))
+                continue
             grads = self.backward_weight(
                 d.reshape(1, -1, *d.shape[2:]), x.reshape(1, -1, *x.shape[2:]), self.batch
             )
             found.append(grads.view(self.batch, -1))
         return sum(found[1:], found[0]).view(self.batch, self.weight.shape[0], -1)
+
+    def input_as_kernel(self, x: torch.Tensor) -> bool:
+        """Whether `by_output_kernel` forms the per-example gradients: on the CPU, for a
+        convolution of stride and dilation 1 on at most `_FEW_CHANNELS` input channels (an
+        image's first layer), where the grouped weight-gradient kernel with that few
+        channels a group is slow (docs/benchmarks_per_example.md, session 13)."""
+        _, stride, _, dilation = self.geometry()
+        return (
+            x.device.type == "cpu"
+            and x.shape[1] <= _FEW_CHANNELS
+            and self.batch > 0
+            and all(s == 1 for s in (*stride, *dilation))
+        )
+
+    def by_output_kernel(self, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """(B, p·d) per-example weight gradients of a stride-1, dilation-1 convolution, as
+        ONE grouped convolution of the input with each example's Δ as the kernel: the
+        input's channels as the batch, the examples as the groups (the same sums over the
+        output positions as the weight gradient's, in another order)."""
+        dims, _, padding, _ = self.geometry()
+        if dims == 1:  # as a Conv2d of height 1
+            x, d, padding = x.unsqueeze(2), d.unsqueeze(2), [0, *padding]
+        batch, channels, out = x.shape[0], x.shape[1], d.shape[1]
+        dtype = torch.promote_types(d.dtype, x.dtype)  # (as `backward_weight`)
+        grads = F.conv2d(
+            x.transpose(0, 1).to(dtype),  # (C, B, H, W)
+            d.reshape(batch * out, 1, *d.shape[2:]).to(dtype),
+            padding=tuple(padding),
+            groups=batch,
+        )  # (C, B·p, kh, kw): the kernel's size, at stride and dilation 1
+        grads = grads.reshape(channels, batch, out, -1).permute(1, 2, 0, 3)
+        return grads.reshape(batch, -1)
 
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         x, d = self.input(use), self.delta(use)
