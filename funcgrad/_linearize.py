@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradien
 from torch.overrides import has_torch_function
 
 from . import _graph
-from ._errors import FuncgradWarning, first_line
+from ._errors import FuncgradWarning, InputWrittenError, describe, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
 from ._validate import (
@@ -129,14 +129,33 @@ class RandomState:
         self.active = not torch.compiler.is_compiling()
         self.devices = sorted({t.device.index or 0 for t in flat.leaves if t.device.type == "cuda"})
         self.drawn = flat.generators  # filled as f runs
+        self.flat = flat
         if self.active:
             self.cpu = torch.get_rng_state()
             self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
             self.now = {generator: generator.get_state() for generator in self.drawn}
+            # (what a re-run of f cannot restore: a write into a differentiated argument)
+            self.versions = [leaf._version for leaf in flat.leaves]
 
     def restore(self) -> None:
+        """The generators as saved, before a re-run of f; a clear error instead where f
+        wrote into a differentiated argument in place (under ``torch.no_grad()``, through
+        ``.data`` or ``.detach()``), which the re-run would write again and differentiate
+        f at."""
         if not self.active:
             return
+        for index, (leaf, version) in enumerate(zip(self.flat.leaves, self.versions)):
+            if leaf._version != version:
+                raise InputWrittenError(
+                    f"{self.flat.call}: f wrote into its differentiated argument in place "
+                    f"(primal leaf {index}, {describe(leaf)}: version {version} -> "
+                    f"{leaf._version}; a write under torch.no_grad(), through .data or "
+                    ".detach()), and this call must run f again (a fallback, random draws "
+                    "replayed on eager autograd, or check's unbatched calls): that run would "
+                    "write it again and differentiate f at the changed value. Write out of "
+                    "place inside f (x = x * 2, not x.mul_(2)), or pass a copy (x.clone()); "
+                    "the next calls run f once, on eager autograd."
+                )
         # Explicit generators first: an explicit default generator ends as saved below.
         for generator, first in self.drawn.items():
             generator.set_state(self.now.get(generator, first))
