@@ -528,7 +528,7 @@ class Composition:
             return False
         if plan.directions <= 1:
             return False
-        rng = RandomState(flat)
+        rng = RandomState(flat, inputs=False)
         try:
             with torch.enable_grad():  # as of_function runs it
                 out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]

@@ -123,9 +123,10 @@ class RandomState:
     of f's inputs) are saved now; every ``torch.Generator`` f passes to a random op
     (``generator=``) as ``flat`` records it when f first draws from it (its state before that
     draw, which is its state now if f has not run yet). Inert in compiled code, where the
-    state cannot be read."""
+    state cannot be read. Where f wrote into a differentiated argument in place,
+    :meth:`restore` raises instead (``inputs``)."""
 
-    def __init__(self, flat: FlatFunction) -> None:
+    def __init__(self, flat: FlatFunction, inputs: bool = True) -> None:
         self.active = not torch.compiler.is_compiling()
         self.devices = sorted({t.device.index or 0 for t in flat.leaves if t.device.type == "cuda"})
         self.drawn = flat.generators  # filled as f runs
@@ -134,8 +135,9 @@ class RandomState:
             self.cpu = torch.get_rng_state()
             self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
             self.now = {generator: generator.get_state() for generator in self.drawn}
-            # (what a re-run of f cannot restore: a write into a differentiated argument)
-            self.versions = [leaf._version for leaf in flat.leaves]
+        # What a re-run of f cannot restore, a write into a differentiated argument, is
+        # refused (``inputs``: not for plan()'s runs, which make such writes on copies).
+        self.versions = [leaf._version for leaf in flat.leaves] if inputs and self.active else []
 
     def restore(self) -> None:
         """The generators as saved, before a re-run of f; a clear error instead where f
@@ -153,8 +155,7 @@ class RandomState:
                     ".detach()), and this call must run f again (a fallback, random draws "
                     "replayed on eager autograd, or check's unbatched calls): that run would "
                     "write it again and differentiate f at the changed value. Write out of "
-                    "place inside f (x = x * 2, not x.mul_(2)), or pass a copy (x.clone()); "
-                    "the next calls run f once, on eager autograd."
+                    "place inside f (x = x * 2, not x.mul_(2)), or pass a copy (x.clone())."
                 )
         # Explicit generators first: an explicit default generator ends as saved below.
         for generator, first in self.drawn.items():
