@@ -137,7 +137,9 @@ class RandomState:
             self.now = {generator: generator.get_state() for generator in self.drawn}
         # What a re-run of f cannot restore, a write into a differentiated argument, is
         # refused (``inputs``: not for plan()'s runs, which make such writes on copies).
-        self.versions = [leaf._version for leaf in flat.leaves] if inputs and self.active else []
+        # (An inference tensor has no version: torch refuses it as a primal further on.)
+        watched = inputs and self.active and not any(t.is_inference() for t in flat.leaves)
+        self.versions = [leaf._version for leaf in flat.leaves] if watched else []
 
     def restore(self) -> None:
         """The generators as saved, before a re-run of f; a clear error instead where f
