@@ -86,3 +86,24 @@ def test_a_write_into_the_input_is_never_made_twice(write, strategy, rerun, chec
             torch.testing.assert_close(values, torch.stack([h(y) for h in HEADS]).detach())
             torch.testing.assert_close(grads, torch.stack(want), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(x, 2 * x0, rtol=0, atol=0)  # written once, as one forward
+
+
+@pytest.mark.filterwarnings("ignore::funcgrad.FuncgradWarning")
+@pytest.mark.parametrize("call", ["compose_heads", "params", "features"])
+def test_a_graph_of_the_results_refuses_a_write_into_the_input_on_every_call(call):
+    """With create_graph=True f runs under torch.func on every call, and where torch.func
+    refuses f, on eager autograd once more: before, every call wrote the input twice and
+    answered at the twice-written value (compose_heads 2.3-8.9 off, combine_heads 0.03-3.8,
+    max entry). Refused on every call now, the input written once."""
+    f = _writer("no_grad", "refused")
+    if call == "compose_heads":
+        fn = funcgrad.compose_heads(f, HEADS, create_graph=True)
+    else:
+        weighting = lambda g: g.diagonal()  # noqa: E731
+        fn = funcgrad.combine_heads(f, HEADS, weighting, level=call, create_graph=True)
+    for _ in range(3):
+        x0 = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
+        x = x0.clone()
+        with pytest.raises(ValueError, match="f wrote into its differentiated argument"):
+            fn(x)
+        torch.testing.assert_close(x, 2 * x0, rtol=0, atol=0)
