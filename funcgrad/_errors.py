@@ -19,6 +19,11 @@ class ForwardModeNoGradError(ValueError):
     constant."""
 
 
+class InputWrittenError(ValueError):
+    """f wrote into a differentiated argument in place, and the call had to run f again,
+    which would write it again and differentiate f at the changed value."""
+
+
 class FuncgradWarning(UserWarning):
     """funcgrad fell back to a slower but correct method; the message says why."""
 

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, Literal, TypedDict, TypeGuard, TypeVar, Unpack, overload
 
 import torch
 
 from . import _coords, _engine, _linearize, _memory, _shape, _tree
 from ._config import CheckMode, resolve_check
-from ._errors import describe
+from ._errors import InputWrittenError, describe
 from ._execute import execute, observed
 from ._function import FlatFunction, HookState, result_graph
 from ._linearize import Linearization, RandomState
@@ -396,6 +397,20 @@ class Composition:
             return learn(record, seen)
         return self._records.learn(key, record, seen)
 
+    @contextlib.contextmanager
+    def _refused(
+        self, key: Any, record: Record, flat: FlatFunction, forward: bool
+    ) -> Iterator[None]:
+        """A call refused where f wrote into its input and had to run again: the next
+        calls of the signature run f once, in reverse mode on eager autograd (as after
+        torch.func or forward mode refused f), where it is never run again."""
+        try:
+            yield
+        except InputWrittenError:
+            seen = Observations(mutates=True, random=flat.drew, forward_failed=forward)
+            self._learn(key, record, seen)
+            raise
+
     def _fit(self, flat: FlatFunction, record: Record) -> _engine.ChunkFit | None:
         """chunk_size="auto": a working copy of the signature's fit (what the call measures
         goes back through its observations); a bad budget string is refused here."""
@@ -479,7 +494,8 @@ class Composition:
 
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)
-        result = execute(plan, flat, replan, *heads, check, fit)
+        with self._refused(key, record, flat, forward=plan.strategy == "jacfwd"):
+            result = execute(plan, flat, replan, *heads, check, fit)
         if held is None or result.seen != held[2] or not self._records.is_last(key):
             learnt = self._learn(key, record, result.seen)
             # Final, and it taught the record nothing: the next call with the same record
@@ -496,7 +512,8 @@ class Composition:
         plan = decide(self._request(flat, record, None, weighted=True), record)
         flat.watch = plan.watch
         rng = None if plan.engine == "autograd" else RandomState(flat)
-        lin = _linearize.of_function(flat, rng, plan.engine)
+        with self._refused(key, record, flat, forward=False):
+            lin = _linearize.of_function(flat, rng, plan.engine)
         seen = observed(flat, plan, lin.engine, m=_coords.real_size(lin.out), compiled=lin.compiled)
         self._learn(key, record, seen)
         return lin
@@ -511,7 +528,7 @@ class Composition:
             return False
         if plan.directions <= 1:
             return False
-        rng = RandomState(flat)
+        rng = RandomState(flat, inputs=False)
         try:
             with torch.enable_grad():  # as of_function runs it
                 out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]

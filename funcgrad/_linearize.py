@@ -24,7 +24,7 @@ from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradien
 from torch.overrides import has_torch_function
 
 from . import _graph
-from ._errors import FuncgradWarning, first_line
+from ._errors import FuncgradWarning, InputWrittenError, describe, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
 from ._validate import (
@@ -123,20 +123,42 @@ class RandomState:
     of f's inputs) are saved now; every ``torch.Generator`` f passes to a random op
     (``generator=``) as ``flat`` records it when f first draws from it (its state before that
     draw, which is its state now if f has not run yet). Inert in compiled code, where the
-    state cannot be read."""
+    state cannot be read. Where f wrote into a differentiated argument in place,
+    :meth:`restore` raises instead (``inputs``)."""
 
-    def __init__(self, flat: FlatFunction) -> None:
+    def __init__(self, flat: FlatFunction, inputs: bool = True) -> None:
         self.active = not torch.compiler.is_compiling()
         self.devices = sorted({t.device.index or 0 for t in flat.leaves if t.device.type == "cuda"})
         self.drawn = flat.generators  # filled as f runs
+        self.flat = flat
         if self.active:
             self.cpu = torch.get_rng_state()
             self.cuda = [torch.cuda.get_rng_state(d) for d in self.devices]
             self.now = {generator: generator.get_state() for generator in self.drawn}
+        # What a re-run of f cannot restore, a write into a differentiated argument, is
+        # refused (``inputs``: not for plan()'s runs, which make such writes on copies).
+        # (An inference tensor has no version: torch refuses it as a primal further on.)
+        watched = inputs and self.active and not any(t.is_inference() for t in flat.leaves)
+        self.versions = [leaf._version for leaf in flat.leaves] if watched else []
 
     def restore(self) -> None:
+        """The generators as saved, before a re-run of f; a clear error instead where f
+        wrote into a differentiated argument in place (under ``torch.no_grad()``, through
+        ``.data`` or ``.detach()``), which the re-run would write again and differentiate
+        f at."""
         if not self.active:
             return
+        for index, (leaf, version) in enumerate(zip(self.flat.leaves, self.versions)):
+            if leaf._version != version:
+                raise InputWrittenError(
+                    f"{self.flat.call}: f wrote into its differentiated argument in place "
+                    f"(primal leaf {index}, {describe(leaf)}: version {version} -> "
+                    f"{leaf._version}; a write under torch.no_grad(), through .data or "
+                    ".detach()), and this call must run f again (a fallback, random draws "
+                    "replayed on eager autograd, or check's unbatched calls): that run would "
+                    "write it again and differentiate f at the changed value. Write out of "
+                    "place inside f (x = x * 2, not x.mul_(2)), or pass a copy (x.clone())."
+                )
         # Explicit generators first: an explicit default generator ends as saved below.
         for generator, first in self.drawn.items():
             generator.set_state(self.now.get(generator, first))

@@ -125,7 +125,7 @@ def forward_size(flat: FlatFunction) -> int:
     and less on larger ops. Where f writes such a tensor, every such write made on a copy
     (BatchNorm's running statistics in training mode) at ~4 eager forwards; where f needs
     gradients inside, the vjp of f (it refuses most such writes, and then that copy)."""
-    rng = RandomState(flat)
+    rng = RandomState(flat, inputs=False)
 
     def output(*leaves: torch.Tensor) -> Any:
         # Only the explicit generators f draws from are watched (for rng.restore), not
