@@ -494,7 +494,9 @@ class Composition:
 
         flat.drew = record.random  # (known: forward mode's batched JVP would draw otherwise)
         heads = self.cotangents_of(flat), self.values_of(flat)
-        with self._refused(key, record, flat, forward=plan.strategy == "jacfwd"):
+        # (an explicit jacfwd stays forward mode, refused on every such call)
+        forward = plan.strategy == "jacfwd" and self.strategy == "auto"
+        with self._refused(key, record, flat, forward=forward):
             result = execute(plan, flat, replan, *heads, check, fit)
         if held is None or result.seen != held[2] or not self._records.is_last(key):
             learnt = self._learn(key, record, result.seen)
@@ -529,9 +531,11 @@ class Composition:
         if plan.directions <= 1:
             return False
         rng = RandomState(flat, inputs=False)
+        # (on copies of the differentiated leaves: an f that writes into them writes the copies)
+        leaves = [leaf.detach().clone() for leaf in flat.leaves]
         try:
             with torch.enable_grad():  # as of_function runs it
-                out, pull = torch.func.vjp(flat, *flat.leaves, has_aux=flat.has_aux)[:2]
+                out, pull = torch.func.vjp(flat, *leaves, has_aux=flat.has_aux)[:2]
             # As the call: vjp pulls back cotangents that exist (here y's first unit rows,
             # repeated where y has fewer), jacrev makes its unit rows.
             made = None

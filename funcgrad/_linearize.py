@@ -23,7 +23,7 @@ import torch
 from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 from torch.overrides import has_torch_function
 
-from . import _graph
+from . import _graph, _tree
 from ._errors import FuncgradWarning, InputWrittenError, describe, first_line
 from ._function import FlatFunction
 from ._types import Engine, Tensors
@@ -116,6 +116,16 @@ def is_torch_func_limit(error: BaseException) -> bool:
     return name is not None and TORCH_LIMITS[name].eager and not TORCH_LIMITS[name].loop
 
 
+def _leaf_name(flat: FlatFunction, index: int) -> str:
+    """Differentiated leaf ``index`` of ``flat`` as the caller wrote it: ``argument 0['w']``."""
+    for argnum, treedef, count in zip(flat.argnums, flat.in_defs, flat.counts):
+        if index < count:
+            path = _tree.leaf_path(treedef, index)
+            return f"argument {argnum}" + ("" if path == "<root>" else path)
+        index -= count
+    return f"primal leaf {index}"
+
+
 class RandomState:
     """The random number generators f draws from, saved before f (first) runs; :meth:`restore`
     before a re-run makes it draw the same numbers, and after the last run leaves them where
@@ -151,13 +161,16 @@ class RandomState:
         for index, (leaf, version) in enumerate(zip(self.flat.leaves, self.versions)):
             if leaf._version != version:
                 raise InputWrittenError(
-                    f"{self.flat.call}: f wrote into its differentiated argument in place "
-                    f"(primal leaf {index}, {describe(leaf)}: version {version} -> "
-                    f"{leaf._version}; a write under torch.no_grad(), through .data or "
-                    ".detach()), and this call must run f again (a fallback, random draws "
-                    "replayed on eager autograd, or check's unbatched calls): that run would "
-                    "write it again and differentiate f at the changed value. Write out of "
-                    "place inside f (x = x * 2, not x.mul_(2)), or pass a copy (x.clone())."
+                    f"{self.flat.call}: f wrote in place into the differentiated "
+                    f"{_leaf_name(self.flat, index)} ({describe(leaf)}; version "
+                    f"{version} -> {leaf._version}: a write under torch.no_grad(), through .data "
+                    "or .detach(), or a module that renormalises its weight, such as "
+                    "nn.Embedding(max_norm=...)), and this call must run f again (a fallback, "
+                    "random draws replayed, or check's unbatched calls): that run would write it "
+                    "again and differentiate f at the changed value. Nothing was accumulated. "
+                    "Write out of place inside f (x = x * 2, not x.mul_(2)), or pass a copy "
+                    "(x.clone()); strategy='auto' without check or create_graph learns from this "
+                    "call to run f once, on eager autograd, from the next call on."
                 )
         # Explicit generators first: an explicit default generator ends as saved below.
         for generator, first in self.drawn.items():

@@ -17,6 +17,7 @@ import torch
 import funcgrad
 
 D = torch.float64
+WRITTEN = "f wrote in place into the differentiated argument"
 W = torch.randn(6, 5, dtype=D, generator=torch.Generator().manual_seed(0))
 HEADS = [lambda y, i=i: (y**3)[i % 6] + y.prod() * i for i in range(9)]
 
@@ -56,10 +57,10 @@ CASES = [
     ("vjp", "dropout", False, {0}),
     ("jacrev", "dropout", False, {0}),
     ("loop", "dropout", False, {0}),
-    ("jacfwd", "dropout", False, {0}),
+    ("jacfwd", "dropout", False, {0, 1, 2}),  # an explicit jacfwd stays forward mode
     ("vjp", "refused", False, {0}),
     ("auto", "refused", False, {1}),  # auto's second call tries torch.func
-    ("jacfwd", None, True, {0}),  # check's unbatched JVP calls run f again
+    ("jacfwd", None, True, {0, 1, 2}),  # check's unbatched JVP calls: an explicit jacfwd stays
     ("auto", None, False, set()),  # one eager run per call: exact, never refused
 ]
 
@@ -75,7 +76,7 @@ def test_a_write_into_the_input_is_never_made_twice(write, strategy, rerun, chec
         x = x0.clone()
         torch.manual_seed(10 + call)
         if call in refused:
-            with pytest.raises(ValueError, match="f wrote into its differentiated argument"):
+            with pytest.raises(ValueError, match=WRITTEN):
                 fn(x)
         else:
             values, grads = fn(x)
@@ -104,6 +105,37 @@ def test_a_graph_of_the_results_refuses_a_write_into_the_input_on_every_call(cal
     for _ in range(3):
         x0 = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(0))
         x = x0.clone()
-        with pytest.raises(ValueError, match="f wrote into its differentiated argument"):
+        with pytest.raises(ValueError, match=WRITTEN):
             fn(x)
         torch.testing.assert_close(x, 2 * x0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("strategy", ["vjp", "jacrev", "auto"])
+def test_plan_measures_the_chunk_on_copies_of_a_written_input(strategy):
+    """plan() with chunk_size="auto" ran f's vjp on the caller's own leaves to measure the
+    chunk: an f writing into its input wrote it once more, and the next call answered at
+    the twice-written value (2.9 off per-head autograd). It measures on copies now."""
+    f = _writer("no_grad", None)
+    fn = funcgrad.compose_heads(f, HEADS, strategy=strategy, chunk_size="auto")
+    x0 = torch.randn(5, dtype=D, generator=torch.Generator().manual_seed(1))
+    x = x0.clone()
+    fn.plan(x)
+    torch.testing.assert_close(x, x0, rtol=0, atol=0)  # plan() leaves x as it found it
+    _, grads = fn(x)
+    leaf = x0.clone().requires_grad_()
+    y = f(leaf)
+    want = [torch.autograd.grad(h(y), leaf, retain_graph=True)[0] for h in HEADS]
+    torch.testing.assert_close(grads, torch.stack(want), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x, 2 * x0, rtol=0, atol=0)
+
+
+def test_the_refusal_names_the_written_leaf_as_the_caller_passed_it():
+    def f(params, x):
+        with torch.no_grad():
+            params["w"].clamp_(-0.5, 0.5)  # a projection of the weight, in place
+        return torch.tanh(torch.nn.functional.dropout(params["w"] @ x, 0.3))
+
+    params = {"b": torch.randn(6, dtype=D), "w": torch.randn(6, 5, dtype=D)}
+    fn = funcgrad.compose_heads(f, HEADS, strategy="vjp")
+    with pytest.raises(ValueError, match=r"differentiated argument 0\['w'\] \(a tensor of shape"):
+        fn(params, torch.randn(5, dtype=D))
