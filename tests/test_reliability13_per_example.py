@@ -108,6 +108,19 @@ def test_outputs_not_computed_from_one_another_stay_exact(mode):
     torch.testing.assert_close(update, factors @ jac, rtol=1e-10, atol=1e-12)
 
 
+def test_the_refused_module_left_out_with_inputs_is_exact():
+    """The fix the refusal names: the module's parameters left out with ``inputs=``."""
+    torch.manual_seed(0)
+    model = Model("chain")
+    x = torch.randn(B, 4, dtype=torch.float64)
+    params = list(model.head.parameters())
+    jac = per_example_jacobian(model, lambda m: m(x), params)
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x), inputs=params)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+    assert model.inner.W.grad is None
+
+
 class _FlipBackward(torch.autograd.Function):
     """The identity forward, a backward that sends example b's gradient to example B-1-b."""
 
