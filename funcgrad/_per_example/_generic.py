@@ -16,7 +16,7 @@ from torch.utils import _pytree
 
 from .._errors import describe
 from .._function import _C_TYPES, _OWN, eager_function
-from .._graph import nodes
+from .._graph import _parents, nodes, walk
 from .._types import Tensors
 from ._layer import _add, _Layer
 from ._record import _hook_name, _Use
@@ -28,6 +28,46 @@ class _Generic(_Layer):
     unbatched calls where vmap cannot), kept for the update."""
 
     grads: dict[str, torch.Tensor] | None = None
+
+    def precheck(self) -> None:
+        super().precheck()
+        for use in self.uses:
+            self.refuse_dependent_outputs(use)
+
+    def refuse_dependent_outputs(self, use: _Use) -> None:
+        """Refused: an output computed from another of the call's outputs inside the forward
+        (``return h, h @ V``; nn.LSTMCell on the CPU, whose h is made from its c), or the same
+        tensor twice. The one backward gives that other output's gradient with the first
+        one's share already in it, and the functional call would add that share again: G and
+        the update off, silently (by 0.1-3 of G's norm). An input passed through is none."""
+        if len(use.edges) < 2:
+            return
+        inputs = {(e.node, e.output_nr): i for i, e in enumerate(use.upstream)}
+        targets: dict[Any, int] = {}
+        for k, e in enumerate(use.edges):
+            key = (e.node, e.output_nr)
+            if key in targets:
+                self.dependent(use, targets[key], k, "is the same tensor as")
+            if key not in inputs:
+                targets[key] = k
+        for k, e in enumerate(use.edges):
+            found, _ = walk(_parents((e.node, e.output_nr)), targets, inputs)
+            if found:
+                self.dependent(use, min(found), k, "is computed from")
+
+    def dependent(self, use: _Use, source: int, k: int, how: str) -> None:
+        first, second = use.outputs[source][0], use.outputs[k][0]
+        raise ValueError(
+            f"{self.run.call}: module {self.name!r} ({type(self.module).__name__}) returns "
+            f"outputs that depend on one another: its output {second} {how} its output "
+            f"{first} (flat positions) inside its forward. The one backward gives output "
+            f"{first}'s gradient with output {second}'s share already in it, and the "
+            "per-example gradients from a functional call of the module would count that "
+            "share twice. Nothing was written. Return only outputs that are not computed "
+            "from one another (compute the dependent one outside the module, or in a module "
+            "of its own; for nn.LSTMCell on the CPU, use nn.LSTM with batch_first=True), or "
+            "leave its parameters out with inputs=."
+        )
 
     def per_example(self) -> dict[str, torch.Tensor]:
         if self.grads is not None:
