@@ -32,7 +32,9 @@ FORWARD_MODE_PENALTY = 2
 
 # auto's trial: at most this many timed calls on a new signature (the plan is final from
 # the next one), and a challenger must beat the first call, which paid the signature's
-# one-time costs, by this factor (docs/planning.md).
+# one-time costs, by this factor where it is forward mode (which may disagree with
+# autograd's conventions); reverse mode on torch.func, the same pulls as eager autograd's
+# after its own first-use costs, wins where its call was the faster (docs/planning.md).
 TRIAL_CALLS = 2
 CHALLENGER_MARGIN = 0.9
 
@@ -605,8 +607,8 @@ def _forward_possible(r: Request, record: Record) -> bool:
 def _settle(
     candidates: list[Choice], tried: dict[tuple[Engine, bool], Trial], record: Record
 ) -> tuple[Choice, str | None]:
-    """The candidate to run from now on: the first, unless a timed challenger beat it by
-    ``CHALLENGER_MARGIN``; and the times that said so."""
+    """The candidate to run from now on: the first, unless a timed challenger beat it (by
+    ``CHALLENGER_MARGIN`` where it is forward mode); and the times that said so."""
     first = candidates[0]
     best, base = first, tried.get((first.engine, first.forward))
     why = None
@@ -614,7 +616,8 @@ def _settle(
         trial = tried.get((challenger.engine, challenger.forward))
         if trial is None:
             continue
-        if base is None or _cost(trial, record) < CHALLENGER_MARGIN * _cost(base, record):
+        margin = CHALLENGER_MARGIN if challenger.forward else 1.0
+        if base is None or _cost(trial, record) < margin * _cost(base, record):
             best = challenger
             why = None if base is None else _versus(challenger, trial, first, base, record)
         else:

@@ -227,6 +227,23 @@ def test_real_stacks_target_is_auto_over_the_faster_of_the_loop_and_raw_vmap():
     assert [(v["ratio"], v["met"]) for v in verdicts] == [(pytest.approx(0.7), True)]
 
 
+def test_the_mtl_case_reports_autos_final_plan_and_its_engine(bench_state):
+    """The plans are read after the timed rounds: auto's plan read after the warm-up was
+    call 2's challenger (torch.func, timed), not what the timed calls ran. The mtl case
+    reports auto's plan, so that a run shows which engine auto's race settled on (on this
+    MLP eager autograd's vmapped pull copies the k cotangents before each weight-gradient
+    product: docs/benchmarks_planner.md)."""
+    case = bench._build("mtl", 2, True, "")
+    case.methods = {m: case.methods[m] for m in ("naive", "funcgrad auto")}
+    args = argparse.Namespace(rounds=1, quick=True, no_memory=True, threads=1, device="cpu")
+    report = {"disagreements": [], "errors": [], "cases": {}, "targets": []}
+    entry = bench._run_case(case, args, 1, report)
+    plan = entry["plans"]["funcgrad auto"]
+    assert plan["final"]
+    assert plan["engine"] in ("torch.func", "autograd")
+    assert "measured: reverse mode on" in plan["repr"]  # the race's two timed calls
+
+
 def _raises():
     raise RuntimeError("no kernel for this\nsecond line")
 

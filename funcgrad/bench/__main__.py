@@ -372,7 +372,7 @@ def _contenders(samples: dict[str, list[float]]) -> list[str]:
 
 
 def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[str, Any]) -> Any:
-    """Warm up and check agreement (every method once), read the plans, time, and measure
+    """Warm up and check agreement (every method once), time, read the plans, and measure
     peak memory: the case's report entry."""
     results: dict[str, Any] = {}
     first_call: dict[str, float] = {}
@@ -404,9 +404,6 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
     report["disagreements"] += failing
     report.setdefault("expected_disagreements", []).extend(listed)
     report.setdefault("errors", []).extend(f"{case.label}: {m}: {e}" for m, e in errors.items())
-    plans = {
-        method: _plan_record(plan()) for method, plan in case.plans.items() if method not in errors
-    }
     reads = _host_reads(case) if case.count_reads else None
     threads = torch.get_num_threads()
     torch.set_num_threads(case.threads or threads)
@@ -419,6 +416,10 @@ def _run_case(case: Case, args: argparse.Namespace, rounds: int, report: dict[st
                 samples[name] += times
     finally:
         torch.set_num_threads(threads)
+    # (after the timed rounds: auto's plan read after the warm-up is call 2's challenger)
+    plans = {
+        method: _plan_record(plan()) for method, plan in case.plans.items() if method not in errors
+    }
     entry = {
         "name": case.name,
         "variant": case.variant,
@@ -484,6 +485,8 @@ def _plan_record(plan: funcgrad.Plan) -> dict[str, Any]:
         "chunk_size": plan.chunk_size,
         "measure": plan.measure,
         "measured": plan.measured,
+        "engine": plan.engine,
+        "final": plan.final,
         "repr": repr(plan),
     }
 
@@ -659,7 +662,7 @@ def _markdown(report: dict[str, Any]) -> str:
         for method, plan in (entry.get("plans") or {}).items()
     ]
     if plans:
-        lines += ["", "Plans (`fn.plan(...)` after the warm-up call):", "", *plans]
+        lines += ["", "Plans (`fn.plan(...)` after the timed rounds):", "", *plans]
     if report.get("planner"):
         lines += ["", "## Planner: auto's learning", "", _PLANNER_NOTE, ""]
         lines += _planner.markdown(report["planner"])

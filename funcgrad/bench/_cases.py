@@ -90,7 +90,7 @@ class Case:
     # A method that warns (FuncgradWarning) in its warm-up call, falling back to another way
     # of computing, is dropped (reported as skipped) rather than timed under a wrong name.
     drop_on_warning: bool = False
-    # Plans to report, read after the warm-up call (auto's first call decides the plan).
+    # Plans to report, read after the timed rounds (auto's plan is final from call 3).
     plans: dict[str, Callable[[], funcgrad.Plan]] = dataclasses.field(default_factory=dict)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # copied into the report
     # Count the host reads of one steady-state call of each method (HostReadCounter).
@@ -145,7 +145,9 @@ def _add_funcgrad(case: Case, f, heads, x, quick: bool) -> None:
         composed = funcgrad.compose_heads(f, heads, strategy=strategy)
         return lambda: composed(*args)[1]
 
-    case.methods["funcgrad auto"] = run("auto")
+    auto = funcgrad.compose_heads(f, heads)
+    case.methods["funcgrad auto"] = lambda: auto(*args)[1]
+    case.plans["funcgrad auto"] = lambda: auto.plan(*args)  # its engine: auto's race
     plan = funcgrad.compose_heads(f, heads).plan(*args)
     case.auto = plan.strategy
     for strategy in STRATEGIES:
