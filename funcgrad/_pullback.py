@@ -49,7 +49,7 @@ class PullbackStats:
             of earlier directions cost none.
         kept: directions kept: the orthonormal basis, and the last call's cotangents held
             to join it (their rank is known at the next call, or when ``pb.rank`` is read),
-            up to the budget.
+            up to the budget; 0 once ``reuse="auto"`` chose to pull every cotangent.
         kept_bytes: memory held by the kept directions and their images.
     """
 
@@ -78,6 +78,10 @@ class Pullback:
     turn. Only a call that mixes both, that brings more cotangents than ``Q`` lacks
     directions, or whose held cotangents were (nearly) dependent, detects the rank with a
     few reads more, sending through f only the new directions.
+
+    Where that costs more than it saves (a small f, whose pull is cheaper than the
+    product), ``reuse="auto"`` (`pullback`'s default) pulls every cotangent through f from
+    the third call on, reading nothing and keeping nothing (docs/planning.md).
     """
 
     def __init__(
