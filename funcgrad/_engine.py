@@ -1061,7 +1061,8 @@ def by_linearity(pulls: Pulls, basis: Basis) -> tuple[Tensors, int]:
     Every answer is a combination of the images of the kept (and new) directions, unless
     the product form could differ from autograd: non-finite cotangents, a non-finite image
     or product, differentiable cotangents facing a partial basis (the product would project
-    their derivative), or a basis over budget. Then the cotangents themselves go through f.
+    their derivative), a basis over budget or turned off (``reuse=False``, or
+    ``reuse="auto"`` chose to pull). Then the cotangents themselves go through f.
     Returns the answer and the number of directions pulled through f.
 
     It reads at most one value in the usual calls:
@@ -1081,9 +1082,9 @@ def by_linearity(pulls: Pulls, basis: Basis) -> tuple[Tensors, int]:
     if k == 0 or m == 0 or _coords.real_size(x_like) == 0:  # (nothing_to_pull; m is y's)
         return zeros(k, x_like), 0
     direct = pulls.direct
-    if not values_readable(cotangents):  # reuse reads values: eager mode only
+    if not (basis.enabled and values_readable(cotangents)):  # reuse reads values: eager only
         return direct()
-    if basis.enabled and basis.kept == 0 and k <= m:
+    if basis.kept == 0 and k <= m:
         # Nothing kept yet: pulled as they are (no read), held for the next call.
         result, pulled = direct()
         if basis.fits(k, out_like, x_like):
@@ -1091,8 +1092,6 @@ def by_linearity(pulls: Pulls, basis: Basis) -> tuple[Tensors, int]:
         return result, pulled
 
     coords = _coords.to_coords(cotangents, k)
-    if not basis.enabled:
-        return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))
     if basis.kept == 0:
         return _unit_basis(pulls, coords, basis)

@@ -251,14 +251,12 @@ class Pullback:
             way = pullback_reuse(self._reuse, self._learnt) if basis.enabled else "pull"
             if way == "pull" and basis.enabled:  # (from now on: nothing kept, nothing watched)
                 self._stop_reuse()
-            if create_graph:  # the kept images carry no graph: pull the cotangents themselves
-                if lin.engine == "autograd":  # (one backward building its graph a direction)
-                    lin = dataclasses.replace(lin, can_vmap=False)
-                way = "pull"
-            readable = values_readable(cotangents)  # (the basis reads values: eager only)
-            timed = way == "measure" and readable
+            if create_graph and lin.engine == "autograd":  # (one backward building its graph
+                lin = dataclasses.replace(lin, can_vmap=False)  # a direction)
+            # (the basis reads values: eager only; a call that reads none teaches nothing)
+            timed = way == "measure" and not create_graph and values_readable(cotangents)
             pulls = _engine.Pulls(lin, cotangents, chunk_size, check, fit, timed)
-            if way == "pull" or not readable:
+            if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 grads, pulled = pulls.direct()
             elif timed:
                 with gc_paused(True):  # (a collection must not decide: docs/planning.md)
@@ -268,7 +266,7 @@ class Pullback:
                 k = cotangents[0].shape[0]
                 seen = ReuseSeen(k, pulled, pulls.seconds, pulls.setup_seconds, seconds)
                 self._learnt = learn_reuse(self._learnt, seen)
-            else:
+            else:  # (a basis turned off pulls the cotangents through f)
                 grads, pulled = _engine.by_linearity(pulls, basis)
             self.stats.vjps += pulled
             self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
