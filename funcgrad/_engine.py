@@ -1054,22 +1054,15 @@ def once(
     return pull(lin, cotangents, chunk, check, last=last)
 
 
-def by_linearity(
-    lin: Linearization,
-    cotangents: Tensors,
-    basis: Basis,
-    *,
-    chunk_size: ChunkSize,
-    check: bool | str,
-    fit: ChunkFit | None = None,
-) -> tuple[Tensors, int]:
+def by_linearity(pulls: Pulls, basis: Basis) -> tuple[Tensors, int]:
     """``J^T v_i`` for k cotangents (a `Pullback`), sending through f only directions
     outside ``basis``.
 
     Every answer is a combination of the images of the kept (and new) directions, unless
     the product form could differ from autograd: non-finite cotangents, a non-finite image
     or product, differentiable cotangents facing a partial basis (the product would project
-    their derivative), or a basis over budget. Then the cotangents themselves go through f.
+    their derivative), a basis over budget or turned off (``reuse=False``, or
+    ``reuse="auto"`` chose to pull). Then the cotangents themselves go through f.
     Returns the answer and the number of directions pulled through f.
 
     It reads at most one value in the usual calls:
@@ -1083,15 +1076,15 @@ def by_linearity(
       both, or more than ``m - r``: the rank is detected (a few reads), and only the new
       orthonormal directions go through f.
     """
+    lin, cotangents = pulls.lin, pulls.cotangents
     k, m = cotangents[0].shape[0], basis.m
     out_like, x_like = lin.out, lin.x_like
     if k == 0 or m == 0 or _coords.real_size(x_like) == 0:  # (nothing_to_pull; m is y's)
         return zeros(k, x_like), 0
-    pulls = _Pulls(lin, cotangents, chunk_size, check, fit)
     direct = pulls.direct
-    if not values_readable(cotangents):  # reuse reads values: eager mode only
+    if not (basis.enabled and values_readable(cotangents)):  # reuse reads values: eager only
         return direct()
-    if basis.enabled and basis.kept == 0 and k <= m:
+    if basis.kept == 0 and k <= m:
         # Nothing kept yet: pulled as they are (no read), held for the next call.
         result, pulled = direct()
         if basis.fits(k, out_like, x_like):
@@ -1099,8 +1092,6 @@ def by_linearity(
         return result, pulled
 
     coords = _coords.to_coords(cotangents, k)
-    if not basis.enabled:
-        return direct()
     work = coords.detach().to(_work_dtype(coords.dtype))
     if basis.kept == 0:
         return _unit_basis(pulls, coords, basis)
@@ -1118,7 +1109,7 @@ def by_linearity(
 
     # One read: the held rows' directions, the cotangents' residual and their product.
     q, images = basis.q, basis.images
-    ext = basis.extension() if basis.held is not None else None
+    ext = pulls.setup(basis.extension) if basis.held is not None else None
     if ext is not None:
         q = ext.q if q is None else torch.cat([q, ext.q])
         images = ext.images if not images else tuple(map(torch.cat, zip(images, ext.images)))
@@ -1160,35 +1151,54 @@ def by_linearity(
 
 
 @dataclasses.dataclass(slots=True)
-class _Pulls:
-    """One :func:`by_linearity` call's pulls through f, with its options: the cotangents
-    themselves (``direct``), or rows of real coordinates on y (``rows``). Never changed
-    once made (not frozen: made on every pullback call, see docs/performance.md)."""
+class Pulls:
+    """One `Pullback` call's pulls through f, with its options: the cotangents themselves
+    (``direct``), or other directions (``rows``: real coordinates on y; ``of``: leaves).
+    ``timed`` (``reuse="auto"``'s first calls, :func:`funcgrad._plan.pullback_reuse`):
+    ``seconds`` adds up their thread time (:data:`clock`), ``setup_seconds`` that of the
+    work a later call need not repeat (the held rows turned into directions)."""
 
     lin: Linearization
     cotangents: Tensors
     chunk_size: ChunkSize
     check: bool | str
     fit: ChunkFit | None
+    timed: bool = False
+    seconds: float = 0.0
+    setup_seconds: float = 0.0
+
+    def of(self, directions: Tensors) -> Tensors:
+        if not self.timed:
+            return pull(self.lin, directions, self.chunk_size, self.check, fit=self.fit)
+        start = clock()
+        try:
+            return pull(self.lin, directions, self.chunk_size, self.check, fit=self.fit)
+        finally:
+            self.seconds += clock() - start
+
+    def setup(self, work: Callable[[], _Extension]) -> _Extension:
+        if not self.timed:
+            return work()
+        start = clock()
+        try:
+            return work()
+        finally:
+            self.setup_seconds += clock() - start
 
     def rows(self, rows: torch.Tensor) -> Tensors:
-        directions = _coords.from_coords(rows, self.lin.out)
-        return pull(self.lin, directions, self.chunk_size, self.check, fit=self.fit)
+        return self.of(_coords.from_coords(rows, self.lin.out))
 
     def direct(self, pulled: int = 0) -> tuple[Tensors, int]:
         """The cotangents themselves through f, and the directions pulled in all (``pulled``
         before them)."""
-        result = pull(self.lin, self.cotangents, self.chunk_size, self.check, fit=self.fit)
-        return result, pulled + self.cotangents[0].shape[0]
+        return self.of(self.cotangents), pulled + self.cotangents[0].shape[0]
 
 
-def _unit_basis(pulls: _Pulls, coords: torch.Tensor, basis: Basis) -> tuple[Tensors, int]:
+def _unit_basis(pulls: Pulls, coords: torch.Tensor, basis: Basis) -> tuple[Tensors, int]:
     """A fresh basis facing k >= m cotangents: y's m unit directions through f, combined;
     one read (whether the images and the product are finite)."""
     m, lin = basis.m, pulls.lin
-    images = pull(
-        lin, _coords.unit_rows(lin.out, 0, m), pulls.chunk_size, pulls.check, fit=pulls.fit
-    )
+    images = pulls.of(_coords.unit_rows(lin.out, 0, m))
     result = _coords.combine(coords, images)
     code = int(_finite(images).int() + 2 * _finite([coords.detach(), *result]).int())
     if code & 1:
@@ -1203,7 +1213,7 @@ def _unit_basis(pulls: _Pulls, coords: torch.Tensor, basis: Basis) -> tuple[Tens
 
 
 def _new_directions(
-    pulls: _Pulls, coords: torch.Tensor, units: torch.Tensor, basis: Basis
+    pulls: Pulls, coords: torch.Tensor, units: torch.Tensor, basis: Basis
 ) -> tuple[Tensors, int]:
     """Cotangents partly outside the kept span, or more of them than the span lacks: the rank
     is detected (host reads), and only the new orthonormal directions go through f."""

@@ -60,7 +60,7 @@ def execute(
         # (the first use of a dispatch mode in a process imports it, about 2 s: a one-time
         # cost that must not be timed against auto's other candidate; docs/planning.md)
         importlib.import_module("torch._dynamo")
-    with _gc_paused(timed):  # (a collection must not decide auto's plan: docs/planning.md)
+    with gc_paused(timed):  # (a collection must not decide auto's plan: docs/planning.md)
         log = _engine.Log(watch=plan.watch or timed)
         start = _engine.clock() if timed else 0.0
         forward = _forward(plan, flat, cotangents_of, check) if asked_forward else None
@@ -109,7 +109,7 @@ def execute(
 
 
 @contextlib.contextmanager
-def _gc_paused(paused: bool) -> Iterator[None]:
+def gc_paused(paused: bool) -> Iterator[None]:
     """Python's cyclic garbage collector off for a timed call, as ``timeit`` times: a
     collection within one of auto's timed calls would decide its plan."""
     if not (paused and gc.isenabled()):

@@ -16,8 +16,8 @@ import math
 
 import torch
 
-from ._record import Choice, Record, Trial
-from ._types import ChunkSize, Engine, Executed, Strategy
+from ._record import Choice, Record, ReuseRecord, Trial
+from ._types import ChunkSize, Engine, Executed, Reuse, Strategy
 
 # chunk_size="auto": the directions run to measure a fit. Direction 0 alone first (an
 # unbatched call); where three fit and more than FIT_MIN remain, the next two and three in
@@ -415,6 +415,36 @@ def pullback_engine(eager: bool, record: Record) -> Engine:
     twice on one graph: it was seen on this signature; its second passes are checked), or
     part of f runs in another thread (torch.func would not follow it), else torch.func."""
     return "autograd" if eager and (record.threads or not record.compiled) else "torch.func"
+
+
+# A Pullback keeps its directions where they saved a call more than their own work cost,
+# or where that work is at most this fraction of one direction's pull: then keeping them
+# costs little when a call saves nothing, and saves whole pulls once the span fills.
+BASIS_SMALL = 0.25
+
+
+def pullback_reuse(reuse: bool | str, record: ReuseRecord) -> Reuse:
+    """How a `Pullback` call answers: ``"basis"`` (from its kept directions, pulling only
+    new ones, :func:`funcgrad._engine.by_linearity`) or ``"pull"`` (the cotangents through
+    f as they are, nothing kept); ``"measure"``: the basis, timed (``record`` learns).
+
+    ``reuse=True`` always keeps, ``False`` never. ``"auto"`` times its first
+    ``TRIAL_CALLS`` calls (the first holds its cotangents, the second answers from them
+    where it can), then keeps the basis from the next call on, for good, where the second
+    call's cotangents answered without a pass saved more pull time than the basis's own
+    work cost, or where that work is at most ``BASIS_SMALL`` of a direction's pull; else
+    every later call pulls."""
+    if reuse is not True and reuse != "auto":
+        return "pull"
+    if reuse is True:
+        return "basis"
+    if record.calls < TRIAL_CALLS:
+        return "measure"
+
+    if record.pull_s is None or record.basis_s is None:  # nothing pulled: nothing to save
+        return "basis"
+    pays = record.saved * record.pull_s >= record.basis_s
+    return "basis" if pays or record.basis_s <= BASIS_SMALL * record.pull_s else "pull"
 
 
 def _refuse_threads(r: Request, record: Record, engine: Engine, requested: str) -> None:

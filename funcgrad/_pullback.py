@@ -17,12 +17,25 @@ from torch.autograd.graph import GradientEdge
 from . import _coords, _engine, _linearize, _tree
 from ._config import CheckMode, resolve_check
 from ._errors import ReleasedPullbackError, describe, first_line
+from ._execute import gc_paused
 from ._function import FlatFunction, HookState, module_of, result_graph
 from ._linearize import MODIFIED_IN_PLACE, Linearization
-from ._plan import pullback_engine
-from ._record import Observations, Record, Records, signature_key
+from ._plan import pullback_engine, pullback_reuse
+from ._record import (
+    Observations,
+    Record,
+    Records,
+    ReuseRecord,
+    ReuseSeen,
+    learn_reuse,
+    signature_key,
+)
 from ._types import ChunkSize, Tensors
 from ._validate import check_callable, check_chunk_size, check_flag, values_readable
+
+# pullback's `reuse`: keep the directions pulled back (True), never (False), or where the
+# first calls show that they pay ("auto", see funcgrad._plan.pullback_reuse).
+ReuseOption = bool | Literal["auto"]
 
 
 @dataclasses.dataclass
@@ -36,7 +49,7 @@ class PullbackStats:
             of earlier directions cost none.
         kept: directions kept: the orthonormal basis, and the last call's cotangents held
             to join it (their rank is known at the next call, or when ``pb.rank`` is read),
-            up to the budget.
+            up to the budget; 0 once ``reuse="auto"`` chose to pull every cotangent.
         kept_bytes: memory held by the kept directions and their images.
     """
 
@@ -65,10 +78,14 @@ class Pullback:
     turn. Only a call that mixes both, that brings more cotangents than ``Q`` lacks
     directions, or whose held cotangents were (nearly) dependent, detects the rank with a
     few reads more, sending through f only the new directions.
+
+    Where that costs more than it saves (a small f, whose pull is cheaper than the
+    product), ``reuse="auto"`` (`pullback`'s default) pulls every cotangent through f from
+    the third call on, reading nothing and keeping nothing (docs/planning.md).
     """
 
     def __init__(
-        self, flat: FlatFunction, lin: Linearization, reuse: bool, max_basis_bytes: int
+        self, flat: FlatFunction, lin: Linearization, reuse: ReuseOption, max_basis_bytes: int
     ) -> None:
         self._flat = flat
         self._out_def = flat.out_def
@@ -78,6 +95,8 @@ class Pullback:
         readable = values_readable(lin.out) if reuse or lin.engine == "torch.func" else False
         if not (reuse and readable):
             self._basis.clear(enabled=False)
+        # Whether to answer from the kept directions: learnt on the first calls (reuse="auto").
+        self._reuse, self._learnt = reuse, ReuseRecord()
         self.stats = PullbackStats()
         # The basis and the stats change on every call: one call at a time, whatever the
         # thread (re-entrant: f may call funcgrad, and a head this pullback).
@@ -125,6 +144,15 @@ class Pullback:
         """Free f's graph and the kept directions; any later call raises an error."""
         with self._locked():
             self._release()
+
+    def _stop_reuse(self) -> None:
+        """Answer every later call by pulling its cotangents through f: the kept directions
+        are dropped, and on eager autograd the saved tensors are no longer watched (each
+        pull's own backward refuses a changed one; on torch.func vjp_fn checks nothing, so
+        they stay watched)."""
+        self._basis.clear(enabled=False)
+        if self._lin is not None and self._lin.engine == "autograd":
+            self._watched, self._unwatched = None, False
 
     def _release(self) -> None:
         self._lin = None
@@ -219,21 +247,27 @@ class Pullback:
                 if self._fit is None:
                     self._fit = _engine.ChunkFit()
                 fit = self._fit
+            lin, basis = self._lin, self._basis
+            way = pullback_reuse(self._reuse, self._learnt) if basis.enabled else "pull"
+            if way == "pull" and basis.enabled:  # (from now on: nothing kept, nothing watched)
+                self._stop_reuse()
+            if create_graph and lin.engine == "autograd":  # (one backward building its graph
+                lin = dataclasses.replace(lin, can_vmap=False)  # a direction)
+            # (the basis reads values: eager only; a call that reads none teaches nothing)
+            timed = way == "measure" and not create_graph and values_readable(cotangents)
+            pulls = _engine.Pulls(lin, cotangents, chunk_size, check, fit, timed)
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
-                lin = self._lin
-                if lin.engine == "autograd":  # (one backward building its graph a direction)
-                    lin = dataclasses.replace(lin, can_vmap=False)
-                grads = _engine.pull(lin, cotangents, chunk_size, check, fit=fit)
-                pulled = cotangents[0].shape[0]
-            else:
-                grads, pulled = _engine.by_linearity(
-                    self._lin,
-                    cotangents,
-                    self._basis,
-                    chunk_size=chunk_size,
-                    check=check,
-                    fit=fit,
-                )
+                grads, pulled = pulls.direct()
+            elif timed:
+                with gc_paused(True):  # (a collection must not decide: docs/planning.md)
+                    start = _engine.clock()
+                    grads, pulled = _engine.by_linearity(pulls, basis)
+                    seconds = _engine.clock() - start
+                k = cotangents[0].shape[0]
+                seen = ReuseSeen(k, pulled, pulls.seconds, pulls.setup_seconds, seconds)
+                self._learnt = learn_reuse(self._learnt, seen)
+            else:  # (a basis turned off pulls the cotangents through f)
+                grads, pulled = _engine.by_linearity(pulls, basis)
             self.stats.vjps += pulled
             self.stats.kept, self.stats.kept_bytes = self._basis.kept, self._basis.nbytes
             return grads
@@ -516,7 +550,7 @@ def pullback(
     f: Callable[..., Any],
     *primals: Any,
     has_aux: Literal[False] = False,
-    reuse: bool = True,
+    reuse: ReuseOption = "auto",
     max_basis_bytes: int = ...,
 ) -> tuple[Any, Pullback]: ...
 @overload
@@ -524,14 +558,14 @@ def pullback(
     f: Callable[..., Any],
     *primals: Any,
     has_aux: Literal[True],
-    reuse: bool = True,
+    reuse: ReuseOption = "auto",
     max_basis_bytes: int = ...,
 ) -> tuple[Any, Pullback, Any]: ...
 def pullback(
     f: Callable[..., Any],
     *primals: Any,
     has_aux: bool = False,
-    reuse: bool = True,
+    reuse: ReuseOption = "auto",
     max_basis_bytes: int = _engine.DEFAULT_BASIS_BYTES,
 ) -> Any:
     """Run f once and return its reusable pullback, like ``torch.func.vjp``.
@@ -556,7 +590,13 @@ def pullback(
         *primals: f's arguments, pytrees of floating or complex tensors (flattened with
             optree: dicts, tuples, lists, namedtuples, ``None`` as an empty node).
         has_aux: f returns ``(output, aux)``; aux is returned unchanged, not differentiated.
-        reuse: keep the pulled-back directions to answer later cotangents by linearity.
+        reuse: keep the pulled-back directions to answer later cotangents by linearity:
+            ``True`` on every call, ``False`` never (each cotangent through f, no host
+            read), ``"auto"`` (default) from the third call on where the first two showed
+            that they pay: the second call's answers from them saved more thread time than
+            the basis's own work (its ops and its one host read) cost, or that work costs
+            at most a quarter of one direction's pull through f; else every later call
+            pulls its cotangents through f and nothing is kept (docs/planning.md).
             Turned off automatically inside torch.func transforms, where it is data-dependent.
         max_basis_bytes: the most memory the kept directions and their images may hold
             (default 64 MiB). Once full, cotangents outside the kept span are pulled back as
@@ -584,18 +624,22 @@ def pullback(
         them in place. A tensor that f's graph saved (a primal, ``out``, a captured weight or
         buffer) changed in place is refused at the next call, on every path (see
         docs/reliability.md). Host reads: none on the first call, one on each later call in
-        the usual cases (see `Pullback`). Rank detection is invariant to each cotangent's
-        scale and runs in float32 for half-precision cotangents; non-finite cotangents,
-        images or products are answered by pulling the cotangents themselves back, so NaN
-        and inf come out as in autograd. Host work beyond f's forward, on eager autograd:
-        one walk of f's graph per call (whether ``out`` is linked outside, a reentrant
-        checkpoint, a compiled backward, whose second pass is then checked), and one more at
-        the first call that may answer from the kept directions (the saved tensors to watch).
+        the usual cases while the directions are kept (see `Pullback`), none once
+        ``reuse="auto"`` has chosen to pull every cotangent. Rank detection is invariant to
+        each cotangent's scale and runs in float32 for half-precision cotangents; non-finite
+        cotangents, images or products are answered by pulling the cotangents themselves
+        back, so NaN and inf come out as in autograd. Host work beyond f's forward, on eager
+        autograd: one walk of f's graph per call (whether ``out`` is linked outside, a
+        reentrant checkpoint, a compiled backward, whose second pass is then checked), and
+        one more at the first call that may answer from the kept directions (the saved
+        tensors to watch).
     """
     call = "pullback(f, *primals)"
     check_callable(f, "f", call)
     if not primals:
         raise ValueError(f"{call}: give at least one primal to differentiate f at.")
+    if reuse is not True and reuse is not False and reuse != "auto":
+        raise ValueError(f"{call}: `reuse` must be True, False or 'auto', got {reuse!r}.")
     if not isinstance(max_basis_bytes, int) or max_basis_bytes < 0:
         raise ValueError(
             f"{call}: `max_basis_bytes` must be a non-negative int, got {max_basis_bytes!r}."
@@ -650,7 +694,7 @@ def pullback(
     # A tensor hook in f, or a custom autograd.Function's backward, may be nonlinear in its
     # gradient: each cotangent goes through f.
     hooked = flat.hooked or record.hooked or flat.custom or record.custom
-    pb = Pullback(flat, lin, reuse and not hooked, max_basis_bytes)
+    pb = Pullback(flat, lin, False if hooked else reuse, max_basis_bytes)
     if has_aux:
         return flat.outputs(lin.out), pb, flat.rebuild_aux(lin.aux)
     return flat.outputs(lin.out), pb

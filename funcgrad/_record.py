@@ -187,6 +187,46 @@ def function_facts(record: Record) -> Record:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class ReuseRecord:
+    """What one `Pullback` has learnt of answering from its kept directions (see
+    :func:`funcgrad._plan.pullback_reuse`); it holds no tensor, and is replaced whole by
+    :func:`learn_reuse`."""
+
+    calls: int = 0  # calls timed (those that reached the basis with readable cotangents)
+    pull_s: float | None = None  # a direction through f, in one pull (the cheapest seen)
+    basis_s: float | None = None  # the last timed call's own work, beside its pulls
+    saved: int = 0  # the last timed call's cotangents answered with no pass through f
+
+
+@dataclasses.dataclass(frozen=True)
+class ReuseSeen:
+    """What one timed `Pullback` call saw: its cotangents, the directions it pulled through
+    f, the thread time (seconds) of those pulls, of the work a later call need not repeat
+    (the held cotangents turned into directions) and of the whole call."""
+
+    cotangents: int
+    pulled: int
+    pull_s: float
+    setup_s: float
+    total_s: float
+
+
+def learn_reuse(record: ReuseRecord, seen: ReuseSeen) -> ReuseRecord:
+    """The next :class:`ReuseRecord` from a timed call: a direction's cost from its pulls,
+    the basis's own cost (the call without its pulls and its setup) and what it saved."""
+    pull_s = record.pull_s
+    if seen.pulled:
+        per_direction = seen.pull_s / seen.pulled
+        pull_s = per_direction if pull_s is None else min(pull_s, per_direction)
+    return ReuseRecord(
+        calls=record.calls + 1,
+        pull_s=pull_s,
+        basis_s=max(seen.total_s - seen.pull_s - seen.setup_s, 0.0),
+        saved=max(seen.cotangents - seen.pulled, 0),
+    )
+
+
 class Records:
     """The records of one function, one per call signature, the least recently used
     dropped past ``size`` (a jit cache's bound), and the function's facts, which seed each

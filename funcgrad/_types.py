@@ -24,6 +24,8 @@ Executed = Literal["vjp", "jacrev", "jacfwd", "loop", "weighted"]
 Engine = Literal["torch.func", "autograd"]
 """What f's linearisation runs on: torch.func's `vjp` (composable with transforms) or one eager
 autograd graph (autograd's own fused backward kernels: RNNs, attention, cuDNN)."""
+# How a Pullback call answers (funcgrad._plan.pullback_reuse).
+Reuse = Literal["measure", "basis", "pull"]
 Level: TypeAlias = Literal["params", "features"]
 """Where the Gramian of the task gradients is formed: `"params"`, on the shared parameters
 (exact Jacobian descent, k directions through the shared part); `"features"`, on the features

@@ -115,7 +115,7 @@ def test_adjoint_identity_against_jvp(problem, reuse):
 )
 def test_pullback_is_linear_and_matches_autograd(problem, alpha, beta):
     f, primal, _ = problem
-    out, pb = funcgrad.pullback(f, primal)
+    out, pb = funcgrad.pullback(f, primal, reuse=True)
     u, v = optree.tree_map(torch.randn_like, out), optree.tree_map(torch.randn_like, out)
     combo = optree.tree_map(lambda a, b: alpha * a + beta * b, u, v)
     pu, pv, pcombo = pb(u)[0], pb(v)[0], pb(combo)[0]

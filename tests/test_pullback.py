@@ -19,6 +19,8 @@ from helpers import (
 )
 
 import funcgrad
+from funcgrad._plan import pullback_reuse
+from funcgrad._record import ReuseRecord, ReuseSeen, learn_reuse
 
 
 def slow_fun(x, n=20):
@@ -55,7 +57,7 @@ def test_seed_two_heads_cost_one_vjp():
 
 def test_scalar_output_many_costs_one_vjp():
     x = torch.tensor(0.4)
-    _, pb = funcgrad.pullback(slow_fun, x)
+    _, pb = funcgrad.pullback(slow_fun, x, reuse=True)
     cotangents = torch.randn(50)
     (grads,) = pb.many(cotangents)
     (reference,) = torch.func.vjp(slow_fun, x)[1](torch.tensor(1.0))
@@ -67,7 +69,7 @@ def test_scalar_output_many_costs_one_vjp():
 
 def test_matches_vjp_and_never_pulls_more_than_m():
     f, primal = mlp_case()
-    out, pb = funcgrad.pullback(f, primal)
+    out, pb = funcgrad.pullback(f, primal, reuse=True)
     m = 5 + 1 + 4
     for round_ in range(4):
         cotangents = random_cotangent(out, batch=3)
@@ -94,7 +96,7 @@ def test_many_with_k_at_least_m_pulls_back_the_unit_basis():
 
 def test_dependent_cotangents_are_reused():
     f, primal = mlp_case()
-    out, pb = funcgrad.pullback(f, primal)
+    out, pb = funcgrad.pullback(f, primal, reuse=True)
     a, b = random_cotangent(out), random_cotangent(out)
     ga, gb = pb(a)[0], pb(b)[0]
     combo = optree.tree_map(lambda u, v: 2 * u - 3 * v, a, b)
@@ -385,7 +387,7 @@ def _expected(f, x, cotangents):
 def _tanh_pullback():
     """f, x and a fresh pullback of f at x (nothing held yet)."""
     f, x = _tanh_case()
-    _, pb = funcgrad.pullback(f, x)
+    _, pb = funcgrad.pullback(f, x, reuse=True)
     return f, x, pb
 
 
@@ -462,7 +464,7 @@ def test_a_float32_pullback_reused_across_calls_matches_autograd():
     f, x = _tanh_case(m=40, n=30)
     f32 = lambda x: f(x.double()).float()  # noqa: E731
     x = x.float()
-    _, pb = funcgrad.pullback(f32, x)
+    _, pb = funcgrad.pullback(f32, x, reuse=True)
     vs = torch.randn(12, 40, dtype=torch.float32)
     for i in range(0, 12, 3):
         pb.many(vs[i : i + 3])
@@ -476,7 +478,7 @@ def test_a_float32_pullback_reused_across_calls_matches_autograd():
 def test_kept_directions_and_held_cotangents_stay_within_the_budget():
     f, x = _tanh_case(m=6, n=5)
     per_direction = 6 * 8 + 5 * 8  # a direction (float64) and its image
-    _, pb = funcgrad.pullback(f, x, max_basis_bytes=2 * per_direction)
+    _, pb = funcgrad.pullback(f, x, max_basis_bytes=2 * per_direction, reuse=True)
     vs = torch.randn(5, 6)
     for v in vs:
         torch.testing.assert_close(pb(v)[0], autograd_vjp(f, x, v))
@@ -921,7 +923,7 @@ def test_a_subnormal_or_zero_cotangent_row_leaves_later_calls_exact(dtype, tiny)
     f = lambda x: torch.tanh(w @ x)  # noqa: E731
     x = torch.randn(4, dtype=dtype)
     vjp_fn = torch.func.vjp(lambda x: torch.tanh(w.double() @ x), x.double().clone())[1]
-    _, pb = funcgrad.pullback(f, x)
+    _, pb = funcgrad.pullback(f, x, reuse=True)
     held = torch.randn(3, 5, dtype=dtype)
     held[1] = tiny * torch.tensor([1.0, -0.5, 0.25, 0.0, 1.0], dtype=dtype)
     pb.many(held)
@@ -1078,3 +1080,110 @@ def test_a_nonlinear_hook_in_f_is_applied_to_each_cotangent():
         want = torch.stack([autograd(row) for row in many])
         torch.testing.assert_close(pb.many(many)[0], want)
         assert pb.rank == 0
+
+
+# -- reuse="auto": the kept directions only where they pay (issue 43) -----------------------
+
+
+@pytest.mark.parametrize(
+    ("reuse", "record", "way"),
+    [
+        (True, ReuseRecord(), "basis"),
+        (True, ReuseRecord(2, 1e-5, 1e-3, 0), "basis"),
+        (False, ReuseRecord(), "pull"),
+        (False, ReuseRecord(2, 1e-3, 1e-5, 9), "pull"),
+        ("auto", ReuseRecord(), "measure"),
+        ("auto", ReuseRecord(1, 6e-5, None, 0), "measure"),
+        # the overhead bench's tiny f: the basis's work costs 3 pulls, it saved one
+        ("auto", ReuseRecord(2, 6e-5, 2e-4, 1), "pull"),
+        # a dear pull (a matrix_exp): the one cotangent saved pays for the basis
+        ("auto", ReuseRecord(2, 5e-4, 1.1e-4, 1), "basis"),
+        # two cotangents in the span: two pulls saved
+        ("auto", ReuseRecord(2, 1e-4, 2e-4, 2), "basis"),
+        # nothing saved yet (new directions), the basis's work a quarter of a pull at most
+        ("auto", ReuseRecord(2, 1e-3, 2.5e-4, 0), "basis"),
+        ("auto", ReuseRecord(2, 4e-4, 2e-4, 0), "pull"),
+        # nothing pulled through f: no pull to save
+        ("auto", ReuseRecord(2, None, 1e-4, 3), "basis"),
+    ],
+)
+def test_whether_a_pullback_call_answers_from_the_basis_is_a_table(reuse, record, way):
+    assert pullback_reuse(reuse, record) == way
+
+
+def test_what_a_pullback_learns_of_its_basis_is_a_table():
+    first = learn_reuse(ReuseRecord(), ReuseSeen(3, 3, 0.75, 0.0, 1.0))
+    assert first == ReuseRecord(calls=1, pull_s=0.25, basis_s=0.25, saved=0)
+    # a dearer direction keeps the cheapest; the setup is not the basis's steady work
+    second = learn_reuse(first, ReuseSeen(4, 1, 0.5, 0.25, 1.0))
+    assert second == ReuseRecord(calls=2, pull_s=0.25, basis_s=0.25, saved=3)
+    third = learn_reuse(second, ReuseSeen(2, 0, 0.0, 0.0, 0.125))
+    assert third == ReuseRecord(calls=3, pull_s=0.25, basis_s=0.125, saved=2)
+
+
+def test_reuse_must_be_a_bool_or_auto():
+    with pytest.raises(ValueError, match="`reuse` must be True, False or 'auto', got 'yes'"):
+        funcgrad.pullback(torch.sin, torch.randn(3), reuse="yes")
+
+
+def _steps(pb, cotangents, reference):
+    """(host reads, directions pulled) of each call, checked against ``reference``."""
+    steps = []
+    for v in cotangents:
+        vjps = pb.stats.vjps
+        with funcgrad.HostReadCounter() as reads:
+            (got,) = pb(v)
+        torch.testing.assert_close(got, reference(v))
+        steps.append((reads.count, pb.stats.vjps - vjps))
+    return steps
+
+
+def test_a_pullback_reused_on_a_cheap_f_pulls_and_reads_nothing_from_its_third_call():
+    """Issue 43: a Pullback called again with the same cotangent on a tiny f answered from
+    its kept directions, ~30 small ops and one host read, 4x a held vjp_fn. Its one
+    pull through f (one multiplication's backward) costs a fraction of that, so from the
+    third call on each cotangent goes through f, with no read, and nothing is kept.
+    (Decided from thread times: a margin of 3-4x once the process is warm, 1.6-2.4x in
+    a fresh one; on main: one read a call.)"""
+    x, v = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    warm = funcgrad.pullback(lambda x: 2 * x, x)[1]  # (a process's first-use costs, first)
+    _steps(warm, [v] * 3, lambda v: 2 * v)
+    _, pb = funcgrad.pullback(lambda x: 2 * x, x)
+    steps = _steps(pb, [v] * 8, lambda v: 2 * v)
+    assert steps[:2] == [(0, 1), (1, 0)]  # held, then answered from the basis (timed)
+    assert steps[2:] == [(0, 1)] * 6
+    assert (pb.stats.kept, pb.stats.kept_bytes, pb.rank) == (0, 0, 0)
+
+
+def test_a_pullback_of_a_dear_f_keeps_answering_from_its_directions():
+    """The case the basis is for: a scalar y through a Python loop of 600 small ops (a pull
+    costs ~30x the basis's product): every cotangent after the first is a product."""
+
+    def f(x):
+        for _ in range(200):
+            x = torch.sin(x) + 0.1 * x
+        return x.sum()
+
+    x = torch.randn(8, dtype=torch.float64)
+    _, pb = funcgrad.pullback(f, x)
+    leaf = x.clone().requires_grad_()
+    (unit,) = torch.autograd.grad(f(leaf), leaf)
+    scales = [torch.tensor(float(c), dtype=torch.float64) for c in range(1, 9)]
+    steps = _steps(pb, scales, lambda c: c * unit)
+    assert steps == [(0, 1)] + [(1, 0)] * 7
+    assert pb.stats.vjps == 1 and pb.rank == 1
+
+
+def test_a_reused_pullback_takes_one_path_from_its_third_call():
+    """Whatever the first two calls decide (thread times), calls 3-8 with cotangents in the
+    span each read and pull the same."""
+    w = torch.randn(8, 16, dtype=torch.float64)
+    x = torch.randn(16, dtype=torch.float64)
+
+    def f(x):
+        return torch.tanh(w @ x)
+
+    _, pb = funcgrad.pullback(f, x)
+    v = torch.randn(8, dtype=torch.float64)
+    steps = _steps(pb, [c * v for c in range(1, 9)], lambda v: autograd_vjp(f, x, v))
+    assert steps[:2] == [(0, 1), (1, 0)] and len(set(steps[2:])) == 1, steps

@@ -166,7 +166,7 @@ def test_a_change_that_no_pass_reads_is_not_refused():
         return net(x * h)
 
     x = torch.randn(4)
-    _, pb = funcgrad.pullback(f, x)
+    _, pb = funcgrad.pullback(f, x, reuse=True)
     vs = torch.randn(3, 5)
     expected = [autograd_vjp(lambda x: net(x * h.detach()), x, v) for v in [vs[0] + vs[1], vs[2]]]
     pb.many(vs[:2])
