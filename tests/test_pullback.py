@@ -1138,29 +1138,29 @@ def _steps(pb, cotangents, reference):
     return steps
 
 
-def test_a_pullback_reused_on_a_cheap_f_pulls_and_reads_nothing_from_its_third_call():
+def test_a_pullback_reused_on_a_cheap_f_takes_one_path_and_reads_only_on_the_basis():
     """Issue 43: a Pullback called again with the same cotangent on a tiny f answered from
-    its kept directions, ~30 small ops and one host read, 4x a held vjp_fn. Its one
-    pull through f (one multiplication's backward) costs a fraction of that, so from the
-    third call on each cotangent goes through f, with no read, and nothing is kept.
-    (Decided from thread times: a margin of 3-4x once the process is warm, 1.6-2.4x in
-    a fresh one; on main: one read a call.)"""
+    its kept directions, ~30 small ops and one host read, 4x a held vjp_fn. Which path
+    calls 3-8 take is decided from thread times (`pullback_reuse`'s table above; on this
+    f, "pull": the bench's reused-Pullback row measures it), so this test checks only what
+    holds either way: one path from call 3, no read and nothing kept where it pulls, one
+    read and no pass through f where it answers from the basis."""
     x, v = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
-    warm = funcgrad.pullback(lambda x: 2 * x, x)[1]  # (a process's first-use costs, first)
-    _steps(warm, [v] * 3, lambda v: 2 * v)
     _, pb = funcgrad.pullback(lambda x: 2 * x, x)
     steps = _steps(pb, [v] * 8, lambda v: 2 * v)
     assert steps[:2] == [(0, 1), (1, 0)]  # held, then answered from the basis (timed)
-    assert steps[2:] == [(0, 1)] * 6
-    assert (pb.stats.kept, pb.stats.kept_bytes, pb.rank) == (0, 0, 0)
+    assert steps[2:] in ([(0, 1)] * 6, [(1, 0)] * 6), steps
+    if steps[2] == (0, 1):
+        assert (pb.stats.kept, pb.stats.kept_bytes, pb.rank) == (0, 0, 0)
 
 
 def test_a_pullback_of_a_dear_f_keeps_answering_from_its_directions():
-    """The case the basis is for: a scalar y through a Python loop of 600 small ops (a pull
-    costs ~30x the basis's product): every cotangent after the first is a product."""
+    """The case the basis is for: a scalar y through a Python loop of 3,000 small ops (a
+    pull costs over 100x the basis's product, a margin no load reverses in thread time):
+    every cotangent after the first is a product."""
 
     def f(x):
-        for _ in range(200):
+        for _ in range(1000):
             x = torch.sin(x) + 0.1 * x
         return x.sum()
 
