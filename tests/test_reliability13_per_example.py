@@ -121,6 +121,54 @@ def test_the_refused_module_left_out_with_inputs_is_exact():
     assert model.inner.W.grad is None
 
 
+class _AttentionWithCache(nn.Module):
+    """Its own temperature (the generic rule) and hooked child projections; returns
+    ``(out, (k, v))``: the cache is computed from none of its own parameters."""
+
+    def __init__(self, read_cache: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(4, 4, dtype=torch.float64) for _ in range(3))
+        self.temp = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+        self.read_cache = read_cache
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        weights = torch.softmax(q @ k.transpose(1, 2) * self.temp, -1)
+        return weights @ v, (k, v)
+
+
+class _ReadsCache(nn.Module):
+    def __init__(self, read_cache: bool) -> None:
+        super().__init__()
+        self.attention = _AttentionWithCache(read_cache)
+
+    def forward(self, x):
+        out, (k, v) = self.attention(x)
+        losses = out.pow(2).sum((1, 2))
+        return losses + (k * v).sum((1, 2)) if self.attention.read_cache else losses
+
+
+@pytest.mark.parametrize("read_cache", [False, True])
+def test_outputs_computed_from_one_another_but_none_of_its_parameters_stay_exact(read_cache):
+    """The review of the refusal: where the earlier output (k, v) reads none of the
+    module's own counted parameters, the share counted twice is 0 (exact, as before the
+    refusal), so it runs; the same with the source's parameter left out with inputs=."""
+    torch.manual_seed(0)
+    model = _ReadsCache(read_cache)
+    x = torch.randn(B, 3, 4, dtype=torch.float64)
+    jac = per_example_jacobian(model, lambda m: m(x))
+    with funcgrad.per_example(model):
+        gram = funcgrad.per_example_gramian(model(x))
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+    chain = Model("chain")
+    params = [chain.inner.V, *chain.head.parameters()]  # h reads W alone
+    x = torch.randn(B, 4, dtype=torch.float64)
+    jac = per_example_jacobian(chain, lambda m: m(x), params)
+    with funcgrad.per_example(chain):
+        gram = funcgrad.per_example_gramian(chain(x), inputs=params)
+    torch.testing.assert_close(gram, jac @ jac.T, rtol=1e-10, atol=1e-12)
+
+
 class _FlipBackward(torch.autograd.Function):
     """The identity forward, a backward that sends example b's gradient to example B-1-b."""
 

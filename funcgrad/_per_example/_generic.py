@@ -19,7 +19,7 @@ from .._function import _C_TYPES, _OWN, eager_function
 from .._graph import _parents, nodes, walk
 from .._types import Tensors
 from ._layer import _add, _Layer
-from ._record import _hook_name, _Use
+from ._record import _hook_name, _keys, _Use
 
 
 class _Generic(_Layer):
@@ -50,10 +50,22 @@ class _Generic(_Layer):
                 self.dependent(use, targets[key], k, "is the same tensor as")
             if key not in inputs:
                 targets[key] = k
+        # (stopping too at other recorded calls' outputs, which this call cannot lie below:
+        # a module reading an earlier activation through an attribute is not walked past it)
+        mine = {key for inner in use.walk() for key in _keys(inner)}
+        stop = dict(inputs)
+        for top in self.run.recorder._uses:
+            for other in top.walk():
+                stop.update((key, -1) for key in _keys(other) if key not in mine)
+        own = {id(p) for p in self.params.values()}
         for k, e in enumerate(use.edges):
-            found, _ = walk(_parents((e.node, e.output_nr)), targets, inputs)
-            if found:
-                self.dependent(use, min(found), k, "is computed from")
+            found, _ = walk(_parents((e.node, e.output_nr)), targets, stop)
+            for source in sorted(found):  # counted twice: the parameters the source reads
+                leaves: dict[Any, torch.Tensor] = {}
+                edge = use.edges[source]
+                walk([(edge.node, edge.output_nr)], {}, stop, leaves)
+                if any(id(t) in own for t in leaves.values()):
+                    self.dependent(use, source, k, "is computed from")
 
     def dependent(self, use: _Use, source: int, k: int, how: str) -> None:
         first, second = use.outputs[source][0], use.outputs[k][0]
