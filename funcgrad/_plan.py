@@ -417,12 +417,6 @@ def pullback_engine(eager: bool, record: Record) -> Engine:
     return "autograd" if eager and (record.threads or not record.compiled) else "torch.func"
 
 
-# A Pullback keeps its directions where they saved a call more than their own work cost,
-# or where that work is at most this fraction of one direction's pull: then keeping them
-# costs little when a call saves nothing, and saves whole pulls once the span fills.
-BASIS_SMALL = 0.25
-
-
 def pullback_reuse(reuse: bool | str, record: ReuseRecord) -> Reuse:
     """How a `Pullback` call answers: ``"basis"`` (from its kept directions, pulling only
     new ones, :func:`funcgrad._engine.by_linearity`) or ``"pull"`` (the cotangents through
@@ -430,10 +424,10 @@ def pullback_reuse(reuse: bool | str, record: ReuseRecord) -> Reuse:
 
     ``reuse=True`` always keeps, ``False`` never. ``"auto"`` times its first
     ``TRIAL_CALLS`` calls (the first holds its cotangents, the second answers from them
-    where it can), then keeps the basis from the next call on, for good, where the second
-    call's cotangents answered without a pass saved more pull time than the basis's own
-    work cost, or where that work is at most ``BASIS_SMALL`` of a direction's pull; else
-    every later call pulls."""
+    where it can), then from the next call on, for good, pulls only where the second
+    call answered cotangents without a pass and that saved less pull time than the
+    basis's own work cost; else keeps the basis (a second call that answered none from the
+    span says nothing of what a later one in the span would save)."""
     if reuse is not True and reuse != "auto":
         return "pull"
     if reuse is True:
@@ -441,10 +435,9 @@ def pullback_reuse(reuse: bool | str, record: ReuseRecord) -> Reuse:
     if record.calls < TRIAL_CALLS:
         return "measure"
 
-    if record.pull_s is None or record.basis_s is None:  # nothing pulled: nothing to save
-        return "basis"
-    pays = record.saved * record.pull_s >= record.basis_s
-    return "basis" if pays or record.basis_s <= BASIS_SMALL * record.pull_s else "pull"
+    if record.pull_s is None or record.basis_s is None or not record.saved:
+        return "basis"  # (nothing pulled, or nothing answered from the span yet)
+    return "basis" if record.saved * record.pull_s >= record.basis_s else "pull"
 
 
 def _refuse_threads(r: Request, record: Record, engine: Engine, requested: str) -> None:

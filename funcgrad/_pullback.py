@@ -147,12 +147,9 @@ class Pullback:
 
     def _stop_reuse(self) -> None:
         """Answer every later call by pulling its cotangents through f: the kept directions
-        are dropped, and on eager autograd the saved tensors are no longer watched (each
-        pull's own backward refuses a changed one; on torch.func vjp_fn checks nothing, so
-        they stay watched)."""
+        are dropped (the saved tensors stay watched: a changed one is refused by name, at
+        the call that meets it, as before the switch)."""
         self._basis.clear(enabled=False)
-        if self._lin is not None and self._lin.engine == "autograd":
-            self._watched, self._unwatched = None, False
 
     def _release(self) -> None:
         self._lin = None
@@ -227,8 +224,9 @@ class Pullback:
             assert lin.edges is not None
             self._watched = _Watched.saved(call, self._flat, lin.edges)
             self._unwatched = False
-        if self._watched is not None:
-            self._watched.check(call, self._flat)
+        watched = self._watched  # (read once: another thread may release it meanwhile)
+        if watched is not None:
+            watched.check(call, self._flat)
         return _cotangent_leaves(tree, self._out_def, self._out_like, call, batched)
 
     def _apply(
@@ -254,7 +252,12 @@ class Pullback:
             if create_graph and lin.engine == "autograd":  # (one backward building its graph
                 lin = dataclasses.replace(lin, can_vmap=False)  # a direction)
             # (the basis reads values: eager only; a call that reads none teaches nothing)
-            timed = way == "measure" and not create_graph and values_readable(cotangents)
+            timed = (
+                way == "measure"
+                and not create_graph
+                and cotangents[0].shape[0] > 0
+                and values_readable(cotangents)
+            )
             pulls = _engine.Pulls(lin, cotangents, chunk_size, check, fit, timed)
             if create_graph:  # the kept images carry no graph: pull the cotangents themselves
                 grads, pulled = pulls.direct()
@@ -592,11 +595,10 @@ def pullback(
         has_aux: f returns ``(output, aux)``; aux is returned unchanged, not differentiated.
         reuse: keep the pulled-back directions to answer later cotangents by linearity:
             ``True`` on every call, ``False`` never (each cotangent through f, no host
-            read), ``"auto"`` (default) from the third call on where the first two showed
-            that they pay: the second call's answers from them saved more thread time than
-            the basis's own work (its ops and its one host read) cost, or that work costs
-            at most a quarter of one direction's pull through f; else every later call
-            pulls its cotangents through f and nothing is kept (docs/planning.md).
+            read), ``"auto"`` (default) as ``True``, except that from the third call on
+            every call pulls its cotangents through f and nothing is kept where the second
+            call's answers from the kept directions saved less thread time than the
+            basis's own work (its ops and its one host read) cost (docs/planning.md).
             Turned off automatically inside torch.func transforms, where it is data-dependent.
         max_basis_bytes: the most memory the kept directions and their images may hold
             (default 64 MiB). Once full, cotangents outside the kept span are pulled back as

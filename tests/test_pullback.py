@@ -1100,9 +1100,14 @@ def test_a_nonlinear_hook_in_f_is_applied_to_each_cotangent():
         ("auto", ReuseRecord(2, 5e-4, 1.1e-4, 1), "basis"),
         # two cotangents in the span: two pulls saved
         ("auto", ReuseRecord(2, 1e-4, 2e-4, 2), "basis"),
-        # nothing saved yet (new directions), the basis's work a quarter of a pull at most
+        # nothing answered from the span yet (new directions): no evidence, as reuse=True
+        # (the review: cotangents that fill a span of 3 from call 3 on, pulled 4-7x dearer)
         ("auto", ReuseRecord(2, 1e-3, 2.5e-4, 0), "basis"),
-        ("auto", ReuseRecord(2, 4e-4, 2e-4, 0), "pull"),
+        ("auto", ReuseRecord(2, 4e-4, 2e-4, 0), "basis"),
+        ("auto", ReuseRecord(2, 1e-5, 1e-3, 0), "basis"),
+        # one cotangent answered, the basis's work just under / over one pull
+        ("auto", ReuseRecord(2, 1e-4, 0.9e-4, 1), "basis"),
+        ("auto", ReuseRecord(2, 1e-4, 1.1e-4, 1), "pull"),
         # nothing pulled through f: no pull to save
         ("auto", ReuseRecord(2, None, 1e-4, 3), "basis"),
     ],
