@@ -25,8 +25,10 @@ from ._layer import (
 )
 from ._record import _shared_use, _Use
 
-_FEW_CHANNELS = 4  # a convolution's input channels: at most this many, its per-example
-# gradients are formed by `_Conv.by_output_kernel` on the CPU
+_FEW_CHANNELS = 4  # a convolution's input channels: at most this many, and at most
+_FEW_OUTPUTS = 32  # this many output channels, its per-example gradients are formed by
+# `_Conv.by_output_kernel` on the CPU (its cost grows with both and with the positions:
+# wider, the grouped weight-gradient kernel wins; docs/benchmarks_per_example.md)
 _PAIRS = 1 << 18  # elements: the Embedding's pair products, at least this many a block
 _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient this
 # small is formed in one product, never in blocks of output features; a larger one in
@@ -590,12 +592,14 @@ class _Conv(_Dense):
     def input_as_kernel(self, x: torch.Tensor) -> bool:
         """Whether `by_output_kernel` forms the per-example gradients: on the CPU, for a
         convolution of stride and dilation 1 on at most `_FEW_CHANNELS` input channels (an
-        image's first layer), where the grouped weight-gradient kernel with that few
-        channels a group is slow (docs/benchmarks_per_example.md, session 13)."""
+        image's first layer) and at most `_FEW_OUTPUTS` output channels, where the grouped
+        weight-gradient kernel with that few channels a group is slow
+        (docs/benchmarks_per_example.md, session 13)."""
         _, stride, _, dilation = self.geometry()
         return (
             x.device.type == "cpu"
             and x.shape[1] <= _FEW_CHANNELS
+            and self.weight.shape[0] <= _FEW_OUTPUTS
             and self.batch > 0
             and all(s == 1 for s in (*stride, *dilation))
         )
