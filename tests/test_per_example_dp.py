@@ -226,3 +226,69 @@ def test_clipping_matches_opacus_itself():
     with funcgrad.per_example(model):
         funcgrad.per_example_clip(losses_fn(model), max_norm, accumulate=False)
     torch.testing.assert_close(flat_grads(model), want, rtol=1e-10, atol=1e-12)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x, need_weights=False)[0].tanh()).flatten(1)
+
+
+def _autocast_case(name, batch):
+    """A float32 model and its input, for `test_a_clipped_norm_stays_at_most_c_under_autocast`."""
+    if name == "linear":
+        model, x = nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 2)), torch.randn(batch, 7)
+    elif name == "conv":
+        model = nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),  # (the input as kernel)
+            nn.Tanh(),
+            nn.Conv2d(4, 5, 3, stride=2, padding=1),  # (the grouped weight-gradient kernel)
+            nn.Flatten(),
+            nn.Linear(5 * 9, 2),
+        )
+        x = torch.randn(batch, 3, 6, 6)
+    elif name == "embedding":
+        model = nn.Sequential(nn.Embedding(11, 6), nn.Flatten(), nn.Linear(6 * 5, 2))
+        x = torch.randint(0, 11, (batch, 5))
+    elif name == "layernorm":
+        model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+        x = torch.randn(batch, 6)
+    else:
+        model, x = _Attention(), torch.randn(batch, 4, 6)
+    x = x.float() if x.is_floating_point() else x
+    return model.float(), x  # (autocast casts float32 alone; the tests' default is float64)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("name", ["linear", "conv", "embedding", "layernorm", "attention"])
+def test_a_clipped_norm_stays_at_most_c_under_autocast(name, batch):
+    """Under a caller's CPU bf16 autocast (Δ in bf16, the parameters float32), each
+    example's clipped gradient has a norm of at most C (1 + 1e-6): the clip factors and the
+    update's products were rounded to bf16 (Linear at B = 1: up to 1.0046 C). Each example
+    alone: the others' losses times 0 (their gradients 0, so .grad is its clipped gradient),
+    at B = 4 through the same batched rules; C at half the smallest norm, 6 seeds."""
+    worst = 0.0
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model, x = _autocast_case(name, batch)
+        params = list(model.parameters())
+
+        def losses(m, x=x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(x).float().pow(2).sum(1)
+
+        with funcgrad.per_example(model):
+            max_norm = 0.5 * float(funcgrad.per_example_norms(losses(model)).min())
+            for b in range(batch):
+                alone = torch.zeros(batch)
+                alone[b] = 1
+                funcgrad.per_example_clip(losses(model) * alone, max_norm, inputs=params)
+                grads = torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+                worst = max(worst, float(grads.double().norm()) / max_norm)
+                for p in params:
+                    p.grad = None
+    assert 0.99 < worst <= 1 + 1e-6, worst

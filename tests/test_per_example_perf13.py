@@ -1,7 +1,7 @@
 """Session 13's per-example change, exact in float64 against a per-example autograd loop
 and counted (never timed): on the CPU, the per-example gradients of a convolution of stride
-and dilation 1 on at most 4 input channels (an image's first layer) are ONE grouped
-convolution of the input with each example's output gradients as the kernel, where the
+and dilation 1 on at most 4 input and 32 output channels (an image's first layer) are ONE
+grouped convolution of the input with each example's output gradients as the kernel, where the
 grouped weight-gradient kernel with 3 channels a group was slow; and a convolution's
 per-example gradients and update under a caller's CPU autocast (which main refused)."""
 
@@ -102,6 +102,25 @@ def test_a_first_convolution_on_few_channels_takes_one_convolution_with_the_exam
     grouped = [call for call in mode.calls if call[1] == 5]
     want = [("aten.convolution", 5), ("aten.convolution_backward", 5)]
     assert sorted(grouped) == want, mode.calls
+
+
+def test_a_first_convolution_with_many_outputs_keeps_the_grouped_kernel():
+    """A 3-channel convolution with 64 output channels (B = 4): the input as kernel costs
+    more than the grouped weight-gradient kernel there (its cost grows with the outputs;
+    docs/benchmarks_per_example.md), so its per-example gradients come from the grouped
+    ``convolution_backward`` and no ``convolution`` has the examples as groups."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.Flatten(), nn.Linear(64 * 16, 2))
+    x = torch.randn(4, 3, 4, 4, dtype=torch.float64)
+    model = model.double()
+    with funcgrad.per_example(model) as pe:
+        funcgrad.per_example_gramian(model(x).pow(2).sum(1))  # the first: checked
+        losses = model(x).pow(2).sum(1)
+        with _Convolutions() as mode:
+            funcgrad.per_example_gramian(losses)
+        assert "materialised" in str(pe.plan).splitlines()[1], str(pe.plan)
+    grouped = [call for call in mode.calls if call[1] == 4]
+    assert grouped == [("aten.convolution_backward", 4)], mode.calls
 
 
 @pytest.mark.parametrize("channels", [3, 6])

@@ -365,6 +365,16 @@ class _Layer:
         found = self.per_example().values()
         return sum((_squares(g.to(self.run.dtype)) for g in found), self.zero_diagonal())
 
+    def wide(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype this layer's per-example gradients and its share of the update are
+        formed in from operands of ``dtype`` (Δ's): that of its parameters' `.grad` where
+        wider. Under a caller's autocast Δ is bf16/fp16 and the parameters float32: the
+        clip factors and the products rounded to Δ's dtype left a clipped norm above C, and
+        the update off the G that decided them (a bf16 model stays in bf16)."""
+        for param in self.params.values():
+            dtype = torch.promote_types(dtype, param.dtype)
+        return dtype
+
     def zero_diagonal(self) -> torch.Tensor:
         return torch.zeros(self.batch, dtype=self.run.dtype, device=self.run.device)
 

@@ -25,8 +25,10 @@ from ._layer import (
 )
 from ._record import _shared_use, _Use
 
-_FEW_CHANNELS = 4  # a convolution's input channels: at most this many, its per-example
-# gradients are formed by `_Conv.by_output_kernel` on the CPU
+_FEW_CHANNELS = 4  # a convolution's input channels: at most this many, and at most
+_FEW_OUTPUTS = 32  # this many output channels, its per-example gradients are formed by
+# `_Conv.by_output_kernel` on the CPU (its cost grows with both and with the positions:
+# wider, the grouped weight-gradient kernel wins; docs/benchmarks_per_example.md)
 _PAIRS = 1 << 18  # elements: the Embedding's pair products, at least this many a block
 _WHOLE = 1 << 20  # elements (4 MiB in float32): a per-example weight gradient this
 # small is formed in one product, never in blocks of output features; a larger one in
@@ -92,7 +94,7 @@ class _Rows(_Layer):
         (`bias_kept`), so that the update after G (or its diagonal) reads them, not Δ."""
         if self.bias_kept is None:
             found = [self.delta(use) for use in self.uses]
-            sums = [_by_example(d, self.batch).sum(1) for d in found]
+            sums = [_by_example(d, self.batch).sum(1, dtype=self.wide(d.dtype)) for d in found]
             self.bias_kept = sum(sums[1:], sums[0])
         return self.bias_kept
 
@@ -215,7 +217,8 @@ class _Dense(_Rows):
                 self.kept = grads
             return reduce(grads)
         a, d = self.rows()
-        a = a.to(d.dtype)
+        dtype = self.wide(d.dtype)
+        a, d = a.to(dtype), d.to(dtype)
         step = self.feature_step(rows, width, out)
         found = [
             reduce(torch.bmm(d[..., s : s + step].transpose(1, 2), a)) for s in range(0, out, step)
@@ -276,8 +279,9 @@ class _Dense(_Rows):
         a, d = self.rows()
         batch, rows, width = a.shape
         step = max(1, _BLOCK // max(1, rows * width))
+        dtype = self.wide(d.dtype)
         parts = [
-            torch.bmm(d[s : s + step].transpose(1, 2), a[s : s + step].to(d.dtype))
+            torch.bmm(d[s : s + step].to(dtype).transpose(1, 2), a[s : s + step].to(dtype))
             for s in range(0, batch, step)
         ]
         return _cat_rows(parts, 0)  # one block: no copy
@@ -296,14 +300,15 @@ class _Dense(_Rows):
         flat = self.flat()
         if flat is not None:  # one call on 2-D inputs: (w ⊙ Δ)ᵀ A and its column sums
             a, d = flat
-            wd = d * weights.to(d.dtype).unsqueeze(1)
+            dtype = self.wide(d.dtype)
+            wd = d.to(dtype) * weights.to(dtype).unsqueeze(1)
             if "weight" in self.params:
-                found["weight"] = self.oriented(wd.T @ (a if a.dtype == d.dtype else a.to(d.dtype)))
+                found["weight"] = self.oriented(wd.T @ a.to(dtype))
             if "bias" in self.params:
                 found["bias"] = wd.sum(0)
             return found
         if self.kept is not None:  # w @ the per-example gradients: B·d·p
-            kept = self.kept
+            kept = self.kept  # (formed in `wide`)
             summed = self.oriented(torch.tensordot(weights.to(kept.dtype), kept, dims=1))
             found["weight"] = summed.reshape(self.params["weight"].shape)
             if "bias" in self.params:
@@ -325,8 +330,8 @@ class _Dense(_Rows):
         a, d = self.unfold(use)
         if self.zero_unread:
             a = _unread_rows_zeroed(a, d, self.unread if len(self.uses) == 1 else None)
-        a = a.to(d.dtype)
-        w = weights.to(d.dtype)
+        dtype = self.wide(d.dtype)
+        a, d, w = a.to(dtype), d.to(dtype), weights.to(dtype)
         # w scales the narrower of Δ and A, a new tensor either way; where the other one is
         # a (T, B, ·) tensor seen as (B, T, ·) (attention's [Δq, Δk, Δv], its
         # out-projection's input), the rows are taken in its memory order (t, b), the
@@ -446,7 +451,9 @@ def _tiny_share(layers: list[_Layer], dtype: torch.dtype, diagonal: bool) -> tor
     for members, a, d in _tiny_rows(layers):
         n, batch, rows = d.shape[:3]
         size = a.shape[-1] * d.shape[-1]  # (T = 0 too, where -1 cannot tell it)
-        grads = torch.matmul(d.transpose(-1, -2), a.to(d.dtype)).reshape(n, batch, size)
+        wide = members[0].wide(d.dtype)
+        a, d = a.to(wide), d.to(wide)
+        grads = torch.matmul(d.transpose(-1, -2), a).reshape(n, batch, size)
         if "bias" in members[0].params:
             grads = torch.cat([grads, d.sum(2)], -1)
         grads = grads.to(dtype)
@@ -471,8 +478,9 @@ def _tiny_update(
     found = []
     for members, a, d in _tiny_rows(layers):
         n, batch, rows, width, out = *d.shape[:3], a.shape[-1], d.shape[-1]
-        wd = (d * weights.to(d.dtype)[:, None, None]).reshape(n, batch * rows, out)
-        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, width).to(d.dtype))
+        dtype = members[0].wide(d.dtype)
+        wd = (d.to(dtype) * weights.to(dtype)[:, None, None]).reshape(n, batch * rows, out)
+        grads = torch.bmm(wd.mT, a.reshape(n, batch * rows, width).to(dtype))
         bias = wd.sum(1) if "bias" in members[0].params else None
         for i, layer in enumerate(members):
             found.append((layer.params["weight"], layer.oriented(grads[i])))
@@ -555,14 +563,15 @@ class _Conv(_Dense):
         return rows, weight[0].numel(), int(weight.shape[0])
 
     def bias_rows(self) -> torch.Tensor:
-        sums = [self.delta(use).flatten(2).sum(2) for use in self.uses]
+        found = [self.delta(use) for use in self.uses]
+        sums = [d.flatten(2).sum(2, dtype=self.wide(d.dtype)) for d in found]
         return sum(sums[1:], sums[0])
 
     def backward_weight(self, d: torch.Tensor, x: torch.Tensor, groups: int) -> torch.Tensor:
         dims, stride, padding, dilation = self.geometry()
-        # in the wider of the two dtypes (under a caller's autocast: Δ in bf16, the
-        # recorded input in float32, which the kernel refused)
-        dtype = torch.promote_types(d.dtype, x.dtype)
+        # in the widest of the two dtypes and `wide`'s (under a caller's autocast: Δ in
+        # bf16, the recorded input in float32, which the kernel refused)
+        dtype = self.wide(torch.promote_types(d.dtype, x.dtype))
         d, x = d.to(dtype), x.to(dtype)
         # (its shape alone is read: detached, so that no graph is recorded around the kernel)
         weight = self.weight.detach().to(dtype)
@@ -590,12 +599,14 @@ class _Conv(_Dense):
     def input_as_kernel(self, x: torch.Tensor) -> bool:
         """Whether `by_output_kernel` forms the per-example gradients: on the CPU, for a
         convolution of stride and dilation 1 on at most `_FEW_CHANNELS` input channels (an
-        image's first layer), where the grouped weight-gradient kernel with that few
-        channels a group is slow (docs/benchmarks_per_example.md, session 13)."""
+        image's first layer) and at most `_FEW_OUTPUTS` output channels, where the grouped
+        weight-gradient kernel with that few channels a group is slow
+        (docs/benchmarks_per_example.md, session 13)."""
         _, stride, _, dilation = self.geometry()
         return (
             x.device.type == "cpu"
             and x.shape[1] <= _FEW_CHANNELS
+            and self.weight.shape[0] <= _FEW_OUTPUTS
             and self.batch > 0
             and all(s == 1 for s in (*stride, *dilation))
         )
@@ -609,7 +620,7 @@ class _Conv(_Dense):
         if dims == 1:  # as a Conv2d of height 1
             x, d, padding = x.unsqueeze(2), d.unsqueeze(2), [0, *padding]
         batch, channels, out = x.shape[0], x.shape[1], d.shape[1]
-        dtype = torch.promote_types(d.dtype, x.dtype)  # (as `backward_weight`)
+        dtype = self.wide(torch.promote_types(d.dtype, x.dtype))  # (as `backward_weight`)
         grads = F.conv2d(
             x.transpose(0, 1).to(dtype),  # (C, B, H, W)
             d.reshape(batch * out, 1, *d.shape[2:]).to(dtype),
@@ -621,7 +632,8 @@ class _Conv(_Dense):
 
     def weighted(self, use: _Use, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         x, d = self.input(use), self.delta(use)
-        wd = d * weights.to(d.dtype).view(-1, *([1] * (d.ndim - 1)))
+        dtype = self.wide(d.dtype)
+        wd = d.to(dtype) * weights.to(dtype).view(-1, *([1] * (d.ndim - 1)))
         found = {}
         if "weight" in self.params:
             found["weight"] = self.backward_weight(wd, x, 1)
@@ -747,6 +759,7 @@ class _Embedding(_Layer):
         """(B, vocab, width): each example's rows of Δ added at its indices."""
         batch, _, width = d.shape
         offsets = torch.arange(batch, device=index.device).unsqueeze(1) * vocab
+        d = d.to(self.wide(d.dtype))
         flat = d.new_zeros(batch * vocab, width)
         flat.index_add_(0, (index + offsets).flatten(), d.reshape(-1, width))
         return flat.view(batch, vocab, width)
@@ -758,8 +771,9 @@ class _Embedding(_Layer):
     def update(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         index, d = self.rows()
         weight = self.params["weight"]
-        wd = d * weights.to(d.dtype)[:, None, None]
-        grad = torch.zeros(weight.shape, dtype=d.dtype, device=d.device)
+        dtype = self.wide(d.dtype)
+        wd = d.to(dtype) * weights.to(dtype)[:, None, None]
+        grad = torch.zeros(weight.shape, dtype=dtype, device=d.device)
         grad.index_add_(0, index.flatten(), wd.reshape(-1, d.shape[-1]))
         return {"weight": grad}
 
@@ -800,6 +814,7 @@ class _Norm(_Layer):
         for use in self.uses:
             x = self.input(use)
             d = self.delta(use)
+            d = d.to(self.wide(d.dtype))
             stats = getattr(self, "stats", {}).get(id(use))
             if stats is not None:  # x̂ from the forward's own statistics
                 assert isinstance(module, nn.LayerNorm)
