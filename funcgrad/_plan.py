@@ -428,13 +428,12 @@ def pullback_reuse(reuse: bool | str, record: ReuseRecord) -> Reuse:
     call answered cotangents without a pass and that saved less pull time than the
     basis's own work cost; else keeps the basis (a second call that answered none from the
     span says nothing of what a later one in the span would save)."""
-    if reuse is not True and reuse != "auto":
-        return "pull"
     if reuse is True:
         return "basis"
+    if reuse != "auto":
+        return "pull"
     if record.calls < TRIAL_CALLS:
         return "measure"
-
     if record.pull_s is None or record.basis_s is None or not record.saved:
         return "basis"  # (nothing pulled, or nothing answered from the span yet)
     return "basis" if record.saved * record.pull_s >= record.basis_s else "pull"

@@ -145,12 +145,6 @@ class Pullback:
         with self._locked():
             self._release()
 
-    def _stop_reuse(self) -> None:
-        """Answer every later call by pulling its cotangents through f: the kept directions
-        are dropped (the saved tensors stay watched: a changed one is refused by name, at
-        the call that meets it, as before the switch)."""
-        self._basis.clear(enabled=False)
-
     def _release(self) -> None:
         self._lin = None
         self._watched, self._unwatched = None, False
@@ -247,8 +241,8 @@ class Pullback:
                 fit = self._fit
             lin, basis = self._lin, self._basis
             way = pullback_reuse(self._reuse, self._learnt) if basis.enabled else "pull"
-            if way == "pull" and basis.enabled:  # (from now on: nothing kept, nothing watched)
-                self._stop_reuse()
+            if way == "pull" and basis.enabled:  # (from now on nothing kept; the saved
+                basis.clear(enabled=False)  # tensors stay watched, a change refused by name)
             if create_graph and lin.engine == "autograd":  # (one backward building its graph
                 lin = dataclasses.replace(lin, can_vmap=False)  # a direction)
             # (the basis reads values: eager only; a call that reads none teaches nothing)

@@ -84,6 +84,18 @@ def test_a_first_convolution_on_few_channels_is_exact(kind, padding, bias):
     torch.testing.assert_close(grads, factors @ rows, rtol=1e-10, atol=1e-10)
 
 
+def _grouped_convolutions(model, x):
+    """The convolutions with the B examples as groups that one steady Gramian call runs
+    (after a first, checked call), the first layer's rule materialised."""
+    with funcgrad.per_example(model) as pe:
+        funcgrad.per_example_gramian(model(x).pow(2).sum(1))  # the first: checked
+        losses = model(x).pow(2).sum(1)
+        with _Convolutions() as mode:
+            funcgrad.per_example_gramian(losses)
+        assert "materialised" in str(pe.plan).splitlines()[1], str(pe.plan)
+    return [call for call in mode.calls if call[1] == x.shape[0]]
+
+
 def test_a_first_convolution_on_few_channels_takes_one_convolution_with_the_examples_as_groups():
     """The Gramian of the image model (B = 5): the 3-channel convolution's per-example
     gradients come from one ``convolution`` with the 5 examples as groups, not from a
@@ -93,15 +105,9 @@ def test_a_first_convolution_on_few_channels_takes_one_convolution_with_the_exam
     model = _image_model(True, 1).double()
     x = torch.randn(5, 3, 9, 9, dtype=torch.float64)
     model(x)
-    with funcgrad.per_example(model) as pe:
-        funcgrad.per_example_gramian(model(x).pow(2).sum(1))  # the first: checked
-        losses = model(x).pow(2).sum(1)
-        with _Convolutions() as mode:
-            funcgrad.per_example_gramian(losses)
-        assert "materialised" in str(pe.plan).splitlines()[1], str(pe.plan)
-    grouped = [call for call in mode.calls if call[1] == 5]
+    grouped = _grouped_convolutions(model, x)
     want = [("aten.convolution", 5), ("aten.convolution_backward", 5)]
-    assert sorted(grouped) == want, mode.calls
+    assert sorted(grouped) == want, grouped
 
 
 def test_a_first_convolution_with_many_outputs_keeps_the_grouped_kernel():
@@ -113,14 +119,8 @@ def test_a_first_convolution_with_many_outputs_keeps_the_grouped_kernel():
     model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.Flatten(), nn.Linear(64 * 16, 2))
     x = torch.randn(4, 3, 4, 4, dtype=torch.float64)
     model = model.double()
-    with funcgrad.per_example(model) as pe:
-        funcgrad.per_example_gramian(model(x).pow(2).sum(1))  # the first: checked
-        losses = model(x).pow(2).sum(1)
-        with _Convolutions() as mode:
-            funcgrad.per_example_gramian(losses)
-        assert "materialised" in str(pe.plan).splitlines()[1], str(pe.plan)
-    grouped = [call for call in mode.calls if call[1] == 4]
-    assert grouped == [("aten.convolution_backward", 4)], mode.calls
+    grouped = _grouped_convolutions(model, x)
+    assert grouped == [("aten.convolution_backward", 4)], grouped
 
 
 @pytest.mark.parametrize("channels", [3, 6])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import sys
 import warnings
 from collections.abc import Iterator
@@ -31,10 +32,14 @@ class _Generic(_Layer):
 
     def precheck(self) -> None:
         super().precheck()
-        for use in self.uses:
-            self.refuse_dependent_outputs(use)
+        if any(len(use.edges) > 1 for use in self.uses):
+            recorded = {
+                key for top in self.run.recorder._uses for u in top.walk() for key in _keys(u)
+            }
+            for use in self.uses:
+                self.refuse_dependent_outputs(use, recorded)
 
-    def refuse_dependent_outputs(self, use: _Use) -> None:
+    def refuse_dependent_outputs(self, use: _Use, recorded: set[Any]) -> None:
         """Refused: an output computed from another of the call's outputs inside the forward
         (``return h, h @ V``; nn.LSTMCell on the CPU, whose h is made from its c), or the same
         tensor twice. The one backward gives that other output's gradient with the first
@@ -53,18 +58,20 @@ class _Generic(_Layer):
         # (stopping too at other recorded calls' outputs, which this call cannot lie below:
         # a module reading an earlier activation through an attribute is not walked past it)
         mine = {key for inner in use.walk() for key in _keys(inner)}
-        stop = dict(inputs)
-        for top in self.run.recorder._uses:
-            for other in top.walk():
-                stop.update((key, -1) for key in _keys(other) if key not in mine)
+        stop = dict.fromkeys(recorded - mine, -1) | inputs
         own = {id(p) for p in self.params.values()}
+
+        @functools.cache
+        def reads_own(source: int) -> bool:  # counted twice: the parameters it reads
+            leaves: dict[Any, torch.Tensor] = {}
+            edge = use.edges[source]
+            walk([(edge.node, edge.output_nr)], {}, stop, leaves)
+            return any(id(t) in own for t in leaves.values())
+
         for k, e in enumerate(use.edges):
             found, _ = walk(_parents((e.node, e.output_nr)), targets, stop)
-            for source in sorted(found):  # counted twice: the parameters the source reads
-                leaves: dict[Any, torch.Tensor] = {}
-                edge = use.edges[source]
-                walk([(edge.node, edge.output_nr)], {}, stop, leaves)
-                if any(id(t) in own for t in leaves.values()):
+            for source in sorted(found):
+                if reads_own(source):
                     self.dependent(use, source, k, "is computed from")
 
     def dependent(self, use: _Use, source: int, k: int, how: str) -> None:

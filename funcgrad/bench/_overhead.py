@@ -160,8 +160,8 @@ def entry_points(device: torch.device | str = "cpu", k: int = K) -> dict[str, En
     points["pullback + pb(v)"] = EntryPoint(pullback_one, vjp_one, "vjp + vjp_fn(v)")
     points["pullback + pb.many(V)"] = EntryPoint(pullback_many, vjp_many, "vjp + vmap(vjp_fn)")
 
-    # One Pullback called again and again (its directions kept), as a torch.func user calls
-    # the vjp_fn they hold.
+    # One Pullback called again and again (reuse="auto", as a user gets it), as a torch.func
+    # user calls the vjp_fn they hold.
     _, held = funcgrad.pullback(f, x)
     _, held_vjp_fn = vjp(f, x)
     points["pb(v), a Pullback reused"] = EntryPoint(
